@@ -1,0 +1,522 @@
+//! The HTTP API: routes, the order of checks (404 → 405 → 401/403 → 400/413 → 503/429), body
+//! validation, and the calls into the core. No sockets: the reactor hands over a parsed head and
+//! a complete body and gets back what to do.
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::auth::{Auth, Identity};
+use crate::config::parse_duration_ms;
+use crate::dispatch::{CancelResult, Core, Io, NewTask, SubmitError};
+use crate::http::{Head, Method, Response, error_code};
+use crate::tasks::{ConnRef, TaskId, parse_id, push_uuid};
+
+/// Longest accepted `Idempotency-Key`.
+const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route<'a> {
+    Ws,
+    Tasks,
+    TasksBatch,
+    Task(&'a str),
+    Clients,
+    Healthz,
+    Metrics,
+    Files,
+    File(&'a str),
+    NotFound,
+}
+
+impl<'a> Route<'a> {
+    pub fn of(path: &'a str) -> Route<'a> {
+        match path {
+            "/ws" => Route::Ws,
+            "/tasks" => Route::Tasks,
+            "/tasks/batch" => Route::TasksBatch,
+            "/clients" => Route::Clients,
+            "/healthz" => Route::Healthz,
+            "/metrics" => Route::Metrics,
+            "/files" => Route::Files,
+            _ => {
+                if let Some(id) = path.strip_prefix("/tasks/").filter(|id| !id.is_empty() && !id.contains('/')) {
+                    Route::Task(id)
+                } else if let Some(id) = path.strip_prefix("/files/").filter(|id| !id.is_empty() && !id.contains('/')) {
+                    Route::File(id)
+                } else {
+                    Route::NotFound
+                }
+            }
+        }
+    }
+
+    /// The methods this route answers, as the `Allow` header lists them.
+    pub fn allow(self) -> &'static str {
+        match self {
+            Route::Ws | Route::Clients | Route::Healthz | Route::Metrics => "GET",
+            Route::Tasks | Route::TasksBatch | Route::Files => "POST",
+            Route::Task(_) => "GET, DELETE",
+            Route::File(_) => "GET, HEAD",
+            Route::NotFound => "",
+        }
+    }
+
+    fn allows(self, method: Method) -> bool {
+        match self {
+            Route::Ws | Route::Clients | Route::Healthz | Route::Metrics => method == Method::Get,
+            Route::Tasks | Route::TasksBatch | Route::Files => method == Method::Post,
+            Route::Task(_) => matches!(method, Method::Get | Method::Delete),
+            Route::File(_) => matches!(method, Method::Get | Method::Head),
+            Route::NotFound => false,
+        }
+    }
+}
+
+/// What the reactor should do with a request.
+#[derive(Debug)]
+pub enum Handled {
+    Respond(Response),
+    /// The core will answer later through `Io::reply`.
+    Held,
+    /// Switch the connection to WebSocket with this `Sec-WebSocket-Accept` value.
+    Upgrade {
+        accept_key: String,
+    },
+}
+
+pub struct Api {
+    pub auth: Auth,
+    pub max_message_bytes: usize,
+    pub max_batch_bytes: usize,
+}
+
+pub fn error(status: u16, message: &str) -> Response {
+    Response::error(status, error_code(status), message)
+}
+
+impl Api {
+    /// The largest body a request on this route may carry.
+    pub fn body_limit(&self, route: Route<'_>) -> usize {
+        match route {
+            Route::TasksBatch => self.max_batch_bytes,
+            _ => self.max_message_bytes,
+        }
+    }
+
+    /// Checks that need only the head: path, method, credentials, declared size. `Some` is the
+    /// final answer (sent without reading the body).
+    pub fn precheck(&self, head: &Head) -> Option<Response> {
+        let route = Route::of(&head.path);
+        if route == Route::NotFound {
+            return Some(error(404, &format!("no such endpoint: {}", head.path)));
+        }
+        if !route.allows(head.method) {
+            let msg = format!("{} accepts {}", head.path, route.allow());
+            return Some(error(405, &msg).with_header("Allow", route.allow()));
+        }
+        match route {
+            Route::Ws => {
+                let token = head.query_param("token").map(percent_decode);
+                if !self.auth.worker(token.as_deref()) {
+                    return Some(error(401, "missing or invalid worker token (use /ws?token=...)"));
+                }
+            }
+            Route::Healthz | Route::Metrics => {}
+            Route::Files | Route::File(_) => {
+                if self.auth.files(head.bearer_token()).is_none() {
+                    return Some(unauthorized());
+                }
+            }
+            Route::Clients => match self.auth.task_api(head.bearer_token()) {
+                None => return Some(unauthorized()),
+                Some(Identity::Root) => {}
+                Some(_) => return Some(error(403, "/clients needs the root API token")),
+            },
+            _ => {
+                if self.auth.task_api(head.bearer_token()).is_none() {
+                    return Some(unauthorized());
+                }
+            }
+        }
+        if let crate::http::Framing::Length(n) = head.framing {
+            let limit = self.body_limit(route);
+            if n > limit as u64 {
+                return Some(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")));
+            }
+        }
+        None
+    }
+
+    /// Handles a complete request whose head passed [`Api::precheck`].
+    pub fn handle(
+        &self,
+        core: &mut Core,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        head: &Head,
+        body: &[u8],
+        connections_open: usize,
+    ) -> Handled {
+        let route = Route::of(&head.path);
+        let wait = matches!(head.query_param("wait"), Some("true" | "1"));
+        match route {
+            Route::Ws => match upgrade(head) {
+                Ok(accept_key) => Handled::Upgrade { accept_key },
+                Err(response) => Handled::Respond(response),
+            },
+            Route::Healthz => Handled::Respond(Response::json(200, core.health_json())),
+            Route::Metrics => {
+                let text = core.metrics.render(&core.gauges(connections_open));
+                let mut r = Response::json(200, text.into_bytes());
+                r.content_type = "text/plain; version=0.0.4; charset=utf-8";
+                Handled::Respond(r)
+            }
+            Route::Clients => Handled::Respond(Response::json(200, core.clients_json())),
+            Route::Tasks => {
+                let Some(identity) = self.auth.task_api(head.bearer_token()) else {
+                    return Handled::Respond(unauthorized());
+                };
+                self.submit(core, io, conn, head, body, &identity, wait)
+            }
+            Route::Task(id_text) => {
+                let Some(identity) = self.auth.task_api(head.bearer_token()) else {
+                    return Handled::Respond(unauthorized());
+                };
+                let Some(id) = parse_id(id_text).filter(|id| visible(core, *id, &identity)) else {
+                    return Handled::Respond(error(404, "no such task"));
+                };
+                match head.method {
+                    Method::Delete => Handled::Respond(cancel(core, io, id)),
+                    _ if wait => match core.wait(conn, id, false) {
+                        Some(r) => Handled::Respond(r),
+                        None => Handled::Held,
+                    },
+                    _ => {
+                        let mut body = Vec::with_capacity(512);
+                        core.write_task_json(id, &mut body);
+                        Handled::Respond(Response::json(200, body))
+                    }
+                }
+            }
+            Route::TasksBatch => Handled::Respond(error(501, "POST /tasks/batch is not available in this version")),
+            Route::Files | Route::File(_) => {
+                Handled::Respond(error(501, "file transfer is not available in this version"))
+            }
+            Route::NotFound => Handled::Respond(error(404, "no such endpoint")),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        core: &mut Core,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        head: &Head,
+        body: &[u8],
+        identity: &Identity,
+        wait: bool,
+    ) -> Handled {
+        if core.shutting_down {
+            return Handled::Respond(Response::error(503, "shutting_down", "relay is shutting down"));
+        }
+        let key = match head.idempotency_key.as_deref() {
+            Some("") => return Handled::Respond(error(400, "Idempotency-Key must not be empty")),
+            Some(k) if k.len() > MAX_IDEMPOTENCY_KEY_BYTES => {
+                return Handled::Respond(error(400, "Idempotency-Key is longer than 256 bytes"));
+            }
+            other => other,
+        };
+        let parsed = match parse_submit(body, core.wall_ms) {
+            Ok(p) => p,
+            Err(msg) => return Handled::Respond(error(400, &msg)),
+        };
+        if !identity.allows_kind(parsed.kind.as_deref()) {
+            let msg = match parsed.kind.as_deref() {
+                Some(kind) => format!("this token may not submit tasks of kind {kind:?}"),
+                None => "this token may only submit tasks with a payload.kind it is scoped to".to_string(),
+            };
+            return Handled::Respond(error(403, &msg));
+        }
+        let new = NewTask {
+            payload: parsed.payload,
+            kind: parsed.kind.as_deref(),
+            run_at_wall_ms: parsed.run_at_wall_ms,
+            queue: parsed.queue,
+            timeout_ms: parsed.timeout_ms,
+            max_retries: parsed.max_retries,
+            idempotency: key.map(|k| (identity.owner_key(), k)),
+        };
+        let id = match core.submit(io, new) {
+            Ok(id) => id,
+            Err(SubmitError::NoWorker) => {
+                let msg = match parsed.kind.as_deref() {
+                    Some(kind) => format!("no connected worker can take tasks of kind {kind:?}"),
+                    None => "no connected worker can take this task".to_string(),
+                };
+                return Handled::Respond(Response::error(503, "no_worker", &msg));
+            }
+            Err(SubmitError::QueueFull) => {
+                return Handled::Respond(Response::error(429, "queue_full", "MAX_PENDING tasks are already waiting"));
+            }
+        };
+        if wait {
+            return match core.wait(conn, id, true) {
+                Some(r) => Handled::Respond(r),
+                None => Handled::Held,
+            };
+        }
+        Handled::Respond(Response::json(202, accepted_json(core, id)))
+    }
+}
+
+fn unauthorized() -> Response {
+    error(401, "missing or invalid bearer token").with_header("WWW-Authenticate", "Bearer")
+}
+
+/// A task a scoped token may not see looks like a task that does not exist.
+fn visible(core: &Core, id: TaskId, identity: &Identity) -> bool {
+    core.task(id).is_some_and(|t| identity.allows_kind(t.kind.as_deref()))
+}
+
+fn cancel(core: &mut Core, io: &mut dyn Io, id: TaskId) -> Response {
+    let status = match core.cancel(io, id) {
+        CancelResult::Canceled => 200,
+        CancelResult::AlreadyFinal => 409,
+        CancelResult::NotFound => return error(404, "no such task"),
+    };
+    let mut body = Vec::with_capacity(512);
+    core.write_task_json(id, &mut body);
+    Response::json(status, body)
+}
+
+fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
+    let mut s = String::with_capacity(80);
+    s.push_str("{\"task_id\":\"");
+    push_uuid(&mut s, id);
+    s.push_str("\",\"status\":\"");
+    s.push_str(core.task(id).map_or("pending", |t| t.status.as_str()));
+    s.push_str("\"}");
+    s.into_bytes()
+}
+
+/// Checks the WebSocket handshake headers (the token was checked by `precheck`) and returns
+/// the `Sec-WebSocket-Accept` value.
+fn upgrade(head: &Head) -> Result<String, Response> {
+    if !head.upgrade_websocket || !head.connection_upgrade {
+        return Err(error(426, "/ws needs a WebSocket upgrade (Connection: Upgrade, Upgrade: websocket)")
+            .with_header("Upgrade", "websocket"));
+    }
+    if head.ws_version.as_deref() != Some("13") {
+        return Err(
+            error(426, "unsupported Sec-WebSocket-Version (13 is required)").with_header("Sec-WebSocket-Version", "13")
+        );
+    }
+    match head.ws_key.as_deref() {
+        Some(key) if valid_ws_key(key) => Ok(tungstenite::handshake::derive_accept_key(key.as_bytes())),
+        _ => Err(error(400, "missing or invalid Sec-WebSocket-Key")),
+    }
+}
+
+/// The key is base64 of 16 bytes: 22 characters and `==`.
+fn valid_ws_key(key: &str) -> bool {
+    key.len() == 24
+        && key.ends_with("==")
+        && key[..22].bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')
+}
+
+/// A validated submit body.
+#[derive(Debug)]
+pub struct Submit<'a> {
+    pub payload: &'a RawValue,
+    pub kind: Option<Cow<'a, str>>,
+    pub run_at_wall_ms: Option<u64>,
+    pub queue: bool,
+    pub timeout_ms: Option<u64>,
+    pub max_retries: Option<u32>,
+}
+
+/// `Some(raw)` when the field is present, even as `null` (an `Option<&RawValue>` would turn a
+/// null into `None`, and `"kind": null` must be a 400, not "no kind").
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+#[derive(Deserialize)]
+struct SubmitBody<'a> {
+    #[serde(borrow, default, deserialize_with = "present")]
+    payload: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    delay: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    run_at: Option<Cow<'a, str>>,
+    #[serde(default)]
+    queue: Option<bool>,
+    #[serde(borrow, default)]
+    timeout: Option<Cow<'a, str>>,
+    #[serde(default)]
+    max_retries: Option<u32>,
+}
+
+#[derive(Deserialize)]
+struct KindProbe<'a> {
+    #[serde(borrow, default, deserialize_with = "present")]
+    kind: Option<&'a RawValue>,
+}
+
+/// Parses and validates a submit body (SPEC §4). The error is the 400 message.
+pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
+    if body.is_empty() {
+        return Err("empty body: expected a JSON object with a payload".into());
+    }
+    // serde would also accept an array as a struct; the body must be an object.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err(match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+            Ok(_) => "the body must be a JSON object with a payload".into(),
+            Err(e) => format!("invalid JSON body: {e}"),
+        });
+    }
+    let raw: SubmitBody = serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
+    let payload = match raw.payload {
+        Some(p) if p.get() != "null" => p,
+        _ => return Err("payload is required and must not be null".into()),
+    };
+    let kind = if payload.get().starts_with('{') {
+        let probe: KindProbe = serde_json::from_str(payload.get()).map_err(|e| format!("invalid payload: {e}"))?;
+        match probe.kind {
+            None => None,
+            Some(k) if k.get().starts_with('"') => {
+                Some(serde_json::from_str::<Cow<str>>(k.get()).map_err(|e| format!("invalid payload.kind: {e}"))?)
+            }
+            Some(_) => return Err("payload.kind must be a string".into()),
+        }
+    } else {
+        None
+    };
+    let run_at_wall_ms = match (raw.delay, raw.run_at) {
+        (Some(_), Some(_)) => return Err("give either delay or run_at, not both".into()),
+        (Some(delay), None) => {
+            Some(wall_ms + parse_duration_ms(&delay).map_err(|e| format!("invalid delay {delay:?}: {e}"))?)
+        }
+        (None, Some(at)) => {
+            Some(crate::timefmt::parse_rfc3339_ms(&at).map_err(|e| format!("invalid run_at {at:?}: {e}"))?)
+        }
+        (None, None) => None,
+    };
+    let timeout_ms = match raw.timeout {
+        Some(t) => Some(parse_duration_ms(&t).map_err(|e| format!("invalid timeout {t:?}: {e}"))?),
+        None => None,
+    };
+    Ok(Submit {
+        payload,
+        kind,
+        run_at_wall_ms,
+        queue: raw.queue.unwrap_or(false),
+        timeout_ms,
+        max_retries: raw.max_retries,
+    })
+}
+
+/// Decodes `%XX` and `+` in a query value; invalid escapes are kept as they are.
+pub fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(b) => {
+                        out.push(b);
+                        i += 3;
+                    }
+                    None => {
+                        out.push(b'%');
+                        i += 1;
+                    }
+                }
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check_submit(body: &str, expected: Result<(Option<&str>, Option<u64>, bool), &str>) {
+        let got =
+            parse_submit(body.as_bytes(), 1_000).map(|s| (s.kind.map(|k| k.into_owned()), s.run_at_wall_ms, s.queue));
+        match (&got, &expected) {
+            (Ok(g), Ok(e)) => assert_eq!((g.0.as_deref(), g.1, g.2), *e, "{body}"),
+            (Err(g), Err(e)) => assert!(g.contains(e), "{body}: error {g:?} should mention {e:?}"),
+            _ => panic!("{body}: got {got:?}, expected {expected:?}"),
+        }
+    }
+
+    #[test]
+    fn submit_bodies() {
+        check_submit(r#"{"payload":{"x":1}}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":{"kind":"http","spec":{}}}"#, Ok((Some("http"), None, false)));
+        check_submit(r#"{"payload":{"kind":"h\u0074tp"}}"#, Ok((Some("http"), None, false)));
+        check_submit(r#"{"payload":[1,2]}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":"text"}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":0,"queue":true}"#, Ok((None, None, true)));
+        check_submit(r#"{"payload":1,"delay":"2s"}"#, Ok((None, Some(3_000), false)));
+        check_submit(r#"{"payload":1,"run_at":"1970-01-01T00:00:05Z"}"#, Ok((None, Some(5_000), false)));
+        check_submit(r#"{"payload":1,"unknown":true}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":null}"#, Err("payload is required"));
+        check_submit(r#"{}"#, Err("payload is required"));
+        check_submit("", Err("empty body"));
+        check_submit("not json", Err("invalid JSON"));
+        check_submit(r#"{"payload":{"kind":5}}"#, Err("payload.kind must be a string"));
+        check_submit(r#"{"payload":{"kind":null}}"#, Err("payload.kind must be a string"));
+        check_submit(r#"{"payload":1,"delay":"1s","run_at":"2030-01-01T00:00:00Z"}"#, Err("not both"));
+        check_submit(r#"{"payload":1,"delay":"soon"}"#, Err("invalid delay"));
+        check_submit(r#"{"payload":1,"run_at":"tomorrow"}"#, Err("invalid run_at"));
+        check_submit(r#"{"payload":1,"timeout":"-1s"}"#, Err("invalid timeout"));
+        check_submit(r#"{"payload":1,"max_retries":-1}"#, Err("invalid JSON"));
+        check_submit(r#"{"payload":1,"queue":"yes"}"#, Err("invalid JSON"));
+        check_submit(r#"[1]"#, Err("must be a JSON object"));
+        check_submit(r#"  {"payload":1}"#, Ok((None, None, false)));
+    }
+
+    #[test]
+    fn routes() {
+        let table: &[(&str, Route)] = &[
+            ("/ws", Route::Ws),
+            ("/tasks", Route::Tasks),
+            ("/tasks/batch", Route::TasksBatch),
+            ("/tasks/abc", Route::Task("abc")),
+            ("/tasks/", Route::NotFound),
+            ("/tasks/a/b", Route::NotFound),
+            ("/files/x", Route::File("x")),
+            ("/nope", Route::NotFound),
+            ("/", Route::NotFound),
+        ];
+        for (path, expected) in table {
+            assert_eq!(Route::of(path), *expected, "{path}");
+        }
+    }
+
+    #[test]
+    fn percent_decoding() {
+        for (input, expected) in
+            [("a%20b", "a b"), ("a+b", "a b"), ("%zz", "%zz"), ("100%", "100%"), ("%4", "%4"), ("x%41", "xA")]
+        {
+            assert_eq!(percent_decode(input), expected, "{input}");
+        }
+    }
+}

@@ -1,0 +1,372 @@
+//! Environment → validated `Config`. Every limit and timeout of the server lives here, with its
+//! unit in its name. Nothing else reads the environment; nothing here touches a socket.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::path::PathBuf;
+
+use crate::log::Level;
+use crate::proxy::TrustedProxies;
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub port: u16,
+    pub bind: IpAddr,
+    pub worker_token: String,
+    pub api_token: String,
+    pub ping_interval_ms: u64,
+    pub pong_wait_ms: u64,
+    pub task_timeout_ms: u64,
+    pub max_retries: u32,
+    pub wait_timeout_ms: u64,
+    pub blob_dir: PathBuf,
+    pub blob_ttl_ms: u64,
+    pub max_file_bytes: u64,
+    pub task_ttl_ms: u64,
+    pub max_message_bytes: usize,
+    pub token_secret: Option<String>,
+    pub token_store: PathBuf,
+    pub data_dir: Option<PathBuf>,
+    pub max_connections: usize,
+    pub header_timeout_ms: u64,
+    pub idle_timeout_ms: u64,
+    pub max_pending: usize,
+    pub max_batch_bytes: usize,
+    pub shutdown_timeout_ms: u64,
+    pub log_level: Level,
+    pub trusted_proxies: TrustedProxies,
+}
+
+/// A configuration error: which variable, what value, and why. Shown on stderr, exit code 2.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub var: &'static str,
+    pub value: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.value.is_empty() {
+            write!(f, "{}: {}", self.var, self.reason)
+        } else {
+            write!(f, "{}={:?}: {}", self.var, self.value, self.reason)
+        }
+    }
+}
+
+/// One documented variable: name, default (as text), meaning. `relay --help` prints this table.
+pub const VARS: &[(&str, &str, &str)] = &[
+    ("PORT", "8080", "HTTP/WebSocket port (0 = ephemeral, logged at start)"),
+    ("BIND", "0.0.0.0", "listen address"),
+    ("WORKER_TOKEN", "(required*)", "token workers present on /ws?token="),
+    ("API_TOKEN", "(required*)", "root token of the task API (Authorization: Bearer)"),
+    ("AUTH_TOKEN", "-", "legacy single token: fills whichever of the two above is unset"),
+    ("PING_INTERVAL", "2s", "WebSocket ping period"),
+    ("PONG_WAIT", "6s", "a worker silent this long is dead"),
+    ("TASK_TIMEOUT", "10s", "one attempt: how long to wait for a worker's answer"),
+    ("MAX_RETRIES", "2", "how many other workers to try after the first attempt"),
+    ("WAIT_TIMEOUT", "35s", "longest an HTTP wait=true call blocks"),
+    ("BLOB_DIR", "$TMPDIR/relay-blobs", "uploaded files"),
+    ("BLOB_TTL", "1h", "files are deleted this long after upload"),
+    ("MAX_FILE_SIZE", "104857600", "bytes per uploaded file"),
+    ("TASK_TTL", "1h", "finished tasks are forgotten this long after they finish"),
+    ("MAX_MESSAGE_SIZE", "1048576", "bytes per worker WebSocket message and per POST /tasks body"),
+    ("TOKEN_SECRET", "-", "HS256 secret for scoped tokens (>= 32 bytes; empty = disabled)"),
+    ("TOKEN_STORE", "relay-tokens.json", "scoped token registry file"),
+    ("DATA_DIR", "relay-data", "journal directory; empty = memory only"),
+    ("MAX_CONNECTIONS", "10000", "open client + worker connections"),
+    ("HEADER_TIMEOUT", "10s", "a request (head and body) must arrive within this"),
+    ("IDLE_TIMEOUT", "60s", "idle keep-alive connections close after this"),
+    ("MAX_PENDING", "1000000", "tasks waiting as pending; beyond it submit answers 429"),
+    ("MAX_BATCH_BYTES", "67108864", "body limit of POST /tasks/batch"),
+    ("SHUTDOWN_TIMEOUT", "5s", "grace period on SIGTERM/SIGINT"),
+    ("LOG_LEVEL", "info", "error, warn, info, debug or trace"),
+    ("TRUSTED_PROXIES", "-", "IPs/CIDRs whose X-Forwarded-For / X-Real-IP is believed"),
+];
+
+impl Config {
+    /// Reads the process environment.
+    pub fn from_env() -> Result<Config, ConfigError> {
+        Config::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    /// Builds a config from any variable lookup (the tests pass a table).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Config, ConfigError> {
+        // An empty value counts as unset everywhere except DATA_DIR, where empty means "off".
+        let var = |name: &str| get(name).filter(|v| !v.is_empty());
+        let legacy = var("AUTH_TOKEN");
+        let worker_token = var("WORKER_TOKEN").or_else(|| legacy.clone());
+        let api_token = var("API_TOKEN").or(legacy);
+        let worker_token = worker_token.ok_or_else(|| missing("WORKER_TOKEN"))?;
+        let api_token = api_token.ok_or_else(|| missing("API_TOKEN"))?;
+
+        let blob_dir = match var("BLOB_DIR") {
+            Some(dir) => PathBuf::from(dir),
+            None => std::env::temp_dir().join("relay-blobs"),
+        };
+        let data_dir = match get("DATA_DIR") {
+            None => Some(PathBuf::from("relay-data")),
+            Some(v) if v.is_empty() => None,
+            Some(v) => Some(PathBuf::from(v)),
+        };
+        let token_secret = var("TOKEN_SECRET");
+        if let Some(secret) = &token_secret
+            && secret.len() < 32
+        {
+            return Err(ConfigError {
+                var: "TOKEN_SECRET",
+                value: String::new(),
+                reason: format!("must be at least 32 bytes (got {})", secret.len()),
+            });
+        }
+        let log_level = match var("LOG_LEVEL") {
+            None => Level::Info,
+            Some(v) => Level::parse(&v).ok_or_else(|| ConfigError {
+                var: "LOG_LEVEL",
+                value: v.clone(),
+                reason: "expected error, warn, info, debug or trace".into(),
+            })?,
+        };
+        let trusted_proxies = match var("TRUSTED_PROXIES") {
+            None => TrustedProxies::default(),
+            Some(v) => TrustedProxies::parse(&v).map_err(|reason| ConfigError {
+                var: "TRUSTED_PROXIES",
+                value: v.clone(),
+                reason,
+            })?,
+        };
+        let bind = match var("BIND") {
+            None => IpAddr::from([0, 0, 0, 0]),
+            Some(v) => v.parse().map_err(|_| ConfigError {
+                var: "BIND",
+                value: v.clone(),
+                reason: "expected an IP address such as 0.0.0.0 or ::1".into(),
+            })?,
+        };
+        let port = match var("PORT") {
+            None => 8080,
+            Some(v) => v.parse::<u16>().map_err(|_| ConfigError {
+                var: "PORT",
+                value: v.clone(),
+                reason: "expected a port number from 0 to 65535".into(),
+            })?,
+        };
+
+        let duration = |name: &'static str, default_ms: u64| -> Result<u64, ConfigError> {
+            match var(name) {
+                None => Ok(default_ms),
+                Some(v) => parse_duration_ms(&v).map_err(|reason| ConfigError { var: name, value: v.clone(), reason }),
+            }
+        };
+        let count = |name: &'static str, default: u64| -> Result<u64, ConfigError> {
+            match var(name) {
+                None => Ok(default),
+                Some(v) => v.trim().parse::<u64>().map_err(|_| ConfigError {
+                    var: name,
+                    value: v.clone(),
+                    reason: "expected a non-negative integer".into(),
+                }),
+            }
+        };
+        let positive = |name: &'static str, default: u64| -> Result<u64, ConfigError> {
+            let n = count(name, default)?;
+            if n == 0 {
+                return Err(ConfigError { var: name, value: "0".into(), reason: "must be at least 1".into() });
+            }
+            Ok(n)
+        };
+
+        let max_retries = count("MAX_RETRIES", 2)?;
+        let max_retries = u32::try_from(max_retries.min(1000)).unwrap_or(1000);
+        Ok(Config {
+            port,
+            bind,
+            worker_token,
+            api_token,
+            ping_interval_ms: duration("PING_INTERVAL", 2_000)?,
+            pong_wait_ms: duration("PONG_WAIT", 6_000)?,
+            task_timeout_ms: duration("TASK_TIMEOUT", 10_000)?,
+            max_retries,
+            wait_timeout_ms: duration("WAIT_TIMEOUT", 35_000)?,
+            blob_dir,
+            blob_ttl_ms: duration("BLOB_TTL", 3_600_000)?,
+            max_file_bytes: count("MAX_FILE_SIZE", 104_857_600)?,
+            task_ttl_ms: duration("TASK_TTL", 3_600_000)?,
+            max_message_bytes: as_usize(positive("MAX_MESSAGE_SIZE", 1_048_576)?),
+            token_secret,
+            token_store: PathBuf::from(var("TOKEN_STORE").unwrap_or_else(|| "relay-tokens.json".into())),
+            data_dir,
+            max_connections: as_usize(positive("MAX_CONNECTIONS", 10_000)?),
+            header_timeout_ms: duration("HEADER_TIMEOUT", 10_000)?,
+            idle_timeout_ms: duration("IDLE_TIMEOUT", 60_000)?,
+            max_pending: as_usize(count("MAX_PENDING", 1_000_000)?),
+            max_batch_bytes: as_usize(positive("MAX_BATCH_BYTES", 67_108_864)?),
+            shutdown_timeout_ms: duration("SHUTDOWN_TIMEOUT", 5_000)?,
+            log_level,
+            trusted_proxies,
+        })
+    }
+}
+
+fn as_usize(n: u64) -> usize {
+    usize::try_from(n).unwrap_or(usize::MAX)
+}
+
+fn missing(var: &'static str) -> ConfigError {
+    ConfigError { var, value: String::new(), reason: "is required (set it, or set AUTH_TOKEN for both roles)".into() }
+}
+
+/// Parses a Go-style duration (`500ms`, `2s`, `1m30s`, `1.5h`, `720h`) into whole milliseconds.
+/// The result must be positive; a sub-millisecond positive value rounds up to 1 ms.
+pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
+    const BAD: &str = "expected a positive duration such as 500ms, 2s, 1m30s or 720h";
+    let s = text.trim();
+    if s.is_empty() || s.starts_with('-') {
+        return Err(BAD.into());
+    }
+    let s = s.strip_prefix('+').unwrap_or(s);
+    if s == "0" {
+        return Err("must be positive".into());
+    }
+    let bytes = s.as_bytes();
+    let mut i = 0;
+    let mut total_ns: u128 = 0;
+    while i < bytes.len() {
+        let start = i;
+        while i < bytes.len() && (bytes[i].is_ascii_digit() || bytes[i] == b'.') {
+            i += 1;
+        }
+        let number = &s[start..i];
+        if number.is_empty() || number.matches('.').count() > 1 || number == "." {
+            return Err(BAD.into());
+        }
+        let unit_start = i;
+        while i < bytes.len() && !(bytes[i].is_ascii_digit() || bytes[i] == b'.') {
+            i += 1;
+        }
+        let unit_ns: u128 = match &s[unit_start..i] {
+            "ns" => 1,
+            "us" | "µs" | "μs" => 1_000,
+            "ms" => 1_000_000,
+            "s" => 1_000_000_000,
+            "m" => 60_000_000_000,
+            "h" => 3_600_000_000_000,
+            _ => return Err(BAD.into()),
+        };
+        let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
+        let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| BAD.to_string())? };
+        let mut part = whole.checked_mul(unit_ns).ok_or("duration too large")?;
+        let mut scale = unit_ns;
+        for digit in frac.bytes().take(18) {
+            scale /= 10;
+            part += u128::from(digit - b'0') * scale;
+        }
+        total_ns = total_ns.checked_add(part).ok_or("duration too large")?;
+    }
+    if total_ns == 0 {
+        return Err("must be positive".into());
+    }
+    let ms = total_ns.div_ceil(1_000_000);
+    u64::try_from(ms).map_err(|_| "duration too large".into())
+}
+
+/// The text of `relay --help`.
+pub fn help_text() -> String {
+    let mut out = String::from(
+        "relay — a task relay: HTTP in, WebSocket workers out, with fallback.\n\n\
+         Usage:\n  relay [serve]            run the server (configured by the environment)\n  \
+         relay token <command>    manage scoped tokens (relay token --help)\n  \
+         relay --help | --version\n\nEnvironment:\n",
+    );
+    for (name, default, meaning) in VARS {
+        out.push_str(&format!("  {name:<18} {default:<20} {meaning}\n"));
+    }
+    out.push_str(
+        "\n* AUTH_TOKEN fills whichever of WORKER_TOKEN / API_TOKEN is unset.\n\
+         Durations use Go syntax (500ms, 2s, 1m30s, 720h). Invalid values stop startup (exit 2).\n",
+    );
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn check_duration(input: &str, expected: Result<u64, ()>) {
+        let got = parse_duration_ms(input).map_err(|_| ());
+        assert_eq!(got, expected, "parse_duration_ms({input:?})");
+    }
+
+    #[test]
+    fn durations() {
+        let table: &[(&str, Result<u64, ()>)] = &[
+            ("500ms", Ok(500)),
+            ("2s", Ok(2_000)),
+            ("1m30s", Ok(90_000)),
+            ("720h", Ok(2_592_000_000)),
+            ("1.5s", Ok(1_500)),
+            ("1h2m3s4ms", Ok(3_723_004)),
+            ("1us", Ok(1)),
+            ("999ns", Ok(1)),
+            (" 3s ", Ok(3_000)),
+            ("0", Err(())),
+            ("0s", Err(())),
+            ("-1s", Err(())),
+            ("", Err(())),
+            ("10", Err(())),
+            ("s", Err(())),
+            ("1x", Err(())),
+            ("1..2s", Err(())),
+            ("1.2.3s", Err(())),
+            ("99999999999999999999999h", Err(())),
+        ];
+        for (input, expected) in table {
+            check_duration(input, *expected);
+        }
+    }
+
+    fn from(vars: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        let map: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        Config::from_lookup(|k| map.get(k).cloned())
+    }
+
+    #[test]
+    fn tokens_and_legacy() {
+        let c = from(&[("AUTH_TOKEN", "x")]).expect("legacy fills both");
+        assert_eq!((c.worker_token.as_str(), c.api_token.as_str()), ("x", "x"));
+        let c = from(&[("AUTH_TOKEN", "x"), ("API_TOKEN", "a")]).expect("legacy fills one");
+        assert_eq!((c.worker_token.as_str(), c.api_token.as_str()), ("x", "a"));
+        assert_eq!(from(&[("API_TOKEN", "a")]).unwrap_err().var, "WORKER_TOKEN");
+        assert_eq!(from(&[("WORKER_TOKEN", "w"), ("API_TOKEN", "")]).unwrap_err().var, "API_TOKEN");
+    }
+
+    #[test]
+    fn invalid_values_name_the_variable() {
+        let base = [("WORKER_TOKEN", "w"), ("API_TOKEN", "a")];
+        let table: &[(&str, &str)] = &[
+            ("PORT", "70000"),
+            ("PORT", "-1"),
+            ("BIND", "nowhere"),
+            ("PING_INTERVAL", "0s"),
+            ("TASK_TIMEOUT", "-3s"),
+            ("MAX_RETRIES", "-1"),
+            ("MAX_RETRIES", "two"),
+            ("LOG_LEVEL", "loud"),
+            ("MAX_CONNECTIONS", "0"),
+            ("TOKEN_SECRET", "short"),
+            ("TRUSTED_PROXIES", "10.0.0.0/99"),
+        ];
+        for (var, value) in table {
+            let mut vars = base.to_vec();
+            vars.push((var, value));
+            let err = from(&vars).expect_err(var);
+            assert_eq!(err.var, *var, "{var}={value}");
+        }
+        let c = from(&[("WORKER_TOKEN", "w"), ("API_TOKEN", "a"), ("LOG_LEVEL", "DEBUG"), ("DATA_DIR", "")])
+            .expect("valid");
+        assert_eq!(c.log_level, Level::Debug);
+        assert!(c.data_dir.is_none());
+    }
+}

@@ -1,0 +1,142 @@
+//! One connection: its socket, its output buffer, and its state machine
+//! `Http → (Ws) → Closing`. The reactor drives it; this module owns the data and the small
+//! adapters tungstenite needs, and never calls `poll` or reads the clock.
+
+use std::io::{self, Read, Write};
+use std::net::IpAddr;
+
+use mio::net::TcpStream;
+use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
+
+use crate::http::{ChunkedDecoder, Head};
+use crate::timer::TimerHandle;
+
+pub struct Conn {
+    pub stream: TcpStream,
+    pub peer_ip: IpAddr,
+    /// Bytes waiting to be written; `out[out_pos..]` is what is left.
+    pub out: Vec<u8>,
+    pub out_pos: usize,
+    pub state: State,
+    /// When the connection's timer should act (`u64::MAX`: never).
+    pub deadline_ms: u64,
+    /// The armed timer and the time it was armed for.
+    pub timer: Option<(u64, TimerHandle)>,
+    /// Reading stopped before `WouldBlock` (buffer full, request held, or a turn's limit):
+    /// edge-triggered readiness will not tell us again, so the reactor must come back.
+    pub read_more: bool,
+    pub in_dirty: bool,
+    /// Once `out` is flushed, shut down writes and linger until the peer closes.
+    pub close_after_flush: bool,
+}
+
+pub enum State {
+    Http(Http),
+    Ws(Box<Ws>),
+    /// Writes shut down (or about to be): reads are drained and discarded until EOF.
+    Closing,
+}
+
+pub struct Http {
+    /// Input not yet consumed (a partial request, or pipelined ones).
+    pub buf: Vec<u8>,
+    /// How much of `buf` was already searched for the end of the head.
+    pub scanned: usize,
+    pub phase: Phase,
+    /// The client address of the latest request (after `TRUSTED_PROXIES`).
+    pub client_ip: IpAddr,
+    pub requests: u64,
+}
+
+pub enum Phase {
+    /// Between requests (or before the first byte of the first one).
+    Idle,
+    /// Some bytes of a head have arrived.
+    Head,
+    /// The head is parsed; the body is arriving.
+    Body { head: Box<Head>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
+    /// The core holds the response (`wait=true`); `keep_alive` is the request's.
+    Held { keep_alive: bool, head_only: bool },
+}
+
+pub struct Ws {
+    pub ctx: WebSocketContext,
+    pub last_seen_ms: u64,
+    pub next_ping_ms: u64,
+}
+
+impl Conn {
+    pub fn new(stream: TcpStream, peer_ip: IpAddr) -> Conn {
+        Conn {
+            stream,
+            peer_ip,
+            out: Vec::new(),
+            out_pos: 0,
+            state: State::Http(Http {
+                buf: Vec::new(),
+                scanned: 0,
+                phase: Phase::Idle,
+                client_ip: peer_ip,
+                requests: 0,
+            }),
+            deadline_ms: u64::MAX,
+            timer: None,
+            read_more: false,
+            in_dirty: false,
+            close_after_flush: false,
+        }
+    }
+
+    pub fn pending_out(&self) -> usize {
+        self.out.len() - self.out_pos
+    }
+}
+
+/// tungstenite's view of a connection: reads come straight from the socket (`WouldBlock` when
+/// drained, `Ok(0)` only at EOF); writes are appended to the connection's own output buffer and
+/// never block, so the reactor decides when bytes hit the socket.
+pub struct WsIo<'a> {
+    pub stream: &'a mut TcpStream,
+    pub out: &'a mut Vec<u8>,
+    pub got_bytes: bool,
+}
+
+impl Read for WsIo<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.stream.read(buf)?;
+        if n > 0 {
+            self.got_bytes = true;
+        }
+        Ok(n)
+    }
+}
+
+impl Write for WsIo<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.out.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Bytes tungstenite reserves for reading per connection: small, because idle workers are many
+/// (a larger message grows the buffer for as long as it needs).
+pub const WS_READ_BUFFER_BYTES: usize = 2048;
+
+/// Every tungstenite limit set explicitly (its defaults are 128 KiB buffers and no write cap).
+pub fn ws_config(max_message_bytes: usize) -> WebSocketConfig {
+    WebSocketConfig::default()
+        .read_buffer_size(WS_READ_BUFFER_BYTES)
+        // Frames go straight through to `WsIo`, which only appends to our buffer.
+        .write_buffer_size(0)
+        .max_write_buffer_size(max_message_bytes + 64 * 1024)
+        .max_message_size(Some(max_message_bytes))
+        .max_frame_size(Some(max_message_bytes))
+        .accept_unmasked_frames(false)
+}
+
+pub fn ws_context(leftover: Vec<u8>, max_message_bytes: usize) -> WebSocketContext {
+    WebSocketContext::from_partially_read(leftover, Role::Server, Some(ws_config(max_message_bytes)))
+}

@@ -1,0 +1,1115 @@
+//! The relay's brain, without I/O: the task table, the connected workers, the pending queues,
+//! round-robin choice, attempts, fallback, waiters and expiry.
+//!
+//! Every task status change goes through `set_status` (one place for a future journal record).
+//! Output leaves only through the [`Io`] trait (a frame for a worker, a reply for a held HTTP
+//! request), and time comes in through `now_ms`/`wall_ms`, which the reactor sets. Nothing here
+//! may close a connection or read a clock.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::net::IpAddr;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::http::Response;
+use crate::log::Level;
+use crate::metrics::{Gauges, Ignored, Metrics};
+use crate::tasks::{Attempt, ConnRef, Outcome, Place, Status, Task, TaskId, push_json_str, push_uuid, uuid_string};
+use crate::timefmt::write_rfc3339_ms;
+use crate::timer::{TimerHandle, Wheel};
+
+/// What the reactor does for the core.
+pub trait Io {
+    /// Queues a text frame for a worker; `false` if it cannot be written (gone, or its output
+    /// buffer is full), which makes the attempt `send_failed`.
+    fn send_text(&mut self, worker: ConnRef, text: String) -> bool;
+    /// Completes an HTTP request that was held (`wait=true`).
+    fn reply(&mut self, conn: ConnRef, response: Response);
+}
+
+/// Timer wheel payloads, for the core and the reactor alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timer {
+    /// The reactor's per-connection deadline (header, idle, ping, linger).
+    Conn(ConnRef),
+    Attempt {
+        task: TaskId,
+        num: u32,
+    },
+    Wait(ConnRef),
+    Schedule,
+    Sweep,
+    /// The reactor stopped accepting after EMFILE; try again.
+    AcceptResume,
+    ShutdownDeadline,
+}
+
+/// A hasher for keys that are already random (task ids): fold, don't hash.
+#[derive(Default)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = (n as u64) ^ ((n >> 64) as u64);
+    }
+}
+
+/// (token identity, `Idempotency-Key` header).
+type IdempotencyKey = (Box<str>, Box<str>);
+type IdMap<V> = HashMap<TaskId, V, BuildHasherDefault<IdHasher>>;
+type IdSet = HashSet<TaskId, BuildHasherDefault<IdHasher>>;
+
+/// The round-robin cursor key of tasks without a kind (not a string a kind can be).
+const NO_KIND: &str = "\u{0}";
+/// Round-robin cursors kept at most (kinds come from clients; the map must stay bounded).
+const MAX_CURSORS: usize = 4096;
+
+/// How far one search of a pending queue may look for a task a worker has not tried yet.
+const MAX_QUEUE_SCAN: usize = 4096;
+
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub task_timeout_ms: u64,
+    pub max_retries: u32,
+    pub wait_timeout_ms: u64,
+    pub task_ttl_ms: u64,
+    pub max_pending: usize,
+}
+
+#[derive(Debug)]
+struct Worker {
+    conn: ConnRef,
+    client_id: u128,
+    ip: IpAddr,
+    connected_wall_ms: u64,
+    /// `None` (no hello, or a hello without kinds): every kind.
+    kinds: Option<Vec<Box<str>>>,
+    /// `None`: unlimited (the seed protocol). `Some(0)`: draining.
+    concurrency: Option<u32>,
+    version: Option<Box<str>>,
+    in_flight: Vec<TaskId>,
+}
+
+impl Worker {
+    fn active(&self) -> bool {
+        self.concurrency != Some(0)
+    }
+    fn accepts(&self, kind: Option<&str>) -> bool {
+        match &self.kinds {
+            None => true,
+            Some(kinds) => kind.is_some_and(|k| kinds.iter().any(|own| &**own == k)),
+        }
+    }
+    fn has_capacity(&self) -> bool {
+        self.concurrency.is_none_or(|c| self.in_flight.len() < c as usize)
+    }
+}
+
+struct Held {
+    task: TaskId,
+    post: bool,
+    timer: TimerHandle,
+}
+
+/// A new task as the API hands it over (already validated and authorised).
+pub struct NewTask<'a> {
+    pub payload: &'a RawValue,
+    pub kind: Option<&'a str>,
+    pub run_at_wall_ms: Option<u64>,
+    pub queue: bool,
+    pub timeout_ms: Option<u64>,
+    pub max_retries: Option<u32>,
+    /// (token identity, Idempotency-Key).
+    pub idempotency: Option<(&'a str, &'a str)>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubmitError {
+    /// 503: no connected worker could ever take it.
+    NoWorker,
+    /// 429: MAX_PENDING tasks already wait.
+    QueueFull,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CancelResult {
+    Canceled,
+    AlreadyFinal,
+    NotFound,
+}
+
+/// Small, fast, non-cryptographic generator for task ids (xoshiro256**), seeded from the OS.
+struct Rng([u64; 4]);
+
+impl Rng {
+    fn from_os() -> Rng {
+        let a = uuid::Uuid::new_v4().as_u128();
+        let b = uuid::Uuid::new_v4().as_u128();
+        Rng([a as u64 | 1, (a >> 64) as u64, b as u64, (b >> 64) as u64])
+    }
+    fn next(&mut self) -> u64 {
+        let s = &mut self.0;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+    /// A random version-4 UUID.
+    fn uuid(&mut self) -> u128 {
+        let raw = (u128::from(self.next()) << 64) | u128::from(self.next());
+        (raw & !(0xF << 76) & !(0x3 << 62)) | (0x4 << 76) | (0x2 << 62)
+    }
+}
+
+#[derive(Deserialize)]
+struct Incoming<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default)]
+    task_id: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    status: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    data: Option<&'a RawValue>,
+    #[serde(default)]
+    error: Option<String>,
+    #[serde(default)]
+    kinds: Option<Vec<String>>,
+    #[serde(default)]
+    concurrency: Option<u64>,
+    #[serde(default)]
+    version: Option<String>,
+}
+
+pub struct Core {
+    cfg: CoreConfig,
+    pub wheel: Wheel<Timer>,
+    pub metrics: Metrics,
+    /// Monotonic and wall clock of the current loop iteration (set by the reactor).
+    pub now_ms: u64,
+    pub wall_ms: u64,
+    started_mono_ms: u64,
+    pub shutting_down: bool,
+    tasks: IdMap<Task>,
+    status_counts: [usize; Status::COUNT],
+    workers: Vec<Option<Worker>>,
+    /// Slots of connected workers, in connection order (the round-robin ring).
+    order: Vec<u32>,
+    /// Round-robin position per kind (key [`NO_KIND`]: tasks without a kind).
+    cursors: HashMap<Box<str>, usize>,
+    ready_all: BTreeMap<u64, TaskId>,
+    ready_kind: HashMap<Box<str>, BTreeMap<u64, TaskId>>,
+    /// Ready tasks that already had attempts: they fail when no untried worker is left.
+    retry_waiting: IdSet,
+    scheduled: BTreeMap<(u64, u64), TaskId>,
+    schedule_timer: Option<(u64, TimerHandle)>,
+    sweep_timer: Option<(u64, TimerHandle)>,
+    /// Final tasks in finishing order, with the time they are forgotten.
+    finished: VecDeque<(u64, TaskId)>,
+    idempotency: HashMap<IdempotencyKey, TaskId>,
+    idempotency_expiry: VecDeque<(u64, IdempotencyKey)>,
+    held: HashMap<ConnRef, Held>,
+    next_seq: u64,
+    rng: Rng,
+}
+
+impl Core {
+    pub fn new(cfg: CoreConfig, now_ms: u64, wall_ms: u64) -> Core {
+        Core {
+            cfg,
+            wheel: Wheel::new(4096, now_ms),
+            metrics: Metrics::new(),
+            now_ms,
+            wall_ms,
+            started_mono_ms: now_ms,
+            shutting_down: false,
+            tasks: IdMap::default(),
+            status_counts: [0; Status::COUNT],
+            workers: Vec::new(),
+            order: Vec::new(),
+            cursors: HashMap::new(),
+            ready_all: BTreeMap::new(),
+            ready_kind: HashMap::new(),
+            retry_waiting: IdSet::default(),
+            scheduled: BTreeMap::new(),
+            schedule_timer: None,
+            sweep_timer: None,
+            finished: VecDeque::new(),
+            idempotency: HashMap::new(),
+            idempotency_expiry: VecDeque::new(),
+            held: HashMap::new(),
+            next_seq: 1,
+            rng: Rng::from_os(),
+        }
+    }
+
+    // ----- queries -------------------------------------------------------------------------
+
+    pub fn task(&self, id: TaskId) -> Option<&Task> {
+        self.tasks.get(&id)
+    }
+
+    pub fn task_count(&self, status: Status) -> usize {
+        self.status_counts[status.index()]
+    }
+
+    pub fn workers_connected(&self) -> usize {
+        self.order.len()
+    }
+
+    pub fn workers_active(&self) -> usize {
+        self.order.iter().filter(|&&slot| self.worker(slot).is_some_and(Worker::active)).count()
+    }
+
+    pub fn is_worker(&self, conn: ConnRef) -> bool {
+        self.worker_at(conn).is_some()
+    }
+
+    pub fn gauges(&self, connections_open: usize) -> Gauges {
+        Gauges {
+            workers_connected: self.workers_connected(),
+            workers_active: self.workers_active(),
+            tasks_pending: self.task_count(Status::Pending),
+            tasks_dispatched: self.task_count(Status::Dispatched),
+            connections_open,
+        }
+    }
+
+    /// Is any connected worker able to take a task of `kind` at all (capacity aside)?
+    pub fn can_ever_take(&self, kind: Option<&str>) -> bool {
+        self.order.iter().filter_map(|&s| self.worker(s)).any(|w| w.active() && w.accepts(kind))
+    }
+
+    pub fn has_held(&self) -> bool {
+        !self.held.is_empty()
+    }
+
+    fn worker(&self, slot: u32) -> Option<&Worker> {
+        self.workers.get(slot as usize).and_then(Option::as_ref)
+    }
+
+    fn worker_at(&self, conn: ConnRef) -> Option<&Worker> {
+        self.worker(conn.slot).filter(|w| w.conn == conn)
+    }
+
+    fn worker_at_mut(&mut self, conn: ConnRef) -> Option<&mut Worker> {
+        self.workers.get_mut(conn.slot as usize).and_then(Option::as_mut).filter(|w| w.conn == conn)
+    }
+
+    /// Appends the task JSON for `id`.
+    pub fn write_task_json(&self, id: TaskId, out: &mut Vec<u8>) -> bool {
+        match self.tasks.get(&id) {
+            Some(task) => {
+                task.write_json(out);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn clients_json(&self) -> Vec<u8> {
+        let mut s = String::with_capacity(64 + self.order.len() * 200);
+        s.push_str("{\"count\":");
+        s.push_str(&self.order.len().to_string());
+        s.push_str(",\"clients\":[");
+        for (i, w) in self.order.iter().filter_map(|&slot| self.worker(slot)).enumerate() {
+            if i > 0 {
+                s.push(',');
+            }
+            s.push_str("{\"client_id\":\"");
+            push_uuid(&mut s, w.client_id);
+            s.push_str("\",\"ip\":\"");
+            s.push_str(&w.ip.to_string());
+            s.push_str("\",\"connected_at\":\"");
+            write_rfc3339_ms(&mut s, w.connected_wall_ms);
+            s.push_str("\",\"active\":");
+            s.push_str(if w.active() { "true" } else { "false" });
+            s.push_str(",\"in_flight\":");
+            s.push_str(&w.in_flight.len().to_string());
+            if let Some(kinds) = &w.kinds {
+                s.push_str(",\"kinds\":[");
+                for (j, k) in kinds.iter().enumerate() {
+                    if j > 0 {
+                        s.push(',');
+                    }
+                    push_json_str(&mut s, k);
+                }
+                s.push(']');
+            }
+            if let Some(c) = w.concurrency {
+                s.push_str(",\"concurrency\":");
+                s.push_str(&c.to_string());
+            }
+            if let Some(v) = &w.version {
+                s.push_str(",\"version\":");
+                push_json_str(&mut s, v);
+            }
+            s.push('}');
+        }
+        s.push_str("]}");
+        s.into_bytes()
+    }
+
+    pub fn health_json(&self) -> Vec<u8> {
+        let c = |st: Status| self.task_count(st);
+        format!(
+            "{{\"status\":\"ok\",\"clients\":{},\"active_clients\":{},\"tasks\":{{\"pending\":{},\"dispatched\":{},\
+             \"done\":{},\"failed\":{},\"canceled\":{}}},\"uptime_s\":{}}}",
+            self.workers_connected(),
+            self.workers_active(),
+            c(Status::Pending),
+            c(Status::Dispatched),
+            c(Status::Done),
+            c(Status::Failed),
+            c(Status::Canceled),
+            (self.now_ms - self.started_mono_ms) / 1000
+        )
+        .into_bytes()
+    }
+
+    // ----- submit, wait, cancel ------------------------------------------------------------
+
+    /// Accepts a task (or finds the one an idempotency key already names). Returns its id.
+    pub fn submit(&mut self, io: &mut dyn Io, new: NewTask<'_>) -> Result<TaskId, SubmitError> {
+        if let Some((owner, key)) = new.idempotency
+            && let Some(&id) = self.idempotency.get(&(Box::from(owner), Box::from(key)))
+            && self.tasks.contains_key(&id)
+        {
+            return Ok(id);
+        }
+        let due_mono_ms = match new.run_at_wall_ms {
+            Some(at) if at > self.wall_ms => self.now_ms + (at - self.wall_ms),
+            _ => self.now_ms,
+        };
+        let scheduled = due_mono_ms > self.now_ms;
+        let worker_now = if scheduled { None } else { self.pick_for(new.kind, &[]) };
+        if worker_now.is_none() {
+            if !scheduled && !new.queue && !self.can_ever_take(new.kind) {
+                return Err(SubmitError::NoWorker);
+            }
+            if self.task_count(Status::Pending) >= self.cfg.max_pending {
+                return Err(SubmitError::QueueFull);
+            }
+        }
+
+        let mut id = self.rng.uuid();
+        while self.tasks.contains_key(&id) {
+            id = self.rng.uuid();
+        }
+        let task = Task {
+            id,
+            status: Status::Pending,
+            kind: new.kind.map(Box::from),
+            payload: new.payload.to_owned(),
+            created_wall_ms: self.wall_ms,
+            created_mono_ms: self.now_ms,
+            run_at_wall_ms: new.run_at_wall_ms,
+            due_mono_ms,
+            finished_wall_ms: None,
+            result: None,
+            error: None,
+            attempts: Vec::new(),
+            max_retries: new.max_retries.unwrap_or(self.cfg.max_retries),
+            timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
+            seq: self.take_seq(),
+            place: Place::Nowhere,
+            attempt_timer: None,
+            waiters: Vec::new(),
+        };
+        self.tasks.insert(id, task);
+        self.status_counts[Status::Pending.index()] += 1;
+        crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
+
+        if let Some((owner, key)) = new.idempotency {
+            let k = (Box::<str>::from(owner), Box::<str>::from(key));
+            self.idempotency.insert(k.clone(), id);
+            let expires = self.now_ms + self.cfg.task_ttl_ms;
+            self.idempotency_expiry.push_back((expires, k));
+            self.ensure_sweep(expires);
+        }
+
+        match worker_now {
+            Some(slot) if self.dispatch(io, id, slot) => {}
+            Some(_) => self.run(io, id),
+            None if scheduled => self.schedule(id),
+            None => self.enqueue_ready(id),
+        }
+        Ok(id)
+    }
+
+    /// Blocks `conn` until `id` is final or WAIT_TIMEOUT passes. Returns the response at once
+    /// when there is nothing to wait for.
+    pub fn wait(&mut self, conn: ConnRef, id: TaskId, post: bool) -> Option<Response> {
+        let task = self.tasks.get_mut(&id)?;
+        if task.status.is_final() || self.shutting_down {
+            return Some(task_response(task, post));
+        }
+        task.waiters.push(conn);
+        let timer = self.wheel.arm(self.now_ms + self.cfg.wait_timeout_ms, Timer::Wait(conn));
+        self.held.insert(conn, Held { task: id, post, timer });
+        None
+    }
+
+    pub fn cancel(&mut self, io: &mut dyn Io, id: TaskId) -> CancelResult {
+        let Some(task) = self.tasks.get(&id) else { return CancelResult::NotFound };
+        match task.status {
+            Status::Pending => {
+                self.unqueue(id);
+                self.finalize(io, id, Status::Canceled, None, None);
+            }
+            Status::Dispatched => {
+                let worker = task.current_attempt().map(|a| a.worker);
+                self.end_attempt(id, Outcome::Canceled, None);
+                if let Some(w) = worker {
+                    io.send_text(w, cancel_frame(id));
+                }
+                self.finalize(io, id, Status::Canceled, None, None);
+                if let Some(w) = worker {
+                    self.fill(io, w.slot);
+                }
+            }
+            _ => return CancelResult::AlreadyFinal,
+        }
+        CancelResult::Canceled
+    }
+
+    /// An HTTP connection went away: forget its wait.
+    pub fn conn_closed(&mut self, conn: ConnRef) {
+        if let Some(held) = self.held.remove(&conn) {
+            self.wheel.cancel(held.timer);
+            if let Some(task) = self.tasks.get_mut(&held.task) {
+                task.waiters.retain(|c| *c != conn);
+            }
+        }
+    }
+
+    /// Shutdown: every waiting request gets the task as it is now.
+    pub fn release_waiters(&mut self, io: &mut dyn Io) {
+        let conns: Vec<ConnRef> = self.held.keys().copied().collect();
+        for conn in conns {
+            self.release_wait(io, conn);
+        }
+    }
+
+    fn release_wait(&mut self, io: &mut dyn Io, conn: ConnRef) {
+        let Some(held) = self.held.remove(&conn) else { return };
+        self.wheel.cancel(held.timer);
+        if let Some(task) = self.tasks.get_mut(&held.task) {
+            task.waiters.retain(|c| *c != conn);
+            let response = task_response(task, held.post);
+            self.metrics.http_request(response.status);
+            io.reply(conn, response);
+        }
+    }
+
+    // ----- workers -------------------------------------------------------------------------
+
+    /// A worker's WebSocket is open. Returns its client id.
+    pub fn worker_connected(&mut self, io: &mut dyn Io, conn: ConnRef, ip: IpAddr) -> u128 {
+        let client_id = uuid::Uuid::new_v4().as_u128();
+        let slot = conn.slot as usize;
+        if self.workers.len() <= slot {
+            self.workers.resize_with(slot + 1, || None);
+        }
+        self.workers[slot] = Some(Worker {
+            conn,
+            client_id,
+            ip,
+            connected_wall_ms: self.wall_ms,
+            kinds: None,
+            concurrency: None,
+            version: None,
+            in_flight: Vec::new(),
+        });
+        self.order.push(conn.slot);
+        crate::log!(Level::Info, "worker connected", client_id = uuid_string(client_id), ip = ip);
+        self.fill(io, conn.slot);
+        client_id
+    }
+
+    /// A worker's connection is gone (closed, dead, or failed): its attempts end `disconnect`.
+    pub fn worker_disconnected(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        let Some(worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return };
+        if worker.conn != conn {
+            self.workers[conn.slot as usize] = Some(worker);
+            return;
+        }
+        self.order.retain(|&s| s != conn.slot);
+        crate::log!(
+            Level::Info,
+            "worker disconnected",
+            client_id = uuid_string(worker.client_id),
+            ip = worker.ip,
+            reason = why,
+            in_flight = worker.in_flight.len()
+        );
+        for &id in &worker.in_flight {
+            self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"));
+        }
+        for id in worker.in_flight {
+            self.run(io, id);
+        }
+        self.recheck_retry_waiting(io);
+    }
+
+    /// One text message from a worker.
+    pub fn worker_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
+        let msg: Incoming = match serde_json::from_str(text) {
+            Ok(m) => m,
+            Err(e) => {
+                self.metrics.ws_messages_malformed += 1;
+                crate::log!(Level::Warn, "malformed worker message ignored", error = e);
+                return;
+            }
+        };
+        match &*msg.kind {
+            "result" => {
+                let id = msg.task_id.as_deref().and_then(crate::tasks::parse_id);
+                let outcome = match msg.status.as_deref() {
+                    Some("done") => Ok(msg.data.map(RawValue::to_owned)),
+                    Some("failed") => Err(msg.error.unwrap_or_else(|| "worker reported failure".into())),
+                    _ => {
+                        self.metrics.ws_messages_malformed += 1;
+                        crate::log!(Level::Warn, "result without status done/failed ignored");
+                        return;
+                    }
+                };
+                match id {
+                    Some(id) => self.on_result(io, conn, id, outcome),
+                    None => {
+                        self.metrics.ws_messages_malformed += 1;
+                        crate::log!(Level::Warn, "result without a valid task_id ignored");
+                    }
+                }
+            }
+            "hello" => self.on_hello(io, conn, msg.kinds, msg.concurrency, msg.version),
+            other => {
+                self.metrics.ws_messages_malformed += 1;
+                crate::log!(Level::Warn, "unknown worker message type ignored", r#type = other);
+            }
+        }
+    }
+
+    fn on_hello(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        kinds: Option<Vec<String>>,
+        concurrency: Option<u64>,
+        version: Option<String>,
+    ) {
+        let Some(w) = self.worker_at_mut(conn) else { return };
+        w.kinds = kinds.map(|ks| ks.into_iter().map(Box::from).collect());
+        w.concurrency = concurrency.map(|c| u32::try_from(c).unwrap_or(u32::MAX));
+        w.version = version.map(Box::from);
+        crate::log!(
+            Level::Info,
+            "worker hello",
+            client_id = uuid_string(w.client_id),
+            kinds = w.kinds.as_ref().map_or("*".to_string(), |k| k.join(",")),
+            concurrency = w.concurrency.map_or("unlimited".to_string(), |c| c.to_string())
+        );
+        self.recheck_retry_waiting(io);
+        self.fill(io, conn.slot);
+    }
+
+    fn on_result(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        id: TaskId,
+        outcome: Result<Option<Box<RawValue>>, String>,
+    ) {
+        let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
+        let Some(task) = self.tasks.get_mut(&id) else {
+            self.metrics.ignored(Ignored::Unknown);
+            return;
+        };
+        let Some(index) = task.attempts.iter().rposition(|a| a.client_id == client_id) else {
+            self.metrics.ignored(Ignored::Unknown);
+            return;
+        };
+        let current = index + 1 == task.attempts.len()
+            && task.attempts[index].outcome.is_none()
+            && task.status == Status::Dispatched;
+        let attempt = &mut task.attempts[index];
+        if !current {
+            let why = if attempt.answered { Ignored::Duplicate } else { Ignored::Late };
+            attempt.answered = true;
+            self.metrics.ignored(why);
+            crate::log!(Level::Debug, "result ignored", task_id = uuid_string(id), reason = format!("{why:?}"));
+            return;
+        }
+        attempt.answered = true;
+        match outcome {
+            Ok(data) => {
+                self.end_attempt(id, Outcome::Done, None);
+                let result = data.or_else(|| RawValue::from_string("null".into()).ok());
+                self.finalize(io, id, Status::Done, result, None);
+            }
+            Err(error) => {
+                self.end_attempt(id, Outcome::Failed, Some(&error));
+                self.run(io, id);
+            }
+        }
+        self.fill(io, conn.slot);
+    }
+
+    // ----- timers --------------------------------------------------------------------------
+
+    /// A core timer fired (the reactor handles `Conn`, `AcceptResume` and `ShutdownDeadline`).
+    pub fn on_timer(&mut self, io: &mut dyn Io, timer: Timer) {
+        match timer {
+            Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
+            Timer::Wait(conn) => self.release_wait(io, conn),
+            Timer::Schedule => {
+                self.schedule_timer = None;
+                self.on_schedule(io);
+            }
+            Timer::Sweep => {
+                self.sweep_timer = None;
+                self.on_sweep(io);
+            }
+            Timer::Conn(_) | Timer::AcceptResume | Timer::ShutdownDeadline => {}
+        }
+    }
+
+    fn on_attempt_timeout(&mut self, io: &mut dyn Io, id: TaskId, num: u32) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        if task.status != Status::Dispatched || task.attempts.len() != num as usize {
+            return;
+        }
+        task.attempt_timer = None;
+        let Some(worker) = task.current_attempt().filter(|a| a.outcome.is_none()).map(|a| a.worker) else { return };
+        let error = format!("no answer within {}", human_ms(task.timeout_ms));
+        self.end_attempt(id, Outcome::Timeout, Some(&error));
+        // Advisory: the worker may stop; its slot is free again either way.
+        io.send_text(worker, cancel_frame(id));
+        self.run(io, id);
+        self.fill(io, worker.slot);
+    }
+
+    fn on_schedule(&mut self, io: &mut dyn Io) {
+        while let Some((&(due, seq), &id)) = self.scheduled.first_key_value() {
+            if due > self.now_ms {
+                break;
+            }
+            self.scheduled.remove(&(due, seq));
+            let new_seq = self.take_seq();
+            if let Some(task) = self.tasks.get_mut(&id) {
+                task.place = Place::Nowhere;
+                task.seq = new_seq;
+                self.run(io, id);
+            }
+        }
+        self.arm_schedule();
+    }
+
+    fn on_sweep(&mut self, io: &mut dyn Io) {
+        let now = self.now_ms;
+        while let Some(&(at, id)) = self.finished.front() {
+            if at > now {
+                break;
+            }
+            self.finished.pop_front();
+            if let Some(task) = self.tasks.get(&id)
+                && task.status.is_final()
+            {
+                self.status_counts[task.status.index()] -= 1;
+                self.tasks.remove(&id);
+            }
+        }
+        while let Some((at, _)) = self.idempotency_expiry.front() {
+            if *at > now {
+                break;
+            }
+            if let Some((_, key)) = self.idempotency_expiry.pop_front() {
+                self.idempotency.remove(&key);
+            }
+        }
+        // Pending tasks expire TASK_TTL after they fell due; the queue is in due order.
+        while let Some((_, &id)) = self.ready_all.first_key_value() {
+            let due = self.tasks.get(&id).map_or(0, |t| t.due_mono_ms);
+            if due + self.cfg.task_ttl_ms > now {
+                break;
+            }
+            self.unqueue(id);
+            self.finalize(io, id, Status::Failed, None, Some("expired in queue"));
+        }
+        let next = [
+            self.finished.front().map(|f| f.0),
+            self.idempotency_expiry.front().map(|f| f.0),
+            self.ready_all
+                .first_key_value()
+                .and_then(|(_, id)| self.tasks.get(id))
+                .map(|t| t.due_mono_ms + self.cfg.task_ttl_ms),
+        ];
+        if let Some(at) = next.into_iter().flatten().min() {
+            self.ensure_sweep(at);
+        }
+    }
+
+    fn ensure_sweep(&mut self, at: u64) {
+        if self.sweep_timer.is_some_and(|(armed, _)| armed <= at) {
+            return;
+        }
+        if let Some((_, handle)) = self.sweep_timer.take() {
+            self.wheel.cancel(handle);
+        }
+        self.sweep_timer = Some((at, self.wheel.arm(at, Timer::Sweep)));
+    }
+
+    fn arm_schedule(&mut self) {
+        let Some((&(due, _), _)) = self.scheduled.first_key_value() else { return };
+        if self.schedule_timer.is_some_and(|(armed, _)| armed <= due) {
+            return;
+        }
+        if let Some((_, handle)) = self.schedule_timer.take() {
+            self.wheel.cancel(handle);
+        }
+        self.schedule_timer = Some((due, self.wheel.arm(due, Timer::Schedule)));
+    }
+
+    // ----- the task life cycle -------------------------------------------------------------
+
+    fn take_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    /// The one place a task's status changes.
+    fn set_status(&mut self, id: TaskId, status: Status) {
+        if let Some(task) = self.tasks.get_mut(&id)
+            && task.status != status
+        {
+            self.status_counts[task.status.index()] -= 1;
+            self.status_counts[status.index()] += 1;
+            task.status = status;
+        }
+    }
+
+    /// The task needs a worker now (just due, or after a failed attempt): dispatch it, let it
+    /// wait for capacity, or fail it.
+    fn run(&mut self, io: &mut dyn Io, id: TaskId) {
+        if self.shutting_down {
+            self.set_status(id, Status::Pending);
+            return;
+        }
+        loop {
+            let Some(task) = self.tasks.get(&id) else { return };
+            let started = task.attempts.len();
+            if started > 0 && started > task.max_retries as usize {
+                let error = task.last_error().unwrap_or("failed").to_string();
+                self.finalize(io, id, Status::Failed, None, Some(&error));
+                return;
+            }
+            let kind = task.kind.clone();
+            let tried: Vec<u128> = task.attempts.iter().map(|a| a.client_id).collect();
+            match self.pick_for(kind.as_deref(), &tried) {
+                Some(slot) => {
+                    if self.dispatch(io, id, slot) {
+                        return;
+                    }
+                }
+                None => {
+                    if started == 0 || self.any_untried(id) {
+                        self.enqueue_ready(id);
+                    } else {
+                        let error = self.tasks[&id].last_error().unwrap_or("no worker").to_string();
+                        self.finalize(io, id, Status::Failed, None, Some(&error));
+                    }
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Round-robin over workers that can take a task of `kind` now and were not tried.
+    fn pick_for(&mut self, kind: Option<&str>, tried: &[u128]) -> Option<u32> {
+        let n = self.order.len();
+        if n == 0 {
+            return None;
+        }
+        let key = kind.unwrap_or(NO_KIND);
+        let start = self.cursors.get(key).copied().unwrap_or(n - 1);
+        for step in 1..=n {
+            let i = (start + step) % n;
+            let slot = self.order[i];
+            let Some(w) = self.worker(slot) else { continue };
+            if w.active() && w.accepts(kind) && w.has_capacity() && !tried.contains(&w.client_id) {
+                match self.cursors.get_mut(key) {
+                    Some(cursor) => *cursor = i,
+                    None => {
+                        if self.cursors.len() >= MAX_CURSORS {
+                            self.cursors.clear();
+                        }
+                        self.cursors.insert(Box::from(key), i);
+                    }
+                }
+                return Some(slot);
+            }
+        }
+        None
+    }
+
+    fn any_untried(&self, id: TaskId) -> bool {
+        let Some(task) = self.tasks.get(&id) else { return false };
+        self.order
+            .iter()
+            .filter_map(|&s| self.worker(s))
+            .any(|w| w.active() && w.accepts(task.kind.as_deref()) && !task.tried(w.client_id))
+    }
+
+    /// Starts an attempt on the worker in `slot`. `false` if the frame could not be written
+    /// (the attempt is then recorded as `send_failed`).
+    fn dispatch(&mut self, io: &mut dyn Io, id: TaskId, slot: u32) -> bool {
+        let Some(w) = self.worker(slot) else { return false };
+        let (conn, client_id, ip) = (w.conn, w.client_id, w.ip);
+        let Some(task) = self.tasks.get_mut(&id) else { return false };
+        let mut frame = String::with_capacity(64 + task.payload.get().len());
+        frame.push_str("{\"type\":\"task\",\"task_id\":\"");
+        push_uuid(&mut frame, id);
+        frame.push_str("\",\"payload\":");
+        frame.push_str(task.payload.get());
+        frame.push('}');
+        task.attempts.push(Attempt {
+            worker: conn,
+            client_id,
+            client_ip: ip,
+            started_wall_ms: self.wall_ms,
+            started_mono_ms: self.now_ms,
+            outcome: None,
+            error: None,
+            duration_ms: 0,
+            answered: false,
+        });
+        let num = task.attempts.len() as u32;
+        let deadline = self.now_ms + task.timeout_ms;
+        self.set_status(id, Status::Dispatched);
+        if !io.send_text(conn, frame) {
+            self.end_attempt(id, Outcome::SendFailed, Some("could not write the task to the worker"));
+            return false;
+        }
+        let timer = self.wheel.arm(deadline, Timer::Attempt { task: id, num });
+        if let Some(task) = self.tasks.get_mut(&id) {
+            task.attempt_timer = Some(timer);
+        }
+        if let Some(w) = self.workers[slot as usize].as_mut() {
+            w.in_flight.push(id);
+        }
+        crate::log!(
+            Level::Debug,
+            "task dispatched",
+            task_id = uuid_string(id),
+            attempt = num,
+            client_id = uuid_string(client_id)
+        );
+        true
+    }
+
+    /// Closes the current attempt with `outcome` and frees the worker's slot.
+    fn end_attempt(&mut self, id: TaskId, outcome: Outcome, error: Option<&str>) {
+        let now = self.now_ms;
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        if let Some(timer) = task.attempt_timer.take() {
+            self.wheel.cancel(timer);
+        }
+        let Some(attempt) = task.attempts.last_mut() else { return };
+        if attempt.outcome.is_some() {
+            return;
+        }
+        attempt.outcome = Some(outcome);
+        attempt.error = error.map(Box::from);
+        attempt.duration_ms = now.saturating_sub(attempt.started_mono_ms);
+        let worker = attempt.worker;
+        self.metrics.attempt(outcome);
+        if task.status == Status::Dispatched && outcome != Outcome::Done && outcome != Outcome::Canceled {
+            // Between attempts the task counts as pending until `run` places it.
+            self.set_status(id, Status::Pending);
+        }
+        if let Some(w) = self.worker_at_mut(worker)
+            && let Some(pos) = w.in_flight.iter().position(|t| *t == id)
+        {
+            w.in_flight.swap_remove(pos);
+        }
+    }
+
+    fn finalize(
+        &mut self,
+        io: &mut dyn Io,
+        id: TaskId,
+        status: Status,
+        result: Option<Box<RawValue>>,
+        error: Option<&str>,
+    ) {
+        debug_assert!(status.is_final());
+        self.set_status(id, status);
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        task.finished_wall_ms = Some(self.wall_ms);
+        task.result = result;
+        task.error = error.map(Box::from);
+        let duration = self.now_ms.saturating_sub(task.created_mono_ms);
+        let waiters = std::mem::take(&mut task.waiters);
+        self.metrics.task_final(status, duration);
+        let forget_at = self.now_ms + self.cfg.task_ttl_ms;
+        self.finished.push_back((forget_at, id));
+        self.ensure_sweep(forget_at);
+        crate::log!(Level::Debug, "task final", task_id = uuid_string(id), status = status.as_str());
+        for conn in waiters {
+            if let Some(held) = self.held.remove(&conn) {
+                self.wheel.cancel(held.timer);
+                if let Some(task) = self.tasks.get(&id) {
+                    let response = task_response(task, held.post);
+                    self.metrics.http_request(response.status);
+                    io.reply(conn, response);
+                }
+            }
+        }
+    }
+
+    fn enqueue_ready(&mut self, id: TaskId) {
+        self.set_status(id, Status::Pending);
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        task.place = Place::Ready;
+        let (seq, kind, retry, due) = (task.seq, task.kind.clone(), !task.attempts.is_empty(), task.due_mono_ms);
+        self.ready_all.insert(seq, id);
+        if let Some(kind) = kind {
+            self.ready_kind.entry(kind).or_default().insert(seq, id);
+        }
+        if retry {
+            self.retry_waiting.insert(id);
+        }
+        self.ensure_sweep(due + self.cfg.task_ttl_ms);
+    }
+
+    fn schedule(&mut self, id: TaskId) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        task.place = Place::Scheduled;
+        self.scheduled.insert((task.due_mono_ms, task.seq), id);
+        self.arm_schedule();
+    }
+
+    /// Takes a pending task out of whichever queue holds it.
+    fn unqueue(&mut self, id: TaskId) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        match task.place {
+            Place::Ready => {
+                self.ready_all.remove(&task.seq);
+                if let Some(kind) = &task.kind
+                    && let Some(q) = self.ready_kind.get_mut(kind)
+                {
+                    q.remove(&task.seq);
+                    if q.is_empty() {
+                        self.ready_kind.remove(kind);
+                    }
+                }
+                self.retry_waiting.remove(&id);
+            }
+            Place::Scheduled => {
+                self.scheduled.remove(&(task.due_mono_ms, task.seq));
+            }
+            Place::Nowhere => {}
+        }
+        task.place = Place::Nowhere;
+    }
+
+    /// The worker in `slot` may have capacity: give it pending tasks, oldest first.
+    fn fill(&mut self, io: &mut dyn Io, slot: u32) {
+        if self.shutting_down {
+            return;
+        }
+        loop {
+            let Some(w) = self.worker(slot) else { return };
+            if !w.active() || !w.has_capacity() {
+                return;
+            }
+            let Some(id) = self.next_ready_for(w) else { return };
+            self.unqueue(id);
+            if !self.dispatch(io, id, slot) {
+                // This worker cannot be written to; the task moves on without it.
+                self.run(io, id);
+                return;
+            }
+        }
+    }
+
+    fn next_ready_for(&self, w: &Worker) -> Option<TaskId> {
+        let untried = |id: &TaskId| self.tasks.get(id).is_some_and(|t| !t.tried(w.client_id));
+        match &w.kinds {
+            None => self.ready_all.values().take(MAX_QUEUE_SCAN).find(|id| untried(id)).copied(),
+            Some(kinds) => kinds
+                .iter()
+                .filter_map(|k| self.ready_kind.get(k))
+                .filter_map(|q| q.iter().take(MAX_QUEUE_SCAN).find(|(_, id)| untried(id)))
+                .min_by_key(|(seq, _)| **seq)
+                .map(|(_, id)| *id),
+        }
+    }
+
+    /// Retries waiting for capacity fail once no untried worker that could take them is left.
+    fn recheck_retry_waiting(&mut self, io: &mut dyn Io) {
+        if self.retry_waiting.is_empty() {
+            return;
+        }
+        let hopeless: Vec<TaskId> = self.retry_waiting.iter().copied().filter(|&id| !self.any_untried(id)).collect();
+        for id in hopeless {
+            self.unqueue(id);
+            let error = self.tasks.get(&id).and_then(Task::last_error).unwrap_or("no worker").to_string();
+            self.finalize(io, id, Status::Failed, None, Some(&error));
+        }
+    }
+}
+
+/// The response a waiter gets: POST maps the status to a code, GET is always 200.
+pub fn task_response(task: &Task, post: bool) -> Response {
+    let mut body = Vec::with_capacity(512);
+    task.write_json(&mut body);
+    let status = if !post {
+        200
+    } else {
+        match task.status {
+            Status::Done => 200,
+            Status::Failed => 502,
+            Status::Canceled => 409,
+            Status::Pending | Status::Dispatched => 202,
+        }
+    };
+    Response::json(status, body)
+}
+
+fn cancel_frame(id: TaskId) -> String {
+    let mut s = String::with_capacity(72);
+    s.push_str("{\"type\":\"cancel\",\"task_id\":\"");
+    push_uuid(&mut s, id);
+    s.push_str("\"}");
+    s
+}
+
+/// `10s`, `1.5s`, `250ms`: for error messages.
+pub fn human_ms(ms: u64) -> String {
+    if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else if ms > 1000 {
+        format!("{}s", ms as f64 / 1000.0)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,652 @@
+//! HTTP/1.1 without I/O: finding and parsing a request head (httparse, with caps), body framing
+//! (Content-Length or chunked), and writing responses into a byte buffer.
+//!
+//! The reactor owns the bytes and the socket; this module only looks at slices it is given.
+
+use std::fmt;
+
+/// The head, request line included, may not be larger than this (SPEC §4).
+pub const MAX_HEAD_BYTES: usize = 16 * 1024;
+/// Nor have more headers than this.
+pub const MAX_HEADERS: usize = 64;
+/// Chunk extensions and trailers are skipped, but not without limit.
+const MAX_CHUNK_LINE_BYTES: usize = 4 * 1024;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Method {
+    Get,
+    Head,
+    Post,
+    Put,
+    Delete,
+    Patch,
+    Options,
+    Other,
+}
+
+impl Method {
+    fn parse(text: &str) -> Method {
+        match text {
+            "GET" => Method::Get,
+            "HEAD" => Method::Head,
+            "POST" => Method::Post,
+            "PUT" => Method::Put,
+            "DELETE" => Method::Delete,
+            "PATCH" => Method::Patch,
+            "OPTIONS" => Method::Options,
+            _ => Method::Other,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Framing {
+    /// No body (no Content-Length, or zero, and not chunked).
+    Empty,
+    Length(u64),
+    Chunked,
+}
+
+/// What the server needs from a request head. Owned, so the bytes behind it can move on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Head {
+    pub method: Method,
+    pub path: String,
+    pub query: String,
+    /// 0 for HTTP/1.0, 1 for HTTP/1.1.
+    pub minor_version: u8,
+    /// Whether the connection may stay open after this request.
+    pub keep_alive: bool,
+    pub framing: Framing,
+    pub expect_continue: bool,
+    pub authorization: Option<String>,
+    pub upgrade_websocket: bool,
+    pub connection_upgrade: bool,
+    pub ws_key: Option<String>,
+    pub ws_version: Option<String>,
+    pub forwarded_for: Option<String>,
+    pub real_ip: Option<String>,
+    pub idempotency_key: Option<String>,
+    pub content_type: Option<String>,
+    pub range: Option<String>,
+    /// Bytes of the head, final blank line included.
+    pub head_len: usize,
+}
+
+impl Head {
+    /// The value of `name` in the query string (`wait=true`), undecoded.
+    pub fn query_param(&self, name: &str) -> Option<&str> {
+        self.query.split('&').find_map(|pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            (key == name).then_some(value)
+        })
+    }
+
+    pub fn bearer_token(&self) -> Option<&str> {
+        let value = self.authorization.as_deref()?.trim();
+        let (scheme, token) = value.split_once(' ')?;
+        scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+    }
+}
+
+/// Why a head could not be accepted; each maps to one status code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HeadError {
+    /// 431: more than 16 KiB or more than 64 headers.
+    TooLarge(&'static str),
+    /// 400 with a message saying what is wrong.
+    Bad(String),
+    /// 501: a transfer coding other than chunked.
+    NotImplemented(String),
+}
+
+impl HeadError {
+    pub fn status(&self) -> u16 {
+        match self {
+            HeadError::TooLarge(_) => 431,
+            HeadError::Bad(_) => 400,
+            HeadError::NotImplemented(_) => 501,
+        }
+    }
+}
+
+impl fmt::Display for HeadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HeadError::TooLarge(why) => f.write_str(why),
+            HeadError::Bad(why) | HeadError::NotImplemented(why) => f.write_str(why),
+        }
+    }
+}
+
+/// Returns the length of the head (through the blank line) if `buf` holds a complete one.
+/// `scanned` is how many bytes an earlier call already looked at, so slow clients cost O(n).
+pub fn find_head_end(buf: &[u8], scanned: usize) -> Option<usize> {
+    let start = scanned.saturating_sub(3);
+    let mut i = start;
+    while i < buf.len() {
+        if buf[i] == b'\n' {
+            if buf.get(i + 1) == Some(&b'\n') {
+                return Some(i + 2);
+            }
+            if buf.get(i + 1) == Some(&b'\r') && buf.get(i + 2) == Some(&b'\n') {
+                return Some(i + 3);
+            }
+        }
+        i += 1;
+    }
+    None
+}
+
+/// Parses the complete head `buf[..head_len]` (found by [`find_head_end`]).
+pub fn parse_head(buf: &[u8], head_len: usize) -> Result<Head, HeadError> {
+    if head_len > MAX_HEAD_BYTES {
+        return Err(HeadError::TooLarge("request head over 16 KiB"));
+    }
+    let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut headers);
+    match req.parse(&buf[..head_len]) {
+        Ok(httparse::Status::Complete(_)) => {}
+        Ok(httparse::Status::Partial) => return Err(HeadError::Bad("incomplete request head".into())),
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge("more than 64 header fields")),
+        Err(e) => return Err(HeadError::Bad(format!("malformed request head: {e}"))),
+    }
+    let method = Method::parse(req.method.unwrap_or(""));
+    let target = req.path.unwrap_or("/");
+    if !target.starts_with('/') {
+        return Err(HeadError::Bad("request target must be an absolute path".into()));
+    }
+    let (path, query) = target.split_once('?').unwrap_or((target, ""));
+    let minor_version = req.version.unwrap_or(1);
+
+    let mut head = Head {
+        method,
+        path: path.to_string(),
+        query: query.to_string(),
+        minor_version,
+        keep_alive: minor_version == 1,
+        framing: Framing::Empty,
+        expect_continue: false,
+        authorization: None,
+        upgrade_websocket: false,
+        connection_upgrade: false,
+        ws_key: None,
+        ws_version: None,
+        forwarded_for: None,
+        real_ip: None,
+        idempotency_key: None,
+        content_type: None,
+        range: None,
+        head_len,
+    };
+    let mut content_length: Option<u64> = None;
+    let mut chunked = false;
+    for h in req.headers.iter() {
+        let value = std::str::from_utf8(h.value)
+            .map_err(|_| HeadError::Bad(format!("header {} is not valid UTF-8", h.name)))?
+            .trim();
+        let name = h.name;
+        if name.eq_ignore_ascii_case("content-length") {
+            let n: u64 = value
+                .parse()
+                .ok()
+                .filter(|_| !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()))
+                .ok_or_else(|| HeadError::Bad(format!("invalid Content-Length {value:?}")))?;
+            if content_length.is_some_and(|old| old != n) {
+                return Err(HeadError::Bad("conflicting Content-Length headers".into()));
+            }
+            content_length = Some(n);
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
+            for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
+                if coding.eq_ignore_ascii_case("chunked") && !chunked {
+                    chunked = true;
+                } else {
+                    return Err(HeadError::NotImplemented(format!("unsupported Transfer-Encoding {value:?}")));
+                }
+            }
+        } else if name.eq_ignore_ascii_case("connection") {
+            for token in value.split(',').map(str::trim) {
+                if token.eq_ignore_ascii_case("close") {
+                    head.keep_alive = false;
+                } else if token.eq_ignore_ascii_case("upgrade") {
+                    head.connection_upgrade = true;
+                }
+            }
+        } else if name.eq_ignore_ascii_case("expect") {
+            if value.eq_ignore_ascii_case("100-continue") {
+                head.expect_continue = true;
+            } else {
+                return Err(HeadError::Bad(format!("unsupported Expect {value:?}")));
+            }
+        } else if name.eq_ignore_ascii_case("authorization") {
+            head.authorization = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("upgrade") {
+            head.upgrade_websocket = value.split(',').any(|p| p.trim().eq_ignore_ascii_case("websocket"));
+        } else if name.eq_ignore_ascii_case("sec-websocket-key") {
+            head.ws_key = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("sec-websocket-version") {
+            head.ws_version = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("x-forwarded-for") {
+            // Several X-Forwarded-For fields form one list, in order.
+            match &mut head.forwarded_for {
+                Some(list) => {
+                    list.push_str(", ");
+                    list.push_str(value);
+                }
+                None => head.forwarded_for = Some(value.to_string()),
+            }
+        } else if name.eq_ignore_ascii_case("x-real-ip") {
+            head.real_ip = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("idempotency-key") {
+            head.idempotency_key = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("content-type") {
+            head.content_type = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("range") {
+            head.range = Some(value.to_string());
+        }
+    }
+    head.framing = match (chunked, content_length) {
+        (true, Some(_)) => return Err(HeadError::Bad("both Content-Length and Transfer-Encoding".into())),
+        (true, None) => Framing::Chunked,
+        (false, Some(0) | None) => Framing::Empty,
+        (false, Some(n)) => Framing::Length(n),
+    };
+    if chunked && minor_version == 0 {
+        return Err(HeadError::Bad("chunked encoding in an HTTP/1.0 request".into()));
+    }
+    Ok(head)
+}
+
+/// Incremental decoder of a chunked body.
+#[derive(Debug, Default, Clone)]
+pub struct ChunkedDecoder {
+    state: ChunkState,
+    size: u64,
+    digits: u8,
+    line_bytes: usize,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+enum ChunkState {
+    #[default]
+    Size,
+    Extension,
+    SizeLf,
+    Data,
+    DataCr,
+    DataLf,
+    TrailerStart,
+    TrailerLine,
+    TrailerEndLf,
+    Done,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ChunkError {
+    /// The decoded body would exceed the limit.
+    TooLarge,
+    Malformed(&'static str),
+}
+
+impl ChunkedDecoder {
+    pub fn is_done(&self) -> bool {
+        self.state == ChunkState::Done
+    }
+
+    /// Decodes from `input`, appending body bytes to `out` (never beyond `max_body_bytes`).
+    /// Returns how many input bytes were consumed; stops right after the final CRLF.
+    pub fn decode(&mut self, input: &[u8], out: &mut Vec<u8>, max_body_bytes: usize) -> Result<usize, ChunkError> {
+        let mut i = 0;
+        while i < input.len() && self.state != ChunkState::Done {
+            let b = input[i];
+            match self.state {
+                ChunkState::Size => match b {
+                    b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F' => {
+                        if self.digits >= 15 {
+                            return Err(ChunkError::Malformed("chunk size too long"));
+                        }
+                        let d = (b as char).to_digit(16).unwrap_or(0);
+                        self.size = self.size * 16 + u64::from(d);
+                        self.digits += 1;
+                        i += 1;
+                    }
+                    b';' | b' ' | b'\t' if self.digits > 0 => {
+                        self.state = ChunkState::Extension;
+                        self.line_bytes = 0;
+                        i += 1;
+                    }
+                    b'\r' if self.digits > 0 => {
+                        self.state = ChunkState::SizeLf;
+                        i += 1;
+                    }
+                    b'\n' if self.digits > 0 => {
+                        self.end_size_line();
+                        i += 1;
+                    }
+                    _ => return Err(ChunkError::Malformed("invalid chunk size")),
+                },
+                ChunkState::Extension => {
+                    self.line_bytes += 1;
+                    if self.line_bytes > MAX_CHUNK_LINE_BYTES {
+                        return Err(ChunkError::Malformed("chunk extension too long"));
+                    }
+                    if b == b'\n' {
+                        self.end_size_line();
+                    }
+                    i += 1;
+                }
+                ChunkState::SizeLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError::Malformed("expected LF after chunk size"));
+                    }
+                    self.end_size_line();
+                    i += 1;
+                }
+                ChunkState::Data => {
+                    let take = (input.len() - i).min(usize::try_from(self.size).unwrap_or(usize::MAX));
+                    if out.len() + take > max_body_bytes {
+                        return Err(ChunkError::TooLarge);
+                    }
+                    out.extend_from_slice(&input[i..i + take]);
+                    i += take;
+                    self.size -= take as u64;
+                    if self.size == 0 {
+                        self.state = ChunkState::DataCr;
+                    }
+                }
+                ChunkState::DataCr => {
+                    match b {
+                        b'\r' => self.state = ChunkState::DataLf,
+                        b'\n' => self.next_chunk(),
+                        _ => return Err(ChunkError::Malformed("expected CRLF after chunk data")),
+                    }
+                    i += 1;
+                }
+                ChunkState::DataLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError::Malformed("expected LF after chunk data"));
+                    }
+                    self.next_chunk();
+                    i += 1;
+                }
+                ChunkState::TrailerStart => {
+                    match b {
+                        b'\r' => self.state = ChunkState::TrailerEndLf,
+                        b'\n' => self.state = ChunkState::Done,
+                        _ => self.state = ChunkState::TrailerLine,
+                    }
+                    i += 1;
+                }
+                ChunkState::TrailerLine => {
+                    self.line_bytes += 1;
+                    if self.line_bytes > MAX_CHUNK_LINE_BYTES {
+                        return Err(ChunkError::Malformed("trailer section too long"));
+                    }
+                    if b == b'\n' {
+                        self.state = ChunkState::TrailerStart;
+                    }
+                    i += 1;
+                }
+                ChunkState::TrailerEndLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError::Malformed("expected LF after trailers"));
+                    }
+                    self.state = ChunkState::Done;
+                    i += 1;
+                }
+                ChunkState::Done => break,
+            }
+        }
+        Ok(i)
+    }
+
+    fn end_size_line(&mut self) {
+        if self.size == 0 {
+            self.state = ChunkState::TrailerStart;
+            self.line_bytes = 0;
+        } else {
+            self.state = ChunkState::Data;
+        }
+    }
+
+    fn next_chunk(&mut self) {
+        self.state = ChunkState::Size;
+        self.size = 0;
+        self.digits = 0;
+    }
+}
+
+pub fn reason(status: u16) -> &'static str {
+    match status {
+        100 => "Continue",
+        101 => "Switching Protocols",
+        200 => "OK",
+        201 => "Created",
+        202 => "Accepted",
+        204 => "No Content",
+        206 => "Partial Content",
+        400 => "Bad Request",
+        401 => "Unauthorized",
+        403 => "Forbidden",
+        404 => "Not Found",
+        405 => "Method Not Allowed",
+        408 => "Request Timeout",
+        409 => "Conflict",
+        413 => "Content Too Large",
+        416 => "Range Not Satisfiable",
+        426 => "Upgrade Required",
+        429 => "Too Many Requests",
+        431 => "Request Header Fields Too Large",
+        500 => "Internal Server Error",
+        501 => "Not Implemented",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        _ => "Unknown",
+    }
+}
+
+/// A complete response, ready to be written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Response {
+    pub status: u16,
+    pub content_type: &'static str,
+    /// Extra header lines, e.g. `("Allow", "GET, DELETE")`.
+    pub headers: Vec<(&'static str, String)>,
+    pub body: Vec<u8>,
+    /// Close the connection once this response is written.
+    pub close: bool,
+}
+
+pub const JSON: &str = "application/json";
+
+impl Response {
+    pub fn json(status: u16, body: Vec<u8>) -> Response {
+        Response { status, content_type: JSON, headers: Vec::new(), body, close: false }
+    }
+
+    /// `{"error": code, "message": message}`.
+    pub fn error(status: u16, code: &str, message: &str) -> Response {
+        #[derive(serde::Serialize)]
+        struct ErrorBody<'a> {
+            error: &'a str,
+            message: &'a str,
+        }
+        let body = serde_json::to_vec(&ErrorBody { error: code, message }).unwrap_or_default();
+        Response::json(status, body)
+    }
+
+    pub fn with_header(mut self, name: &'static str, value: impl Into<String>) -> Response {
+        self.headers.push((name, value.into()));
+        self
+    }
+
+    pub fn closing(mut self) -> Response {
+        self.close = true;
+        self
+    }
+
+    /// Appends the response to `out`. A HEAD response carries the headers only.
+    pub fn write_to(&self, out: &mut Vec<u8>, head_only: bool) {
+        use std::io::Write as _;
+        let _ = write!(
+            out,
+            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n",
+            self.status,
+            reason(self.status),
+            self.content_type,
+            self.body.len()
+        );
+        for (name, value) in &self.headers {
+            let _ = write!(out, "{name}: {value}\r\n");
+        }
+        if self.close {
+            out.extend_from_slice(b"Connection: close\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        if !head_only {
+            out.extend_from_slice(&self.body);
+        }
+    }
+}
+
+/// Default error code names for statuses.
+pub fn error_code(status: u16) -> &'static str {
+    match status {
+        400 => "bad_request",
+        401 => "unauthorized",
+        403 => "forbidden",
+        404 => "not_found",
+        405 => "method_not_allowed",
+        408 => "request_timeout",
+        409 => "conflict",
+        413 => "payload_too_large",
+        426 => "upgrade_required",
+        429 => "queue_full",
+        431 => "header_too_large",
+        501 => "not_implemented",
+        503 => "unavailable",
+        _ => "error",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(raw: &str) -> Result<Head, HeadError> {
+        let buf = raw.as_bytes();
+        let end = find_head_end(buf, 0).ok_or(HeadError::Bad("no end".into()))?;
+        parse_head(buf, end)
+    }
+
+    fn check(raw: &str, expected: Result<(Method, &str, Framing, bool), u16>) {
+        let got = parse(raw).map(|h| (h.method, h.path.clone(), h.framing, h.keep_alive)).map_err(|e| e.status());
+        let expected = expected.map(|(m, p, f, k)| (m, p.to_string(), f, k));
+        assert_eq!(got, expected, "{raw:?}");
+    }
+
+    #[test]
+    fn heads() {
+        use Framing::*;
+        use Method::*;
+        check("GET / HTTP/1.1\r\n\r\n", Ok((Get, "/", Empty, true)));
+        check("GET /tasks/x?wait=true HTTP/1.1\r\nHost: a\r\n\r\n", Ok((Get, "/tasks/x", Empty, true)));
+        check("POST /tasks HTTP/1.1\r\nContent-Length: 5\r\n\r\n", Ok((Post, "/tasks", Length(5), true)));
+        check("POST /t HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n", Ok((Post, "/t", Length(5), true)));
+        check("POST /t HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", Ok((Post, "/t", Chunked, true)));
+        check("GET / HTTP/1.0\r\n\r\n", Ok((Get, "/", Empty, false)));
+        check("GET / HTTP/1.1\r\nConnection: close\r\n\r\n", Ok((Get, "/", Empty, false)));
+        check("GET / HTTP/1.1\nHost: lf-only\n\n", Ok((Get, "/", Empty, true)));
+        check("BREW /pot HTTP/1.1\r\n\r\n", Ok((Other, "/pot", Empty, true)));
+        check("POST /t HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nContent-Length: -1\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nContent-Length: +1\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", Err(501));
+        check("POST /t HTTP/1.1\r\nExpect: 200-ok\r\n\r\n", Err(400));
+        check("GET http://x/ HTTP/1.1\r\n\r\n", Err(400));
+        check("GET / HTTP/2.0\r\n\r\n", Err(400));
+        check("\x01\x02 / HTTP/1.1\r\n\r\n", Err(400));
+        let many: String = (0..65).map(|i| format!("X-{i}: v\r\n")).collect();
+        check(&format!("GET / HTTP/1.1\r\n{many}\r\n"), Err(431));
+        let big = "a".repeat(MAX_HEAD_BYTES);
+        check(&format!("GET / HTTP/1.1\r\nX: {big}\r\n\r\n"), Err(431));
+    }
+
+    #[test]
+    fn head_fields() {
+        let h = parse(
+            "POST /tasks?a=1&wait=true HTTP/1.1\r\nAuthorization: Bearer  tok \r\nExpect: 100-continue\r\n\
+             X-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\nIdempotency-Key: k1\r\n\r\n",
+        )
+        .expect("parse");
+        assert_eq!(h.bearer_token(), Some("tok"));
+        assert_eq!(h.query_param("wait"), Some("true"));
+        assert_eq!(h.query_param("b"), None);
+        assert!(h.expect_continue);
+        assert_eq!(h.forwarded_for.as_deref(), Some("1.1.1.1, 2.2.2.2"));
+        assert_eq!(h.idempotency_key.as_deref(), Some("k1"));
+    }
+
+    #[test]
+    fn head_end_is_found_incrementally() {
+        let raw = b"GET / HTTP/1.1\r\nHost: a\r\n\r\nNEXT";
+        for split in 0..raw.len() {
+            // Scanning the first part, then the whole, must find the same end.
+            let first = find_head_end(&raw[..split], 0);
+            let whole = find_head_end(raw, split);
+            assert_eq!(first.or(whole), Some(raw.len() - 4), "split at {split}");
+        }
+    }
+
+    fn check_chunked(input: &[&[u8]], limit: usize, expected: Result<(&[u8], usize), ChunkError>) {
+        let mut dec = ChunkedDecoder::default();
+        let mut out = Vec::new();
+        let mut consumed = 0;
+        let mut result = Ok(());
+        for part in input {
+            match dec.decode(part, &mut out, limit) {
+                Ok(n) => consumed += n,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        let got = result
+            .map(|()| (out.as_slice(), consumed))
+            .and_then(|v| if dec.is_done() { Ok(v) } else { Err(ChunkError::Malformed("not done")) });
+        assert_eq!(got, expected, "{input:?}");
+    }
+
+    #[test]
+    fn chunked_table() {
+        check_chunked(&[b"5\r\nhello\r\n0\r\n\r\n"], 100, Ok((b"hello", 15)));
+        check_chunked(&[b"5\r\nhel", b"lo\r\n6\r\n world\r\n0\r\n\r\n"], 100, Ok((b"hello world", 26)));
+        check_chunked(&[b"5;ext=1\r\nhello\r\n0\r\nTrailer: x\r\n\r\n"], 100, Ok((b"hello", 33)));
+        check_chunked(&[b"A\r\n0123456789\r\n0\r\n\r\nGET /next"], 100, Ok((b"0123456789", 20)));
+        check_chunked(&[b"5\nhello\n0\n\n"], 100, Ok((b"hello", 11)));
+        // Split at every byte.
+        let raw = b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
+        let parts: Vec<&[u8]> = raw.chunks(1).collect();
+        check_chunked(&parts, 100, Ok((b"abcde", raw.len())));
+        check_chunked(&[b"5\r\nhello\r\n"], 4, Err(ChunkError::TooLarge));
+        check_chunked(&[b"x\r\n"], 100, Err(ChunkError::Malformed("invalid chunk size")));
+        check_chunked(&[b"\r\n"], 100, Err(ChunkError::Malformed("invalid chunk size")));
+        check_chunked(&[b"5\r\nhelloX"], 100, Err(ChunkError::Malformed("expected CRLF after chunk data")));
+        check_chunked(&[b"1000000000000000\r\n"], 100, Err(ChunkError::Malformed("chunk size too long")));
+    }
+
+    #[test]
+    fn response_bytes() {
+        let mut out = Vec::new();
+        Response::error(405, "method_not_allowed", "use GET")
+            .with_header("Allow", "GET")
+            .closing()
+            .write_to(&mut out, false);
+        let text = String::from_utf8(out).expect("utf8");
+        assert!(text.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"), "{text}");
+        assert!(text.contains("\r\nAllow: GET\r\n") && text.contains("Connection: close\r\n"));
+        assert!(text.ends_with("\r\n\r\n{\"error\":\"method_not_allowed\",\"message\":\"use GET\"}"));
+    }
+}

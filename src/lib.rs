@@ -1,0 +1,20 @@
+//! relay: a task relay. HTTP in, WebSocket workers out, with fallback and a per-attempt history.
+//!
+//! The server is one single-threaded mio reactor (`reactor`) around pure modules: HTTP parsing
+//! (`http`), the API (`api`), the dispatcher (`dispatch`), tasks (`tasks`), timers (`timer`).
+//! See README.md for the codemap and the invariants.
+
+pub mod api;
+pub mod auth;
+pub mod config;
+pub mod conn;
+pub mod dispatch;
+pub mod http;
+pub mod log;
+pub mod metrics;
+pub mod proxy;
+pub mod reactor;
+pub mod signals;
+pub mod tasks;
+pub mod timefmt;
+pub mod timer;

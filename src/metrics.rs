@@ -1,0 +1,174 @@
+//! Counters and the one histogram, rendered as Prometheus text. Plain integers on the loop
+//! thread: no atomics, no locks.
+
+use std::fmt::Write as _;
+
+use crate::tasks::{Outcome, Status};
+
+/// Upper bounds (seconds) of `relay_task_duration_seconds`.
+const DURATION_BUCKETS_S: [f64; 12] = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Ignored {
+    Late,
+    Duplicate,
+    Unknown,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    /// Final statuses: done, failed, canceled.
+    pub tasks_final: [u64; 3],
+    pub attempts: [u64; Outcome::COUNT],
+    pub ignored: [u64; 3],
+    /// Index = status code - 100.
+    http_requests: Vec<u64>,
+    duration_buckets: [u64; DURATION_BUCKETS_S.len()],
+    duration_count: u64,
+    duration_sum_ms: u64,
+    pub connections_refused: u64,
+    pub ws_messages_malformed: u64,
+}
+
+/// Point-in-time values the core knows and the metrics do not keep.
+pub struct Gauges {
+    pub workers_connected: usize,
+    pub workers_active: usize,
+    pub tasks_pending: usize,
+    pub tasks_dispatched: usize,
+    pub connections_open: usize,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        Metrics { http_requests: vec![0; 500], ..Metrics::default() }
+    }
+
+    pub fn task_final(&mut self, status: Status, duration_ms: u64) {
+        let i = match status {
+            Status::Done => 0,
+            Status::Failed => 1,
+            Status::Canceled => 2,
+            Status::Pending | Status::Dispatched => return,
+        };
+        self.tasks_final[i] += 1;
+        let seconds = duration_ms as f64 / 1000.0;
+        for (bucket, bound) in self.duration_buckets.iter_mut().zip(DURATION_BUCKETS_S) {
+            if seconds <= bound {
+                *bucket += 1;
+            }
+        }
+        self.duration_count += 1;
+        self.duration_sum_ms += duration_ms;
+    }
+
+    pub fn attempt(&mut self, outcome: Outcome) {
+        self.attempts[outcome as usize] += 1;
+    }
+
+    pub fn ignored(&mut self, why: Ignored) {
+        self.ignored[why as usize] += 1;
+    }
+
+    pub fn http_request(&mut self, status: u16) {
+        if let Some(slot) = status.checked_sub(100).and_then(|i| self.http_requests.get_mut(usize::from(i))) {
+            *slot += 1;
+        }
+    }
+
+    pub fn render(&self, g: &Gauges) -> String {
+        let mut out = String::with_capacity(4096);
+        let w = &mut out;
+        counter_header(w, "relay_tasks_total", "Tasks that reached a final status.");
+        for (name, v) in ["done", "failed", "canceled"].iter().zip(self.tasks_final) {
+            let _ = writeln!(w, "relay_tasks_total{{status=\"{name}\"}} {v}");
+        }
+        counter_header(w, "relay_attempts_total", "Dispatch attempts by outcome.");
+        for outcome in Outcome::ALL {
+            let _ = writeln!(
+                w,
+                "relay_attempts_total{{outcome=\"{}\"}} {}",
+                outcome.as_str(),
+                self.attempts[outcome as usize]
+            );
+        }
+        counter_header(w, "relay_results_ignored_total", "Worker results that could not finish a task.");
+        for (name, v) in ["late", "duplicate", "unknown"].iter().zip(self.ignored) {
+            let _ = writeln!(w, "relay_results_ignored_total{{reason=\"{name}\"}} {v}");
+        }
+        gauge(w, "relay_workers_connected", "Connected worker WebSockets.", g.workers_connected);
+        gauge(w, "relay_workers_active", "Workers alive and not draining.", g.workers_active);
+        gauge(w, "relay_tasks_pending", "Tasks waiting for a worker or their time.", g.tasks_pending);
+        gauge(w, "relay_tasks_dispatched", "Tasks running on a worker.", g.tasks_dispatched);
+        gauge(w, "relay_connections_open", "Open client and worker connections.", g.connections_open);
+        counter_header(
+            w,
+            "relay_connections_refused_total",
+            "Connections closed at once because MAX_CONNECTIONS was reached.",
+        );
+        let _ = writeln!(w, "relay_connections_refused_total {}", self.connections_refused);
+        counter_header(w, "relay_ws_messages_malformed_total", "Worker messages that were not valid protocol JSON.");
+        let _ = writeln!(w, "relay_ws_messages_malformed_total {}", self.ws_messages_malformed);
+        counter_header(w, "relay_log_lines_dropped_total", "Log lines dropped because stderr could not keep up.");
+        let _ = writeln!(w, "relay_log_lines_dropped_total {}", crate::log::dropped_lines());
+        counter_header(w, "relay_http_requests_total", "HTTP responses by status code.");
+        for (i, v) in self.http_requests.iter().enumerate().filter(|(_, v)| **v > 0) {
+            let _ = writeln!(w, "relay_http_requests_total{{code=\"{}\"}} {v}", i + 100);
+        }
+        let _ = writeln!(w, "# HELP relay_task_duration_seconds Time from submit to a final status.");
+        let _ = writeln!(w, "# TYPE relay_task_duration_seconds histogram");
+        for (bound, v) in DURATION_BUCKETS_S.iter().zip(self.duration_buckets) {
+            let _ = writeln!(w, "relay_task_duration_seconds_bucket{{le=\"{bound}\"}} {v}");
+        }
+        let _ = writeln!(w, "relay_task_duration_seconds_bucket{{le=\"+Inf\"}} {}", self.duration_count);
+        let _ = writeln!(w, "relay_task_duration_seconds_sum {}", self.duration_sum_ms as f64 / 1000.0);
+        let _ = writeln!(w, "relay_task_duration_seconds_count {}", self.duration_count);
+        out
+    }
+}
+
+fn counter_header(w: &mut String, name: &str, help: &str) {
+    let _ = writeln!(w, "# HELP {name} {help}\n# TYPE {name} counter");
+}
+
+fn gauge(w: &mut String, name: &str, help: &str, value: usize) {
+    let _ = writeln!(w, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_every_family() {
+        let mut m = Metrics::new();
+        m.task_final(Status::Done, 3);
+        m.attempt(Outcome::Timeout);
+        m.ignored(Ignored::Duplicate);
+        m.http_request(202);
+        let g = Gauges {
+            workers_connected: 2,
+            workers_active: 1,
+            tasks_pending: 3,
+            tasks_dispatched: 4,
+            connections_open: 5,
+        };
+        let text = m.render(&g);
+        for line in [
+            "relay_tasks_total{status=\"done\"} 1",
+            "relay_attempts_total{outcome=\"timeout\"} 1",
+            "relay_results_ignored_total{reason=\"duplicate\"} 1",
+            "relay_workers_connected 2",
+            "relay_workers_active 1",
+            "relay_tasks_pending 3",
+            "relay_tasks_dispatched 4",
+            "relay_connections_open 5",
+            "relay_http_requests_total{code=\"202\"} 1",
+            "relay_task_duration_seconds_bucket{le=\"0.005\"} 1",
+            "relay_task_duration_seconds_bucket{le=\"0.001\"} 0",
+            "relay_task_duration_seconds_count 1",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+    }
+}

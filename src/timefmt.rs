@@ -1,0 +1,177 @@
+//! Wall-clock time as milliseconds since the Unix epoch, and RFC 3339 text in and out.
+//!
+//! Wall time is for what people read (`created_at`, token `exp`, log `ts`); deadlines and timers
+//! use the reactor's monotonic clock and never come from here.
+
+use std::fmt::Write as _;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Milliseconds since the Unix epoch (0 if the clock is before 1970).
+pub fn wall_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// `2026-11-29T12:06:15.123Z`.
+pub fn rfc3339_ms(ms: u64) -> String {
+    let mut out = String::with_capacity(24);
+    write_rfc3339_ms(&mut out, ms);
+    out
+}
+
+pub fn write_rfc3339_ms(out: &mut String, ms: u64) {
+    let secs = ms / 1000;
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    let (y, m, d) = civil_from_days(days);
+    let _ =
+        write!(out, "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z", rem / 3600, rem / 60 % 60, rem % 60, ms % 1000);
+}
+
+/// Parses RFC 3339 (`2026-11-29T12:00:00Z`, `...T12:00:00.5+05:00`, lower-case `t`/`z` and a
+/// space separator accepted) into milliseconds since the epoch. Times before 1970 are an error.
+pub fn parse_rfc3339_ms(text: &str) -> Result<u64, &'static str> {
+    const BAD: &str = "expected an RFC 3339 time such as 2026-01-02T15:04:05Z";
+    let b = text.trim().as_bytes();
+    if b.len() < 20 {
+        return Err(BAD);
+    }
+    let num = |range: std::ops::Range<usize>| -> Result<i64, &'static str> {
+        let part = b.get(range).ok_or(BAD)?;
+        if part.is_empty() || !part.iter().all(u8::is_ascii_digit) {
+            return Err(BAD);
+        }
+        Ok(part.iter().fold(0i64, |acc, d| acc * 10 + i64::from(d - b'0')))
+    };
+    let (year, month, day) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (hour, minute, second) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't' | b' ') || b[13] != b':' || b[16] != b':' {
+        return Err(BAD);
+    }
+    if !(1..=12).contains(&month)
+        || day < 1
+        || day > days_in_month(year, month)
+        || hour > 23
+        || minute > 59
+        || second > 60
+    {
+        return Err("time out of range");
+    }
+    let mut i = 19;
+    let mut frac_ms = 0i64;
+    if b.get(i) == Some(&b'.') {
+        i += 1;
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            if i - start < 3 {
+                frac_ms = frac_ms * 10 + i64::from(b[i] - b'0');
+            }
+            i += 1;
+        }
+        let digits = i - start;
+        if digits == 0 {
+            return Err(BAD);
+        }
+        for _ in digits..3 {
+            frac_ms *= 10;
+        }
+    }
+    let offset_s = match b.get(i) {
+        Some(b'Z' | b'z') if i + 1 == b.len() => 0,
+        Some(sign @ (b'+' | b'-')) if i + 6 == b.len() && b[i + 3] == b':' => {
+            let (oh, om) = (num(i + 1..i + 3)?, num(i + 4..i + 6)?);
+            if oh > 23 || om > 59 {
+                return Err("time out of range");
+            }
+            let s = oh * 3600 + om * 60;
+            if *sign == b'+' { s } else { -s }
+        }
+        _ => return Err(BAD),
+    };
+    let second = second.min(59); // a leap second counts as :59
+    let days = days_from_civil(year, month, day);
+    let secs = days * 86_400 + hour * 3600 + minute * 60 + second - offset_s;
+    if secs < 0 {
+        return Err("time before 1970");
+    }
+    Ok((secs * 1000 + frac_ms) as u64)
+}
+
+fn is_leap(y: i64) -> bool {
+    (y % 4 == 0 && y % 100 != 0) || y % 400 == 0
+}
+
+fn days_in_month(y: i64, m: i64) -> i64 {
+    match m {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        _ if is_leap(y) => 29,
+        _ => 28,
+    }
+}
+
+/// Days since 1970-01-01 → (year, month, day). Howard Hinnant's algorithm.
+fn civil_from_days(z: i64) -> (i64, i64, i64) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(text: &str, expected: Result<u64, ()>) {
+        assert_eq!(parse_rfc3339_ms(text).map_err(|_| ()), expected, "parse_rfc3339_ms({text:?})");
+    }
+
+    #[test]
+    fn parse_table() {
+        let table: &[(&str, Result<u64, ()>)] = &[
+            ("1970-01-01T00:00:00Z", Ok(0)),
+            ("1970-01-01T00:00:01.5Z", Ok(1_500)),
+            ("2026-11-29T12:06:15.123Z", Ok(1_795_953_975_123)),
+            ("2026-11-29t12:06:15.123456z", Ok(1_795_953_975_123)),
+            ("2026-11-29T17:06:15.123+05:00", Ok(1_795_953_975_123)),
+            ("2026-11-29T07:06:15.123-05:00", Ok(1_795_953_975_123)),
+            ("2024-02-29T00:00:00Z", Ok(1_709_164_800_000)),
+            ("2023-02-29T00:00:00Z", Err(())),
+            ("2026-13-01T00:00:00Z", Err(())),
+            ("2026-11-29T24:00:00Z", Err(())),
+            ("2026-11-29T12:00:00", Err(())),
+            ("2026-11-29T12:00:00.Z", Err(())),
+            ("2026-11-29T12:00:00+0500", Err(())),
+            ("1969-12-31T23:59:59Z", Err(())),
+            ("yesterday", Err(())),
+            ("", Err(())),
+        ];
+        for (text, expected) in table {
+            check(text, *expected);
+        }
+    }
+
+    #[test]
+    fn format_round_trips() {
+        for ms in [0, 1_500, 951_782_400_000, 1_709_164_800_000, 1_795_953_975_123, 4_102_444_799_999] {
+            let text = rfc3339_ms(ms);
+            assert_eq!(parse_rfc3339_ms(&text), Ok(ms), "{text}");
+        }
+        assert_eq!(rfc3339_ms(1_795_953_975_123), "2026-11-29T12:06:15.123Z");
+    }
+}

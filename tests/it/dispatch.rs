@@ -1,0 +1,292 @@
+//! Dispatch and fallback (SPEC §5): round-robin, retries on untried workers, outcomes, kinds,
+//! concurrency, draining, and results that must be ignored.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::*;
+
+fn id_of(r: &Resp) -> String {
+    r.json()["task_id"].as_str().expect("task_id").to_string()
+}
+
+fn outcomes(t: &serde_json::Value) -> Vec<String> {
+    t["attempt_log"].as_array().expect("log").iter().map(|a| a["outcome"].as_str().unwrap_or("-").to_string()).collect()
+}
+
+#[test]
+fn round_robin_rotates_over_workers() {
+    let relay = Relay::start();
+    let a = FakeWorker::connect(&relay, None, Auto::Echo);
+    let b = FakeWorker::connect(&relay, None, Auto::Echo);
+    let c = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(3, |_| true);
+    let mut seen = Vec::new();
+    for i in 0..6 {
+        let r = relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{i}}}"#)));
+        assert_eq!(r.status, 200);
+        seen.push(r.json()["client_id"].as_str().expect("client").to_string());
+    }
+    assert_ne!(seen[0], seen[1]);
+    assert_ne!(seen[1], seen[2]);
+    assert_ne!(seen[0], seen[2]);
+    assert_eq!(seen[0..3], seen[3..6], "the same rotation repeats");
+    drop((a, b, c));
+}
+
+#[test]
+fn failure_falls_back_to_another_worker() {
+    let relay = Relay::start();
+    let bad = FakeWorker::connect(&relay, None, Auto::Fail("upstream refused".into()));
+    let good = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(2, |_| true);
+    // Whichever goes first, every task ends done; tasks that met `bad` show it in the log.
+    let mut saw_fallback = false;
+    for _ in 0..4 {
+        let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let t = r.json();
+        let o = outcomes(&t);
+        if o.len() == 2 {
+            saw_fallback = true;
+            assert_eq!(o, ["failed", "done"]);
+            assert_eq!(t["attempt_log"][0]["error"], "upstream refused");
+            assert_ne!(t["attempt_log"][0]["client_id"], t["attempt_log"][1]["client_id"]);
+            assert_eq!(t["client_id"], t["attempt_log"][1]["client_id"]);
+        }
+    }
+    assert!(saw_fallback);
+    assert!(relay.metric("relay_attempts_total{outcome=\"failed\"}") >= 1.0);
+    drop((bad, good));
+}
+
+#[test]
+fn timeout_falls_back_and_sends_cancel() {
+    let relay = Relay::start_with(&[("TASK_TIMEOUT", "300ms")]);
+    let silent = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["k"],"concurrency":1})), Auto::Manual);
+    relay.wait_clients(1, |c| c.get("kinds").is_some());
+    let id = id_of(&relay.submit(r#"{"payload":{"kind":"k"}}"#));
+    let first = silent.expect_task();
+    assert_eq!(first.id, id);
+    let good = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["k"]})), Auto::Echo);
+    let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["timeout", "done"]);
+    assert_eq!(t["attempt_log"][0]["error"], "no answer within 300ms");
+    assert!(t["attempt_log"][0]["duration_ms"].as_u64().is_some_and(|d| d >= 290));
+    assert_eq!(silent.next_cancel(Duration::from_secs(2)).as_deref(), Some(id.as_str()));
+    // The timed-out worker's slot is free again: it gets the next task.
+    let _ = relay.submit(r#"{"payload":{"kind":"k"}}"#);
+    let _ = relay.submit(r#"{"payload":{"kind":"k"}}"#);
+    assert!(silent.next_task(Duration::from_secs(2)).is_some());
+    drop(good);
+}
+
+#[test]
+fn disconnect_falls_back() {
+    let relay = Relay::start();
+    let a = FakeWorker::connect(&relay, None, Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let id = id_of(&relay.submit(r#"{"payload":"d"}"#));
+    a.expect_task();
+    let b = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(2, |_| true);
+    a.drop_connection();
+    let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["disconnect", "done"]);
+    assert_eq!(t["attempt_log"][0]["error"], "worker disconnected");
+    relay.wait_clients(1, |_| true);
+    drop(b);
+}
+
+#[test]
+fn without_untried_workers_the_task_fails_with_the_last_error() {
+    let relay = Relay::start();
+    let only = FakeWorker::connect(&relay, None, Auto::Fail("nope".into()));
+    relay.wait_clients(1, |_| true);
+    let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+    assert_eq!(r.status, 502);
+    let t = r.json();
+    assert_eq!(t["error"], "nope");
+    assert_eq!(outcomes(&t), ["failed"], "never retried on the same worker");
+    assert_eq!(t["client_id"], t["attempt_log"][0]["client_id"]);
+    drop(only);
+}
+
+#[test]
+fn retries_stop_at_max_retries_and_per_task_overrides_apply() {
+    let relay = Relay::start_with(&[("MAX_RETRIES", "1")]);
+    let ws: Vec<FakeWorker> = (0..4).map(|i| FakeWorker::connect(&relay, None, Auto::Fail(format!("e{i}")))).collect();
+    relay.wait_clients(4, |_| true);
+    let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+    assert_eq!(r.status, 502);
+    assert_eq!(outcomes(&r.json()), ["failed", "failed"], "1 + MAX_RETRIES attempts");
+    let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"max_retries":3}"#));
+    assert_eq!(outcomes(&r.json()), ["failed", "failed", "failed", "failed"]);
+    let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"max_retries":0}"#));
+    assert_eq!(outcomes(&r.json()), ["failed"]);
+    drop(ws);
+
+    let relay = Relay::start_with(&[("TASK_TIMEOUT", "10s")]);
+    let _silent = FakeWorker::connect(&relay, None, Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"timeout":"200ms"}"#));
+    assert_eq!(r.status, 502);
+    assert_eq!(r.json()["error"], "no answer within 200ms");
+}
+
+#[test]
+fn late_duplicate_and_unknown_results_are_ignored_and_counted() {
+    let relay = Relay::start_with(&[("TASK_TIMEOUT", "200ms")]);
+    let twice = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["twice"]})), Auto::Twice);
+    let late = FakeWorker::connect(
+        &relay,
+        Some(json!({"type":"hello","kinds":["late"]})),
+        Auto::Late(Duration::from_millis(400)),
+    );
+    relay.wait_clients(2, |c| c.get("kinds").is_some());
+
+    let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"twice"}}"#));
+    assert_eq!(r.status, 200);
+    assert!(
+        poll_until(Duration::from_secs(2), || relay.metric("relay_results_ignored_total{reason=\"duplicate\"}") == 1.0)
+    );
+
+    let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"late"}}"#));
+    assert_eq!(r.status, 502, "timed out, nobody else: {}", r.text());
+    assert_eq!(outcomes(&r.json()), ["timeout"]);
+    let id = id_of(&r);
+    assert!(poll_until(Duration::from_secs(2), || relay.metric("relay_results_ignored_total{reason=\"late\"}") == 1.0));
+    assert_eq!(relay.get_task(&id)["status"], "failed", "a late answer never finishes the task");
+
+    twice.done("5d6f3a0e-1b2c-4d5e-8f90-a1b2c3d4e5f6", json!(1));
+    assert!(
+        poll_until(Duration::from_secs(2), || relay.metric("relay_results_ignored_total{reason=\"unknown\"}") == 1.0)
+    );
+    // Another worker's answer to a task it was never sent is unknown, too.
+    let w3 = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["x"]})), Auto::Manual);
+    relay.wait_clients(3, |c| c.get("kinds").is_some());
+    w3.done(&id, json!(1));
+    assert!(
+        poll_until(Duration::from_secs(2), || relay.metric("relay_results_ignored_total{reason=\"unknown\"}") == 2.0)
+    );
+    drop(late);
+}
+
+#[test]
+fn kinds_route_tasks_and_unknown_kinds_get_503() {
+    let relay = Relay::start();
+    let a = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["a"]})), Auto::Echo);
+    let b = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["b"]})), Auto::Echo);
+    let none = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":[]})), Auto::Echo);
+    relay.wait_clients(3, |c| c.get("kinds").is_some());
+    let clients = relay.clients();
+    let id_of_kind = |k: &str| {
+        clients["clients"].as_array().expect("list").iter().find(|c| c["kinds"] == json!([k])).expect("worker")["client_id"].clone()
+    };
+    for _ in 0..3 {
+        let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"b"}}"#));
+        assert_eq!(r.status, 200);
+        assert_eq!(r.json()["client_id"], id_of_kind("b"));
+    }
+    let r = relay.submit(r#"{"payload":{"kind":"c"}}"#);
+    assert_eq!((r.status, r.error().as_str()), (503, "no_worker"));
+    let r = relay.submit(r#"{"payload":"no kind"}"#);
+    assert_eq!(r.status, 503, "workers with declared kinds do not take kind-less tasks");
+    // A worker with no hello takes everything.
+    let any = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(4, |_| true);
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"c"}}"#)).status, 200);
+    drop((a, b, none, any));
+}
+
+#[test]
+fn concurrency_is_never_exceeded_and_pending_tasks_go_in_order() {
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    relay.wait_clients(1, |c| c["concurrency"] == 1);
+    let ids: Vec<String> = (0..3).map(|i| id_of(&relay.submit(&format!(r#"{{"payload":{i}}}"#)))).collect();
+    let t0 = w.expect_task();
+    assert_eq!(t0.id, ids[0]);
+    assert!(w.no_task(Duration::from_millis(200)), "only one in flight");
+    assert_eq!(relay.get_task(&ids[1])["status"], "pending");
+    w.done(&t0.id, json!(0));
+    let t1 = w.expect_task();
+    assert_eq!(t1.id, ids[1], "pending tasks go in submission order");
+    assert!(w.no_task(Duration::from_millis(100)));
+    w.fail(&t1.id, "x");
+    let t2 = w.expect_task();
+    assert_eq!(t2.id, ids[2]);
+    w.done(&t2.id, json!(2));
+    relay.wait_status(&ids[2], "done", Duration::from_secs(2));
+    assert_eq!(relay.get_task(&ids[1])["status"], "failed");
+}
+
+#[test]
+fn a_retry_waits_for_a_busy_untried_worker() {
+    let relay = Relay::start();
+    let a = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    let b = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    relay.wait_clients(2, |c| c["concurrency"] == 1);
+    let x = id_of(&relay.submit(r#"{"payload":"x"}"#));
+    let y = id_of(&relay.submit(r#"{"payload":"y"}"#));
+    let (ta, tb) = (a.expect_task(), b.expect_task());
+    let (on_a, on_b) = if ta.id == x { (x.clone(), y.clone()) } else { (y.clone(), x.clone()) };
+    assert_eq!(tb.id, on_b);
+    a.fail(&on_a, "a failed");
+    // b is busy: the retry of on_a waits for b's capacity instead of failing.
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(relay.get_task(&on_a)["status"], "pending");
+    b.done(&on_b, json!("b"));
+    let retried = b.expect_task();
+    assert_eq!(retried.id, on_a);
+    b.done(&on_a, json!("b again"));
+    let t = relay.wait_status(&on_a, "done", Duration::from_secs(2));
+    assert_eq!(outcomes(&t), ["failed", "done"]);
+}
+
+#[test]
+fn retry_waiting_fails_when_the_last_untried_worker_leaves() {
+    let relay = Relay::start();
+    let a = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    let b = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    relay.wait_clients(2, |c| c["concurrency"] == 1);
+    let x = id_of(&relay.submit(r#"{"payload":"x"}"#));
+    let _y = id_of(&relay.submit(r#"{"payload":"y"}"#));
+    let ta = a.expect_task();
+    let _tb = b.expect_task();
+    a.fail(&ta.id, "first");
+    std::thread::sleep(Duration::from_millis(100));
+    b.drop_connection();
+    let t = relay.wait_status(&ta.id, "failed", Duration::from_secs(3));
+    assert_eq!(t["error"], "first");
+    let _ = x;
+}
+
+#[test]
+fn draining_workers_finish_but_take_nothing_new() {
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, None, Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let id = id_of(&relay.submit(r#"{"payload":1}"#));
+    let t = w.expect_task();
+    w.send(json!({"type":"hello","concurrency":0}).to_string());
+    relay.wait_clients(1, |c| c["active"] == false);
+    let h = request(relay.addr, "GET", "/healthz", &[], None).json();
+    assert_eq!((h["clients"].clone(), h["active_clients"].clone()), (json!(1), json!(0)));
+    assert_eq!(relay.submit(r#"{"payload":2}"#).status, 503);
+    w.done(&t.id, json!("finished while draining"));
+    assert_eq!(relay.wait_status(&id, "done", Duration::from_secs(2))["result"], "finished while draining");
+}
+
+#[test]
+fn malformed_hello_is_ignored() {
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":"a,b","concurrency":-1})), Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    assert!(poll_until(Duration::from_secs(2), || relay.metric("relay_ws_messages_malformed_total") == 1.0));
+    let c = relay.clients();
+    assert!(c["clients"][0].get("kinds").is_none(), "still accepts every kind: {c}");
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"zzz"}}"#)).status, 200);
+    drop(w);
+}

@@ -1,0 +1,10 @@
+//! Integration tests: each starts the real `relay` binary on an ephemeral loopback port and
+//! talks real HTTP and WebSocket to it. Modules by theme; helpers in `support`.
+
+mod support;
+
+mod dispatch;
+mod http_protocol;
+mod ops;
+mod tasks_api;
+mod websocket;

@@ -1,0 +1,173 @@
+//! Operations (SPEC §2, §10): configuration errors, help, metrics, logs, graceful shutdown.
+
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+const BASE: &[(&str, &str)] = &[("API_TOKEN", "a"), ("WORKER_TOKEN", "w"), ("PORT", "0"), ("BIND", "127.0.0.1")];
+
+#[test]
+fn help_and_version() {
+    let (code, out, _) = run_relay_env(&["--help"], &[]);
+    assert_eq!(code, Some(0));
+    for var in [
+        "PORT",
+        "BIND",
+        "WORKER_TOKEN",
+        "API_TOKEN",
+        "AUTH_TOKEN",
+        "PING_INTERVAL",
+        "PONG_WAIT",
+        "TASK_TIMEOUT",
+        "MAX_RETRIES",
+        "WAIT_TIMEOUT",
+        "BLOB_DIR",
+        "BLOB_TTL",
+        "MAX_FILE_SIZE",
+        "TASK_TTL",
+        "MAX_MESSAGE_SIZE",
+        "TOKEN_SECRET",
+        "TOKEN_STORE",
+        "DATA_DIR",
+        "MAX_CONNECTIONS",
+        "HEADER_TIMEOUT",
+        "IDLE_TIMEOUT",
+        "MAX_PENDING",
+        "MAX_BATCH_BYTES",
+        "SHUTDOWN_TIMEOUT",
+        "LOG_LEVEL",
+        "TRUSTED_PROXIES",
+    ] {
+        assert!(out.contains(var), "--help lacks {var}");
+    }
+    let (code, out, _) = run_relay_env(&["--version"], &[]);
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with("relay "));
+    let (code, _, err) = run_relay_env(&["--bogus"], &[]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("--bogus"));
+}
+
+#[test]
+fn invalid_configuration_exits_2_naming_the_variable() {
+    let table: &[(&str, &str)] = &[
+        ("PORT", "99999"),
+        ("PING_INTERVAL", "0s"),
+        ("PONG_WAIT", "-1s"),
+        ("TASK_TIMEOUT", "soon"),
+        ("MAX_RETRIES", "-2"),
+        ("LOG_LEVEL", "chatty"),
+        ("MAX_CONNECTIONS", "many"),
+        ("BIND", "256.0.0.1"),
+        ("TOKEN_SECRET", "too-short"),
+    ];
+    for (var, value) in table {
+        let mut env = BASE.to_vec();
+        env.push((var, value));
+        let started = Instant::now();
+        let (code, _, err) = run_relay_env(&[], &env);
+        assert_eq!(code, Some(2), "{var}={value}: {err}");
+        assert!(err.contains(var), "{var}: stderr should name it: {err}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+    let (code, _, err) = run_relay_env(&[], &[("API_TOKEN", "a")]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("WORKER_TOKEN"), "{err}");
+}
+
+#[test]
+fn metrics_expose_every_family() {
+    let relay = Relay::start();
+    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#)).status, 200);
+    let r = request(relay.addr, "GET", "/metrics", &[], None);
+    assert!(r.header("Content-Type").is_some_and(|c| c.starts_with("text/plain")));
+    let text = r.text();
+    for family in [
+        "relay_tasks_total{status=\"done\"} 1",
+        "relay_attempts_total{outcome=\"done\"} 1",
+        "relay_results_ignored_total{reason=\"late\"} 0",
+        "relay_workers_connected 1",
+        "relay_workers_active 1",
+        "relay_tasks_pending 0",
+        "relay_tasks_dispatched 0",
+        "relay_connections_open ",
+        "relay_http_requests_total{code=\"200\"} ",
+        "relay_task_duration_seconds_count 1",
+        "relay_task_duration_seconds_bucket{le=\"+Inf\"} 1",
+    ] {
+        assert!(text.contains(family), "missing {family:?} in\n{text}");
+    }
+}
+
+#[test]
+fn logs_are_key_value_lines_without_tokens() {
+    let relay = Relay::start();
+    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+    request(relay.addr, "GET", "/ws?token=guess", &[], None);
+    assert!(relay.wait_log("msg=\"worker connected\"", Duration::from_secs(2)));
+    let log = relay.log_text();
+    for line in log.lines() {
+        assert!(line.starts_with("ts=") && line.contains(" level=") && line.contains(" msg="), "{line}");
+    }
+    assert!(!log.contains(API) && !log.contains(WRK), "a token leaked into the logs:\n{log}");
+    assert!(!log.contains("guess"));
+}
+
+#[test]
+fn log_level_filters() {
+    let relay = Relay::start_with(&[("LOG_LEVEL", "WARN")]);
+    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    let mut relay = relay;
+    relay.signal("TERM");
+    relay.wait_exit(Duration::from_secs(5)).expect("exit");
+    let log = relay.log_text();
+    let chatty: Vec<&str> = log
+        .lines()
+        .filter(|l| (l.contains("level=info") || l.contains("level=debug")) && !l.contains("msg=listening"))
+        .collect();
+    assert!(chatty.is_empty(), "only the listening line ignores LOG_LEVEL: {chatty:?}");
+    assert!(log.contains("msg=listening"), "the bound address is always logged");
+}
+
+#[test]
+fn sigterm_answers_waiters_closes_workers_and_exits_0() {
+    let relay = Relay::start_with(&[("WAIT_TIMEOUT", "30s"), ("SHUTDOWN_TIMEOUT", "3s")]);
+    let w = FakeWorker::connect(&relay, None, Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let addr = relay.addr;
+    let waiter = std::thread::spawn(move || {
+        let auth = format!("Bearer {API}");
+        request(addr, "POST", "/tasks?wait=true", &[("Authorization", &auth)], Some(br#"{"payload":"s"}"#))
+    });
+    let _task = w.expect_task();
+    let mut idle = Client::connect(relay.addr);
+    assert_eq!(idle.call("GET", "/healthz", &[], None).status, 200);
+    let started = Instant::now();
+    let status = relay.stop();
+    assert_eq!(status.code(), Some(0));
+    assert!(started.elapsed() < Duration::from_secs(3), "no reason to wait for the grace period");
+    let r = waiter.join().expect("waiter");
+    assert_eq!(r.status, 202, "a POST waiter gets the task as it is: {}", r.text());
+    assert_eq!(r.json()["status"], "dispatched");
+    assert_eq!(r.header("Connection"), Some("close"));
+    assert_eq!(w.wait_closed(Duration::from_secs(2)), Some(Some(1001)));
+    assert!(idle.closed_within(Duration::from_secs(2)));
+}
+
+#[test]
+fn sigint_also_exits_0() {
+    let mut relay = Relay::start();
+    relay.signal("INT");
+    assert_eq!(relay.wait_exit(Duration::from_secs(5)).and_then(|s| s.code()), Some(0));
+}
+
+#[test]
+fn port_zero_logs_the_bound_address() {
+    let relay = Relay::start();
+    assert!(relay.log_text().contains(&format!("msg=listening addr={}", relay.addr)));
+}

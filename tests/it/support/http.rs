@@ -1,0 +1,148 @@
+//! A small HTTP/1.1 client over std sockets: exactly the bytes we choose, so tests can send
+//! malformed, pipelined or slow requests.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::Duration;
+
+#[derive(Debug, Clone)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.text()))
+    }
+    /// The `error` code of a JSON error body.
+    pub fn error(&self) -> String {
+        self.json()["error"].as_str().unwrap_or_default().to_string()
+    }
+}
+
+/// A keep-alive connection.
+pub struct Client {
+    pub stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Client {
+    pub fn connect(addr: SocketAddr) -> Client {
+        let stream = TcpStream::connect(addr).expect("connect");
+        stream.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+        stream.set_nodelay(true).expect("nodelay");
+        Client { stream, buf: Vec::new() }
+    }
+
+    pub fn send_raw(&mut self, bytes: &[u8]) {
+        self.stream.write_all(bytes).expect("write");
+    }
+
+    pub fn send(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) {
+        let raw = build(method, path, headers, body);
+        self.send_raw(&raw);
+    }
+
+    pub fn call(&mut self, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Resp {
+        self.send(method, path, headers, body);
+        self.read_response().expect("a response")
+    }
+
+    /// Reads one response; `None` on EOF before a status line.
+    pub fn read_response(&mut self) -> Option<Resp> {
+        self.read_response_to(false)
+    }
+
+    pub(crate) fn read_response_to(&mut self, head_only: bool) -> Option<Resp> {
+        loop {
+            let mut headers = [httparse::EMPTY_HEADER; 64];
+            let mut resp = httparse::Response::new(&mut headers);
+            if let Ok(httparse::Status::Complete(n)) = resp.parse(&self.buf) {
+                let status = resp.code.unwrap_or(0);
+                let hs: Vec<(String, String)> = resp
+                    .headers
+                    .iter()
+                    .map(|h| (h.name.to_string(), String::from_utf8_lossy(h.value).into_owned()))
+                    .collect();
+                let len: usize = hs
+                    .iter()
+                    .find(|(k, _)| k.eq_ignore_ascii_case("content-length"))
+                    .map(|(_, v)| v.parse().expect("content-length"))
+                    .unwrap_or(0);
+                let len = if head_only || status == 100 || status == 101 { 0 } else { len };
+                while self.buf.len() < n + len {
+                    if !self.fill() {
+                        return None;
+                    }
+                }
+                let body = self.buf[n..n + len].to_vec();
+                self.buf.drain(..n + len);
+                return Some(Resp { status, headers: hs, body });
+            }
+            if !self.fill() {
+                return None;
+            }
+        }
+    }
+
+    fn fill(&mut self) -> bool {
+        let mut chunk = [0u8; 8192];
+        match self.stream.read(&mut chunk) {
+            Ok(0) | Err(_) => false,
+            Ok(n) => {
+                self.buf.extend_from_slice(&chunk[..n]);
+                true
+            }
+        }
+    }
+
+    /// True if the server closed the connection (EOF) within `within`.
+    pub fn closed_within(&mut self, within: Duration) -> bool {
+        self.stream.set_read_timeout(Some(within)).expect("timeout");
+        let mut chunk = [0u8; 1024];
+        let result = loop {
+            match self.stream.read(&mut chunk) {
+                Ok(0) => break true,
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break true,
+                Err(_) => break false,
+            }
+        };
+        self.stream.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+        result
+    }
+
+    pub fn buffered(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+pub fn build(method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Vec<u8> {
+    let mut raw = format!("{method} {path} HTTP/1.1\r\nHost: relay\r\n");
+    for (k, v) in headers {
+        raw.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = body {
+        raw.push_str(&format!("Content-Length: {}\r\n", b.len()));
+    }
+    raw.push_str("\r\n");
+    let mut raw = raw.into_bytes();
+    if let Some(b) = body {
+        raw.extend_from_slice(b);
+    }
+    raw
+}
+
+/// One request on a fresh connection.
+pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Resp {
+    let mut c = Client::connect(addr);
+    c.call(method, path, headers, body)
+}

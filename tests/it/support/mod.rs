@@ -1,0 +1,235 @@
+//! Test support: start the real `relay` binary on an ephemeral loopback port, talk HTTP to it
+//! over plain sockets, and connect fake workers over real WebSockets.
+
+pub mod http;
+pub mod worker;
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use self::http::{Client, Resp, request};
+pub use self::worker::{Auto, FakeWorker};
+
+pub const API: &str = "api-token";
+pub const WRK: &str = "worker-token";
+
+/// A running relay process. Dropping it kills the process.
+pub struct Relay {
+    child: Option<Child>,
+    pub addr: SocketAddr,
+    pub log: Arc<Mutex<String>>,
+}
+
+/// Defaults that keep tests fast: short timeouts, memory only, debug logs.
+const DEFAULTS: &[(&str, &str)] = &[
+    ("PORT", "0"),
+    ("BIND", "127.0.0.1"),
+    ("API_TOKEN", API),
+    ("WORKER_TOKEN", WRK),
+    ("DATA_DIR", ""),
+    ("LOG_LEVEL", "debug"),
+    ("PING_INTERVAL", "200ms"),
+    ("PONG_WAIT", "1s"),
+    ("TASK_TIMEOUT", "2s"),
+    ("WAIT_TIMEOUT", "5s"),
+    ("SHUTDOWN_TIMEOUT", "2s"),
+];
+
+pub fn relay_bin() -> &'static str {
+    env!("CARGO_BIN_EXE_relay")
+}
+
+impl Relay {
+    pub fn start() -> Relay {
+        Relay::start_with(&[])
+    }
+
+    /// Starts relay with the defaults overridden by `env` (an empty value unsets a default
+    /// only for AUTH-style variables; others are passed as given).
+    pub fn start_with(env: &[(&str, &str)]) -> Relay {
+        let mut cmd = Command::new(relay_bin());
+        cmd.env_clear();
+        if let Ok(path) = std::env::var("PATH") {
+            cmd.env("PATH", path);
+        }
+        for (k, v) in DEFAULTS {
+            cmd.env(k, v);
+        }
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        let mut child = cmd.spawn().expect("spawn relay");
+        let stderr = child.stderr.take().expect("stderr");
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log2 = log.clone();
+        std::thread::spawn(move || {
+            let mut sent = false;
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                if !sent
+                    && line.contains("msg=listening")
+                    && let Some(addr) = line.split_whitespace().find_map(|kv| kv.strip_prefix("addr="))
+                {
+                    let _ = tx.send(addr.to_string());
+                    sent = true;
+                }
+                let mut l = log2.lock().expect("log lock");
+                l.push_str(&line);
+                l.push('\n');
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(addr) => addr.parse().expect("listening addr"),
+            Err(_) => {
+                let _ = child.kill();
+                panic!("relay did not start; log:\n{}", log.lock().expect("log"));
+            }
+        };
+        Relay { child: Some(child), addr, log }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    pub fn log_text(&self) -> String {
+        self.log.lock().expect("log").clone()
+    }
+
+    /// Waits until the log contains `needle`.
+    pub fn wait_log(&self, needle: &str, within: Duration) -> bool {
+        poll_until(within, || self.log_text().contains(needle))
+    }
+
+    pub fn ws_url(&self) -> String {
+        format!("ws://{}/ws?token={WRK}", self.addr)
+    }
+
+    /// One request with the API token, on a fresh connection.
+    pub fn api(&self, method: &str, path: &str, body: Option<&str>) -> Resp {
+        let auth = format!("Bearer {API}");
+        request(self.addr, method, path, &[("Authorization", auth.as_str())], body.map(str::as_bytes))
+    }
+
+    pub fn submit(&self, body: &str) -> Resp {
+        self.api("POST", "/tasks", Some(body))
+    }
+
+    pub fn get_task(&self, id: &str) -> serde_json::Value {
+        let r = self.api("GET", &format!("/tasks/{id}"), None);
+        assert_eq!(r.status, 200, "GET task: {}", r.text());
+        r.json()
+    }
+
+    /// Polls the task until `status`, returning its JSON.
+    pub fn wait_status(&self, id: &str, status: &str, within: Duration) -> serde_json::Value {
+        let deadline = Instant::now() + within;
+        loop {
+            let t = self.get_task(id);
+            if t["status"] == status {
+                return t;
+            }
+            if Instant::now() > deadline {
+                panic!("task {id} not {status} within {within:?}: {t}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn clients(&self) -> serde_json::Value {
+        let r = self.api("GET", "/clients", None);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    }
+
+    /// Waits until `/clients` lists `n` workers, each satisfying `ok`.
+    pub fn wait_clients(&self, n: usize, ok: impl Fn(&serde_json::Value) -> bool) {
+        let ready = poll_until(Duration::from_secs(5), || {
+            let c = self.clients();
+            c["count"] == n && c["clients"].as_array().is_some_and(|a| a.iter().all(&ok))
+        });
+        assert!(ready, "clients never became {n}: {}", self.clients());
+    }
+
+    pub fn metrics(&self) -> String {
+        request(self.addr, "GET", "/metrics", &[], None).text()
+    }
+
+    /// The value of one metric line (`name{labels}` exactly), or 0.
+    pub fn metric(&self, series: &str) -> f64 {
+        self.metrics()
+            .lines()
+            .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).map(str::to_string))
+            .map(|v| v.trim().parse().expect("metric value"))
+            .unwrap_or(0.0)
+    }
+
+    pub fn signal(&self, sig: &str) {
+        let status = Command::new("kill").arg(format!("-{sig}")).arg(self.pid().to_string()).status().expect("kill");
+        assert!(status.success());
+    }
+
+    /// Sends SIGTERM and waits (bounded) for the exit status.
+    pub fn stop(mut self) -> ExitStatus {
+        self.signal("TERM");
+        self.wait_exit(Duration::from_secs(10)).expect("relay exits after SIGTERM")
+    }
+
+    pub fn wait_exit(&mut self, within: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + within;
+        let child = self.child.as_mut()?;
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Polls `f` every 10 ms until it is true or `within` passes.
+pub fn poll_until(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Runs `relay` with an environment and returns (exit code, stderr).
+pub fn run_relay_env(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let mut cmd = Command::new(relay_bin());
+    cmd.env_clear().args(args);
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("run relay");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

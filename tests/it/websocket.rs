@@ -1,0 +1,145 @@
+//! The worker WebSocket (SPEC §5): handshake, pings and death, limits, frame types.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::support::*;
+
+#[test]
+fn silent_worker_dies_after_pong_wait_and_its_task_moves_on() {
+    let relay = Relay::start_with(&[("PING_INTERVAL", "100ms"), ("PONG_WAIT", "500ms"), ("TASK_TIMEOUT", "10s")]);
+    let frozen = FakeWorker::connect(&relay, None, Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let r = relay.submit(r#"{"payload":1}"#);
+    let id = r.json()["task_id"].as_str().expect("id").to_string();
+    frozen.expect_task();
+    // Alive while it answers pings.
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(relay.clients()["count"], 1, "pongs keep it alive");
+    let good = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(2, |_| true);
+    let started = Instant::now();
+    frozen.freeze();
+    relay.wait_clients(1, |_| true);
+    assert!(started.elapsed() >= Duration::from_millis(300), "not before PONG_WAIT");
+    let t = relay.wait_status(&id, "done", Duration::from_secs(3));
+    assert_eq!(t["attempt_log"][0]["outcome"], "disconnect");
+    drop(good);
+}
+
+#[test]
+fn oversize_binary_and_protocol_errors_close_with_codes() {
+    let relay = Relay::start_with(&[("MAX_MESSAGE_SIZE", "1024")]);
+    let w = FakeWorker::connect(&relay, None, Auto::Manual);
+    w.send("x".repeat(2000));
+    assert_eq!(w.wait_closed(Duration::from_secs(3)), Some(Some(1009)));
+
+    let w = FakeWorker::connect(&relay, None, Auto::Manual);
+    w.send_binary();
+    assert_eq!(w.wait_closed(Duration::from_secs(3)), Some(Some(1003)));
+    relay.wait_clients(0, |_| true);
+}
+
+#[test]
+fn malformed_messages_are_ignored_and_the_worker_stays() {
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    for bad in [
+        "not json",
+        "{}",
+        r#"{"type":"result"}"#,
+        r#"{"type":"result","task_id":"x","status":"done"}"#,
+        r#"{"type":"dance"}"#,
+        "[]",
+    ] {
+        w.send(bad.to_string());
+    }
+    assert!(poll_until(Duration::from_secs(2), || relay.metric("relay_ws_messages_malformed_total") >= 5.0));
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#)).status, 200);
+    assert!(!w.is_closed());
+}
+
+#[test]
+fn closed_worker_leaves_clients() {
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    w.close();
+    relay.wait_clients(0, |_| true);
+    assert_eq!(relay.metric("relay_workers_connected"), 0.0);
+}
+
+/// A masked client text frame (payload < 126 bytes).
+fn masked_text(text: &str) -> Vec<u8> {
+    let mask = [0x11u8, 0x22, 0x33, 0x44];
+    let mut f = vec![0x81, 0x80 | text.len() as u8];
+    f.extend_from_slice(&mask);
+    f.extend(text.bytes().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+    f
+}
+
+#[test]
+fn frames_sent_with_the_upgrade_request_are_not_lost() {
+    let relay = Relay::start();
+    let mut s = TcpStream::connect(relay.addr).expect("connect");
+    let hello = json!({"type":"hello","kinds":["early"],"concurrency":2}).to_string();
+    let mut raw = format!(
+        "GET /ws?token={WRK} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    )
+    .into_bytes();
+    raw.extend(masked_text(&hello));
+    s.write_all(&raw).expect("write");
+    s.set_read_timeout(Some(Duration::from_secs(3))).expect("timeout");
+    let mut buf = [0u8; 256];
+    let n = s.read(&mut buf).expect("101");
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    assert!(head.contains("Sec-WebSocket-Accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo="), "{head}");
+    relay.wait_clients(1, |c| c["kinds"] == json!(["early"]) && c["concurrency"] == 2);
+}
+
+#[test]
+fn upgrade_needs_the_worker_token_and_the_handshake_headers() {
+    let relay = Relay::start();
+    let r = request(relay.addr, "GET", "/ws?token=wrong", &[("Upgrade", "websocket"), ("Connection", "Upgrade")], None);
+    assert_eq!(r.status, 401);
+    let r = request(relay.addr, "GET", &format!("/ws?token={WRK}"), &[], None);
+    assert_eq!(r.status, 426, "plain GET with a good token: {}", r.text());
+    let r = request(
+        relay.addr,
+        "GET",
+        &format!("/ws?token={WRK}"),
+        &[
+            ("Upgrade", "websocket"),
+            ("Connection", "Upgrade"),
+            ("Sec-WebSocket-Version", "13"),
+            ("Sec-WebSocket-Key", "short"),
+        ],
+        None,
+    );
+    assert_eq!(r.status, 400);
+}
+
+#[test]
+fn trusted_proxy_headers_set_the_worker_ip() {
+    let relay = Relay::start_with(&[("TRUSTED_PROXIES", "127.0.0.1")]);
+    let mut s = TcpStream::connect(relay.addr).expect("connect");
+    let raw = format!(
+        "GET /ws?token={WRK} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         X-Forwarded-For: 203.0.113.9, 127.0.0.1\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    );
+    s.write_all(raw.as_bytes()).expect("write");
+    relay.wait_clients(1, |c| c["ip"] == "203.0.113.9");
+
+    // Without trust the header is ignored.
+    let plain = Relay::start();
+    let mut s2 = TcpStream::connect(plain.addr).expect("connect");
+    s2.write_all(raw.as_bytes()).expect("write");
+    plain.wait_clients(1, |c| c["ip"] == "127.0.0.1");
+    drop((s, s2));
+}

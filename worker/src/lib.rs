@@ -1,0 +1,1 @@
+//! relay-worker library (skeleton; filled by the worker issue).
