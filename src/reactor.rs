@@ -185,6 +185,11 @@ impl Io for Wire<'_> {
     }
 }
 
+/// A held reply or a download that has not been written completely yet.
+fn answer_under_way(conn: &Conn) -> bool {
+    matches!(&conn.state, State::Http(http) if matches!(http.phase, Phase::Held { .. } | Phase::Download(_) | Phase::Upload(_)))
+}
+
 /// Tells the disk thread a connection's transfer is over (an upload not finished is removed).
 fn end_transfer(store: &Store, transfers: &mut HashMap<TransferId, ConnRef>, phase: &Phase) {
     match phase {
@@ -545,8 +550,16 @@ impl Server {
             let room = (cap - http.buf.len()).min(self.scratch.len());
             match conn.stream.read(&mut self.scratch[..room]) {
                 Ok(0) => {
-                    // The peer closed its side. A held request can no longer be answered.
-                    self.close_now(r, "peer closed");
+                    // The peer closed its side. An answer under way (or already queued) is
+                    // still delivered; nothing more will be read.
+                    let answering = matches!(http.phase, Phase::Held { .. } | Phase::Download(_));
+                    if answering || conn.pending_out() > 0 {
+                        conn.close_after_flush = true;
+                        conn.read_more = false;
+                        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                    } else {
+                        self.close_now(r, "peer closed");
+                    }
                     return;
                 }
                 Ok(n) => {
@@ -1000,7 +1013,7 @@ impl Server {
         if conn.out.capacity() > KEEP_OUT_CAPACITY {
             conn.out = Vec::new();
         }
-        if conn.close_after_flush {
+        if conn.close_after_flush && !answer_under_way(conn) {
             let _ = conn.stream.shutdown(std::net::Shutdown::Write);
             if !matches!(conn.state, State::Closing) {
                 if let State::Http(_) = conn.state {
