@@ -159,8 +159,15 @@ struct Wire<'a> {
 impl Io for Wire<'_> {
     fn send_text(&mut self, worker: ConnRef, text: String) -> bool {
         let Some(conn) = self.conns.get_mut(worker) else { return false };
-        if conn.pending_out() + text.len() > self.max_ws_out_bytes || conn.close_after_flush {
+        if conn.close_after_flush {
             return false;
+        }
+        if conn.pending_out() + text.len() > self.max_ws_out_bytes {
+            // Over the cap: it is only a failure if the socket will not take bytes now (a burst
+            // within one loop turn is not a stalled worker).
+            if write_out(conn).is_err() || conn.pending_out() + text.len() > self.max_ws_out_bytes {
+                return false;
+            }
         }
         let State::Ws(ws) = &mut conn.state else { return false };
         let mut io = WsIo { stream: &mut conn.stream, out: &mut conn.out, got_bytes: false };
@@ -183,6 +190,22 @@ impl Io for Wire<'_> {
         // Pipelined requests may be waiting behind the held one.
         self.again.push(r);
     }
+}
+
+/// Writes the connection's output until it is all written or the socket would block.
+fn write_out(conn: &mut Conn) -> io::Result<()> {
+    while conn.out_pos < conn.out.len() {
+        match conn.stream.write(&conn.out[conn.out_pos..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => conn.out_pos += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    conn.out.clear();
+    conn.out_pos = 0;
+    Ok(())
 }
 
 /// A held reply or a download that has not been written completely yet.
@@ -988,28 +1011,17 @@ impl Server {
 
     fn flush(&mut self, r: ConnRef) {
         let Some(conn) = self.conns.get_mut(r) else { return };
-        while conn.out_pos < conn.out.len() {
-            match conn.stream.write(&conn.out[conn.out_pos..]) {
-                Ok(0) => {
-                    self.close_now(r, "write returned 0");
-                    return;
-                }
-                Ok(n) => conn.out_pos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    // A writable event follows; a download may still want its next chunk.
-                    self.pump_download(r);
-                    return;
-                }
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(_) => {
-                    self.close_now(r, "write error");
-                    return;
-                }
-            }
+        let total = conn.out.len();
+        if write_out(conn).is_err() {
+            self.close_now(r, "write error");
+            return;
         }
-        let had_backlog = conn.out_pos > MAX_HTTP_BACKLOG_BYTES;
-        conn.out.clear();
-        conn.out_pos = 0;
+        if conn.pending_out() > 0 {
+            // A writable event follows; a download may still want its next chunk.
+            self.pump_download(r);
+            return;
+        }
+        let had_backlog = total > MAX_HTTP_BACKLOG_BYTES;
         if conn.out.capacity() > KEEP_OUT_CAPACITY {
             conn.out = Vec::new();
         }
