@@ -10,6 +10,7 @@ pub mod config;
 pub mod conn;
 pub mod dispatch;
 pub mod http;
+pub mod jwt;
 pub mod log;
 pub mod metrics;
 pub mod proxy;
