@@ -198,6 +198,9 @@ mod tests {
         parts.join(".")
     }
 
+    /// (name, secret, token, wall time in ms, expected).
+    type Case<'a> = (&'a str, &'a [u8], String, u64, Result<Claims, JwtError>);
+
     fn check(case: &str, secret: &[u8], token: &str, now_ms: u64, expected: Result<Claims, JwtError>) {
         assert_eq!(verify(secret, token, now_ms), expected, "case {case:?}");
     }
@@ -245,7 +248,7 @@ mod tests {
         let claims_with = |json: &str| forge(SECRET, HEADER_JSON, json);
 
         use JwtError::*;
-        let table: Vec<(&str, &[u8], String, u64, Result<Claims, JwtError>)> = vec![
+        let table: Vec<Case<'_>> = vec![
             ("python vector", SECRET, PYTHON_TOKEN.into(), NOW_MS, Ok(claims())),
             ("round trip", SECRET, good.clone(), NOW_MS, Ok(claims())),
             ("jwt.io vector", b"your-256-bit-secret", JWT_IO_TOKEN.into(), NOW_MS, Err(BadClaims)),

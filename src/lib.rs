@@ -19,3 +19,4 @@ pub mod signals;
 pub mod tasks;
 pub mod timefmt;
 pub mod timer;
+pub mod tokens;
