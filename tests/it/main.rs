@@ -7,4 +7,5 @@ mod dispatch;
 mod http_protocol;
 mod ops;
 mod tasks_api;
+mod tokens;
 mod websocket;
