@@ -133,11 +133,11 @@ fn create_use_revoke_is_401_on_the_next_request_without_a_restart() {
 fn an_expired_token_is_401() {
     let store = Store::new("expiry");
     let relay = store.start_relay();
-    let t = store.create("short-lived", "http", "1s");
-    // exp is rounded up to a whole second, so the token is good for at least 1 s.
+    let t = store.create("short-lived", "http", "2s");
+    // exp is rounded up to a whole second, so the token is good for at least 2 s.
     assert_eq!(submit_kind(&relay, &t.token, "http").status, 202);
-    let expired = poll_until(Duration::from_secs(5), || submit_kind(&relay, &t.token, "http").status == 401);
-    assert!(expired, "the token was still accepted 5 s after a 1 s TTL");
+    let expired = poll_until(Duration::from_secs(6), || submit_kind(&relay, &t.token, "http").status == 401);
+    assert!(expired, "the token was still accepted 6 s after a 2 s TTL");
     assert_eq!(store.status_of(&t.jti), "expired");
     assert_eq!(relay.submit(r#"{"payload":{"kind":"http"},"queue":true}"#).status, 202);
 }
