@@ -90,7 +90,12 @@ pub struct Api {
     pub auth: Auth,
     pub max_message_bytes: usize,
     pub max_batch_bytes: usize,
+    pub max_file_bytes: u64,
 }
+
+/// Room for the multipart framing around a file of MAX_FILE_SIZE (boundaries, part headers,
+/// small extra fields).
+pub const MULTIPART_OVERHEAD_BYTES: u64 = 64 * 1024;
 
 pub fn error(status: u16, message: &str) -> Response {
     Response::error(status, error_code(status), message)
@@ -98,10 +103,11 @@ pub fn error(status: u16, message: &str) -> Response {
 
 impl Api {
     /// The largest body a request on this route may carry.
-    pub fn body_limit(&self, route: Route<'_>) -> usize {
+    pub fn body_limit(&self, route: Route<'_>) -> u64 {
         match route {
-            Route::TasksBatch => self.max_batch_bytes,
-            _ => self.max_message_bytes,
+            Route::TasksBatch => self.max_batch_bytes as u64,
+            Route::Files => self.max_file_bytes.saturating_add(MULTIPART_OVERHEAD_BYTES),
+            _ => self.max_message_bytes as u64,
         }
     }
 
@@ -142,7 +148,7 @@ impl Api {
         }
         if let crate::http::Framing::Length(n) = head.framing {
             let limit = self.body_limit(route);
-            if n > limit as u64 {
+            if n > limit {
                 return Some(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")));
             }
         }

@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use mio::net::TcpStream;
 use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
 
+use crate::files::{TransferId, UploadParse};
 use crate::http::{ChunkedDecoder, Head};
 use crate::timer::TimerHandle;
 
@@ -57,6 +58,39 @@ pub enum Phase {
     Body { head: Box<Head>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
     /// The core holds the response (`wait=true`); `keep_alive` is the request's.
     Held { keep_alive: bool, head_only: bool },
+    /// `POST /files`: the body streams through the multipart parser to the disk thread.
+    Upload(Box<Upload>),
+    /// `GET /files/{id}`: the file streams from the disk thread to the socket.
+    Download(Box<Download>),
+}
+
+pub struct Upload {
+    pub transfer: TransferId,
+    pub file_id: u128,
+    pub keep_alive: bool,
+    /// `None` once finished.
+    pub parse: Option<UploadParse>,
+    /// For chunked bodies: the decoder and the decoded bytes not yet parsed.
+    pub chunked: Option<(ChunkedDecoder, Vec<u8>)>,
+    /// Content-Length bytes not yet consumed (unused for chunked bodies).
+    pub body_left: u64,
+    /// File bytes sent to the disk thread and not yet written.
+    pub disk_bytes: usize,
+    /// The Finish job is sent; waiting for its answer.
+    pub finishing: bool,
+}
+
+pub struct Download {
+    pub transfer: TransferId,
+    pub keep_alive: bool,
+    pub head_only: bool,
+    pub range: Option<String>,
+    /// The file is open and the head is written.
+    pub started: bool,
+    pub next: u64,
+    pub end: u64,
+    /// A Read job is outstanding.
+    pub reading: bool,
 }
 
 pub struct Ws {

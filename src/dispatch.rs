@@ -43,6 +43,8 @@ pub enum Timer {
     Sweep,
     /// The reactor stopped accepting after EMFILE; try again.
     AcceptResume,
+    /// A stored file reached BLOB_TTL.
+    BlobExpire(u128),
     ShutdownDeadline,
 }
 
@@ -685,7 +687,7 @@ impl Core {
                 self.sweep_timer = None;
                 self.on_sweep(io);
             }
-            Timer::Conn(_) | Timer::AcceptResume | Timer::ShutdownDeadline => {}
+            Timer::Conn(_) | Timer::AcceptResume | Timer::BlobExpire(_) | Timer::ShutdownDeadline => {}
         }
     }
 

@@ -22,13 +22,16 @@ use tungstenite::Message;
 use tungstenite::protocol::CloseFrame;
 use tungstenite::protocol::frame::coding::CloseCode;
 
-use crate::api::{Api, Handled};
+use std::collections::HashMap;
+
+use crate::api::{Api, Handled, Route};
 use crate::config::Config;
-use crate::conn::{Conn, Phase, State, Ws, WsIo, ws_context};
+use crate::conn::{Conn, Download, Phase, State, Upload, Ws, WsIo, ws_context};
 use crate::dispatch::{Core, CoreConfig, Io, Timer};
+use crate::files::{self, Done, FileMeta, Job, OpenError, RangeAnswer, Store, TransferId, UploadError, UploadParse};
 use crate::http::{self, ChunkedDecoder, Framing, Head, MAX_HEAD_BYTES, Method, Response};
 use crate::log::Level;
-use crate::tasks::ConnRef;
+use crate::tasks::{ConnRef, uuid_string};
 
 const LISTENER: Token = Token(usize::MAX);
 const WAKER: Token = Token(usize::MAX - 1);
@@ -47,6 +50,17 @@ const KEEP_OUT_CAPACITY: usize = 64 * 1024;
 const LINGER_MS: u64 = 2_000;
 /// Retry delay after the process ran out of file descriptors.
 const ACCEPT_BACKOFF_MS: u64 = 100;
+
+/// Input an upload may buffer ahead of the parser.
+const UPLOAD_INPUT_BYTES: usize = 256 * 1024;
+/// File bytes of one upload sent to the disk thread and not yet written.
+const UPLOAD_WINDOW_BYTES: usize = 512 * 1024;
+/// The same, summed over every upload: beyond it uploads wait for the disk.
+const DISK_BUDGET_BYTES: usize = 64 << 20;
+/// One read from a file being downloaded.
+const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
+/// A download asks for more only when its unwritten output is at most this.
+const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
 
 const CONTINUE_100: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -171,6 +185,28 @@ impl Io for Wire<'_> {
     }
 }
 
+/// A held reply or a download that has not been written completely yet.
+fn answer_under_way(conn: &Conn) -> bool {
+    matches!(&conn.state, State::Http(http) if matches!(http.phase, Phase::Held { .. } | Phase::Download(_) | Phase::Upload(_)))
+}
+
+/// Tells the disk thread a connection's transfer is over (an upload not finished is removed).
+fn end_transfer(store: &Store, transfers: &mut HashMap<TransferId, ConnRef>, phase: &Phase) {
+    match phase {
+        Phase::Upload(up) => {
+            transfers.remove(&up.transfer);
+            if !up.finishing {
+                store.send(Job::Abort { t: up.transfer });
+            }
+        }
+        Phase::Download(d) => {
+            transfers.remove(&d.transfer);
+            store.send(Job::Close { t: d.transfer });
+        }
+        _ => {}
+    }
+}
+
 fn write_response(out: &mut Vec<u8>, mut response: Response, close: bool, head_only: bool) {
     response.close = close;
     response.write_to(out, head_only);
@@ -196,6 +232,12 @@ pub struct Server {
     max_ws_out_bytes: usize,
     /// Input an HTTP connection may buffer: a head, the largest body, and a little more.
     http_input_cap: usize,
+    store: Store,
+    /// Which connection a disk transfer belongs to.
+    transfers: HashMap<TransferId, ConnRef>,
+    next_transfer: TransferId,
+    /// Upload bytes queued to the disk thread and not yet written, over all uploads.
+    disk_bytes: usize,
 }
 
 impl Server {
@@ -224,7 +266,16 @@ impl Server {
                 .with_scoped_tokens(cfg.token_secret.as_deref(), &cfg.token_store),
             max_message_bytes: cfg.max_message_bytes,
             max_batch_bytes: cfg.max_batch_bytes,
+            max_file_bytes: cfg.max_file_bytes,
         };
+        let disk_waker = waker.clone();
+        let store = Store::start(
+            cfg.blob_dir.clone(),
+            Arc::new(move || {
+                let _ = disk_waker.wake();
+            }),
+        )?;
+        store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
         let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
         let cfg_max_body = cfg.max_message_bytes;
         let server = Server {
@@ -246,6 +297,10 @@ impl Server {
             shutdown_started: false,
             max_ws_out_bytes,
             http_input_cap: MAX_HEAD_BYTES + cfg_max_body + 4096,
+            store,
+            transfers: HashMap::new(),
+            next_transfer: 1,
+            disk_bytes: 0,
         };
         Ok((server, waker))
     }
@@ -288,7 +343,7 @@ impl Server {
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_pending = true,
-                    WAKER => {}
+                    WAKER => self.on_disk_done(),
                     t => {
                         let r = conn_ref(t);
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
@@ -391,6 +446,7 @@ impl Server {
             match timer {
                 Timer::Conn(r) => self.on_conn_timer(r),
                 Timer::AcceptResume => self.accept_pending = true,
+                Timer::BlobExpire(file_id) => self.store.send(Job::Delete { file_id }),
                 Timer::ShutdownDeadline => {
                     crate::log!(
                         Level::Warn,
@@ -438,6 +494,11 @@ impl Server {
                     self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
                 }
                 Phase::Held { .. } => {}
+                Phase::Upload(_) => {
+                    crate::log!(Level::Debug, "upload stalled", peer = conn.peer_ip);
+                    self.respond_and_close(r, crate::api::error(408, "upload made no progress within HEADER_TIMEOUT"));
+                }
+                Phase::Download(_) => self.close_now(r, "download stalled"),
             },
             State::Ws(ws) => {
                 if now >= ws.last_seen_ms + self.cfg.pong_wait_ms {
@@ -475,8 +536,10 @@ impl Server {
             let Some(conn) = self.conns.get_mut(r) else { return };
             let State::Http(http) = &mut conn.state else { return };
             // The most input the connection may buffer in its phase.
-            let cap = match http.phase {
-                Phase::Held { .. } => MAX_HELD_INPUT_BYTES,
+            let cap = match &http.phase {
+                Phase::Held { .. } | Phase::Download(_) => MAX_HELD_INPUT_BYTES,
+                Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES || self.disk_bytes >= DISK_BUDGET_BYTES => 0,
+                Phase::Upload(_) => UPLOAD_INPUT_BYTES,
                 _ => self.http_input_cap,
             };
             let backlog = conn.out.len() - conn.out_pos;
@@ -488,8 +551,16 @@ impl Server {
             let room = (cap - http.buf.len()).min(self.scratch.len());
             match conn.stream.read(&mut self.scratch[..room]) {
                 Ok(0) => {
-                    // The peer closed its side. A held request can no longer be answered.
-                    self.close_now(r, "peer closed");
+                    // The peer closed its side. An answer under way (or already queued) is
+                    // still delivered; nothing more will be read.
+                    let answering = matches!(http.phase, Phase::Held { .. } | Phase::Download(_));
+                    if answering || conn.pending_out() > 0 {
+                        conn.close_after_flush = true;
+                        conn.read_more = false;
+                        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                    } else {
+                        self.close_now(r, "peer closed");
+                    }
                     return;
                 }
                 Ok(n) => {
@@ -529,7 +600,8 @@ impl Server {
         }
         let State::Http(http) = &mut conn.state else { return false };
         match &mut http.phase {
-            Phase::Held { .. } => false,
+            Phase::Held { .. } | Phase::Download(_) => false,
+            Phase::Upload(_) => self.step_upload(r),
             Phase::Idle | Phase::Head => {
                 if http.buf.is_empty() {
                     return false;
@@ -569,6 +641,14 @@ impl Server {
                     self.answer_early(r, &head, response);
                     return true;
                 }
+                match Route::of(&head.path) {
+                    Route::Files => return self.start_upload(r, head),
+                    Route::File(id) => {
+                        let id = crate::tasks::parse_id(id);
+                        return self.start_download(r, head, id);
+                    }
+                    _ => {}
+                }
                 let body_ready = match head.framing {
                     Framing::Empty => true,
                     Framing::Length(n) => http.buf.len() as u64 >= n,
@@ -598,7 +678,7 @@ impl Server {
                         std::mem::replace(&mut http.buf, rest)
                     }
                     Framing::Chunked => {
-                        let limit = self.api.body_limit(crate::api::Route::of(&head.path));
+                        let limit = self.api.body_limit(Route::of(&head.path)) as usize;
                         let Some(state) = chunked.as_mut() else { return false };
                         let (decoder, decoded) = &mut **state;
                         match decoder.decode(&http.buf, decoded, limit) {
@@ -845,7 +925,8 @@ impl Server {
         write_response(&mut conn.out, response, true, false);
         if let State::Http(http) = &mut conn.state {
             http.buf = Vec::new();
-            http.phase = Phase::Idle;
+            let phase = std::mem::replace(&mut http.phase, Phase::Idle);
+            end_transfer(&self.store, &mut self.transfers, &phase);
         }
         conn.close_after_flush = true;
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
@@ -915,7 +996,11 @@ impl Server {
                     return;
                 }
                 Ok(n) => conn.out_pos += n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return, // a writable event follows
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // A writable event follows; a download may still want its next chunk.
+                    self.pump_download(r);
+                    return;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(_) => {
                     self.close_now(r, "write error");
@@ -929,7 +1014,7 @@ impl Server {
         if conn.out.capacity() > KEEP_OUT_CAPACITY {
             conn.out = Vec::new();
         }
-        if conn.close_after_flush {
+        if conn.close_after_flush && !answer_under_way(conn) {
             let _ = conn.stream.shutdown(std::net::Shutdown::Write);
             if !matches!(conn.state, State::Closing) {
                 if let State::Http(_) = conn.state {
@@ -946,12 +1031,16 @@ impl Server {
         if had_backlog || conn.read_more {
             self.again.push(r);
         }
+        self.pump_download(r);
     }
 
     // ----- closing ---------------------------------------------------------------------------
 
     fn close_now(&mut self, r: ConnRef, why: &str) {
         let Some(mut conn) = self.conns.remove(r) else { return };
+        if let State::Http(http) = &conn.state {
+            self.end_transfer(&http.phase);
+        }
         let _ = self.poll.registry().deregister(&mut conn.stream);
         if let Some((_, h)) = conn.timer.take() {
             self.core.wheel.cancel(h);
@@ -964,6 +1053,429 @@ impl Server {
             core.worker_disconnected(&mut wire, r, why);
         }
         core.conn_closed(r);
+    }
+
+    // ----- file transfers ----------------------------------------------------------------------
+
+    fn end_transfer(&mut self, phase: &Phase) {
+        end_transfer(&self.store, &mut self.transfers, phase);
+    }
+
+    /// `POST /files` passed its checks: stream the body to the disk thread.
+    fn start_upload(&mut self, r: ConnRef, head: Head) -> bool {
+        if head.framing == Framing::Empty {
+            self.answer_early(r, &head, crate::api::error(400, "POST /files needs a multipart body"));
+            return true;
+        }
+        let parse = match UploadParse::new(head.content_type.as_deref(), self.cfg.max_file_bytes) {
+            Ok(p) => p,
+            Err(UploadError::Bad(msg)) => {
+                self.answer_early(r, &head, crate::api::error(400, &msg));
+                return true;
+            }
+            Err(UploadError::TooLarge) => {
+                self.answer_early(r, &head, crate::api::error(413, "file over MAX_FILE_SIZE"));
+                return true;
+            }
+        };
+        let transfer = self.next_transfer;
+        self.next_transfer += 1;
+        let file_id = uuid::Uuid::new_v4().as_u128();
+        self.transfers.insert(transfer, r);
+        self.store.send(Job::Create { t: transfer, file_id });
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        let State::Http(http) = &mut conn.state else { return false };
+        let body_here = matches!(head.framing, Framing::Length(n) if http.buf.len() as u64 >= n);
+        if head.expect_continue && !body_here && head.minor_version == 1 {
+            conn.out.extend_from_slice(CONTINUE_100);
+            mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        }
+        let (body_left, chunked) = match head.framing {
+            Framing::Length(n) => (n, None),
+            _ => (0, Some((ChunkedDecoder::default(), Vec::new()))),
+        };
+        http.phase = Phase::Upload(Box::new(Upload {
+            transfer,
+            file_id,
+            keep_alive: head.keep_alive,
+            parse: Some(parse),
+            chunked,
+            body_left,
+            disk_bytes: 0,
+            finishing: false,
+        }));
+        crate::log!(Level::Debug, "upload started", file_id = uuid_string(file_id), peer = conn.peer_ip);
+        let at = self.now_ms + self.cfg.header_timeout_ms;
+        self.set_deadline(r, at);
+        true
+    }
+
+    /// Feeds buffered body bytes to the upload's parser and its file bytes to the disk.
+    fn step_upload(&mut self, r: ConnRef) -> bool {
+        enum Step {
+            Wait,
+            Progress,
+            Finish(Result<files::Uploaded, UploadError>),
+            Fail(UploadError),
+        }
+        let budget_full = self.disk_bytes >= DISK_BUDGET_BYTES;
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        let State::Http(http) = &mut conn.state else { return false };
+        let crate::conn::Http { buf, phase, .. } = http;
+        let Phase::Upload(up) = phase else { return false };
+        if up.finishing || up.disk_bytes >= UPLOAD_WINDOW_BYTES || budget_full {
+            return false;
+        }
+        let Some(parse) = up.parse.as_mut() else { return false };
+        let mut to_disk = Vec::new();
+        let mut used_any = false;
+        let step = match &mut up.chunked {
+            Some((decoder, decoded)) => {
+                let fed = match decoder.decode(buf, decoded, usize::MAX) {
+                    Ok(used) => {
+                        buf.drain(..used);
+                        used_any |= used > 0;
+                        parse.feed(decoded, &mut to_disk)
+                    }
+                    Err(_) => Err(UploadError::Bad("malformed chunked body".into())),
+                };
+                match fed {
+                    Err(e) => Step::Fail(e),
+                    Ok(used) => {
+                        decoded.drain(..used);
+                        used_any |= used > 0;
+                        if parse.is_done() {
+                            decoded.clear(); // the epilogue
+                        }
+                        if decoder.is_done() {
+                            Step::Finish(Ok(files::Uploaded::default()))
+                        } else if used_any {
+                            Step::Progress
+                        } else {
+                            Step::Wait
+                        }
+                    }
+                }
+            }
+            None => {
+                let avail = (buf.len() as u64).min(up.body_left) as usize;
+                match parse.feed(&buf[..avail], &mut to_disk) {
+                    Err(e) => Step::Fail(e),
+                    Ok(mut used) => {
+                        if parse.is_done() {
+                            used = avail; // the epilogue
+                        }
+                        buf.drain(..used);
+                        up.body_left -= used as u64;
+                        if up.body_left == 0 {
+                            Step::Finish(Ok(files::Uploaded::default()))
+                        } else if used > 0 {
+                            Step::Progress
+                        } else {
+                            Step::Wait
+                        }
+                    }
+                }
+            }
+        };
+        let transfer = up.transfer;
+        if !to_disk.is_empty() && !matches!(step, Step::Fail(_)) {
+            up.disk_bytes += to_disk.len();
+            self.disk_bytes += to_disk.len();
+            self.store.send(Job::Write { t: transfer, data: to_disk });
+        }
+        let step = match step {
+            // The body is complete: the parser must have seen its end and a file part.
+            Step::Finish(_) => {
+                Step::Finish(up.parse.take().map_or(Err(UploadError::Bad("no upload".into())), UploadParse::finish))
+            }
+            other => other,
+        };
+        match step {
+            Step::Wait => false,
+            Step::Progress => {
+                let at = self.now_ms + self.cfg.header_timeout_ms;
+                self.set_deadline(r, at);
+                true
+            }
+            Step::Finish(Ok(file)) => {
+                up.finishing = true;
+                let file_id = up.file_id;
+                let now = crate::timefmt::wall_ms();
+                let meta = FileMeta {
+                    file_id: uuid_string(file_id),
+                    filename: file.filename,
+                    content_type: file.content_type,
+                    size: file.size,
+                    sha256: file.sha256,
+                    created_ms: now,
+                    expires_ms: now + self.cfg.blob_ttl_ms,
+                };
+                self.store.send(Job::Finish { t: transfer, meta });
+                self.set_deadline(r, u64::MAX);
+                false
+            }
+            Step::Finish(Err(e)) | Step::Fail(e) => {
+                let response = match e {
+                    UploadError::TooLarge => {
+                        crate::api::error(413, &format!("file over MAX_FILE_SIZE ({} bytes)", self.cfg.max_file_bytes))
+                    }
+                    UploadError::Bad(msg) => crate::api::error(400, &msg),
+                };
+                self.respond_and_close(r, response);
+                false
+            }
+        }
+    }
+
+    /// `GET`/`HEAD /files/{id}`: ask the disk thread to open the file.
+    fn start_download(&mut self, r: ConnRef, head: Head, file_id: Option<u128>) -> bool {
+        let Some(file_id) = file_id else {
+            self.answer_early(r, &head, crate::api::error(404, "no such file"));
+            return true;
+        };
+        if head.framing != Framing::Empty {
+            self.answer_early(r, &head, crate::api::error(400, "a file download takes no request body"));
+            return true;
+        }
+        let transfer = self.next_transfer;
+        self.next_transfer += 1;
+        self.transfers.insert(transfer, r);
+        self.store.send(Job::Open { t: transfer, file_id, now_wall_ms: crate::timefmt::wall_ms() });
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        let State::Http(http) = &mut conn.state else { return false };
+        http.phase = Phase::Download(Box::new(Download {
+            transfer,
+            keep_alive: head.keep_alive,
+            head_only: head.method == Method::Head,
+            range: head.range.clone(),
+            started: false,
+            next: 0,
+            end: 0,
+            reading: false,
+        }));
+        let at = self.now_ms + self.cfg.idle_timeout_ms;
+        self.set_deadline(r, at);
+        false
+    }
+
+    /// Asks for the next chunk of a download once its output has drained enough.
+    fn pump_download(&mut self, r: ConnRef) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let pending = conn.pending_out();
+        let State::Http(http) = &mut conn.state else { return };
+        let Phase::Download(d) = &mut http.phase else { return };
+        if !d.started || d.reading || d.next >= d.end || pending > DOWNLOAD_LOW_WATER_BYTES {
+            return;
+        }
+        let len = (d.end - d.next).min(DOWNLOAD_CHUNK_BYTES as u64) as usize;
+        d.reading = true;
+        self.store.send(Job::Read { t: d.transfer, offset: d.next, len });
+    }
+
+    /// A transfer is over: its connection may take the next request.
+    fn finish_transfer(&mut self, r: ConnRef, keep_alive: bool) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        if let State::Http(http) = &mut conn.state {
+            http.phase = Phase::Idle;
+        }
+        if !keep_alive || self.shutdown_started {
+            conn.close_after_flush = true;
+        }
+        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        self.again.push(r);
+        let at = self.now_ms + self.cfg.idle_timeout_ms;
+        self.set_deadline(r, at);
+    }
+
+    /// Answers from the disk thread.
+    fn on_disk_done(&mut self) {
+        while let Some(done) = self.store.try_done() {
+            match done {
+                Done::Scanned(files) => {
+                    let wall = crate::timefmt::wall_ms();
+                    for (file_id, expires_ms) in files {
+                        let at = self.now_ms + expires_ms.saturating_sub(wall);
+                        self.core.wheel.arm(at, Timer::BlobExpire(file_id));
+                    }
+                }
+                Done::Created { t, result: Err(e) } => {
+                    crate::log!(
+                        Level::Error,
+                        "cannot create an upload file",
+                        dir = self.cfg.blob_dir.display(),
+                        error = e
+                    );
+                    if let Some(r) = self.transfers.get(&t).copied() {
+                        self.respond_and_close(r, crate::api::error(500, "cannot store the file"));
+                    }
+                }
+                Done::Created { result: Ok(()), .. } => {}
+                Done::Written { t, len } => {
+                    self.disk_bytes = self.disk_bytes.saturating_sub(len);
+                    if let Some(r) = self.transfers.get(&t).copied()
+                        && let Some(Phase::Upload(up)) = self.http_phase(r)
+                    {
+                        up.disk_bytes = up.disk_bytes.saturating_sub(len);
+                        self.again.push(r);
+                    }
+                }
+                Done::Finished { t, result } => self.upload_finished(t, result),
+                Done::Opened { t, result } => self.download_opened(t, result),
+                Done::Read { t, result } => self.download_read(t, result),
+            }
+        }
+    }
+
+    fn http_phase(&mut self, r: ConnRef) -> Option<&mut Phase> {
+        match &mut self.conns.get_mut(r)?.state {
+            State::Http(http) => Some(&mut http.phase),
+            _ => None,
+        }
+    }
+
+    fn upload_finished(&mut self, t: TransferId, result: Result<FileMeta, String>) {
+        let r = self.transfers.remove(&t);
+        let meta = match result {
+            Ok(meta) => meta,
+            Err(e) => {
+                crate::log!(Level::Error, "cannot store an upload", error = e);
+                if let Some(r) = r {
+                    self.respond_and_close(r, crate::api::error(500, "cannot store the file"));
+                }
+                return;
+            }
+        };
+        let Some(file_id) = crate::tasks::parse_id(&meta.file_id) else { return };
+        let ttl_at = self.now_ms + meta.expires_ms.saturating_sub(meta.created_ms);
+        self.core.wheel.arm(ttl_at, Timer::BlobExpire(file_id));
+        crate::log!(Level::Info, "file stored", file_id = meta.file_id, size = meta.size);
+        let Some(r) = r else { return };
+        let Some(Phase::Upload(up)) = self.http_phase(r) else { return };
+        let keep_alive = up.keep_alive;
+        let mut body = String::with_capacity(256);
+        body.push_str("{\"file_id\":\"");
+        body.push_str(&meta.file_id);
+        body.push_str("\",\"filename\":");
+        crate::tasks::push_json_str(&mut body, &meta.filename);
+        body.push_str(",\"content_type\":");
+        crate::tasks::push_json_str(&mut body, &meta.content_type);
+        body.push_str(&format!(",\"size\":{},\"sha256\":\"{}\",\"expires_at\":\"", meta.size, meta.sha256));
+        crate::timefmt::write_rfc3339_ms(&mut body, meta.expires_ms);
+        body.push_str("\"}");
+        let response = Response::json(201, body.into_bytes());
+        self.core.metrics.http_request(201);
+        if let Some(conn) = self.conns.get_mut(r) {
+            write_response(&mut conn.out, response, !keep_alive || self.shutdown_started, false);
+        }
+        self.finish_transfer(r, keep_alive);
+    }
+
+    fn download_opened(&mut self, t: TransferId, result: Result<FileMeta, OpenError>) {
+        let Some(r) = self.transfers.get(&t).copied() else {
+            self.store.send(Job::Close { t });
+            return;
+        };
+        let shutting_down = self.shutdown_started;
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &mut conn.state else { return };
+        let Phase::Download(d) = &mut http.phase else { return };
+        let (keep_alive, head_only) = (d.keep_alive, d.head_only);
+        let close = !keep_alive || shutting_down;
+        let meta = match result {
+            Ok(meta) => meta,
+            Err(e) => {
+                self.transfers.remove(&t);
+                let response = match e {
+                    OpenError::NotFound => crate::api::error(404, "no such file"),
+                    OpenError::Io(msg) => {
+                        crate::log!(Level::Error, "cannot open a stored file", error = msg);
+                        crate::api::error(500, "cannot read the file")
+                    }
+                };
+                self.core.metrics.http_request(response.status);
+                write_response(&mut conn.out, response, close, head_only);
+                self.finish_transfer(r, keep_alive);
+                return;
+            }
+        };
+        let (status, start, end) = match files::parse_range(d.range.as_deref(), meta.size) {
+            RangeAnswer::Full => (200, 0, meta.size),
+            RangeAnswer::Partial { start, end } => (206, start, end),
+            RangeAnswer::Unsatisfiable => {
+                self.transfers.remove(&t);
+                self.store.send(Job::Close { t });
+                let response = crate::api::error(416, "range not satisfiable")
+                    .with_header("Content-Range", format!("bytes */{}", meta.size));
+                self.core.metrics.http_request(416);
+                write_response(&mut conn.out, response, close, head_only);
+                self.finish_transfer(r, keep_alive);
+                return;
+            }
+        };
+        use std::io::Write as _;
+        let out = &mut conn.out;
+        let _ = write!(
+            out,
+            "HTTP/1.1 {status} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nContent-Disposition: {}\r\n\
+             Accept-Ranges: bytes\r\nETag: \"{}\"\r\nX-Content-Type-Options: nosniff\r\n",
+            http::reason(status),
+            meta.content_type,
+            end - start,
+            files::content_disposition(&meta.filename),
+            meta.sha256
+        );
+        if status == 206 {
+            let _ = write!(out, "Content-Range: bytes {start}-{}/{}\r\n", end - 1, meta.size);
+        }
+        if close {
+            out.extend_from_slice(b"Connection: close\r\n");
+        }
+        out.extend_from_slice(b"\r\n");
+        self.core.metrics.http_request(status);
+        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        if head_only || start == end {
+            self.transfers.remove(&t);
+            self.store.send(Job::Close { t });
+            self.finish_transfer(r, keep_alive);
+            return;
+        }
+        d.started = true;
+        d.next = start;
+        d.end = end;
+        self.pump_download(r);
+    }
+
+    fn download_read(&mut self, t: TransferId, result: Result<Vec<u8>, String>) {
+        let Some(r) = self.transfers.get(&t).copied() else {
+            self.store.send(Job::Close { t });
+            return;
+        };
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &mut conn.state else { return };
+        let Phase::Download(d) = &mut http.phase else { return };
+        d.reading = false;
+        let data = match result {
+            Ok(data) if !data.is_empty() => data,
+            other => {
+                // The head is sent: all we can do is end the connection early.
+                let why = other.err().unwrap_or_else(|| "the file is shorter than its metadata says".into());
+                crate::log!(Level::Error, "file read failed mid-download", error = why);
+                self.close_now(r, "file read failed");
+                return;
+            }
+        };
+        d.next += data.len() as u64;
+        let (done, keep_alive) = (d.next >= d.end, d.keep_alive);
+        conn.out.extend_from_slice(&data);
+        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        let at = self.now_ms + self.cfg.idle_timeout_ms;
+        self.set_deadline(r, at);
+        if done {
+            self.transfers.remove(&t);
+            self.store.send(Job::Close { t });
+            self.finish_transfer(r, keep_alive);
+        }
     }
 
     fn begin_shutdown(&mut self) {

@@ -272,3 +272,21 @@ fn a_client_that_does_not_read_does_not_stall_others() {
         assert!(started.elapsed() < Duration::from_secs(1));
     }
 }
+
+#[test]
+fn a_client_that_half_closes_after_its_request_still_gets_the_answer() {
+    let relay = Relay::start();
+    let _w = FakeWorker::connect(&relay, None, Auto::Late(Duration::from_millis(200)));
+    relay.wait_clients(1, |_| true);
+    // Pipelined requests, then FIN: every answer must still arrive, the held one included.
+    let mut c = Client::connect(relay.addr);
+    let a = auth();
+    let mut raw = build("GET", "/healthz", &[], None);
+    raw.extend(build("POST", "/tasks?wait=true", &[("Authorization", &a)], Some(br#"{"payload":1}"#)));
+    c.send_raw(&raw);
+    c.stream.shutdown(std::net::Shutdown::Write).expect("half close");
+    assert_eq!(c.read_response().expect("first").status, 200);
+    let held = c.read_response().expect("the held answer after our FIN");
+    assert_eq!(held.status, 200, "{}", held.text());
+    assert!(c.closed_within(Duration::from_secs(2)));
+}

@@ -4,6 +4,7 @@
 mod support;
 
 mod dispatch;
+mod files;
 mod http_protocol;
 mod ops;
 mod tasks_api;

@@ -1,0 +1,338 @@
+//! File transfer (SPEC §9): streaming multipart uploads and downloads with the real curl,
+//! limits, TTL, bad ids, ranges, and flat memory under a slow downloader.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use crate::support::*;
+
+/// A fresh directory under the system temp dir, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(tag: &str) -> TempDir {
+        let dir = std::env::temp_dir().join(format!("relay-it-{tag}-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        TempDir(dir)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+    pub fn names(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+            .map(|d| d.flatten().filter_map(|e| e.file_name().to_str().map(String::from)).collect())
+            .unwrap_or_default();
+        names.sort();
+        names
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn pseudo_random(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(data).iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn curl(args: &[&str]) -> (bool, Vec<u8>, String) {
+    let out = Command::new("curl").args(["-sS", "--max-time", "60"]).args(args).output().expect("curl runs");
+    (out.status.success(), out.stdout, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+fn upload_with_curl(relay: &Relay, path: &Path, token: &str) -> (u16, serde_json::Value) {
+    let (ok, out, err) = curl(&[
+        "-v",
+        "-w",
+        "\n%{http_code}",
+        "-H",
+        &format!("Authorization: Bearer {token}"),
+        "-F",
+        &format!("file=@{}", path.display()),
+        &format!("http://{}/files", relay.addr),
+    ]);
+    assert!(ok, "curl upload failed: {err}");
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (body, code) = text.rsplit_once('\n').expect("status line");
+    let json = serde_json::from_str(body).unwrap_or(serde_json::Value::Null);
+    (code.trim().parse().expect("code"), json)
+}
+
+fn start(blobs: &TempDir, extra: &[(&str, &str)]) -> Relay {
+    let dir = blobs.path().to_string_lossy().into_owned();
+    let mut env = vec![("BLOB_DIR", dir.as_str())];
+    env.extend_from_slice(extra);
+    Relay::start_with(&env)
+}
+
+#[test]
+fn curl_round_trip_of_a_multi_mib_file_is_byte_identical() {
+    let blobs = TempDir::new("blobs");
+    let relay = start(&blobs, &[]);
+    let work = TempDir::new("work");
+    let data = pseudo_random(5 * 1024 * 1024 + 123, 7);
+    let src = work.path().join("report 2026.bin");
+    std::fs::write(&src, &data).expect("write source");
+
+    let (code, meta) = upload_with_curl(&relay, &src, API);
+    assert_eq!(code, 201, "{meta}");
+    assert_eq!(meta["size"], data.len() as u64);
+    assert_eq!(meta["sha256"], sha256_hex(&data));
+    assert_eq!(meta["filename"], "report 2026.bin");
+    assert_eq!(meta["content_type"], "application/octet-stream");
+    assert!(meta["expires_at"].as_str().is_some_and(|s| s.ends_with('Z')));
+    let id = meta["file_id"].as_str().expect("file_id").to_string();
+
+    // Download with the worker token, as a worker would, keeping the server's file name.
+    let out_dir = TempDir::new("out");
+    let (ok, _, err) = curl(&[
+        "-OJ",
+        "--output-dir",
+        &out_dir.path().to_string_lossy(),
+        "-H",
+        &format!("Authorization: Bearer {WRK}"),
+        &format!("http://{}/files/{id}", relay.addr),
+    ]);
+    assert!(ok, "curl download failed: {err}");
+    let got = std::fs::read(out_dir.path().join("report 2026.bin")).expect("downloaded under its name");
+    assert!(got == data, "downloaded bytes differ ({} vs {} bytes)", got.len(), data.len());
+}
+
+#[test]
+fn a_file_of_exactly_max_file_size_is_kept_and_one_byte_more_is_413_leaving_nothing() {
+    let blobs = TempDir::new("limit");
+    let relay = start(&blobs, &[("MAX_FILE_SIZE", "100000")]);
+    let work = TempDir::new("work");
+    let exact = work.path().join("exact.bin");
+    std::fs::write(&exact, pseudo_random(100_000, 1)).expect("write");
+    let (code, meta) = upload_with_curl(&relay, &exact, API);
+    assert_eq!((code, meta["size"].as_u64()), (201, Some(100_000)));
+
+    let before = blobs.names();
+    let over = work.path().join("over.bin");
+    std::fs::write(&over, pseudo_random(100_001, 2)).expect("write");
+    let (code, body) = upload_with_curl(&relay, &over, API);
+    assert_eq!(code, 413, "{body}");
+    assert_eq!(body["error"], "payload_too_large");
+    // A much larger declared body is refused from its head alone.
+    let big = work.path().join("big.bin");
+    std::fs::write(&big, pseudo_random(400_000, 3)).expect("write");
+    assert_eq!(upload_with_curl(&relay, &big, API).0, 413);
+    assert!(
+        poll_until(Duration::from_secs(3), || blobs.names() == before),
+        "the refused uploads left files behind: {:?} vs {:?}",
+        blobs.names(),
+        before
+    );
+}
+
+#[test]
+fn expired_files_are_removed_and_old_runs_are_cleaned_at_start() {
+    let blobs = TempDir::new("ttl");
+    let work = TempDir::new("work");
+    let src = work.path().join("t.txt");
+    std::fs::write(&src, b"short-lived").expect("write");
+    {
+        let relay = start(&blobs, &[("BLOB_TTL", "1s")]);
+        let (code, meta) = upload_with_curl(&relay, &src, API);
+        assert_eq!(code, 201);
+        let id = meta["file_id"].as_str().expect("id").to_string();
+        assert_eq!(relay.api("GET", &format!("/files/{id}"), None).status, 200);
+        assert!(poll_until(Duration::from_secs(4), || relay.api("GET", &format!("/files/{id}"), None).status == 404));
+        assert!(poll_until(Duration::from_secs(2), || blobs.names().is_empty()), "{:?}", blobs.names());
+
+        // One more, then stop before it expires.
+        assert_eq!(upload_with_curl(&relay, &src, API).0, 201);
+        assert_eq!(relay.stop().code(), Some(0));
+    }
+    assert_eq!(blobs.names().len(), 2, "blob and metadata: {:?}", blobs.names());
+    std::thread::sleep(Duration::from_millis(1100));
+    let relay = start(&blobs, &[("BLOB_TTL", "1s")]);
+    assert!(
+        poll_until(Duration::from_secs(3), || blobs.names().is_empty()),
+        "left by the earlier run: {:?}",
+        blobs.names()
+    );
+
+    // A file within its TTL survives a restart.
+    let keep = {
+        let relay2 = start(&blobs, &[("BLOB_TTL", "1h")]);
+        let (code, meta) = upload_with_curl(&relay2, &src, API);
+        assert_eq!(code, 201);
+        relay2.stop();
+        meta["file_id"].as_str().expect("id").to_string()
+    };
+    drop(relay);
+    let relay = start(&blobs, &[]);
+    let r = relay.api("GET", &format!("/files/{keep}"), None);
+    assert_eq!((r.status, r.body.as_slice()), (200, b"short-lived".as_slice()));
+}
+
+#[test]
+fn bad_and_unknown_ids_are_404() {
+    let blobs = TempDir::new("ids");
+    let relay = start(&blobs, &[]);
+    for path in [
+        "/files/../etc/passwd",
+        "/files/..%2F..%2Fetc%2Fpasswd",
+        "/files/%2e%2e",
+        "/files/not-a-uuid",
+        "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10",
+        "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10.json",
+    ] {
+        let r = relay.api("GET", path, None);
+        assert_eq!(r.status, 404, "{path}: {}", r.text());
+    }
+    let r = request(relay.addr, "GET", "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10", &[], None);
+    assert_eq!(r.status, 401, "no token");
+}
+
+#[test]
+fn head_range_and_names_are_served() {
+    let blobs = TempDir::new("range");
+    let relay = start(&blobs, &[]);
+    let work = TempDir::new("work");
+    let src = work.path().join("данные €.txt");
+    std::fs::write(&src, b"0123456789abcdef").expect("write");
+    let (code, meta) = upload_with_curl(&relay, &src, WRK);
+    assert_eq!(code, 201, "the worker token may upload: {meta}");
+    let id = meta["file_id"].as_str().expect("id").to_string();
+    let auth = format!("Bearer {API}");
+    let path = format!("/files/{id}");
+
+    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth)], None);
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("Content-Length"), Some("16"));
+    let cd = r.header("Content-Disposition").expect("disposition");
+    assert!(cd.starts_with("attachment; filename=\"") && cd.contains("filename*=UTF-8''"), "{cd}");
+    assert!(cd.contains("%E2%82%AC.txt"), "{cd}");
+
+    let mut c = Client::connect(relay.addr);
+    c.send("HEAD", &path, &[("Authorization", &auth)], None);
+    let h = c.read_response_to(true).expect("head");
+    assert_eq!((h.status, h.header("Content-Length")), (200, Some("16")));
+    assert!(h.body.is_empty());
+    // The connection is still in step after a HEAD.
+    assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
+
+    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=10-")], None);
+    assert_eq!((r.status, r.body.as_slice()), (206, b"abcdef".as_slice()));
+    assert_eq!(r.header("Content-Range"), Some("bytes 10-15/16"));
+    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=-3")], None);
+    assert_eq!((r.status, r.body.as_slice()), (206, b"def".as_slice()));
+    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=99-")], None);
+    assert_eq!((r.status, r.header("Content-Range")), (416, Some("bytes */16")));
+}
+
+#[test]
+fn uploads_need_multipart_with_a_file_part() {
+    let blobs = TempDir::new("multipart");
+    let relay = start(&blobs, &[]);
+    let auth = format!("Bearer {API}");
+    let r =
+        request(relay.addr, "POST", "/files", &[("Authorization", &auth), ("Content-Type", "text/plain")], Some(b"x"));
+    assert_eq!(r.status, 400);
+    let body = b"--b\r\nContent-Disposition: form-data; name=\"other\"\r\n\r\nx\r\n--b--\r\n";
+    let ct = ("Content-Type", "multipart/form-data; boundary=b");
+    let r = request(relay.addr, "POST", "/files", &[("Authorization", &auth), ct], Some(body));
+    assert_eq!(r.status, 400);
+    assert!(r.json()["message"].as_str().is_some_and(|m| m.contains("file")));
+    let r = request(relay.addr, "POST", "/files", &[ct], Some(body));
+    assert_eq!(r.status, 401);
+    // A chunked multipart upload, with other fields around the file, works too.
+    let mut c = Client::connect(relay.addr);
+    let payload = b"--b\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"c.txt\"\r\nContent-Type: text/plain\r\n\r\nchunked!\r\n--b--\r\n";
+    let mut raw = format!("POST /files HTTP/1.1\r\nAuthorization: {auth}\r\nContent-Type: multipart/form-data; boundary=b\r\nTransfer-Encoding: chunked\r\n\r\n").into_bytes();
+    for piece in payload.chunks(7) {
+        raw.extend(format!("{:x}\r\n", piece.len()).bytes());
+        raw.extend_from_slice(piece);
+        raw.extend_from_slice(b"\r\n");
+    }
+    raw.extend_from_slice(b"0\r\n\r\n");
+    c.send_raw(&raw);
+    let r = c.read_response().expect("response");
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.json()["content_type"], "text/plain");
+    let id = r.json()["file_id"].as_str().expect("id").to_string();
+    let got = c.call("GET", &format!("/files/{id}"), &[("Authorization", &auth)], None);
+    assert_eq!((got.body.as_slice(), got.header("Content-Type")), (b"chunked!".as_slice(), Some("text/plain")));
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS")
+}
+
+#[test]
+fn a_slow_downloader_keeps_memory_flat_and_others_are_served() {
+    let blobs = TempDir::new("slow");
+    let relay = start(&blobs, &[("IDLE_TIMEOUT", "30s")]);
+    let work = TempDir::new("work");
+    let size = 32 * 1024 * 1024;
+    let src = work.path().join("big.bin");
+    std::fs::write(&src, pseudo_random(size, 9)).expect("write");
+    let (code, meta) = upload_with_curl(&relay, &src, API);
+    assert_eq!(code, 201);
+    let id = meta["file_id"].as_str().expect("id").to_string();
+    let baseline = rss_kib(relay.pid());
+
+    let mut slow = TcpStream::connect(relay.addr).expect("connect");
+    // A small receive buffer, so the kernel does not soak up the file for us.
+    slow.write_all(format!("GET /files/{id} HTTP/1.1\r\nAuthorization: Bearer {API}\r\n\r\n").as_bytes())
+        .expect("write");
+    let mut received = 0usize;
+    let mut chunk = vec![0u8; 16 * 1024];
+    let started = Instant::now();
+    let mut peak = baseline;
+    while started.elapsed() < Duration::from_secs(3) {
+        if let Ok(n) = slow.read(&mut chunk) {
+            received += n;
+        }
+        peak = peak.max(rss_kib(relay.pid()));
+        let t = Instant::now();
+        assert_eq!(request(relay.addr, "GET", "/healthz", &[], None).status, 200);
+        assert!(t.elapsed() < Duration::from_secs(1), "others are served while the download stalls");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(received < size / 2, "the reader is slow ({received} bytes read)");
+    let growth = peak.saturating_sub(baseline);
+    assert!(growth < 8 * 1024, "relay RSS grew by {growth} KiB while serving a {size}-byte file to a slow reader");
+
+    // Reading the rest quickly completes the download intact.
+    let mut rest = Vec::new();
+    slow.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    let mut total = received;
+    while total < size {
+        match slow.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                total += n;
+                rest.extend_from_slice(&chunk[..n.min(16)]);
+            }
+        }
+    }
+    assert!(total >= size, "got {total} of {size} bytes (plus headers)");
+}
