@@ -38,8 +38,13 @@ impl Store {
         [("TOKEN_SECRET", SECRET), ("TOKEN_STORE", self.path())]
     }
 
+    /// The server, with its blobs in the same temp directory.
     fn start_relay(&self) -> Relay {
-        Relay::start_with(&self.env())
+        let blobs = self.dir.join("blobs");
+        let blobs = blobs.to_str().expect("utf-8 temp path");
+        let mut env = self.env().to_vec();
+        env.push(("BLOB_DIR", blobs));
+        Relay::start_with(&env)
     }
 
     /// Runs `relay token ...`: (exit code, stdout, stderr).
@@ -92,6 +97,14 @@ fn submit_kind(relay: &Relay, token: &str, kind: &str) -> Resp {
     call(relay, "POST", "/tasks", token, Some(&body))
 }
 
+/// A one-part multipart upload to `/files`.
+fn upload(relay: &Relay, token: &str) -> Resp {
+    let auth = format!("Bearer {token}");
+    let body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n\r\nhello\r\n--b--\r\n";
+    let headers = [("Authorization", auth.as_str()), ("Content-Type", "multipart/form-data; boundary=b")];
+    request(relay.addr, "POST", "/files", &headers, Some(body))
+}
+
 fn id_of(r: &Resp) -> String {
     r.json()["task_id"].as_str().unwrap_or_else(|| panic!("no task_id: {}", r.text())).to_string()
 }
@@ -106,8 +119,10 @@ fn create_use_revoke_is_401_on_the_next_request_without_a_restart() {
     assert_eq!(r.status, 202, "{}", r.text());
     let id = id_of(&r);
     assert_eq!(call(&relay, "GET", &format!("/tasks/{id}"), &t.token, None).status, 200);
-    let files = call(&relay, "POST", "/files", &t.token, Some(""));
-    assert!(![401, 403].contains(&files.status), "a scoped token opens /files: {}", files.status);
+    let r = upload(&relay, &t.token);
+    assert_eq!(r.status, 201, "a scoped token opens /files: {}", r.text());
+    let file_id = r.json()["file_id"].as_str().expect("file_id").to_string();
+    assert_eq!(call(&relay, "GET", &format!("/files/{file_id}"), &t.token, None).status, 200);
     assert_eq!(store.status_of(&t.jti), "active");
 
     let (code, out, err) = store.cli(&["revoke", &t.jti]);
@@ -118,7 +133,8 @@ fn create_use_revoke_is_401_on_the_next_request_without_a_restart() {
     assert_eq!(r.status, 401, "the very next request after a revoke: {}", r.text());
     assert_eq!(r.header("WWW-Authenticate"), Some("Bearer"));
     assert_eq!(submit_kind(&relay, &t.token, "http").status, 401);
-    assert_eq!(call(&relay, "POST", "/files", &t.token, Some("")).status, 401);
+    assert_eq!(upload(&relay, &t.token).status, 401);
+    assert_eq!(call(&relay, "GET", &format!("/files/{file_id}"), &t.token, None).status, 401);
     assert_eq!(store.status_of(&t.jti), "revoked");
     assert_eq!(relay.get_task(&id)["status"], "pending", "the root token is unaffected");
 
@@ -232,7 +248,8 @@ fn each_token_opens_only_its_endpoints() {
     assert_eq!(ws_get(API), 401, "the API token never opens /ws");
     assert_eq!(ws_get(WRK), 101, "the worker token does");
     assert_eq!(submit_kind(&relay, WRK, "http").status, 401, "the worker token never opens the task API");
-    assert!(![401, 403].contains(&call(&relay, "POST", "/files", WRK, Some("")).status));
+    assert_eq!(upload(&relay, WRK).status, 201, "the worker token opens /files");
+    assert_eq!(upload(&relay, API).status, 201, "so does the API token");
 
     // Forgeries: another secret, a tampered payload, alg none.
     let claims = relay::jwt::Claims {
@@ -249,7 +266,7 @@ fn each_token_opens_only_its_endpoints() {
     let alg_none = format!("eyJhbGciOiJub25lIiwidHlwIjoiSldUIn0.{}.", parts[1]);
     for bad in [&foreign, &tampered, &alg_none, "not-a-jwt", &format!("{}x", t.token)] {
         assert_eq!(submit_kind(&relay, bad, "http").status, 401, "{bad}");
-        assert_eq!(call(&relay, "POST", "/files", bad, Some("")).status, 401, "{bad}");
+        assert_eq!(upload(&relay, bad).status, 401, "{bad}");
     }
     assert_eq!(submit_kind(&relay, &t.token, "http").status, 202, "the genuine token still works");
 }
