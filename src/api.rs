@@ -112,8 +112,8 @@ impl Api {
     }
 
     /// Checks that need only the head: path, method, credentials, declared size. `Some` is the
-    /// final answer (sent without reading the body).
-    pub fn precheck(&self, head: &Head) -> Option<Response> {
+    /// final answer (sent without reading the body). `wall_ms` is the wall clock, for JWT `exp`.
+    pub fn precheck(&self, head: &Head, wall_ms: u64) -> Option<Response> {
         let route = Route::of(&head.path);
         if route == Route::NotFound {
             return Some(error(404, &format!("no such endpoint: {}", head.path)));
@@ -131,17 +131,17 @@ impl Api {
             }
             Route::Healthz | Route::Metrics => {}
             Route::Files | Route::File(_) => {
-                if self.auth.files(head.bearer_token()).is_none() {
+                if self.auth.files(head.bearer_token(), wall_ms).is_none() {
                     return Some(unauthorized());
                 }
             }
-            Route::Clients => match self.auth.task_api(head.bearer_token()) {
+            Route::Clients => match self.auth.task_api(head.bearer_token(), wall_ms) {
                 None => return Some(unauthorized()),
                 Some(Identity::Root) => {}
                 Some(_) => return Some(error(403, "/clients needs the root API token")),
             },
             _ => {
-                if self.auth.task_api(head.bearer_token()).is_none() {
+                if self.auth.task_api(head.bearer_token(), wall_ms).is_none() {
                     return Some(unauthorized());
                 }
             }
@@ -181,13 +181,13 @@ impl Api {
             }
             Route::Clients => Handled::Respond(Response::json(200, core.clients_json())),
             Route::Tasks => {
-                let Some(identity) = self.auth.task_api(head.bearer_token()) else {
+                let Some(identity) = self.auth.task_api(head.bearer_token(), core.wall_ms) else {
                     return Handled::Respond(unauthorized());
                 };
                 self.submit(core, io, conn, head, body, &identity, wait)
             }
             Route::Task(id_text) => {
-                let Some(identity) = self.auth.task_api(head.bearer_token()) else {
+                let Some(identity) = self.auth.task_api(head.bearer_token(), core.wall_ms) else {
                     return Handled::Respond(unauthorized());
                 };
                 let Some(id) = parse_id(id_text).filter(|id| visible(core, *id, &identity)) else {

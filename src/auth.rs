@@ -1,9 +1,22 @@
-//! Who is asking: the root API token, the worker token, or (later) a scoped JWT. No I/O.
+//! Who is asking: the root API token, the worker token, or a scoped JWT; and which of them
+//! opens what (SPEC §3): the task API takes the API token or a JWT, `/ws` only the worker
+//! token, `/files` any of the three.
 //!
 //! Static tokens are compared in constant time over their SHA-256 digests, so neither the
-//! content nor the length of the expected token leaks through timing.
+//! content nor the length of the expected token leaks through timing. A JWT is checked by `jwt`
+//! (signature, alg, exp against the wall time passed in) and then looked up by `jti` in the
+//! registry view, whose only I/O is a `stat` per lookup and a bounded re-read when the file
+//! changed. Nothing here logs a token; refusals are logged with their reason (and `jti` once
+//! the signature proved it genuine).
+
+use std::cell::RefCell;
+use std::path::Path;
 
 use sha2::{Digest, Sha256};
+
+use crate::jwt;
+use crate::log::Level;
+use crate::tokens::{Lookup, RegistryView};
 
 /// The identity a request authenticated as.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +54,14 @@ pub struct Auth {
     worker_digest: [u8; 32],
     /// With `AUTH_TOKEN` alone both roles share one token (SPEC §2).
     shared: bool,
+    /// `None` when `TOKEN_SECRET` is unset: every JWT is refused.
+    scoped: Option<Scoped>,
+}
+
+struct Scoped {
+    secret: Vec<u8>,
+    /// The reactor is single-threaded; the view caches the registry between requests.
+    registry: RefCell<RegistryView>,
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -57,13 +78,51 @@ fn ct_eq(a: &[u8; 32], b: &[u8; 32]) -> bool {
 
 impl Auth {
     pub fn new(api_token: &str, worker_token: &str) -> Auth {
-        Auth { api_digest: digest(api_token), worker_digest: digest(worker_token), shared: api_token == worker_token }
+        Auth {
+            api_digest: digest(api_token),
+            worker_digest: digest(worker_token),
+            shared: api_token == worker_token,
+            scoped: None,
+        }
     }
 
-    /// The task API: the root token (scoped JWTs join later).
-    pub fn task_api(&self, bearer: Option<&str>) -> Option<Identity> {
-        let d = digest(bearer?);
-        ct_eq(&d, &self.api_digest).then_some(Identity::Root)
+    /// Enables scoped JWTs signed with `secret` (`TOKEN_SECRET`) and listed in the registry at
+    /// `store` (`TOKEN_STORE`). With `secret` `None` they stay disabled.
+    pub fn with_scoped_tokens(mut self, secret: Option<&str>, store: &Path) -> Auth {
+        self.scoped = secret.map(|secret| {
+            let mut registry = RegistryView::new(store);
+            registry.refresh(); // logs the registry's state at startup
+            Scoped { secret: secret.as_bytes().to_vec(), registry: RefCell::new(registry) }
+        });
+        self
+    }
+
+    /// The task API: the root token or a scoped JWT, checked at wall time `wall_ms`.
+    pub fn task_api(&self, bearer: Option<&str>, wall_ms: u64) -> Option<Identity> {
+        let bearer = bearer?;
+        if ct_eq(&digest(bearer), &self.api_digest) {
+            return Some(Identity::Root);
+        }
+        self.scoped(bearer, wall_ms)
+    }
+
+    /// A scoped JWT: signature, alg and `exp` (`jwt`), then the registry (known, not revoked).
+    fn scoped(&self, bearer: &str, wall_ms: u64) -> Option<Identity> {
+        let scoped = self.scoped.as_ref()?;
+        let claims = match jwt::verify(&scoped.secret, bearer, wall_ms) {
+            Ok(claims) => claims,
+            Err(e) => {
+                crate::log!(Level::Debug, "bearer token refused", reason = e);
+                return None;
+            }
+        };
+        match scoped.registry.borrow_mut().lookup(&claims.jti) {
+            Lookup::Active => Some(Identity::Scoped { jti: claims.jti, kinds: claims.kinds }),
+            refused => {
+                crate::log!(Level::Debug, "scoped token refused", reason = refused.as_str(), jti = claims.jti);
+                None
+            }
+        }
     }
 
     /// `/ws?token=`: the worker token only (unless both roles share one token).
@@ -74,14 +133,15 @@ impl Auth {
     }
 
     /// `/files`: the API token, a scoped JWT, or the worker token.
-    pub fn files(&self, bearer: Option<&str>) -> Option<Identity> {
-        let d = digest(bearer?);
+    pub fn files(&self, bearer: Option<&str>, wall_ms: u64) -> Option<Identity> {
+        let bearer = bearer?;
+        let d = digest(bearer);
         if ct_eq(&d, &self.api_digest) {
             Some(Identity::Root)
         } else if ct_eq(&d, &self.worker_digest) {
             Some(Identity::Worker)
         } else {
-            None
+            self.scoped(bearer, wall_ms)
         }
     }
 }
@@ -90,20 +150,73 @@ impl Auth {
 mod tests {
     use super::*;
 
+    const NOW_MS: u64 = 1_800_000_000_000;
+
     #[test]
     fn roles_are_separate() {
         let auth = Auth::new("api", "wrk");
-        assert_eq!(auth.task_api(Some("api")), Some(Identity::Root));
-        assert_eq!(auth.task_api(Some("wrk")), None);
-        assert_eq!(auth.task_api(Some("ap")), None);
-        assert_eq!(auth.task_api(None), None);
+        assert_eq!(auth.task_api(Some("api"), NOW_MS), Some(Identity::Root));
+        assert_eq!(auth.task_api(Some("wrk"), NOW_MS), None);
+        assert_eq!(auth.task_api(Some("ap"), NOW_MS), None);
+        assert_eq!(auth.task_api(None, NOW_MS), None);
         assert!(auth.worker(Some("wrk")));
         assert!(!auth.worker(Some("api")));
-        assert_eq!(auth.files(Some("wrk")), Some(Identity::Worker));
-        assert_eq!(auth.files(Some("api")), Some(Identity::Root));
+        assert_eq!(auth.files(Some("wrk"), NOW_MS), Some(Identity::Worker));
+        assert_eq!(auth.files(Some("api"), NOW_MS), Some(Identity::Root));
         let shared = Auth::new("one", "one");
         assert!(shared.worker(Some("one")));
-        assert_eq!(shared.task_api(Some("one")), Some(Identity::Root));
+        assert_eq!(shared.task_api(Some("one"), NOW_MS), Some(Identity::Root));
+    }
+
+    /// What each endpoint makes of one bearer: (task API, /files, /ws).
+    fn check(auth: &Auth, bearer: &str, expected: (Option<Identity>, Option<Identity>, bool)) {
+        let got = (auth.task_api(Some(bearer), NOW_MS), auth.files(Some(bearer), NOW_MS), auth.worker(Some(bearer)));
+        assert_eq!(got, expected, "bearer {:?}", &bearer[..bearer.len().min(20)]);
+    }
+
+    #[test]
+    fn scoped_tokens() {
+        let dir = std::env::temp_dir().join(format!("relay-auth-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let store = dir.join("tokens.json");
+        let secret = "0123456789abcdef0123456789abcdef";
+        let claims = |jti: &str, exp: u64| jwt::Claims {
+            jti: jti.into(),
+            name: "n".into(),
+            kinds: vec!["http".into()],
+            iat: 0,
+            exp,
+        };
+        let exp = NOW_MS / 1000 + 60;
+        let active = jwt::sign(secret.as_bytes(), &claims("a", exp));
+        let revoked = jwt::sign(secret.as_bytes(), &claims("r", exp));
+        let unknown = jwt::sign(secret.as_bytes(), &claims("u", exp));
+        let expired = jwt::sign(secret.as_bytes(), &claims("a", NOW_MS / 1000));
+        let foreign = jwt::sign(b"another secret, also 32 bytes long", &claims("a", exp));
+        let registry = r#"{"version":1,"tokens":[
+            {"jti":"a","name":"n","kinds":["http"],"created_at":"2020-01-01T00:00:00Z","expires_at":"2099-01-01T00:00:00Z"},
+            {"jti":"r","name":"n","kinds":["http"],"created_at":"2020-01-01T00:00:00Z","expires_at":"2099-01-01T00:00:00Z",
+             "revoked_at":"2020-01-02T00:00:00Z"}]}"#;
+        std::fs::write(&store, registry).expect("write registry");
+
+        let auth = Auth::new("api", "wrk").with_scoped_tokens(Some(secret), &store);
+        let scoped = Some(Identity::Scoped { jti: "a".into(), kinds: vec!["http".into()] });
+        check(&auth, &active, (scoped.clone(), scoped, false));
+        for refused in [&revoked, &unknown, &expired, &foreign, "a.b.c"] {
+            check(&auth, refused, (None, None, false));
+        }
+        check(&auth, "api", (Some(Identity::Root), Some(Identity::Root), false));
+        check(&auth, "wrk", (None, Some(Identity::Worker), true));
+
+        // Without TOKEN_SECRET every JWT is refused, whatever the registry says.
+        let disabled = Auth::new("api", "wrk").with_scoped_tokens(None, &store);
+        check(&disabled, &active, (None, None, false));
+
+        // The registry disappears: fail closed; the root token still works.
+        std::fs::remove_file(&store).expect("rm registry");
+        check(&auth, &active, (None, None, false));
+        check(&auth, "api", (Some(Identity::Root), Some(Identity::Root), false));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -110,16 +110,7 @@ impl Config {
             Some(v) if v.is_empty() => None,
             Some(v) => Some(PathBuf::from(v)),
         };
-        let token_secret = var("TOKEN_SECRET");
-        if let Some(secret) = &token_secret
-            && secret.len() < 32
-        {
-            return Err(ConfigError {
-                var: "TOKEN_SECRET",
-                value: String::new(),
-                reason: format!("must be at least 32 bytes (got {})", secret.len()),
-            });
-        }
+        let tokens = TokenConfig::from_lookup(&get)?;
         let log_level = match var("LOG_LEVEL") {
             None => Level::Info,
             Some(v) => Level::parse(&v).ok_or_else(|| ConfigError {
@@ -194,8 +185,8 @@ impl Config {
             max_file_bytes: count("MAX_FILE_SIZE", 104_857_600)?,
             task_ttl_ms: duration("TASK_TTL", 3_600_000)?,
             max_message_bytes: as_usize(positive("MAX_MESSAGE_SIZE", 1_048_576)?),
-            token_secret,
-            token_store: PathBuf::from(var("TOKEN_STORE").unwrap_or_else(|| "relay-tokens.json".into())),
+            token_secret: tokens.secret,
+            token_store: tokens.store,
             data_dir,
             max_connections: as_usize(positive("MAX_CONNECTIONS", 10_000)?),
             header_timeout_ms: duration("HEADER_TIMEOUT", 10_000)?,
@@ -206,6 +197,40 @@ impl Config {
             log_level,
             trusted_proxies,
         })
+    }
+}
+
+/// What the server and the `relay token` CLI must agree on: the HS256 secret and the registry.
+#[derive(Debug, Clone)]
+pub struct TokenConfig {
+    /// `None` when `TOKEN_SECRET` is unset or empty (scoped tokens disabled).
+    pub secret: Option<String>,
+    pub store: PathBuf,
+}
+
+/// Shortest `TOKEN_SECRET` accepted: HS256 wants a key of at least the hash's 32 bytes.
+pub const MIN_TOKEN_SECRET_BYTES: usize = 32;
+
+impl TokenConfig {
+    pub fn from_env() -> Result<TokenConfig, ConfigError> {
+        TokenConfig::from_lookup(|name| std::env::var(name).ok())
+    }
+
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<TokenConfig, ConfigError> {
+        let var = |name: &str| get(name).filter(|v| !v.is_empty());
+        let secret = var("TOKEN_SECRET");
+        if let Some(secret) = &secret
+            && secret.len() < MIN_TOKEN_SECRET_BYTES
+        {
+            // The value itself is never echoed: it is a secret.
+            return Err(ConfigError {
+                var: "TOKEN_SECRET",
+                value: String::new(),
+                reason: format!("must be at least {MIN_TOKEN_SECRET_BYTES} bytes (got {})", secret.len()),
+            });
+        }
+        let store = PathBuf::from(var("TOKEN_STORE").unwrap_or_else(|| "relay-tokens.json".into()));
+        Ok(TokenConfig { secret, store })
     }
 }
 

@@ -12,6 +12,7 @@ fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         None | Some("serve") if args.len() <= 1 => serve(),
+        Some("token") => relay::tokens::main(&args[1..]),
         Some("-h" | "--help" | "help") => {
             print!("{}", help_text());
             ExitCode::SUCCESS

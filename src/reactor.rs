@@ -285,7 +285,8 @@ impl Server {
             crate::timefmt::wall_ms(),
         );
         let api = Api {
-            auth: crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token),
+            auth: crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token)
+                .with_scoped_tokens(cfg.token_secret.as_deref(), &cfg.token_store),
             max_message_bytes: cfg.max_message_bytes,
             max_batch_bytes: cfg.max_batch_bytes,
             max_file_bytes: cfg.max_file_bytes,
@@ -659,7 +660,7 @@ impl Server {
                     head.forwarded_for.as_deref(),
                     head.real_ip.as_deref(),
                 );
-                if let Some(response) = self.api.precheck(&head) {
+                if let Some(response) = self.api.precheck(&head, self.core.wall_ms) {
                     self.answer_early(r, &head, response);
                     return true;
                 }

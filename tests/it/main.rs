@@ -8,4 +8,5 @@ mod files;
 mod http_protocol;
 mod ops;
 mod tasks_api;
+mod tokens;
 mod websocket;

@@ -71,6 +71,13 @@ impl Relay {
             let mut sent = false;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
+                {
+                    // Logged before the address is handed over, so a test that starts with the
+                    // address already sees the `listening` line.
+                    let mut l = log2.lock().expect("log lock");
+                    l.push_str(&line);
+                    l.push('\n');
+                }
                 if !sent
                     && line.contains("msg=listening")
                     && let Some(addr) = line.split_whitespace().find_map(|kv| kv.strip_prefix("addr="))
@@ -78,9 +85,6 @@ impl Relay {
                     let _ = tx.send(addr.to_string());
                     sent = true;
                 }
-                let mut l = log2.lock().expect("log lock");
-                l.push_str(&line);
-                l.push('\n');
             }
         });
         let addr = match rx.recv_timeout(Duration::from_secs(10)) {
