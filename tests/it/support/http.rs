@@ -141,15 +141,6 @@ pub fn build(method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[
     raw
 }
 
-/// One request on a fresh connection; `None` if the connection is refused or closed early.
-pub fn try_request(addr: SocketAddr, method: &str, path: &str) -> Option<Resp> {
-    let stream = TcpStream::connect(addr).ok()?;
-    stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
-    let mut c = Client { stream, buf: Vec::new() };
-    c.stream.write_all(&build(method, path, &[], None)).ok()?;
-    c.read_response()
-}
-
 /// One request on a fresh connection.
 pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: Option<&[u8]>) -> Resp {
     let mut c = Client::connect(addr);
