@@ -18,6 +18,7 @@
 //! socket is closed (1000) and `run` returns. A link lost while draining is not re-opened.
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::ErrorKind;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, channel};
@@ -156,7 +157,7 @@ impl Runner<'_> {
             log!(
                 Level::Info,
                 "draining",
-                signal = signals::received(),
+                reason = signals::received().unwrap_or("stop requested"),
                 in_flight = self.in_flight.len(),
                 grace_ms = self.cfg.shutdown_timeout_ms
             );
@@ -243,8 +244,10 @@ impl Runner<'_> {
                 return End::Lost(format!("no frame from relay for {silent_ms} ms"));
             }
             if silent_ms >= u128::from(self.cfg.idle_ping_ms) && !pinged {
-                if let Err(e) = ws.send(Message::Ping(Default::default())) {
-                    return End::Lost(format!("ping: {e}"));
+                match ws.write(Message::Ping(Default::default())) {
+                    Err(tungstenite::Error::Io(e)) if is_timeout(&e) => {}
+                    Err(e) => return End::Lost(format!("ping: {e}")),
+                    Ok(()) => {}
                 }
                 pinged = true;
             }
@@ -345,12 +348,29 @@ impl Runner<'_> {
     }
 }
 
+/// Queues a text frame and flushes it. A signal arriving during the write (SIGTERM, handled
+/// by us) interrupts it with EINTR — sockets with a timeout are not restarted by SA_RESTART —
+/// and the frame is already queued then, so only the flush is retried.
 fn send(ws: &mut Ws, text: String) -> Result<(), String> {
-    ws.send(Message::text(text)).map_err(|e| format!("write: {e}"))
+    match ws.write(Message::text(text)) {
+        Ok(()) => {}
+        Err(tungstenite::Error::Io(e)) if e.kind() == ErrorKind::Interrupted => {}
+        Err(e) => return Err(format!("write: {e}")),
+    }
+    for _ in 0..16 {
+        match ws.flush() {
+            Ok(()) => return Ok(()),
+            Err(tungstenite::Error::Io(e)) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("write: {e}")),
+        }
+    }
+    Err("write: interrupted too often".into())
 }
 
+/// A read that timed out (the poll tick) or was interrupted by a signal: nothing is lost,
+/// tungstenite and rustls keep partial frames and records; try again.
 fn is_timeout(e: &std::io::Error) -> bool {
-    matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted)
 }
 
 /// Closes with 1000 and waits (briefly, bounded) for relay's reply.

@@ -36,10 +36,10 @@ pub fn install() -> std::io::Result<&'static AtomicBool> {
 }
 
 /// The name of the signal that set the flag, for the log line.
-pub fn received() -> &'static str {
+pub fn received() -> Option<&'static str> {
     match SIGNAL.load(Ordering::SeqCst) {
-        libc::SIGTERM => "SIGTERM",
-        libc::SIGINT => "SIGINT",
-        _ => "none",
+        libc::SIGTERM => Some("SIGTERM"),
+        libc::SIGINT => Some("SIGINT"),
+        _ => None,
     }
 }
