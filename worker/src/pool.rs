@@ -161,10 +161,12 @@ mod tests {
 
     #[test]
     fn bounded_queue_and_cancel() {
+        static STARTED: AtomicBool = AtomicBool::new(false);
         let mut kinds: BTreeMap<String, Handler> = BTreeMap::new();
         kinds.insert(
             "sleep".into(),
             handler(|_, _| {
+                STARTED.store(true, Ordering::SeqCst);
                 std::thread::sleep(Duration::from_millis(200));
                 Ok(Value::Null)
             }),
@@ -179,8 +181,11 @@ mod tests {
             canceled: Arc::new(AtomicBool::new(canceled)),
         };
         assert!(pool.submit(job("a", false)).is_ok());
-        // "a" may not have left the queue yet; wait until it runs so the queue has one slot.
-        std::thread::sleep(Duration::from_millis(50));
+        // Wait until "a" runs (it has left the queue), so the queue has exactly one slot.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !STARTED.load(Ordering::SeqCst) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
         assert!(pool.submit(job("b", true)).is_ok());
         assert!(pool.submit(job("c", false)).is_err(), "queue of 1 is full while a thread is busy");
         let a = rx.recv_timeout(Duration::from_secs(5)).expect("a");

@@ -78,7 +78,6 @@ fn restarted_relay_is_reconnected() {
     assert!(worker.proc.wait_log("msg=disconnected", Duration::from_secs(5)), "{}", worker.proc.log_text());
     let relay = Relay::start_on(port);
     relay.wait_clients(1, Duration::from_secs(10), |c| c["active"] == true);
-    assert!(worker.proc.wait_log("conn=", Duration::from_secs(1)));
     assert_eq!(worker.proc.count_log("msg=connected"), 2, "{}", worker.proc.log_text());
 
     let target = Target::start(|_, _| Reply::json(200, &json!({"again": true})));
@@ -135,4 +134,49 @@ fn result_of_a_lost_connection_is_dropped_not_sent_on_the_next() {
         worker.proc.log_text()
     );
     assert_eq!(again.recv_type("result", Duration::from_millis(300)), None, "nothing sent on the new connection");
+}
+
+#[test]
+fn wrong_token_is_reported_and_retried() {
+    let relay = Relay::start();
+    let worker = Worker::start(&relay.ws_url(), &[("TOKEN", "not-the-token")]);
+    assert!(
+        worker.proc.wait_log("HTTP 401 Unauthorized (check TOKEN)", Duration::from_secs(10)),
+        "{}",
+        worker.proc.log_text()
+    );
+    assert!(worker.proc.wait_log("retry_in_ms=", Duration::from_secs(1)));
+    assert!(!worker.proc.log_text().contains("not-the-token"), "the token never appears in logs");
+    assert_eq!(relay.clients()["count"], 0);
+}
+
+/// A relay that stops reading (so the worker's ping gets no pong, and nothing else arrives)
+/// is given up on after the silence limit, and the worker connects again.
+#[test]
+fn silent_relay_is_treated_as_dead() {
+    use relay_worker::{Config, Worker as LibWorker};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    let fake = FakeRelay::start();
+    let mut config = Config::new(&fake.ws_url(), WRK).expect("config");
+    config.idle_ping_ms = 100;
+    config.dead_after_ms = 400;
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    let running = std::thread::spawn(move || LibWorker::new(config).run_until(&flag));
+
+    let mut first = fake.accept(Duration::from_secs(10)).expect("worker connects");
+    first.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    let silent_since = std::time::Instant::now();
+    // `first` is kept open but never read again: no pong, no frames.
+    let mut second =
+        fake.accept(Duration::from_secs(5)).expect("the worker gives up on the silent relay and reconnects");
+    assert!(silent_since.elapsed() >= Duration::from_millis(350), "not before the silence limit");
+    second.recv_type("hello", Duration::from_secs(5)).expect("hello on the new connection");
+    drop(first);
+
+    stop.store(true, Ordering::SeqCst);
+    assert!(crate::support::poll_until(Duration::from_secs(5), || running.is_finished()));
+    assert_eq!(running.join().expect("no panic"), Ok(()));
 }
