@@ -28,12 +28,12 @@ fn python_example_worker_runs_tasks_and_drains() {
     assert_eq!(task["status"], "done", "{task}");
     assert_eq!(task["result"], json!({"hello": ["world", 1]}));
 
-    let id = relay.submit(json!({"kind": "sleep", "spec": {"ms": 700}}));
+    let id = relay.submit(json!({"kind": "sleep", "spec": {"ms": 2000}}));
     relay.wait_clients(1, Duration::from_secs(5), |c| c["in_flight"] == 1);
     worker.signal("TERM");
     relay.wait_clients(1, Duration::from_secs(5), |c| c["active"] == false);
     let task = relay.wait_final(&id, Duration::from_secs(5));
-    assert_eq!((task["status"].as_str(), &task["result"]), (Some("done"), &json!({"slept_ms": 700})), "{task}");
+    assert_eq!((task["status"].as_str(), &task["result"]), (Some("done"), &json!({"slept_ms": 2000})), "{task}");
     let status = worker.wait_exit(Duration::from_secs(10)).expect("worker.py exits after draining");
     assert_eq!(status.code(), Some(0), "{}", worker.log_text());
 }

@@ -12,7 +12,7 @@ use crate::support::{Relay, Worker, poll_until};
 #[test]
 fn sigterm_lets_a_running_task_finish() {
     let target = Target::start(|_, _| {
-        Reply::After(Duration::from_millis(1200), Box::new(Reply::json(200, &json!({"slow": true}))))
+        Reply::After(Duration::from_millis(2000), Box::new(Reply::json(200, &json!({"slow": true}))))
     });
     let relay = Relay::start();
     let mut worker = Worker::start(&relay.ws_url(), &[]);
@@ -43,7 +43,7 @@ fn sigterm_lets_a_running_task_finish() {
 /// still arrives: it is answered `failed` / `worker shutting down` so relay moves it on.
 #[test]
 fn a_task_arriving_while_draining_is_refused() {
-    let target = Target::start(|_, _| Reply::After(Duration::from_millis(800), Box::new(Reply::new(200, &[], "ok"))));
+    let target = Target::start(|_, _| Reply::After(Duration::from_millis(2000), Box::new(Reply::new(200, &[], "ok"))));
     let fake = FakeRelay::start();
     let mut worker = Worker::start(&fake.ws_url(), &[]);
     let mut conn = fake.accept(Duration::from_secs(10)).expect("worker connects");
