@@ -111,7 +111,10 @@ impl FileKind {
             serde_json::from_str(&answer).map_err(|e| Error::new(format!("upload answer is not a file: {e}")))?;
         let taken = digest.lock().map(|mut d| d.take()).unwrap_or(None);
         let (size, sha256) = taken.ok_or("the upload finished before the download did")?;
-        if uploaded.size.is_some_and(|s| s != size) || uploaded.sha256.as_ref().is_some_and(|h| *h != sha256) {
+        // relay's digest is compared when it is the hex form SPEC §9 implies (any case).
+        let their_sha =
+            uploaded.sha256.as_deref().filter(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_hexdigit()));
+        if uploaded.size.is_some_and(|s| s != size) || their_sha.is_some_and(|h| !h.eq_ignore_ascii_case(&sha256)) {
             return Err(Error::new(format!(
                 "relay stored something else: sent {size} bytes sha256 {sha256}, relay has {:?} bytes sha256 {:?}",
                 uploaded.size, uploaded.sha256
