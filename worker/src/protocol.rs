@@ -1,0 +1,169 @@
+//! The worker side of relay's WebSocket protocol (README "WebSocket protocol"): parsing what
+//! relay sends and building what the worker answers. Pure: text in, values out, no I/O.
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+use serde_json::{Value, json};
+
+/// A message from relay, as the worker acts on it.
+#[derive(Debug)]
+pub enum ServerMsg {
+    Task(Task),
+    Cancel {
+        task_id: String,
+    },
+    /// Valid JSON the worker does not act on (a future message type).
+    Other(String),
+}
+
+#[derive(Debug)]
+pub struct Task {
+    pub task_id: String,
+    /// `payload.kind`; `None` when the payload is not an object or has no string kind.
+    pub kind: Option<String>,
+    /// `payload.spec`, or `null` when absent.
+    pub spec: Box<RawValue>,
+}
+
+#[derive(Deserialize)]
+struct Envelope {
+    #[serde(rename = "type")]
+    kind: String,
+    task_id: Option<String>,
+    payload: Option<Box<RawValue>>,
+}
+
+#[derive(Deserialize)]
+struct Payload {
+    kind: Option<Value>,
+    spec: Option<Box<RawValue>>,
+}
+
+/// Parses one text frame from relay.
+pub fn parse_server_msg(text: &str) -> Result<ServerMsg, String> {
+    let env: Envelope = serde_json::from_str(text).map_err(|e| format!("not a relay message: {e}"))?;
+    match env.kind.as_str() {
+        "task" => {
+            let task_id = env.task_id.filter(|id| !id.is_empty()).ok_or("task without task_id")?;
+            // Only an object has a kind (serde would read an array positionally).
+            let object = env.payload.as_deref().filter(|p| p.get().trim_start().starts_with('{'));
+            let (kind, spec) = match object.map(|p| serde_json::from_str::<Payload>(p.get())) {
+                Some(Ok(p)) => (p.kind.and_then(|k| k.as_str().map(str::to_string)), p.spec),
+                // Not an object (relay accepts any JSON payload): no kind, no spec.
+                Some(Err(_)) | None => (None, None),
+            };
+            Ok(ServerMsg::Task(Task { task_id, kind, spec: spec.unwrap_or_else(null_raw) }))
+        }
+        "cancel" => {
+            let task_id = env.task_id.ok_or("cancel without task_id")?;
+            Ok(ServerMsg::Cancel { task_id })
+        }
+        other => Ok(ServerMsg::Other(other.to_string())),
+    }
+}
+
+pub fn null_raw() -> Box<RawValue> {
+    RawValue::from_string("null".into()).unwrap_or_else(|_| unreachable!("null is valid JSON"))
+}
+
+/// `hello`: kinds (sorted), concurrency (0 = draining), version.
+pub fn hello(kinds: &[String], concurrency: usize) -> String {
+    json!({
+        "type": "hello",
+        "kinds": kinds,
+        "concurrency": concurrency,
+        "version": concat!("relay-worker/", env!("CARGO_PKG_VERSION")),
+    })
+    .to_string()
+}
+
+/// A result message. A `done` result that would exceed `max_message_bytes` becomes a `failed`
+/// one saying so: relay closes a socket that sends an oversized message (1009), which would
+/// take every other task on the connection down with it.
+pub fn result(task_id: &str, outcome: &Result<Value, String>, max_message_bytes: usize) -> String {
+    let text = match outcome {
+        Ok(data) => json!({"type": "result", "task_id": task_id, "status": "done", "data": data}).to_string(),
+        Err(error) => failed(task_id, error),
+    };
+    if text.len() <= max_message_bytes {
+        return text;
+    }
+    let error = format!("result too large: {} bytes (MAX_MESSAGE_SIZE is {max_message_bytes})", text.len());
+    failed(task_id, &error)
+}
+
+fn failed(task_id: &str, error: &str) -> String {
+    // An error text is ours or a handler's; cut it so the message always fits.
+    let error = truncate(error, 4096);
+    json!({"type": "result", "task_id": task_id, "status": "failed", "error": error}).to_string()
+}
+
+fn truncate(text: &str, max_bytes: usize) -> &str {
+    if text.len() <= max_bytes {
+        return text;
+    }
+    let mut end = max_bytes;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    &text[..end]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// ("task", id, kind, spec) / ("cancel", id, None, "") / ("other", type, None, "") / ("err", "", None, "").
+    type Expected<'a> = (&'a str, &'a str, Option<&'a str>, &'a str);
+
+    fn check(text: &str, expected: Expected) {
+        let got = match parse_server_msg(text) {
+            Ok(ServerMsg::Task(t)) => ("task", t.task_id, t.kind, t.spec.get().to_string()),
+            Ok(ServerMsg::Cancel { task_id }) => ("cancel", task_id, None, String::new()),
+            Ok(ServerMsg::Other(t)) => ("other", t, None, String::new()),
+            Err(_) => ("err", String::new(), None, String::new()),
+        };
+        let got = (got.0, got.1.as_str(), got.2.as_deref(), got.3.as_str());
+        assert_eq!(got, expected, "{text}");
+    }
+
+    #[test]
+    fn parsing() {
+        let table: &[(&str, Expected)] = &[
+            (
+                r#"{"type":"task","task_id":"t1","payload":{"kind":"http","spec":{"url":"x"}}}"#,
+                ("task", "t1", Some("http"), r#"{"url":"x"}"#),
+            ),
+            (r#"{"type":"task","task_id":"t2","payload":{"kind":"echo"}}"#, ("task", "t2", Some("echo"), "null")),
+            (r#"{"type":"task","task_id":"t3","payload":[1,2]}"#, ("task", "t3", None, "null")),
+            (r#"{"type":"task","task_id":"t4","payload":{"kind":7}}"#, ("task", "t4", None, "null")),
+            (r#"{"type":"task","task_id":"t5","payload":{"kind":"a\"b"}}"#, ("task", "t5", Some("a\"b"), "null")),
+            (r#"{"type":"task","payload":{}}"#, ("err", "", None, "")),
+            (r#"{"type":"task","task_id":"","payload":{}}"#, ("err", "", None, "")),
+            (r#"{"type":"cancel","task_id":"t1"}"#, ("cancel", "t1", None, "")),
+            (r#"{"type":"cancel"}"#, ("err", "", None, "")),
+            (r#"{"type":"welcome","x":1}"#, ("other", "welcome", None, "")),
+            (r#"{"task_id":"t1"}"#, ("err", "", None, "")),
+            ("not json", ("err", "", None, "")),
+        ];
+        for (text, expected) in table {
+            check(text, *expected);
+        }
+    }
+
+    #[test]
+    fn results_fit_the_limit() {
+        let ok = result("t", &Ok(json!({"a": 1})), 1024);
+        assert_eq!(ok, r#"{"data":{"a":1},"status":"done","task_id":"t","type":"result"}"#);
+        let big = result("t", &Ok(json!("x".repeat(2000))), 1024);
+        let v: Value = serde_json::from_str(&big).expect("json");
+        assert_eq!(v["status"], "failed");
+        assert!(v["error"].as_str().is_some_and(|e| e.starts_with("result too large")), "{v}");
+        let long_error = result("t", &Err("é".repeat(5000)), 1_000_000);
+        let v: Value = serde_json::from_str(&long_error).expect("json");
+        assert_eq!(v["error"].as_str().map(str::len), Some(4096));
+        let h: Value = serde_json::from_str(&hello(&["file".into(), "http".into()], 0)).expect("json");
+        assert_eq!(h["concurrency"], 0);
+        assert_eq!(h["kinds"], json!(["file", "http"]));
+    }
+}

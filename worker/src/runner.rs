@@ -1,0 +1,460 @@
+//! The runner: the one thread that owns the link. It connects, says `hello`, reads tasks and
+//! hands them to the pool, sends finished results, answers pings, notices a dead relay, and
+//! reconnects with exponential backoff and jitter. One log line per change of state:
+//! `starting`, `connected`, `connect failed`, `disconnected`, `draining`, `stopped`.
+//!
+//! Connection identity: every connection gets a generation (`conn_gen`), and every task
+//! carries the generation it arrived on. relay knows a worker by its connection (a new
+//! connection is a new `client_id`), and it ends the attempts of a lost connection with
+//! `disconnect` and retries them elsewhere, so a result is only ever sent on the connection its
+//! task came from. A task whose connection dropped still runs to the end (its side effects
+//! happen once, not half), but its result is dropped with a `result dropped` log line: sent on a
+//! new connection relay would only count it as `unknown`. That keeps the policy bounded — no
+//! result is stored beyond its task.
+//!
+//! Shutdown (the stop flag, set by SIGTERM/SIGINT): `hello` with concurrency 0 (relay stops
+//! sending tasks), a task that still arrives is answered `failed` / `worker shutting down`,
+//! running tasks finish within `shutdown_timeout_ms` and their results are sent, then the
+//! socket is closed (1000) and `run` returns. A link lost while draining is not re-opened.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::ErrorKind;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, channel};
+use std::time::{Duration, Instant};
+
+use rustls::ClientConfig;
+use tungstenite::Message;
+use tungstenite::protocol::CloseFrame;
+use tungstenite::protocol::frame::coding::CloseCode;
+
+use crate::link::{self, Ws};
+use crate::log::Level;
+use crate::pool::{Finished, Job, Pool};
+use crate::protocol::{self, ServerMsg};
+use crate::{Config, Error, Handler, log, signals, tls};
+
+pub const VERSION: &str = concat!("relay-worker/", env!("CARGO_PKG_VERSION"));
+
+pub fn run(cfg: Config, kinds: BTreeMap<String, Handler>, stop: &AtomicBool) -> Result<(), Error> {
+    let tls = match cfg.relay_url.scheme() {
+        "wss" => Some(tls::client_config(cfg.ca_file.as_deref())?),
+        _ => None,
+    };
+    let names: Vec<String> = kinds.keys().cloned().collect();
+    let (tx, finished) = channel();
+    let pool = Pool::start(cfg.concurrency, cfg.concurrency, Arc::new(kinds), tx, cfg.max_message_bytes)
+        .map_err(|e| Error::new(format!("cannot start the task threads: {e}")))?;
+    log!(
+        Level::Info,
+        "starting",
+        url = cfg.relay_url_for_logs(),
+        kinds = names.join(","),
+        concurrency = cfg.concurrency,
+        version = VERSION
+    );
+    let backoff = Backoff::new(cfg.backoff_initial_ms, cfg.backoff_max_ms);
+    let mut runner = Runner {
+        cfg,
+        tls,
+        names,
+        pool: Some(pool),
+        finished,
+        in_flight: HashMap::new(),
+        conn_gen: 0,
+        drain_deadline: None,
+        stop,
+        backoff,
+    };
+    runner.main_loop();
+    if runner.in_flight.is_empty()
+        && let Some(pool) = runner.pool.take()
+    {
+        pool.join();
+    }
+    Ok(())
+}
+
+/// How a connection ended.
+enum End {
+    /// Drained (or the grace period ran out): the worker stops.
+    Done,
+    /// Lost: reconnect after a backoff delay.
+    Lost(String),
+}
+
+struct Runner<'a> {
+    cfg: Config,
+    tls: Option<Arc<ClientConfig>>,
+    names: Vec<String>,
+    pool: Option<Pool>,
+    finished: Receiver<Finished>,
+    /// Tasks handed to the pool and not finished, by (connection, task id); the flag is the
+    /// task's cancel mark. Bounded by the pool: threads + queue.
+    in_flight: HashMap<(u64, String), Arc<AtomicBool>>,
+    conn_gen: u64,
+    /// Set once the stop flag is seen: the end of the grace period.
+    drain_deadline: Option<Instant>,
+    stop: &'a AtomicBool,
+    backoff: Backoff,
+}
+
+impl Runner<'_> {
+    fn main_loop(&mut self) {
+        loop {
+            if self.check_stop() && self.drained_or_expired() {
+                return;
+            }
+            if self.drain_deadline.is_some() {
+                // Disconnected while draining: a new connection could not deliver the results
+                // anyway (see the module doc), so just let the running tasks finish.
+                self.wait(Duration::from_millis(self.cfg.poll_interval_ms));
+                continue;
+            }
+            self.conn_gen += 1;
+            let url = self.cfg.relay_url_for_logs();
+            match link::connect(&self.cfg, self.tls.as_ref()) {
+                Ok(mut ws) => {
+                    log!(Level::Info, "connected", url = url, conn = self.conn_gen);
+                    let up = Instant::now();
+                    let end = self.session(&mut ws);
+                    let up_ms = up.elapsed().as_millis();
+                    if up_ms >= u128::from(self.cfg.stable_after_ms) {
+                        self.backoff.reset();
+                    }
+                    match end {
+                        End::Done => return,
+                        End::Lost(reason) => {
+                            let delay = if self.drain_deadline.is_some() { 0 } else { self.backoff.next(random()) };
+                            log!(
+                                Level::Warn,
+                                "disconnected",
+                                url = url,
+                                conn = self.conn_gen,
+                                reason = reason,
+                                up_ms = up_ms,
+                                in_flight = self.in_flight.len(),
+                                retry_in_ms = delay
+                            );
+                            self.wait(Duration::from_millis(delay));
+                        }
+                    }
+                }
+                Err(error) => {
+                    let delay = self.backoff.next(random());
+                    log!(Level::Warn, "connect failed", url = url, error = error, retry_in_ms = delay);
+                    self.wait(Duration::from_millis(delay));
+                }
+            }
+        }
+    }
+
+    /// Notices the stop flag once: starts the grace period. Returns whether draining.
+    fn check_stop(&mut self) -> bool {
+        if self.drain_deadline.is_none() && self.stop.load(Ordering::SeqCst) {
+            self.drain_deadline = Some(Instant::now() + Duration::from_millis(self.cfg.shutdown_timeout_ms));
+            log!(
+                Level::Info,
+                "draining",
+                reason = signals::received().unwrap_or("stop requested"),
+                in_flight = self.in_flight.len(),
+                grace_ms = self.cfg.shutdown_timeout_ms
+            );
+        }
+        self.drain_deadline.is_some()
+    }
+
+    /// While draining: true (and logs `stopped`) once nothing runs or the grace period is over.
+    fn drained_or_expired(&self) -> bool {
+        let Some(deadline) = self.drain_deadline else { return false };
+        if self.in_flight.is_empty() {
+            log!(Level::Info, "stopped", reason = "drained");
+            return true;
+        }
+        if Instant::now() >= deadline {
+            log!(Level::Warn, "stopped", reason = "shutdown timeout", abandoned = self.in_flight.len());
+            return true;
+        }
+        false
+    }
+
+    /// Sleeps up to `delay` while disconnected, still collecting finished tasks; returns early
+    /// when the stop flag is set.
+    fn wait(&mut self, delay: Duration) {
+        let end = Instant::now() + delay;
+        loop {
+            let _ = self.collect(None);
+            let now = Instant::now();
+            if now >= end || (self.drain_deadline.is_none() && self.stop.load(Ordering::SeqCst)) {
+                return;
+            }
+            std::thread::sleep((end - now).min(Duration::from_millis(self.cfg.poll_interval_ms.max(1))));
+        }
+    }
+
+    /// Takes every finished task; sends the results that belong to the live connection `ws`.
+    fn collect(&mut self, mut ws: Option<&mut Ws>) -> Result<(), String> {
+        while let Ok(f) = self.finished.try_recv() {
+            let Finished { conn_gen, task_id, message, failed } = f;
+            let key = (conn_gen, task_id);
+            self.in_flight.remove(&key);
+            let task_id = key.1;
+            let Some(message) = message else { continue };
+            match ws.as_deref_mut() {
+                Some(ws) if conn_gen == self.conn_gen => send(ws, message)?,
+                _ => log!(
+                    Level::Warn,
+                    "result dropped",
+                    task_id = task_id,
+                    failed = failed,
+                    reason = "the connection the task came on is gone; relay has moved the task on"
+                ),
+            }
+        }
+        Ok(())
+    }
+
+    fn session(&mut self, ws: &mut Ws) -> End {
+        let conn_gen = self.conn_gen;
+        let mut announced_drain = self.drain_deadline.is_some();
+        let concurrency = if announced_drain { 0 } else { self.cfg.concurrency };
+        if let Err(e) = send(ws, protocol::hello(&self.names, concurrency)) {
+            return End::Lost(e);
+        }
+        let mut last_rx = Instant::now();
+        let mut pinged = false;
+        let mut close_reason: Option<String> = None;
+        loop {
+            if self.check_stop() && !announced_drain {
+                if let Err(e) = send(ws, protocol::hello(&self.names, 0)) {
+                    return End::Lost(e);
+                }
+                announced_drain = true;
+            }
+            if let Err(e) = self.collect(Some(ws)) {
+                return End::Lost(e);
+            }
+            if self.drained_or_expired() {
+                close(ws);
+                return End::Done;
+            }
+            let silent_ms = last_rx.elapsed().as_millis();
+            if silent_ms >= u128::from(self.cfg.dead_after_ms) {
+                return End::Lost(format!("no frame from relay for {silent_ms} ms"));
+            }
+            if silent_ms >= u128::from(self.cfg.idle_ping_ms) && !pinged {
+                match ws.write(Message::Ping(Default::default())) {
+                    Err(tungstenite::Error::Io(e)) if is_timeout(&e) => {}
+                    Err(e) => return End::Lost(format!("ping: {e}")),
+                    Ok(()) => {}
+                }
+                pinged = true;
+            }
+            match ws.read() {
+                Ok(msg) => {
+                    last_rx = Instant::now();
+                    pinged = false;
+                    match msg {
+                        Message::Text(text) => {
+                            if let Err(e) = self.on_text(ws, conn_gen, text.as_str()) {
+                                return End::Lost(e);
+                            }
+                        }
+                        Message::Close(frame) => {
+                            // tungstenite queued the reply; the next read ends the connection.
+                            close_reason = Some(match frame {
+                                Some(f) => format!("closed by relay ({} {})", u16::from(f.code), f.reason),
+                                None => "closed by relay".into(),
+                            });
+                        }
+                        Message::Binary(_) => log!(Level::Warn, "binary frame from relay ignored"),
+                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => {}
+                    }
+                }
+                Err(tungstenite::Error::Io(e)) if is_timeout(&e) => {
+                    // Quiet: pongs queued by an earlier read leave with this flush.
+                    match ws.flush() {
+                        Err(tungstenite::Error::Io(e)) if is_timeout(&e) => {}
+                        Err(e) => return End::Lost(format!("write: {e}")),
+                        Ok(()) => {}
+                    }
+                }
+                Err(tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed) => {
+                    return End::Lost(close_reason.unwrap_or_else(|| "closed by relay".into()));
+                }
+                Err(e) => return End::Lost(close_reason.unwrap_or_else(|| format!("read: {e}"))),
+            }
+        }
+    }
+
+    fn on_text(&mut self, ws: &mut Ws, conn_gen: u64, text: &str) -> Result<(), String> {
+        let task = match protocol::parse_server_msg(text) {
+            Ok(ServerMsg::Task(task)) => task,
+            Ok(ServerMsg::Cancel { task_id }) => {
+                if let Some(flag) = self.in_flight.get(&(conn_gen, task_id)) {
+                    flag.store(true, Ordering::SeqCst);
+                }
+                return Ok(());
+            }
+            Ok(ServerMsg::Other(kind)) => {
+                log!(Level::Warn, "message from relay ignored", r#type = kind);
+                return Ok(());
+            }
+            Err(e) => {
+                log!(Level::Warn, "malformed message from relay ignored", error = e);
+                return Ok(());
+            }
+        };
+        let max = self.cfg.max_message_bytes;
+        let refuse = if self.drain_deadline.is_some() {
+            Some("worker shutting down".to_string())
+        } else {
+            match &task.kind {
+                None => Some("unknown task kind: (the payload has no kind)".to_string()),
+                Some(kind) if !self.names.contains(kind) => Some(format!("unknown task kind: {kind}")),
+                Some(_) => None,
+            }
+        };
+        if let Some(error) = refuse {
+            log!(Level::Warn, "task refused", task_id = task.task_id, error = error);
+            return send(ws, protocol::result(&task.task_id, &Err(error), max));
+        }
+        let key = (conn_gen, task.task_id);
+        if self.in_flight.contains_key(&key) {
+            log!(Level::Warn, "duplicate task ignored", task_id = key.1);
+            return Ok(());
+        }
+        let canceled = Arc::new(AtomicBool::new(false));
+        let job = Job {
+            conn_gen,
+            task_id: key.1.clone(),
+            kind: task.kind.unwrap_or_default(),
+            spec: task.spec,
+            canceled: canceled.clone(),
+        };
+        let Some(pool) = &self.pool else { return Ok(()) };
+        match pool.submit(job) {
+            Ok(()) => {
+                self.in_flight.insert(key, canceled);
+                Ok(())
+            }
+            Err(job) => {
+                let error = format!("worker busy: {} tasks running or queued", self.in_flight.len());
+                log!(Level::Warn, "task refused", task_id = job.task_id, error = error);
+                send(ws, protocol::result(&job.task_id, &Err(error), max))
+            }
+        }
+    }
+}
+
+/// Queues a text frame and flushes it. A signal arriving during the write (SIGTERM, handled
+/// by us) interrupts it with EINTR — sockets with a timeout are not restarted by SA_RESTART —
+/// and the frame is already queued then, so only the flush is retried.
+fn send(ws: &mut Ws, text: String) -> Result<(), String> {
+    match ws.write(Message::text(text)) {
+        Ok(()) => {}
+        Err(tungstenite::Error::Io(e)) if e.kind() == ErrorKind::Interrupted => {}
+        Err(e) => return Err(format!("write: {e}")),
+    }
+    for _ in 0..16 {
+        match ws.flush() {
+            Ok(()) => return Ok(()),
+            Err(tungstenite::Error::Io(e)) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) => return Err(format!("write: {e}")),
+        }
+    }
+    Err("write: interrupted too often".into())
+}
+
+/// A read that timed out (the poll tick) or was interrupted by a signal: nothing is lost,
+/// tungstenite and rustls keep partial frames and records; try again.
+fn is_timeout(e: &std::io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted)
+}
+
+/// Closes with 1000 and waits (briefly, bounded) for relay's reply.
+fn close(ws: &mut Ws) {
+    let frame = CloseFrame { code: CloseCode::Normal, reason: "worker shutting down".into() };
+    if ws.close(Some(frame)).is_err() {
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < deadline {
+        match ws.read() {
+            Ok(_) => {}
+            Err(tungstenite::Error::Io(e)) if is_timeout(&e) => {
+                let _ = ws.flush();
+            }
+            Err(_) => return,
+        }
+    }
+}
+
+/// Reconnect delays: `initial_ms` doubling per failure up to `max_ms`, each drawn from the
+/// upper half of the current step ("equal jitter"), so a fleet of workers that lost relay at
+/// the same moment does not come back in lockstep.
+pub struct Backoff {
+    initial_ms: u64,
+    max_ms: u64,
+    step_ms: u64,
+}
+
+impl Backoff {
+    pub fn new(initial_ms: u64, max_ms: u64) -> Backoff {
+        let initial_ms = initial_ms.max(1);
+        Backoff { initial_ms, max_ms: max_ms.max(initial_ms), step_ms: initial_ms }
+    }
+
+    /// The next delay; `random` is any random number.
+    pub fn next(&mut self, random: u64) -> u64 {
+        let step = self.step_ms;
+        let half = step / 2;
+        self.step_ms = step.saturating_mul(2).min(self.max_ms);
+        half + random % (step - half + 1)
+    }
+
+    pub fn reset(&mut self) {
+        self.step_ms = self.initial_ms;
+    }
+}
+
+fn random() -> u64 {
+    uuid::Uuid::new_v4().as_u64_pair().0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(backoff: &mut Backoff, random: u64, expected: u64) {
+        assert_eq!(backoff.next(random), expected, "random={random}");
+    }
+
+    #[test]
+    fn backoff_doubles_to_the_cap_with_jitter_and_resets() {
+        let mut b = Backoff::new(250, 30_000);
+        // (random, delay): random 0 gives the lower bound (half the step), u64::MAX-ish the range.
+        let table: &[(u64, u64)] = &[
+            (0, 125),
+            (0, 250),
+            (0, 500),
+            (500, 1_500),
+            (0, 2_000),
+            (0, 4_000),
+            (0, 8_000),
+            (0, 15_000),
+            (0, 15_000),
+            (15_000, 30_000),
+        ];
+        for (random, expected) in table {
+            check(&mut b, *random, *expected);
+        }
+        for _ in 0..100 {
+            let d = b.next(random());
+            assert!((15_000..=30_000).contains(&d), "{d}");
+        }
+        b.reset();
+        check(&mut b, 125, 250);
+    }
+}

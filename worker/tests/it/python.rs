@@ -1,0 +1,39 @@
+//! The Python example worker (`examples/worker.py`, standard library + `websockets`) against
+//! the real relay: proof that README's protocol section is enough to write a worker.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::{Relay, WRK, python, spawn_python};
+
+#[test]
+fn python_example_worker_runs_tasks_and_drains() {
+    if python().is_none() {
+        eprintln!("SKIPPED python_example_worker_runs_tasks_and_drains: python3 is not installed");
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/worker.py");
+    let relay = Relay::start();
+    let url = relay.ws_url();
+    let mut worker = spawn_python(&script, &[("RELAY_URL", &url), ("TOKEN", WRK), ("CONCURRENCY", "2")]);
+    let connected = worker.wait_log("msg=\"connected\"", Duration::from_secs(15));
+    assert!(connected, "worker.py did not connect (is `websockets` installed?):\n{}", worker.log_text());
+    relay.wait_clients(1, Duration::from_secs(5), |c| {
+        c["kinds"] == json!(["echo", "sleep"]) && c["concurrency"] == 2 && c["version"] == "worker.py/1"
+    });
+
+    let task = relay.run_task(json!({"kind": "echo", "spec": {"hello": ["world", 1]}}));
+    assert_eq!(task["status"], "done", "{task}");
+    assert_eq!(task["result"], json!({"hello": ["world", 1]}));
+
+    let id = relay.submit(json!({"kind": "sleep", "spec": {"ms": 2000}}));
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["in_flight"] == 1);
+    worker.signal("TERM");
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["active"] == false);
+    let task = relay.wait_final(&id, Duration::from_secs(5));
+    assert_eq!((task["status"].as_str(), &task["result"]), (Some("done"), &json!({"slept_ms": 2000})), "{task}");
+    let status = worker.wait_exit(Duration::from_secs(10)).expect("worker.py exits after draining");
+    assert_eq!(status.code(), Some(0), "{}", worker.log_text());
+}
