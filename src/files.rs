@@ -145,6 +145,10 @@ struct Disk {
 
 /// Metadata files are small; a larger one is not ours.
 const MAX_META_BYTES: u64 = 64 * 1024;
+/// A temp file or a blob without metadata is left over from a crash only once nothing has
+/// written to it for this long; younger ones may belong to an upload under way (in this process
+/// or in another relay sharing the directory).
+const STALE_LEFTOVER_MS: u64 = 60 * 60 * 1000;
 
 impl Disk {
     fn blob_path(&self, id: u128) -> PathBuf {
@@ -277,8 +281,10 @@ impl Disk {
             let name = entry.file_name();
             let Some(name) = name.to_str() else { continue };
             if name.starts_with(".tmp-") {
-                let _ = fs::remove_file(entry.path());
-                removed += 1;
+                if is_stale(&entry, now_wall_ms) {
+                    let _ = fs::remove_file(entry.path());
+                    removed += 1;
+                }
             } else if let Some(id) = name.strip_suffix(".json").and_then(crate::tasks::parse_id) {
                 match self.read_meta(id) {
                     Ok(meta) if meta.expires_ms > now_wall_ms && self.blob_path(id).exists() => {
@@ -290,7 +296,9 @@ impl Disk {
                         removed += 1;
                     }
                 }
-            } else if let Some(id) = name.strip_suffix(".blob").and_then(crate::tasks::parse_id) {
+            } else if let Some(id) = name.strip_suffix(".blob").and_then(crate::tasks::parse_id)
+                && is_stale(&entry, now_wall_ms)
+            {
                 blobs.push(id);
             }
         }
@@ -303,6 +311,17 @@ impl Disk {
         crate::log!(Level::Info, "blob store ready", dir = self.dir.display(), files = live.len(), removed = removed);
         live
     }
+}
+
+/// Not modified for [`STALE_LEFTOVER_MS`].
+fn is_stale(entry: &fs::DirEntry, now_wall_ms: u64) -> bool {
+    let modified_ms = entry
+        .metadata()
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| d.as_millis() as u64);
+    modified_ms + STALE_LEFTOVER_MS <= now_wall_ms
 }
 
 fn read_at(file: &File, offset: u64, len: usize) -> io::Result<Vec<u8>> {
@@ -674,10 +693,21 @@ mod tests {
             Some(Done::Opened { result: Err(OpenError::NotFound), .. })
         ));
         std::fs::write(dir.join(".tmp-stale"), b"x").expect("tmp");
+        let now = crate::timefmt::wall_ms();
+        // A fresh temp file may be an upload under way (here or in another relay): kept.
         assert!(disk.scan(5).iter().any(|(i, _)| *i == id));
+        assert!(dir.join(".tmp-stale").exists());
+        // An hour later nothing is writing it any more: removed, and so is the expired file.
+        assert!(disk.scan(now + STALE_LEFTOVER_MS).is_empty(), "past its TTL");
         assert!(!dir.join(".tmp-stale").exists());
-        assert!(disk.scan(2_000).is_empty());
         assert!(!blob_path(&dir, id).exists());
+        // A blob without metadata is an upload's last step, or a crash's leftover once old.
+        let orphan = blob_path(&dir, 77);
+        std::fs::write(&orphan, b"x").expect("orphan");
+        disk.scan(now);
+        assert!(orphan.exists());
+        disk.scan(now + STALE_LEFTOVER_MS);
+        assert!(!orphan.exists());
         let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -21,6 +21,9 @@ pub struct Relay {
     child: Option<Child>,
     pub addr: SocketAddr,
     pub log: Arc<Mutex<String>>,
+    /// A BLOB_DIR of this relay's own, unless the test chose one (relays running side by side
+    /// must not share one); removed on drop.
+    own_blobs: Option<std::path::PathBuf>,
 }
 
 /// Defaults that keep tests fast: short timeouts, memory only, debug logs.
@@ -61,6 +64,11 @@ impl Relay {
         for (k, v) in env {
             cmd.env(k, v);
         }
+        let own_blobs = (!env.iter().any(|(k, _)| *k == "BLOB_DIR"))
+            .then(|| std::env::temp_dir().join(format!("relay-it-blobs-{}", uuid::Uuid::new_v4().simple())));
+        if let Some(dir) = &own_blobs {
+            cmd.env("BLOB_DIR", dir);
+        }
         cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
         let mut child = cmd.spawn().expect("spawn relay");
         let stderr = child.stderr.take().expect("stderr");
@@ -94,7 +102,7 @@ impl Relay {
                 panic!("relay did not start; log:\n{}", log.lock().expect("log"));
             }
         };
-        Relay { child: Some(child), addr, log }
+        Relay { child: Some(child), addr, log, own_blobs }
     }
 
     pub fn pid(&self) -> u32 {
@@ -205,6 +213,9 @@ impl Drop for Relay {
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
+        }
+        if let Some(dir) = &self.own_blobs {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }

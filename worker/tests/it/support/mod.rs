@@ -181,6 +181,14 @@ impl Drop for Proc {
 pub struct Relay {
     pub proc: Proc,
     pub addr: SocketAddr,
+    /// This relay's own BLOB_DIR (relays running side by side must not share one).
+    blobs: std::path::PathBuf,
+}
+
+impl Drop for Relay {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.blobs);
+    }
 }
 
 const RELAY_ENV: &[(&str, &str)] = &[
@@ -204,8 +212,11 @@ impl Relay {
     /// Starts relay on `port` (0 = ephemeral); a restart passes the old port.
     pub fn start_on(port: u16) -> Relay {
         let port = port.to_string();
+        let blobs = std::env::temp_dir().join(format!("relay-worker-it-blobs-{}", uuid::Uuid::new_v4().simple()));
+        let blob_dir = blobs.to_string_lossy().into_owned();
         let mut env = RELAY_ENV.to_vec();
         env.push(("PORT", &port));
+        env.push(("BLOB_DIR", &blob_dir));
         let proc = Proc::spawn(relay_bin(), &[], &env, None);
         let mut addr = None;
         let found = poll_until(Duration::from_secs(10), || {
@@ -215,7 +226,7 @@ impl Relay {
             addr.is_some()
         });
         assert!(found, "relay did not start; log:\n{}", proc.log_text());
-        Relay { proc, addr: addr.expect("addr") }
+        Relay { proc, addr: addr.expect("addr"), blobs }
     }
 
     pub fn ws_url(&self) -> String {
