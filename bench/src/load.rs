@@ -39,6 +39,8 @@ pub struct Outcome {
     pub first_error: Option<String>,
     pub elapsed: Duration,
     pub cpu: Duration,
+    /// The load generator's own CPU time over the window (this process: clients and workers).
+    pub bench_cpu: Duration,
     pub peak_rss_kib: u64,
     pub latency: Percentiles,
     /// Deltas over the window of the counters the scenario passed in (e.g. worker answers).
@@ -54,6 +56,10 @@ impl Outcome {
     /// Server CPU microseconds per completed call.
     pub fn cpu_us_per_op(&self) -> f64 {
         self.cpu.as_secs_f64() * 1e6 / (self.completed.max(1) as f64)
+    }
+    /// Load generator CPU microseconds per completed call.
+    pub fn bench_cpu_us_per_op(&self) -> f64 {
+        self.bench_cpu.as_secs_f64() * 1e6 / (self.completed.max(1) as f64)
     }
     /// Share of one core the server used during the window.
     pub fn cpu_share(&self) -> f64 {
@@ -113,12 +119,14 @@ pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc
     let before: Vec<u64> = counters.iter().map(|c| c.load(Ordering::Relaxed)).collect();
     let _ = procs::reset_peak_rss(pid);
     let cpu0 = procs::cpu_time(pid).unwrap_or_default();
+    let bench0 = procs::cpu_time(std::process::id()).unwrap_or_default();
     phase.store(MEASURE, Ordering::Relaxed);
     let t0 = Instant::now();
     thread::sleep(window.measure);
     phase.store(if window.syscalls.is_some() { COUNT } else { STOP }, Ordering::Relaxed);
     let elapsed = t0.elapsed();
     let cpu1 = procs::cpu_time(pid).unwrap_or_default();
+    let bench1 = procs::cpu_time(std::process::id()).unwrap_or_default();
     let deltas = counters.iter().zip(before).map(|(c, b)| c.load(Ordering::Relaxed) - b).collect();
     let peak_rss_kib = procs::mem(pid).map(|m| m.hwm_kib).unwrap_or(0);
     let per_op_events = match window.syscalls {
@@ -142,6 +150,7 @@ pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc
         first_error: None,
         elapsed,
         cpu: cpu1.saturating_sub(cpu0),
+        bench_cpu: bench1.saturating_sub(bench0),
         peak_rss_kib,
         latency: Percentiles::default(),
         counters: deltas,

@@ -30,6 +30,7 @@ scenarios (default: all):
   latency   1 client 1 worker, relay then NATS back to back
   memory    N idle worker connections: relay RSS per connection
   startup   relay start-up time to listening and idle RSS
+  pending   scheduled tasks (delay 1h) submitted for one window: relay RSS per task
   all       every one of the above
 
 options:
@@ -43,6 +44,7 @@ options:
   --startup-runs N      relay starts in `startup` (default 10)
   --relay PATH          relay binary (default: `relay` beside this executable)
   --relay-static PATH   static relay binary to size and start (default: target/x86_64-unknown-linux-gnu/release/relay)
+  --relay-env K=V       extra environment for every relay started (repeatable), e.g. TASK_TTL=5s
   --nats-server PATH    nats-server binary (default: nats-server on PATH)
   --syscall-ms N        after each measured window, count the server's syscalls and context
                         switches per operation with `perf stat` for this long (default 1500; 0 = off)
@@ -67,6 +69,7 @@ pub struct Opts {
     pub startup_runs: usize,
     pub relay: PathBuf,
     pub relay_static: PathBuf,
+    pub relay_env: Vec<(String, String)>,
     pub nats_server: PathBuf,
     pub max_total: Duration,
     pub syscalls: Option<Duration>,
@@ -88,6 +91,7 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         startup_runs: 10,
         relay: exe_dir.join("relay"),
         relay_static: exe_dir.join("../x86_64-unknown-linux-gnu/release/relay"),
+        relay_env: Vec::new(),
         nats_server: PathBuf::from("nats-server"),
         max_total: Duration::from_secs(900),
         syscalls: Some(Duration::from_millis(1500)),
@@ -109,6 +113,11 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             "--startup-runs" => o.startup_runs = num(value()?)?.max(1) as usize,
             "--relay" => o.relay = PathBuf::from(value()?),
             "--relay-static" => o.relay_static = PathBuf::from(value()?),
+            "--relay-env" => {
+                let kv = value()?;
+                let (k, v) = kv.split_once('=').ok_or_else(|| format!("--relay-env wants K=V, got {kv:?}"))?;
+                o.relay_env.push((k.to_string(), v.to_string()));
+            }
             "--nats-server" => o.nats_server = PathBuf::from(value()?),
             "--max-total-secs" => o.max_total = Duration::from_secs(num(value()?)?.max(1)),
             "--syscall-ms" => o.syscalls = Some(Duration::from_millis(num(value()?)?)).filter(|d| !d.is_zero()),

@@ -162,7 +162,7 @@ fn scratch_dir() -> PathBuf {
     std::env::temp_dir().join(format!("relay-bench-{}", std::process::id()))
 }
 
-fn start_relay(binary: &Path, extra_env: &[(&str, String)]) -> Result<Server, String> {
+fn start_relay(opts: &Opts, binary: &Path, extra_env: &[(&str, String)]) -> Result<Server, String> {
     if !binary.exists() {
         return Err(format!("relay binary {} not found (build it: cargo build --release -p relay)", binary.display()));
     }
@@ -179,6 +179,9 @@ fn start_relay(binary: &Path, extra_env: &[(&str, String)]) -> Result<Server, St
         .env("BLOB_DIR", dir.join("blobs"))
         .env("TOKEN_STORE", dir.join("tokens.json"));
     for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    for (k, v) in &opts.relay_env {
         cmd.env(k, v);
     }
     Server::start("relay", cmd, procs::relay_listening, START_TIMEOUT)
@@ -246,7 +249,7 @@ fn window(opts: &Opts) -> Window {
 }
 
 fn relay_sync(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, String> {
-    let mut relay = start_relay(&opts.relay, &[])?;
+    let mut relay = start_relay(opts, &opts.relay, &[])?;
     let pool = Pool::ws(relay.addr, WORKER_TOKEN, workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(relay.addr, workers)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
@@ -265,7 +268,7 @@ struct AsyncResult {
 }
 
 fn relay_async(opts: &Opts) -> Result<AsyncResult, String> {
-    let mut relay = start_relay(&opts.relay, &[])?;
+    let mut relay = start_relay(opts, &opts.relay, &[])?;
     let pool = Pool::ws(relay.addr, WORKER_TOKEN, opts.workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(relay.addr, opts.workers)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
@@ -352,7 +355,7 @@ fn memory(opts: &Opts) -> Result<MemoryResult, String> {
         return Err(format!("open-file limit {nofile} is too low for {n} connections"));
     }
     let max_conns = (n + 500).to_string();
-    let mut relay = start_relay(&opts.relay, &[("MAX_CONNECTIONS", max_conns)])?;
+    let mut relay = start_relay(opts, &opts.relay, &[("MAX_CONNECTIONS", max_conns)])?;
     std::thread::sleep(Duration::from_millis(300));
     let base = procs::mem(relay.pid())?;
     let t0 = Instant::now();
@@ -375,17 +378,50 @@ fn memory(opts: &Opts) -> Result<MemoryResult, String> {
     })
 }
 
+struct PendingResult {
+    tasks: u64,
+    base_rss_kib: u64,
+    rss_kib: u64,
+    submit: Outcome,
+}
+
+impl PendingResult {
+    fn bytes_per_task(&self) -> f64 {
+        (self.rss_kib.saturating_sub(self.base_rss_kib) * 1024) as f64 / self.tasks.max(1) as f64
+    }
+}
+
+/// Scheduled tasks (`"delay":"1h"`, no worker connected) submitted for one window: relay's RSS
+/// per task held.
+fn pending(opts: &Opts) -> Result<PendingResult, String> {
+    let mut relay = start_relay(opts, &opts.relay, &[])?;
+    healthz(relay.addr)?;
+    let base = procs::mem(relay.pid())?;
+    let body = format!("{{\"payload\":{},\"delay\":\"1h\"}}", payload(opts.payload_bytes));
+    let req = Arc::new(build_request("POST", "/tasks", Some(API_TOKEN), body.as_bytes()));
+    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(relay.addr, req.clone(), 202, false)).collect();
+    let win = Window { warmup: Duration::ZERO, measure: opts.measure, syscalls: None };
+    let (submit, _) = load::run(cs, relay.pid(), win, &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let health = healthz(relay.addr)?;
+    let tasks = json_num_field(health.as_bytes(), "pending").ok_or_else(|| format!("no pending count in {health}"))?;
+    let after = procs::mem(relay.pid())?;
+    check_alive(&mut relay)?;
+    Ok(PendingResult { tasks, base_rss_kib: base.rss_kib, rss_kib: after.rss_kib, submit })
+}
+
 struct StartupResult {
     median: Duration,
     max: Duration,
     idle_rss_kib: u64,
 }
 
-fn startup(binary: &Path, runs: usize) -> Result<StartupResult, String> {
+fn startup(opts: &Opts, binary: &Path) -> Result<StartupResult, String> {
+    let runs = opts.startup_runs;
     let mut times = Vec::new();
     let mut idle_rss_kib = 0;
     for _ in 0..runs {
-        let mut relay = start_relay(binary, &[])?;
+        let mut relay = start_relay(opts, binary, &[])?;
         times.push(relay.startup);
         std::thread::sleep(Duration::from_millis(200));
         // One request so the figure includes a loop that has served something.
@@ -413,6 +449,7 @@ struct Results {
     memory: Option<MemoryResult>,
     startup: Option<StartupResult>,
     startup_static: Option<StartupResult>,
+    pending: Option<PendingResult>,
     static_bytes: Option<u64>,
     failures: Vec<String>,
 }
@@ -437,7 +474,7 @@ fn watchdog(limit: Duration) -> Arc<AtomicBool> {
 }
 
 pub fn run_all(opts: &Opts) -> Result<(), String> {
-    let known = ["all", "sync", "async", "nats", "floor", "latency", "memory", "startup"];
+    let known = ["all", "sync", "async", "nats", "floor", "latency", "memory", "startup", "pending"];
     if let Some(bad) = opts.scenarios.iter().find(|s| !known.contains(&s.as_str())) {
         return Err(format!("unknown scenario {bad:?}"));
     }
@@ -491,12 +528,15 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
     }
     if want("startup") {
         step("relay start-up and idle RSS");
-        r.startup = keep(&mut r.failures, "startup", startup(&opts.relay, opts.startup_runs));
+        r.startup = keep(&mut r.failures, "startup", startup(opts, &opts.relay));
         if opts.relay_static.exists() {
             r.static_bytes = std::fs::metadata(&opts.relay_static).ok().map(|m| m.len());
-            r.startup_static =
-                keep(&mut r.failures, "startup (static)", startup(&opts.relay_static, opts.startup_runs));
+            r.startup_static = keep(&mut r.failures, "startup (static)", startup(opts, &opts.relay_static));
         }
+    }
+    if want("pending") {
+        step(&format!("relay holding scheduled tasks (delay 1h), {c} clients submitting"));
+        r.pending = keep(&mut r.failures, "pending", pending(opts));
     }
     if want("memory") && opts.idle_conns > 0 {
         step(&format!("relay with {} idle worker connections", opts.idle_conns));
@@ -604,10 +644,11 @@ fn rate(o: &Outcome) -> f64 {
 fn row(t: &mut String, label: &str, c: usize, w: &str, o: &Outcome) {
     let _ = writeln!(
         t,
-        "| {label} | {c} | {w} | {:.0} | **{:.1}** | {:.0}% | {} | {} | {} | {} | {:.1} | {} |",
+        "| {label} | {c} | {w} | {:.0} | **{:.1}** | {:.0}% | {:.1} | {} | {} | {} | {} | {:.1} | {} |",
         o.per_sec(),
         o.cpu_us_per_op(),
         o.cpu_share() * 100.0,
+        o.bench_cpu_us_per_op(),
         ms(o.latency.p50),
         ms(o.latency.p99),
         ms(o.latency.p999),
@@ -643,15 +684,18 @@ fn report(opts: &Opts, r: &Results) -> String {
     );
     let _ = writeln!(
         t,
-        "| scenario | clients | workers | ops/s | server CPU µs/op | server CPU | p50 ms | p99 ms | p99.9 ms | max ms | peak RSS MiB | errors |"
+        "| scenario | clients | workers | ops/s | server CPU µs/op | server CPU | bench CPU µs/op | p50 ms | p99 ms | p99.9 ms | max ms | peak RSS MiB | errors |"
     );
-    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     rows(&mut t, "relay sync `POST /tasks?wait=true`", c, &w, &r.sync);
     rows(&mut t, "NATS request-reply", c, &w, &r.nats);
     rows(&mut t, "HTTP floor (one hop, answers at once)", c, "-", &r.floor);
     if let Some(a) = &r.async_ {
         row(&mut t, "relay async submit `POST /tasks` (202)", c, &w, &a.submit);
         row(&mut t, "relay async fetch `GET /tasks/{id}`", c, &w, &a.fetch);
+    }
+    if let Some(p) = &r.pending {
+        row(&mut t, "relay scheduled submit (`delay`, no worker)", c, "0", &p.submit);
     }
     rows(&mut t, "relay sync, 1 client 1 worker", 1, "1", &r.sync1);
     rows(&mut t, "NATS request-reply, 1 client 1 responder", 1, "1", &r.nats1);
@@ -702,6 +746,22 @@ fn report(opts: &Opts, r: &Results) -> String {
             mib(m.hwm_kib)
         );
         let _ = writeln!(t, "| relay RSS per idle worker connection | {:.2} KiB |", m.bytes_per_conn() / 1024.0);
+    }
+    if let Some(p) = &r.pending {
+        let _ = writeln!(
+            t,
+            "| scheduled tasks held / relay RSS before → after | {} / {:.1} → {:.1} MiB |",
+            p.tasks,
+            mib(p.base_rss_kib),
+            mib(p.rss_kib)
+        );
+        let _ = writeln!(
+            t,
+            "| relay RSS per scheduled task ({}-byte payload) / beyond the payload | {:.0} / {:.0} bytes |",
+            opts.payload_bytes,
+            p.bytes_per_task(),
+            p.bytes_per_task() - opts.payload_bytes as f64
+        );
     }
 
     let _ = writeln!(t, "\n| target | goal | measured | |\n|---|---|---|---|");
