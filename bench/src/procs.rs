@@ -199,10 +199,18 @@ pub const PERF_EVENTS: &[&str] = &[
     "context-switches",
 ];
 
-/// Counts `PERF_EVENTS` for `pid` (all its threads) over `secs` with `perf stat`.
+/// Reads that found nothing (EAGAIN, -11): the price of reading until WouldBlock.
+pub const PERF_EAGAIN_EVENTS: &[&str] = &["syscalls:sys_exit_recvfrom", "syscalls:sys_exit_read"];
+
+/// Counts `PERF_EVENTS` and `PERF_EAGAIN_EVENTS` for `pid` (all its threads) over `window`.
 pub fn perf_stat(pid: u32, window: Duration) -> Result<Vec<(String, u64)>, String> {
-    let out = Command::new("perf")
-        .args(["stat", "-x,", "-e", &PERF_EVENTS.join(","), "-p", &pid.to_string(), "--", "sleep"])
+    let mut cmd = Command::new("perf");
+    cmd.args(["stat", "-x,", "-e", &PERF_EVENTS.join(",")]);
+    for e in PERF_EAGAIN_EVENTS {
+        cmd.args(["-e", e, "--filter", "ret == -11"]);
+    }
+    let out = cmd
+        .args(["-p", &pid.to_string(), "--", "sleep"])
         .arg(format!("{:.3}", window.as_secs_f64()))
         .stdin(Stdio::null())
         .stdout(Stdio::null())

@@ -870,7 +870,8 @@ fn syscall_table(t: &mut String, span: Duration, r: &Results) {
         t,
         "\nPer operation, counted by `perf stat` over {} ms after each measured window (all threads of the \
          server; median over rounds):\n\n\
-         | scenario | syscalls | reads | writes | epoll waits | futex | context switches |\n|---|---:|---:|---:|---:|---:|---:|",
+         | scenario | syscalls | reads | of which EAGAIN | writes | epoll waits | futex | context switches |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|",
         span.as_millis()
     );
     let async_submit: Vec<&Outcome> = r.async_.iter().map(|a| &a.submit).collect();
@@ -884,9 +885,10 @@ fn syscall_table(t: &mut String, span: Duration, r: &Results) {
         ("relay sync 1c1w", r.sync1.iter().collect()),
         ("NATS 1c1w", r.nats1.iter().collect()),
     ];
-    let kinds: [&[&str]; 6] = [
+    let kinds: [&[&str]; 7] = [
         &["raw_syscalls:sys_enter"],
         &["sys_enter_read", "sys_enter_recvfrom"],
+        &["sys_exit_read", "sys_exit_recvfrom"],
         &["sys_enter_write", "sys_enter_sendto", "sys_enter_writev"],
         &["sys_enter_epoll_wait", "sys_enter_epoll_pwait"],
         &["sys_enter_futex"],
@@ -896,7 +898,7 @@ fn syscall_table(t: &mut String, span: Duration, r: &Results) {
         let counted: Vec<&Vec<(String, f64)>> = os.iter().filter_map(|o| o.per_op_events.as_ref().ok()).collect();
         if counted.is_empty() {
             if let Some(Err(e)) = os.first().map(|o| &o.per_op_events) {
-                let _ = writeln!(t, "| {label} | {e} | | | | | |");
+                let _ = writeln!(t, "| {label} | {e} | | | | | | |");
             }
             continue;
         }
