@@ -452,6 +452,15 @@ struct Results {
     pending: Option<PendingResult>,
     static_bytes: Option<u64>,
     failures: Vec<String>,
+    /// /proc/loadavg at the start and the end: other work on the machine skews every figure.
+    load_before: String,
+    load_after: String,
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 /// Kills every child and exits if the whole run overstays `limit` (a hung scenario).
@@ -489,7 +498,7 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
     let opts = &opts;
     let done = watchdog(opts.max_total);
     let started = Instant::now();
-    let mut r = Results::default();
+    let mut r = Results { load_before: loadavg(), ..Results::default() };
     let step = |name: &str| eprintln!("bench: [{:>5.1}s] {name}", started.elapsed().as_secs_f64());
 
     fn keep<T>(failures: &mut Vec<String>, name: &str, res: Result<T, String>) -> Option<T> {
@@ -543,6 +552,7 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
         r.memory = keep(&mut r.failures, "memory", memory(opts));
     }
     step("done");
+    r.load_after = loadavg();
     done.store(true, Ordering::Relaxed);
     let _ = std::fs::remove_dir_all(scratch_dir());
     print!("{}", report(opts, &r));
@@ -676,11 +686,15 @@ fn report(opts: &Opts, r: &Results) -> String {
         t,
         "\n## relay-bench results\n\n{} round(s); per scenario {} ms warm-up + {} ms measured; payload {} bytes; \
          server CPU = utime+stime of the server process (all threads) over the measured window, from /proc/<pid>/stat. \
-         Ratios are taken within a round and given as median (min–max over rounds).\n",
+         Ratios are taken within a round and given as median (min–max over rounds). \
+         Load average before / after the run: {} / {} on {} CPUs.\n",
         opts.rounds,
         opts.warmup.as_millis(),
         opts.measure.as_millis(),
-        opts.payload_bytes
+        opts.payload_bytes,
+        r.load_before,
+        r.load_after,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
     );
     let _ = writeln!(
         t,
