@@ -41,6 +41,10 @@ pub struct Outcome {
     pub cpu: Duration,
     /// The load generator's own CPU time over the window (this process: clients and workers).
     pub bench_cpu: Duration,
+    /// CPU used by every other process on the machine over the window, and hypervisor steal:
+    /// when these are high the row is not comparable with the others.
+    pub others_cpu: Duration,
+    pub steal: Duration,
     pub peak_rss_kib: u64,
     pub latency: Percentiles,
     /// Deltas over the window of the counters the scenario passed in (e.g. worker answers).
@@ -120,6 +124,7 @@ pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc
     let _ = procs::reset_peak_rss(pid);
     let cpu0 = procs::cpu_time(pid).unwrap_or_default();
     let bench0 = procs::cpu_time(std::process::id()).unwrap_or_default();
+    let (busy0, steal0) = procs::machine_cpu();
     phase.store(MEASURE, Ordering::Relaxed);
     let t0 = Instant::now();
     thread::sleep(window.measure);
@@ -127,6 +132,7 @@ pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc
     let elapsed = t0.elapsed();
     let cpu1 = procs::cpu_time(pid).unwrap_or_default();
     let bench1 = procs::cpu_time(std::process::id()).unwrap_or_default();
+    let (busy1, steal1) = procs::machine_cpu();
     let deltas = counters.iter().zip(before).map(|(c, b)| c.load(Ordering::Relaxed) - b).collect();
     let peak_rss_kib = procs::mem(pid).map(|m| m.hwm_kib).unwrap_or(0);
     let per_op_events = match window.syscalls {
@@ -151,6 +157,11 @@ pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc
         elapsed,
         cpu: cpu1.saturating_sub(cpu0),
         bench_cpu: bench1.saturating_sub(bench0),
+        others_cpu: busy1
+            .saturating_sub(busy0)
+            .saturating_sub(cpu1.saturating_sub(cpu0))
+            .saturating_sub(bench1.saturating_sub(bench0)),
+        steal: steal1.saturating_sub(steal0),
         peak_rss_kib,
         latency: Percentiles::default(),
         counters: deltas,

@@ -250,6 +250,20 @@ fn parse_perf_csv(text: &str) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// Machine-wide CPU time from the `cpu` line of /proc/stat: (busy, steal). Busy is user + nice
+/// + system + irq + softirq of every process; steal is time the hypervisor gave to others.
+pub fn machine_cpu() -> (Duration, Duration) {
+    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> =
+        text.lines().next().unwrap_or_default().split_whitespace().skip(1).map(|v| v.parse().unwrap_or(0)).collect();
+    let at = |i: usize| f.get(i).copied().unwrap_or(0);
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    let hz = if hz > 0 { hz as u64 } else { 100 };
+    let d = |ticks: u64| Duration::from_nanos(ticks.saturating_mul(1_000_000_000) / hz);
+    (d(at(0) + at(1) + at(2) + at(5) + at(6)), d(at(7)))
+}
+
 /// Memory figures from /proc/<pid>/status, in KiB.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Mem {

@@ -654,11 +654,13 @@ fn rate(o: &Outcome) -> f64 {
 fn row(t: &mut String, label: &str, c: usize, w: &str, o: &Outcome) {
     let _ = writeln!(
         t,
-        "| {label} | {c} | {w} | {:.0} | **{:.1}** | {:.0}% | {:.1} | {} | {} | {} | {} | {:.1} | {} |",
+        "| {label} | {c} | {w} | {:.0} | **{:.1}** | {:.0}% | {:.1} | {:.0}% / {:.0}% | {} | {} | {} | {} | {:.1} | {} |",
         o.per_sec(),
         o.cpu_us_per_op(),
         o.cpu_share() * 100.0,
         o.bench_cpu_us_per_op(),
+        o.others_cpu.as_secs_f64() * 100.0 / o.elapsed.as_secs_f64().max(1e-9),
+        o.steal.as_secs_f64() * 100.0 / o.elapsed.as_secs_f64().max(1e-9),
         ms(o.latency.p50),
         ms(o.latency.p99),
         ms(o.latency.p999),
@@ -687,6 +689,8 @@ fn report(opts: &Opts, r: &Results) -> String {
         "\n## relay-bench results\n\n{} round(s); per scenario {} ms warm-up + {} ms measured; payload {} bytes; \
          server CPU = utime+stime of the server process (all threads) over the measured window, from /proc/<pid>/stat. \
          Ratios are taken within a round and given as median (min–max over rounds). \
+         \"others / steal\": CPU used by every other process on the machine, and hypervisor steal, \
+         over the window, in % of one core: a row where they are high is not comparable. \
          Load average before / after the run: {} / {} on {} CPUs.\n",
         opts.rounds,
         opts.warmup.as_millis(),
@@ -698,9 +702,9 @@ fn report(opts: &Opts, r: &Results) -> String {
     );
     let _ = writeln!(
         t,
-        "| scenario | clients | workers | ops/s | server CPU µs/op | server CPU | bench CPU µs/op | p50 ms | p99 ms | p99.9 ms | max ms | peak RSS MiB | errors |"
+        "| scenario | clients | workers | ops/s | server CPU µs/op | server CPU | bench CPU µs/op | others / steal | p50 ms | p99 ms | p99.9 ms | max ms | peak RSS MiB | errors |"
     );
-    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     rows(&mut t, "relay sync `POST /tasks?wait=true`", c, &w, &r.sync);
     rows(&mut t, "NATS request-reply", c, &w, &r.nats);
     rows(&mut t, "HTTP floor (one hop, answers at once)", c, "-", &r.floor);
