@@ -229,8 +229,9 @@ impl Idle {
                         if Instant::now() > deadline {
                             return Err(format!("deadline reached after {made} connections on this thread"));
                         }
-                        let octet = 2 + i / per_source.max(1);
-                        let source = Ipv4Addr::new(127, 0, (octet / 250) as u8, (octet % 250) as u8 + 1);
+                        // 127.0.0.2, 127.0.0.3, ...: all of 127/8 is loopback.
+                        let k = 2 + i / per_source.max(1);
+                        let source = Ipv4Addr::new(127, 0, (k >> 8) as u8, (k & 0xff) as u8);
                         let mut ws = ws_connect(addr, &token, Some(source))?;
                         ws.send(Message::text(r#"{"type":"hello","concurrency":16,"version":"relay-bench-idle"}"#))
                             .map_err(|e| format!("hello: {e}"))?;
