@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Profiles relay under the sync load (64 clients, 8 workers, 100-byte payloads): builds relay with
+# symbols (the release profile, LTO included, but not stripped, with line tables) into
+# target/profiling, starts it, samples it with `perf record` (cpu-clock: this machine has no
+# hardware counters; DWARF call graphs, since release code has no frame pointers) while
+# `relay-bench drive` loads it, then prints a summary (bench/perf_summary.py: time by kind of work,
+# self-time top, relay functions inclusive) and perf's own flat report.
+# SECS (default 10) sets the load duration; OUT (default a temp dir) keeps perf.data.
+# relay and perf are stopped by PID before the script exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+secs=${SECS:-10}
+out=${OUT:-$(mktemp -d /tmp/relay-profile.XXXXXX)}
+mkdir -p "$out"
+
+CARGO_PROFILE_RELEASE_STRIP=false CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+  cargo build --release -p relay --target-dir target/profiling
+cargo build --release -p relay-bench
+target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
+
+env -i PORT=0 BIND=127.0.0.1 API_TOKEN=bench-api-token WORKER_TOKEN=bench-worker-token DATA_DIR= \
+  LOG_LEVEL=warn SHUTDOWN_TIMEOUT=1s BLOB_DIR="$out/blobs" TOKEN_STORE="$out/tokens.json" \
+  target/profiling/release/relay 2>"$out/relay.log" &
+relay_pid=$!
+perf_pid=
+cleanup() {
+  [ -n "$perf_pid" ] && kill -INT "$perf_pid" 2>/dev/null && wait "$perf_pid" 2>/dev/null
+  kill "$relay_pid" 2>/dev/null && wait "$relay_pid" 2>/dev/null
+  return 0
+}
+trap cleanup EXIT
+
+addr=
+for _ in $(seq 200); do
+  addr=$(grep -o 'msg=listening addr=[0-9.:]*' "$out/relay.log" | head -1 | sed 's/.*addr=//') || true
+  [ -n "$addr" ] && break
+  sleep 0.05
+done
+[ -n "$addr" ] || { echo "relay did not start:" >&2; cat "$out/relay.log" >&2; exit 1; }
+
+# One second of warm-up before sampling starts; sampling ends with the load.
+"$target_dir/release/relay-bench" drive --addr "$addr" --seconds "$((secs + 1))" &
+drive_pid=$!
+sleep 1
+perf record -q -e cpu-clock -F 1999 --call-graph dwarf,16384 -p "$relay_pid" -o "$out/perf.data" \
+  -- sleep "$secs" &
+perf_pid=$!
+wait "$drive_pid"
+wait "$perf_pid" || true
+perf_pid=
+
+# `head` may close the pipe early: a SIGPIPE there is not a failure.
+set +o pipefail
+echo "== summary (bench/perf_summary.py) =="
+perf script -i "$out/perf.data" -F ip,sym --no-inline 2>/dev/null | python3 bench/perf_summary.py 20
+echo
+echo "== perf report, self time, top 30 =="
+perf report -i "$out/perf.data" --no-children --sort symbol --stdio -g none 2>/dev/null \
+  | grep -v '^#' | grep -v '^$' | sed 's/ *-  *- *$//' | head -30
+echo "perf data: $out/perf.data (perf report -i ... to explore)"

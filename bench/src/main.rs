@@ -1,0 +1,188 @@
+//! `relay-bench`: runs relay and its peers (nats-server request-reply, a one-hop HTTP floor) under
+//! the same closed-loop load in one run and prints one table with server CPU per operation,
+//! throughput, latency, memory and the ratios the performance targets are stated in.
+//! Everything it starts it stops by PID; every phase is bounded in time; it only targets loopback.
+
+mod floor;
+mod httpc;
+mod load;
+mod nats;
+mod procs;
+mod scenarios;
+mod workers;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// The fixed ~100-byte result every fake worker and responder sends back.
+pub const RESULT_DATA: &str =
+    r#"{"ok":true,"pad":"rrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrrr"}"#;
+
+const USAGE: &str = "\
+usage: relay-bench [SCENARIO...] [OPTIONS]
+
+scenarios (default: all):
+  sync      relay POST /tasks?wait=true, C clients, W workers
+  async     relay POST /tasks (202), then GET /tasks/{id}
+  nats      nats-server request-reply, C requesters, W queue-group responders
+  floor     one-hop HTTP server answering at once
+  latency   1 client 1 worker, relay then NATS back to back
+  memory    N idle worker connections: relay RSS per connection
+  startup   relay start-up time to listening and idle RSS
+  pending   scheduled tasks (delay 1h) submitted for one window: relay RSS per task
+  all       every one of the above
+
+options:
+  --rounds N            rounds of the sync/NATS/floor and 1-client comparisons (default 3)
+  --warmup-ms N         warm-up before each measured window (default 1000)
+  --measure-ms N        measured window (default 4000)
+  --clients N           concurrent clients (default 64)
+  --workers N           workers / responders (default 8)
+  --payload-bytes N     task payload size (default 100)
+  --idle-conns N        idle worker connections in `memory` (default 19000)
+  --startup-runs N      relay starts in `startup` (default 10)
+  --relay PATH          relay binary (default: `relay` beside this executable)
+  --relay-static PATH   static relay binary to size and start (default: target/x86_64-unknown-linux-gnu/release/relay)
+  --relay-env K=V       extra environment for every relay started (repeatable), e.g. TASK_TTL=5s
+  --nats-server PATH    nats-server binary (default: nats-server on PATH)
+  --syscall-ms N        after each measured window, count the server's syscalls and context
+                        switches per operation with `perf stat` for this long (default 1500; 0 = off)
+  --max-total-secs N    hard limit on the whole run; children are killed past it (default 900)
+
+internal:
+  serve-floor [--seconds N]              run the floor server (prints msg=listening addr=...)
+  drive --addr HOST:PORT [--seconds N]   load an already running relay (for perf); tokens as below
+";
+
+/// Everything a run is configured by; durations and sizes come from the command line.
+#[derive(Debug, Clone)]
+pub struct Opts {
+    pub scenarios: Vec<String>,
+    pub rounds: usize,
+    pub warmup: Duration,
+    pub measure: Duration,
+    pub clients: usize,
+    pub workers: usize,
+    pub payload_bytes: usize,
+    pub idle_conns: usize,
+    pub startup_runs: usize,
+    pub relay: PathBuf,
+    pub relay_static: PathBuf,
+    pub relay_env: Vec<(String, String)>,
+    pub nats_server: PathBuf,
+    pub max_total: Duration,
+    pub syscalls: Option<Duration>,
+    pub addr: Option<String>,
+    pub seconds: u64,
+}
+
+fn parse_args(args: &[String]) -> Result<Opts, String> {
+    let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(PathBuf::from)).unwrap_or_default();
+    let mut o = Opts {
+        scenarios: Vec::new(),
+        rounds: 3,
+        warmup: Duration::from_millis(1000),
+        measure: Duration::from_millis(4000),
+        clients: 64,
+        workers: 8,
+        payload_bytes: 100,
+        idle_conns: 19_000,
+        startup_runs: 10,
+        relay: exe_dir.join("relay"),
+        relay_static: exe_dir.join("../x86_64-unknown-linux-gnu/release/relay"),
+        relay_env: Vec::new(),
+        nats_server: PathBuf::from("nats-server"),
+        max_total: Duration::from_secs(900),
+        syscalls: Some(Duration::from_millis(1500)),
+        addr: None,
+        seconds: 10,
+    };
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut value = || it.next().cloned().ok_or_else(|| format!("{a} needs a value"));
+        let num = |v: String| v.parse::<u64>().map_err(|_| format!("{a}: not a number: {v:?}"));
+        match a.as_str() {
+            "--rounds" => o.rounds = num(value()?)?.max(1) as usize,
+            "--warmup-ms" => o.warmup = Duration::from_millis(num(value()?)?),
+            "--measure-ms" => o.measure = Duration::from_millis(num(value()?)?.max(1)),
+            "--clients" => o.clients = num(value()?)?.max(1) as usize,
+            "--workers" => o.workers = num(value()?)?.max(1) as usize,
+            "--payload-bytes" => o.payload_bytes = num(value()?)?.max(16) as usize,
+            "--idle-conns" => o.idle_conns = num(value()?)? as usize,
+            "--startup-runs" => o.startup_runs = num(value()?)?.max(1) as usize,
+            "--relay" => o.relay = PathBuf::from(value()?),
+            "--relay-static" => o.relay_static = PathBuf::from(value()?),
+            "--relay-env" => {
+                let kv = value()?;
+                let (k, v) = kv.split_once('=').ok_or_else(|| format!("--relay-env wants K=V, got {kv:?}"))?;
+                o.relay_env.push((k.to_string(), v.to_string()));
+            }
+            "--nats-server" => o.nats_server = PathBuf::from(value()?),
+            "--max-total-secs" => o.max_total = Duration::from_secs(num(value()?)?.max(1)),
+            "--syscall-ms" => o.syscalls = Some(Duration::from_millis(num(value()?)?)).filter(|d| !d.is_zero()),
+            "--addr" => o.addr = Some(value()?),
+            "--seconds" => o.seconds = num(value()?)?.max(1),
+            "-h" | "--help" => return Err(String::new()),
+            s if s.starts_with('-') => return Err(format!("unknown option {s}")),
+            s => o.scenarios.push(s.to_string()),
+        }
+    }
+    if o.scenarios.is_empty() {
+        o.scenarios.push("all".into());
+    }
+    Ok(o)
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let opts = match parse_args(&args) {
+        Ok(o) => o,
+        Err(e) if e.is_empty() => {
+            print!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("relay-bench: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match opts.scenarios[0].as_str() {
+        "serve-floor" => floor::serve(([127, 0, 0, 1], 0).into(), Duration::from_secs(opts.seconds)),
+        "drive" => scenarios::drive(&opts),
+        _ => scenarios::run_all(&opts),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("relay-bench: {e}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn args() {
+        fn check(args: &[&str], expected: Result<(Vec<&str>, u64, usize), ()>) {
+            let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+            let got = parse_args(&args).map(|o| (o.scenarios, o.measure.as_millis() as u64, o.clients)).map_err(|_| ());
+            let expected = expected.map(|(s, m, c)| (s.into_iter().map(String::from).collect::<Vec<_>>(), m, c));
+            assert_eq!(got, expected, "{args:?}");
+        }
+        check(&[], Ok((vec!["all"], 4000, 64)));
+        check(&["sync", "nats", "--measure-ms", "500", "--clients", "8"], Ok((vec!["sync", "nats"], 500, 8)));
+        check(&["--clients"], Err(()));
+        check(&["--clients", "x"], Err(()));
+        check(&["--bogus"], Err(()));
+        check(&["--help"], Err(()));
+    }
+
+    #[test]
+    fn result_data_is_about_100_bytes() {
+        assert!((90..=110).contains(&RESULT_DATA.len()), "{}", RESULT_DATA.len());
+    }
+}

@@ -1,0 +1,968 @@
+//! The scenarios: start a server, attach the answering side, run the load, stop everything, and
+//! put the figures in one report with the ratios the targets are stated in. Each scenario starts
+//! a fresh server, so tasks kept from one never weigh on the next.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::httpc::{HttpConn, build_request, json_str_field};
+use crate::load::{self, Client, Outcome, Window};
+use crate::nats::{NatsConn, Op};
+use crate::procs::{self, Server};
+use crate::workers::{Idle, NATS_SUBJECT, Pool};
+use crate::{Opts, RESULT_DATA};
+
+pub const API_TOKEN: &str = "bench-api-token";
+pub const WORKER_TOKEN: &str = "bench-worker-token";
+const START_TIMEOUT: Duration = Duration::from_secs(10);
+const IO_TIMEOUT: Duration = Duration::from_secs(10);
+/// Tasks a fake worker may have in flight ("concurrency high").
+const WORKER_CONCURRENCY: u32 = 1024;
+/// Idle connections per source address 127.0.0.x (ephemeral ports are per source address).
+const IDLE_PER_SOURCE: usize = 2000;
+const IDLE_CONNECT_THREADS: usize = 4;
+/// Time for idle connections to settle (at least one ping round at relay's default 2 s).
+const IDLE_SETTLE: Duration = Duration::from_secs(5);
+
+// ---------------------------------------------------------------- clients
+
+/// `POST` with a fixed body on a keep-alive connection; any status but `expect` is an error.
+struct PostClient {
+    addr: SocketAddr,
+    req: Arc<Vec<u8>>,
+    expect: u16,
+    conn: Option<HttpConn>,
+    /// Task ids from the answers (async submit), kept for the fetch phase.
+    ids: Option<Vec<String>>,
+}
+
+impl PostClient {
+    fn new(addr: SocketAddr, req: Arc<Vec<u8>>, expect: u16, keep_ids: bool) -> PostClient {
+        PostClient { addr, req, expect, conn: None, ids: keep_ids.then(Vec::new) }
+    }
+}
+
+impl Client for PostClient {
+    fn call(&mut self) -> Result<(), String> {
+        if self.conn.is_none() {
+            self.conn = Some(HttpConn::connect(self.addr, IO_TIMEOUT)?);
+        }
+        let conn = self.conn.as_mut().expect("connected above");
+        let result = match conn.request(&self.req) {
+            Ok(resp) if resp.status == self.expect => {
+                if let Some(ids) = self.ids.as_mut() {
+                    let id = json_str_field(resp.body, "task_id").ok_or("202 without task_id")?;
+                    ids.push(id.to_string());
+                }
+                Ok(())
+            }
+            Ok(resp) => Err(format!("status {}: {}", resp.status, String::from_utf8_lossy(resp.body))),
+            Err(e) => Err(e),
+        };
+        if result.is_err() {
+            self.conn = None;
+        }
+        result
+    }
+}
+
+/// `GET /tasks/{id}` over its share of the submitted ids, round and round; counts `done`.
+struct FetchClient {
+    addr: SocketAddr,
+    reqs: Vec<Vec<u8>>,
+    next: usize,
+    conn: Option<HttpConn>,
+    fetched_first_pass: u64,
+    done_first_pass: u64,
+}
+
+impl Client for FetchClient {
+    fn call(&mut self) -> Result<(), String> {
+        if self.reqs.is_empty() {
+            std::thread::sleep(Duration::from_millis(10));
+            return Err("no ids to fetch".into());
+        }
+        if self.conn.is_none() {
+            self.conn = Some(HttpConn::connect(self.addr, IO_TIMEOUT)?);
+        }
+        let conn = self.conn.as_mut().expect("connected above");
+        let i = self.next % self.reqs.len();
+        let result = match conn.request(&self.reqs[i]) {
+            Ok(resp) if resp.status == 200 => {
+                if self.next < self.reqs.len() {
+                    self.fetched_first_pass += 1;
+                    if json_str_field(resp.body, "status") == Some("done") {
+                        self.done_first_pass += 1;
+                    }
+                }
+                Ok(())
+            }
+            Ok(resp) => Err(format!("status {}: {}", resp.status, String::from_utf8_lossy(resp.body))),
+            Err(e) => Err(e),
+        };
+        self.next += 1;
+        if result.is_err() {
+            self.conn = None;
+        }
+        result
+    }
+}
+
+/// A NATS requester: its own connection and inbox, one request in flight.
+struct NatsRequester {
+    conn: NatsConn,
+    inbox: String,
+    payload: Arc<Vec<u8>>,
+}
+
+const INBOX_SID: u64 = 2;
+
+impl NatsRequester {
+    fn connect(addr: SocketAddr, i: usize, payload: Arc<Vec<u8>>) -> Result<NatsRequester, String> {
+        let mut conn = NatsConn::connect(addr, &format!("requester-{i}"), IO_TIMEOUT)?;
+        let inbox = format!("_INBOX.bench.{i}");
+        conn.sub(&inbox, None, INBOX_SID)?;
+        conn.sync()?;
+        Ok(NatsRequester { conn, inbox, payload })
+    }
+}
+
+impl Client for NatsRequester {
+    fn call(&mut self) -> Result<(), String> {
+        self.conn.publish(NATS_SUBJECT, Some(&self.inbox), &self.payload)?;
+        loop {
+            match self.conn.read_op()? {
+                Op::Msg { sid: INBOX_SID, payload_len, .. } => {
+                    self.conn.consume(payload_len);
+                    return Ok(());
+                }
+                Op::Msg { payload_len, .. } => self.conn.consume(payload_len),
+                Op::Ping => self.conn.pong()?,
+                Op::Err(e) => return Err(format!("-ERR {e}")),
+                Op::Pong | Op::Ok | Op::Info => {}
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- servers
+
+/// A JSON object of exactly `bytes` bytes: `{"d":"xxx..."}`.
+fn payload(bytes: usize) -> String {
+    let pad = bytes.saturating_sub(8).max(1);
+    format!("{{\"d\":\"{}\"}}", "x".repeat(pad))
+}
+
+fn scratch_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("relay-bench-{}", std::process::id()))
+}
+
+fn start_relay(opts: &Opts, binary: &Path, extra_env: &[(&str, String)]) -> Result<Server, String> {
+    if !binary.exists() {
+        return Err(format!("relay binary {} not found (build it: cargo build --release -p relay)", binary.display()));
+    }
+    let dir = scratch_dir();
+    let mut cmd = Command::new(binary);
+    cmd.env_clear()
+        .env("PORT", "0")
+        .env("BIND", "127.0.0.1")
+        .env("API_TOKEN", API_TOKEN)
+        .env("WORKER_TOKEN", WORKER_TOKEN)
+        .env("DATA_DIR", "")
+        .env("LOG_LEVEL", "warn")
+        .env("SHUTDOWN_TIMEOUT", "1s")
+        .env("BLOB_DIR", dir.join("blobs"))
+        .env("TOKEN_STORE", dir.join("tokens.json"));
+    for (k, v) in extra_env {
+        cmd.env(k, v);
+    }
+    for (k, v) in &opts.relay_env {
+        cmd.env(k, v);
+    }
+    Server::start("relay", cmd, procs::relay_listening, START_TIMEOUT)
+}
+
+fn start_nats(opts: &Opts) -> Result<Server, String> {
+    let mut cmd = Command::new(&opts.nats_server);
+    cmd.args(["-a", "127.0.0.1", "-p", "-1"]);
+    Server::start("nats-server", cmd, procs::nats_listening, START_TIMEOUT)
+        .map_err(|e| format!("{e}\n(install it with: apt-get install -y nats-server)"))
+}
+
+fn start_floor(opts: &Opts) -> Result<Server, String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["serve-floor", "--seconds", &opts.max_total.as_secs().to_string()]);
+    Server::start("floor", cmd, procs::relay_listening, START_TIMEOUT)
+}
+
+/// Polls relay's /healthz until `n` workers are active.
+fn wait_workers(addr: SocketAddr, n: usize) -> Result<(), String> {
+    let req = build_request("GET", "/healthz", None, b"");
+    let mut conn = HttpConn::connect(addr, IO_TIMEOUT)?;
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let resp = conn.request(&req)?;
+        let active = json_num_field(resp.body, "active_clients");
+        if active == Some(n as u64) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{active:?} of {n} workers active after {START_TIMEOUT:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn healthz(addr: SocketAddr) -> Result<String, String> {
+    let mut conn = HttpConn::connect(addr, IO_TIMEOUT)?;
+    let resp = conn.request(&build_request("GET", "/healthz", None, b""))?;
+    Ok(String::from_utf8_lossy(resp.body).into_owned())
+}
+
+/// The number in `"key":123` of a JSON text.
+fn json_num_field(text: &[u8], key: &str) -> Option<u64> {
+    let pat = format!("\"{key}\":");
+    let at = text.windows(pat.len()).position(|w| w == pat.as_bytes())? + pat.len();
+    let digits: String = text[at..].iter().take_while(|b| b.is_ascii_digit()).map(|&b| b as char).collect();
+    digits.parse().ok()
+}
+
+/// Fails the scenario when the server died under it, with its last log lines.
+fn check_alive(server: &mut Server) -> Result<(), String> {
+    if server.alive() {
+        Ok(())
+    } else {
+        Err(format!("{} exited during the run; stderr:\n{}", server.name, server.log_tail()))
+    }
+}
+
+// ---------------------------------------------------------------- scenarios
+
+fn window(opts: &Opts) -> Window {
+    Window { warmup: opts.warmup, measure: opts.measure, syscalls: opts.syscalls }
+}
+
+fn relay_sync(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, String> {
+    let mut relay = start_relay(opts, &opts.relay, &[])?;
+    let pool = Pool::ws(relay.addr, WORKER_TOKEN, workers, WORKER_CONCURRENCY, RESULT_DATA)?;
+    wait_workers(relay.addr, workers)?;
+    let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
+    let req = Arc::new(build_request("POST", "/tasks?wait=true", Some(API_TOKEN), body.as_bytes()));
+    let cs: Vec<_> = (0..clients).map(|_| PostClient::new(relay.addr, req.clone(), 200, false)).collect();
+    let (out, _) = load::run(cs, relay.pid(), window(opts), std::slice::from_ref(&pool.answered));
+    check_alive(&mut relay)?;
+    pool.stop()?;
+    Ok(out)
+}
+
+struct AsyncResult {
+    submit: Outcome,
+    fetch: Outcome,
+    note: String,
+}
+
+fn relay_async(opts: &Opts) -> Result<AsyncResult, String> {
+    let mut relay = start_relay(opts, &opts.relay, &[])?;
+    let pool = Pool::ws(relay.addr, WORKER_TOKEN, opts.workers, WORKER_CONCURRENCY, RESULT_DATA)?;
+    wait_workers(relay.addr, opts.workers)?;
+    let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
+    let req = Arc::new(build_request("POST", "/tasks", Some(API_TOKEN), body.as_bytes()));
+    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(relay.addr, req.clone(), 202, true)).collect();
+    let (submit, cs) = load::run(cs, relay.pid(), window(opts), std::slice::from_ref(&pool.answered));
+    let ids: Vec<String> = cs.into_iter().flat_map(|c| c.ids.unwrap_or_default()).collect();
+
+    // Let the workers drain what was submitted, bounded.
+    let drain_deadline = Instant::now() + Duration::from_secs(10);
+    while pool.answered.load(Ordering::Relaxed) < ids.len() as u64 && Instant::now() < drain_deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let answered_total = pool.answered.load(Ordering::Relaxed);
+
+    let per = ids.len().div_ceil(opts.clients).max(1);
+    let fetchers: Vec<FetchClient> = ids
+        .chunks(per)
+        .map(|chunk| FetchClient {
+            addr: relay.addr,
+            reqs: chunk.iter().map(|id| build_request("GET", &format!("/tasks/{id}"), Some(API_TOKEN), b"")).collect(),
+            next: 0,
+            conn: None,
+            fetched_first_pass: 0,
+            done_first_pass: 0,
+        })
+        .collect();
+    let (fetch, fetchers) = load::run(fetchers, relay.pid(), window(opts), &[]);
+    let (fetched, done) = fetchers.iter().fold((0, 0), |(f, d), c| (f + c.fetched_first_pass, d + c.done_first_pass));
+    let health = healthz(relay.addr).unwrap_or_else(|e| format!("healthz failed: {e}"));
+    check_alive(&mut relay)?;
+    pool.stop()?;
+    let note = format!(
+        "submitted {} (window: {} submits, {} worker answers); answered in all {answered_total}; \
+         fetch first pass: {done}/{fetched} done; healthz: {health}",
+        ids.len(),
+        submit.completed,
+        submit.counters.first().copied().unwrap_or(0),
+    );
+    Ok(AsyncResult { submit, fetch, note })
+}
+
+fn nats_reqrep(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, String> {
+    let mut nats = start_nats(opts)?;
+    let pool = Pool::nats(nats.addr, workers, RESULT_DATA.as_bytes())?;
+    let payload = Arc::new(payload(opts.payload_bytes).into_bytes());
+    let cs =
+        (0..clients).map(|i| NatsRequester::connect(nats.addr, i, payload.clone())).collect::<Result<Vec<_>, _>>()?;
+    let (out, _) = load::run(cs, nats.pid(), window(opts), std::slice::from_ref(&pool.answered));
+    check_alive(&mut nats)?;
+    pool.stop()?;
+    Ok(out)
+}
+
+fn floor(opts: &Opts) -> Result<Outcome, String> {
+    let mut floor = start_floor(opts)?;
+    let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
+    let req = Arc::new(build_request("POST", "/echo", Some(API_TOKEN), body.as_bytes()));
+    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(floor.addr, req.clone(), 200, false)).collect();
+    let (out, _) = load::run(cs, floor.pid(), window(opts), &[]);
+    check_alive(&mut floor)?;
+    Ok(out)
+}
+
+struct MemoryResult {
+    connected: usize,
+    base_rss_kib: u64,
+    rss_kib: u64,
+    hwm_kib: u64,
+    connect_time: Duration,
+    still_open: usize,
+}
+
+impl MemoryResult {
+    fn bytes_per_conn(&self) -> f64 {
+        (self.rss_kib.saturating_sub(self.base_rss_kib) * 1024) as f64 / self.connected.max(1) as f64
+    }
+}
+
+fn memory(opts: &Opts) -> Result<MemoryResult, String> {
+    let n = opts.idle_conns;
+    let nofile = procs::raise_nofile();
+    if (nofile as usize) < n + 100 {
+        return Err(format!("open-file limit {nofile} is too low for {n} connections"));
+    }
+    let max_conns = (n + 500).to_string();
+    let mut relay = start_relay(opts, &opts.relay, &[("MAX_CONNECTIONS", max_conns)])?;
+    std::thread::sleep(Duration::from_millis(300));
+    let base = procs::mem(relay.pid())?;
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs(120).min(opts.max_total);
+    let idle = Idle::open(relay.addr, WORKER_TOKEN, n, IDLE_PER_SOURCE, IDLE_CONNECT_THREADS, deadline)?;
+    let connect_time = t0.elapsed();
+    std::thread::sleep(IDLE_SETTLE);
+    wait_workers(relay.addr, n)?;
+    check_alive(&mut relay)?;
+    let after = procs::mem(relay.pid())?;
+    let connected = idle.connected;
+    let still_open = idle.close();
+    Ok(MemoryResult {
+        connected,
+        base_rss_kib: base.rss_kib,
+        rss_kib: after.rss_kib,
+        hwm_kib: after.hwm_kib,
+        connect_time,
+        still_open,
+    })
+}
+
+struct PendingResult {
+    tasks: u64,
+    base_rss_kib: u64,
+    rss_kib: u64,
+    submit: Outcome,
+}
+
+impl PendingResult {
+    fn bytes_per_task(&self) -> f64 {
+        (self.rss_kib.saturating_sub(self.base_rss_kib) * 1024) as f64 / self.tasks.max(1) as f64
+    }
+}
+
+/// Scheduled tasks (`"delay":"1h"`, no worker connected) submitted for one window: relay's RSS
+/// per task held.
+fn pending(opts: &Opts) -> Result<PendingResult, String> {
+    let mut relay = start_relay(opts, &opts.relay, &[])?;
+    healthz(relay.addr)?;
+    let base = procs::mem(relay.pid())?;
+    let body = format!("{{\"payload\":{},\"delay\":\"1h\"}}", payload(opts.payload_bytes));
+    let req = Arc::new(build_request("POST", "/tasks", Some(API_TOKEN), body.as_bytes()));
+    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(relay.addr, req.clone(), 202, false)).collect();
+    let win = Window { warmup: Duration::ZERO, measure: opts.measure, syscalls: None };
+    let (submit, _) = load::run(cs, relay.pid(), win, &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let health = healthz(relay.addr)?;
+    let tasks = json_num_field(health.as_bytes(), "pending").ok_or_else(|| format!("no pending count in {health}"))?;
+    let after = procs::mem(relay.pid())?;
+    check_alive(&mut relay)?;
+    Ok(PendingResult { tasks, base_rss_kib: base.rss_kib, rss_kib: after.rss_kib, submit })
+}
+
+struct StartupResult {
+    median: Duration,
+    max: Duration,
+    idle_rss_kib: u64,
+}
+
+fn startup(opts: &Opts, binary: &Path) -> Result<StartupResult, String> {
+    let runs = opts.startup_runs;
+    let mut times = Vec::new();
+    let mut idle_rss_kib = 0;
+    for _ in 0..runs {
+        let mut relay = start_relay(opts, binary, &[])?;
+        times.push(relay.startup);
+        std::thread::sleep(Duration::from_millis(200));
+        // One request so the figure includes a loop that has served something.
+        healthz(relay.addr)?;
+        std::thread::sleep(Duration::from_millis(50));
+        idle_rss_kib = idle_rss_kib.max(procs::mem(relay.pid())?.rss_kib);
+        relay.stop();
+    }
+    times.sort();
+    Ok(StartupResult { median: times[times.len() / 2], max: times[times.len() - 1], idle_rss_kib })
+}
+
+// ---------------------------------------------------------------- the run
+
+/// Per-round outcomes: the comparisons run in rounds (relay, NATS, floor, relay, ...) so that
+/// each ratio can be taken within a round and the spread over rounds shows the noise.
+#[derive(Default)]
+struct Results {
+    sync: Vec<Outcome>,
+    nats: Vec<Outcome>,
+    floor: Vec<Outcome>,
+    async_: Option<AsyncResult>,
+    sync1: Vec<Outcome>,
+    nats1: Vec<Outcome>,
+    memory: Option<MemoryResult>,
+    startup: Option<StartupResult>,
+    startup_static: Option<StartupResult>,
+    pending: Option<PendingResult>,
+    static_bytes: Option<u64>,
+    failures: Vec<String>,
+    /// /proc/loadavg at the start and the end: other work on the machine skews every figure.
+    load_before: String,
+    load_after: String,
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Kills every child and exits if the whole run overstays `limit` (a hung scenario).
+fn watchdog(limit: Duration) -> Arc<AtomicBool> {
+    let done = Arc::new(AtomicBool::new(false));
+    let done2 = done.clone();
+    std::thread::spawn(move || {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if done2.load(Ordering::Relaxed) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!("relay-bench: the run exceeded {limit:?}; killing its children and exiting");
+        procs::kill_all_children();
+        std::process::exit(3);
+    });
+    done
+}
+
+pub fn run_all(opts: &Opts) -> Result<(), String> {
+    let known = ["all", "sync", "async", "nats", "floor", "latency", "memory", "startup", "pending"];
+    if let Some(bad) = opts.scenarios.iter().find(|s| !known.contains(&s.as_str())) {
+        return Err(format!("unknown scenario {bad:?}"));
+    }
+    let want = |s: &str| opts.scenarios.iter().any(|x| x == s || x == "all");
+    let mut opts = opts.clone();
+    if opts.syscalls.is_some()
+        && let Err(e) = procs::perf_works()
+    {
+        eprintln!("bench: syscall counts off (perf stat does not work here: {e})");
+        opts.syscalls = None;
+    }
+    let opts = &opts;
+    let done = watchdog(opts.max_total);
+    let started = Instant::now();
+    let mut r = Results { load_before: loadavg(), ..Results::default() };
+    let step = |name: &str| eprintln!("bench: [{:>5.1}s] {name}", started.elapsed().as_secs_f64());
+
+    fn keep<T>(failures: &mut Vec<String>, name: &str, res: Result<T, String>) -> Option<T> {
+        res.map_err(|e| {
+            eprintln!("bench: {name} failed: {e}");
+            failures.push(format!("{name}: {e}"));
+        })
+        .ok()
+    }
+    let (c, w, n) = (opts.clients, opts.workers, opts.rounds);
+    for round in 1..=n {
+        if want("sync") {
+            step(&format!("round {round}/{n}: relay sync, {c} clients, {w} workers"));
+            r.sync.extend(keep(&mut r.failures, "relay sync", relay_sync(opts, c, w)));
+        }
+        if want("nats") {
+            step(&format!("round {round}/{n}: NATS request-reply, {c} requesters, {w} responders"));
+            r.nats.extend(keep(&mut r.failures, "nats", nats_reqrep(opts, c, w)));
+        }
+        if want("floor") {
+            step(&format!("round {round}/{n}: HTTP floor, {c} clients"));
+            r.floor.extend(keep(&mut r.failures, "floor", floor(opts)));
+        }
+    }
+    if want("async") {
+        step(&format!("relay async submit + fetch, {c} clients, {w} workers"));
+        r.async_ = keep(&mut r.failures, "relay async", relay_async(opts));
+    }
+    if want("latency") {
+        for round in 1..=n {
+            step(&format!("round {round}/{n}: relay sync, 1 client 1 worker"));
+            r.sync1.extend(keep(&mut r.failures, "relay 1c1w", relay_sync(opts, 1, 1)));
+            step(&format!("round {round}/{n}: NATS request-reply, 1 requester 1 responder"));
+            r.nats1.extend(keep(&mut r.failures, "nats 1c1w", nats_reqrep(opts, 1, 1)));
+        }
+    }
+    if want("startup") {
+        step("relay start-up and idle RSS");
+        r.startup = keep(&mut r.failures, "startup", startup(opts, &opts.relay));
+        if opts.relay_static.exists() {
+            r.static_bytes = std::fs::metadata(&opts.relay_static).ok().map(|m| m.len());
+            r.startup_static = keep(&mut r.failures, "startup (static)", startup(opts, &opts.relay_static));
+        }
+    }
+    if want("pending") {
+        step(&format!("relay holding scheduled tasks (delay 1h), {c} clients submitting"));
+        r.pending = keep(&mut r.failures, "pending", pending(opts));
+    }
+    if want("memory") && opts.idle_conns > 0 {
+        step(&format!("relay with {} idle worker connections", opts.idle_conns));
+        r.memory = keep(&mut r.failures, "memory", memory(opts));
+    }
+    step("done");
+    r.load_after = loadavg();
+    done.store(true, Ordering::Relaxed);
+    let _ = std::fs::remove_dir_all(scratch_dir());
+    print!("{}", report(opts, &r));
+    if r.failures.is_empty() { Ok(()) } else { Err(format!("{} scenario(s) failed", r.failures.len())) }
+}
+
+/// Load an already running relay (e.g. one under `perf record`) for `--seconds`.
+pub fn drive(opts: &Opts) -> Result<(), String> {
+    let addr: SocketAddr =
+        opts.addr.as_deref().ok_or("drive needs --addr")?.parse().map_err(|e| format!("--addr: {e}"))?;
+    if !addr.ip().is_loopback() {
+        return Err("only loopback targets are allowed".into());
+    }
+    let pool = Pool::ws(addr, WORKER_TOKEN, opts.workers, WORKER_CONCURRENCY, RESULT_DATA)?;
+    wait_workers(addr, opts.workers)?;
+    let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
+    let req = Arc::new(build_request("POST", "/tasks?wait=true", Some(API_TOKEN), body.as_bytes()));
+    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(addr, req.clone(), 200, false)).collect();
+    let win = Window { warmup: Duration::ZERO, measure: Duration::from_secs(opts.seconds), syscalls: None };
+    let (out, _) = load::run(cs, 0, win, &[]);
+    pool.stop()?;
+    println!(
+        "drive: {} tasks in {:.1}s = {:.0}/s, p50 {} ms, p99 {} ms, errors {}",
+        out.completed,
+        out.elapsed.as_secs_f64(),
+        out.per_sec(),
+        ms(out.latency.p50),
+        ms(out.latency.p99),
+        out.errors
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------- the report
+
+fn ms(d: Duration) -> String {
+    format!("{:.3}", d.as_secs_f64() * 1e3)
+}
+
+fn mib(kib: u64) -> f64 {
+    kib as f64 / 1024.0
+}
+
+fn median(mut xs: Vec<f64>) -> Option<f64> {
+    if xs.is_empty() {
+        return None;
+    }
+    xs.sort_by(f64::total_cmp);
+    let m = xs.len() / 2;
+    Some(if xs.len() % 2 == 1 { xs[m] } else { (xs[m - 1] + xs[m]) / 2.0 })
+}
+
+/// A figure's median over rounds and, with more than one round, its range.
+struct Spread {
+    median: f64,
+    min: f64,
+    max: f64,
+    n: usize,
+}
+
+impl Spread {
+    fn of(xs: Vec<f64>) -> Option<Spread> {
+        let min = xs.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let n = xs.len();
+        median(xs).map(|median| Spread { median, min, max, n })
+    }
+    fn show(&self, digits: usize) -> String {
+        if self.n > 1 {
+            format!("{:.d$} ({:.d$}–{:.d$})", self.median, self.min, self.max, d = digits)
+        } else {
+            format!("{:.d$}", self.median, d = digits)
+        }
+    }
+}
+
+/// `f(a) / f(b)` within each round (the pairs ran back to back).
+fn paired(a: &[Outcome], b: &[Outcome], f: impl Fn(&Outcome) -> f64) -> Option<Spread> {
+    Spread::of(a.iter().zip(b).map(|(x, y)| f(x) / f(y).max(1e-12)).collect())
+}
+
+fn of(a: &[Outcome], f: impl Fn(&Outcome) -> f64) -> Option<Spread> {
+    Spread::of(a.iter().map(f).collect())
+}
+
+fn cpu_us(o: &Outcome) -> f64 {
+    o.cpu_us_per_op()
+}
+fn p50(o: &Outcome) -> f64 {
+    o.latency.p50.as_secs_f64() * 1e3
+}
+fn p99(o: &Outcome) -> f64 {
+    o.latency.p99.as_secs_f64() * 1e3
+}
+fn rate(o: &Outcome) -> f64 {
+    o.per_sec()
+}
+
+fn row(t: &mut String, label: &str, c: usize, w: &str, o: &Outcome) {
+    let _ = writeln!(
+        t,
+        "| {label} | {c} | {w} | {:.0} | **{:.1}** | {:.0}% | {:.1} | {:.0}% / {:.0}% | {} | {} | {} | {} | {:.1} | {} |",
+        o.per_sec(),
+        o.cpu_us_per_op(),
+        o.cpu_share() * 100.0,
+        o.bench_cpu_us_per_op(),
+        o.others_cpu.as_secs_f64() * 100.0 / o.elapsed.as_secs_f64().max(1e-9),
+        o.steal.as_secs_f64() * 100.0 / o.elapsed.as_secs_f64().max(1e-9),
+        ms(o.latency.p50),
+        ms(o.latency.p99),
+        ms(o.latency.p999),
+        ms(o.latency.max),
+        mib(o.peak_rss_kib),
+        o.errors
+    );
+}
+
+fn rows(t: &mut String, label: &str, c: usize, w: &str, os: &[Outcome]) {
+    for (i, o) in os.iter().enumerate() {
+        let label = if os.len() > 1 { format!("{label} #{}", i + 1) } else { label.to_string() };
+        row(t, &label, c, w, o);
+    }
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok { "met" } else { "**not met**" }
+}
+
+fn report(opts: &Opts, r: &Results) -> String {
+    let mut t = String::new();
+    let (c, w) = (opts.clients, opts.workers.to_string());
+    let _ = writeln!(
+        t,
+        "\n## relay-bench results\n\n{} round(s); per scenario {} ms warm-up + {} ms measured; payload {} bytes; \
+         server CPU = utime+stime of the server process (all threads) over the measured window, from /proc/<pid>/stat. \
+         Ratios are taken within a round and given as median (min–max over rounds). \
+         \"others / steal\": CPU used by every other process on the machine, and hypervisor steal, \
+         over the window, in % of one core: a row where they are high is not comparable. \
+         Load average before / after the run: {} / {} on {} CPUs.\n",
+        opts.rounds,
+        opts.warmup.as_millis(),
+        opts.measure.as_millis(),
+        opts.payload_bytes,
+        r.load_before,
+        r.load_after,
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    let _ = writeln!(
+        t,
+        "| scenario | clients | workers | ops/s | server CPU µs/op | server CPU | bench CPU µs/op | others / steal | p50 ms | p99 ms | p99.9 ms | max ms | peak RSS MiB | errors |"
+    );
+    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    rows(&mut t, "relay sync `POST /tasks?wait=true`", c, &w, &r.sync);
+    rows(&mut t, "NATS request-reply", c, &w, &r.nats);
+    rows(&mut t, "HTTP floor (one hop, answers at once)", c, "-", &r.floor);
+    if let Some(a) = &r.async_ {
+        row(&mut t, "relay async submit `POST /tasks` (202)", c, &w, &a.submit);
+        row(&mut t, "relay async fetch `GET /tasks/{id}`", c, &w, &a.fetch);
+    }
+    if let Some(p) = &r.pending {
+        row(&mut t, "relay scheduled submit (`delay`, no worker)", c, "0", &p.submit);
+    }
+    rows(&mut t, "relay sync, 1 client 1 worker", 1, "1", &r.sync1);
+    rows(&mut t, "NATS request-reply, 1 client 1 responder", 1, "1", &r.nats1);
+    if let Some(a) = &r.async_ {
+        let _ = writeln!(t, "\nasync: {}", a.note);
+    }
+    if let Some(span) = opts.syscalls {
+        syscall_table(&mut t, span, r);
+    }
+
+    let _ = writeln!(t, "\n| memory and start-up | value |\n|---|---:|");
+    if let Some(s) = &r.startup {
+        let _ = writeln!(
+            t,
+            "| relay start-up to listening (median / max of {}) | {} / {} ms |",
+            opts.startup_runs,
+            ms(s.median),
+            ms(s.max)
+        );
+        let _ = writeln!(t, "| relay idle RSS | {:.2} MiB |", mib(s.idle_rss_kib));
+    }
+    if let Some(s) = &r.startup_static {
+        let _ =
+            writeln!(t, "| static relay start-up to listening (median / max) | {} / {} ms |", ms(s.median), ms(s.max));
+        let _ = writeln!(t, "| static relay idle RSS | {:.2} MiB |", mib(s.idle_rss_kib));
+    }
+    match r.static_bytes {
+        Some(b) => {
+            let _ = writeln!(t, "| static binary, stripped | {:.2} MiB ({b} bytes) |", b as f64 / 1048576.0);
+        }
+        None => {
+            let _ = writeln!(t, "| static binary | not built (bench/run.sh builds it) |");
+        }
+    }
+    if let Some(m) = &r.memory {
+        let _ = writeln!(
+            t,
+            "| idle worker connections | {} connected in {:.1} s, {} still open at the end |",
+            m.connected,
+            m.connect_time.as_secs_f64(),
+            m.still_open
+        );
+        let _ = writeln!(
+            t,
+            "| relay RSS before / with them (peak) | {:.1} / {:.1} MiB ({:.1}) |",
+            mib(m.base_rss_kib),
+            mib(m.rss_kib),
+            mib(m.hwm_kib)
+        );
+        let _ = writeln!(t, "| relay RSS per idle worker connection | {:.2} KiB |", m.bytes_per_conn() / 1024.0);
+    }
+    if let Some(p) = &r.pending {
+        let _ = writeln!(
+            t,
+            "| scheduled tasks held / relay RSS before → after | {} / {:.1} → {:.1} MiB |",
+            p.tasks,
+            mib(p.base_rss_kib),
+            mib(p.rss_kib)
+        );
+        let _ = writeln!(
+            t,
+            "| relay RSS per scheduled task ({}-byte payload) / beyond the payload | {:.0} / {:.0} bytes |",
+            opts.payload_bytes,
+            p.bytes_per_task(),
+            p.bytes_per_task() - opts.payload_bytes as f64
+        );
+    }
+
+    let _ = writeln!(t, "\n| target | goal | measured | |\n|---|---|---|---|");
+    if let (Some(ratio), Some(s), Some(n)) =
+        (paired(&r.sync, &r.nats, cpu_us), of(&r.sync, cpu_us), of(&r.nats, cpu_us))
+    {
+        let _ = writeln!(
+            t,
+            "| relay CPU per sync task ÷ NATS CPU per request-reply | ≤ 0.55 | {} (relay {} µs, NATS {} µs) | {} |",
+            ratio.show(2),
+            s.show(1),
+            n.show(1),
+            verdict(ratio.median <= 0.55)
+        );
+    }
+    if let Some(s) = of(&r.sync, cpu_us) {
+        let _ = writeln!(t, "| relay CPU per sync task | ≤ 12 µs | {} µs | {} |", s.show(1), verdict(s.median <= 12.0));
+    }
+    if let (Some(ratio), Some(s), Some(n)) = (paired(&r.sync, &r.nats, p99), of(&r.sync, p99), of(&r.nats, p99)) {
+        let _ = writeln!(
+            t,
+            "| p99 at {c} clients, relay ÷ NATS | ≤ 0.5 | {} (relay {} ms, NATS {} ms) | {} |",
+            ratio.show(2),
+            s.show(3),
+            n.show(3),
+            verdict(ratio.median <= 0.5)
+        );
+    }
+    if let (Some(ratio), Some(s), Some(n)) = (paired(&r.sync1, &r.nats1, p50), of(&r.sync1, p50), of(&r.nats1, p50)) {
+        let _ = writeln!(
+            t,
+            "| p50 1 client 1 worker, relay ÷ NATS | ≤ 1.0 | {} (relay {} ms, NATS {} ms) | {} |",
+            ratio.show(2),
+            s.show(3),
+            n.show(3),
+            verdict(ratio.median <= 1.0)
+        );
+    }
+    if let Some(m) = &r.memory {
+        let kib = m.bytes_per_conn() / 1024.0;
+        let _ = writeln!(
+            t,
+            "| RSS per idle worker connection at {} | ≤ 8 KiB | {kib:.2} KiB | {} |",
+            m.connected,
+            verdict(kib <= 8.0)
+        );
+    }
+    if let Some(s) = &r.startup {
+        let idle = mib(s.idle_rss_kib);
+        let _ = writeln!(t, "| idle RSS | ≤ 4 MiB | {idle:.2} MiB | {} |", verdict(idle <= 4.0));
+        let _ = writeln!(
+            t,
+            "| start-up to listening (median) | ≤ 20 ms | {} ms | {} |",
+            ms(s.median),
+            verdict(s.median <= Duration::from_millis(20))
+        );
+    }
+    if let Some(b) = r.static_bytes {
+        let size = b as f64 / 1048576.0;
+        let _ = writeln!(t, "| static binary, stripped | ≤ 4 MiB | {size:.2} MiB | {} |", verdict(size <= 4.0));
+    }
+    if let (Some(s), Some(a)) = (of(&r.sync, rate), &r.async_) {
+        let ratio = a.submit.per_sec() / s.median.max(1e-9);
+        let _ = writeln!(
+            t,
+            "| async submit throughput ÷ sync | ≥ 2 | {ratio:.2} ({:.0} / {:.0} per s) | {} |",
+            a.submit.per_sec(),
+            s.median,
+            verdict(ratio >= 2.0)
+        );
+    }
+    let _ = writeln!(t, "\n| other ratios (no target) | value |\n|---|---:|");
+    if let Some(x) = paired(&r.sync, &r.floor, cpu_us) {
+        let _ = writeln!(t, "| relay CPU per sync task ÷ floor CPU per request | {} |", x.show(2));
+    }
+    if let Some(x) = paired(&r.nats, &r.floor, cpu_us) {
+        let _ = writeln!(t, "| NATS CPU per request-reply ÷ floor CPU per request | {} |", x.show(2));
+    }
+    if let Some(x) = paired(&r.sync, &r.nats, rate) {
+        let _ = writeln!(t, "| relay sync throughput ÷ NATS throughput | {} |", x.show(2));
+    }
+    if let Some(x) = paired(&r.sync1, &r.nats1, cpu_us) {
+        let _ = writeln!(t, "| relay CPU per task ÷ NATS, 1 client 1 worker | {} |", x.show(2));
+    }
+    for f in &r.failures {
+        let _ = writeln!(t, "\nFAILED: {f}");
+    }
+    let groups = [
+        ("relay sync", &r.sync),
+        ("nats", &r.nats),
+        ("floor", &r.floor),
+        ("relay 1c1w", &r.sync1),
+        ("nats 1c1w", &r.nats1),
+    ];
+    for (name, os) in groups {
+        if let Some(e) = os.iter().find_map(|o| o.first_error.as_ref()) {
+            let _ = writeln!(t, "\n{name}: first client error: {e}");
+        }
+    }
+    t
+}
+
+/// Syscalls and context switches per operation, medians over rounds.
+fn syscall_table(t: &mut String, span: Duration, r: &Results) {
+    let _ = writeln!(
+        t,
+        "\nPer operation, counted by `perf stat` over {} ms after each measured window (all threads of the \
+         server; median over rounds):\n\n\
+         | scenario | syscalls | reads | of which EAGAIN | writes | epoll waits | futex | context switches |\n\
+         |---|---:|---:|---:|---:|---:|---:|---:|",
+        span.as_millis()
+    );
+    let async_submit: Vec<&Outcome> = r.async_.iter().map(|a| &a.submit).collect();
+    let async_fetch: Vec<&Outcome> = r.async_.iter().map(|a| &a.fetch).collect();
+    let groups: [(&str, Vec<&Outcome>); 7] = [
+        ("relay sync", r.sync.iter().collect()),
+        ("NATS request-reply", r.nats.iter().collect()),
+        ("HTTP floor", r.floor.iter().collect()),
+        ("relay async submit", async_submit),
+        ("relay async fetch", async_fetch),
+        ("relay sync 1c1w", r.sync1.iter().collect()),
+        ("NATS 1c1w", r.nats1.iter().collect()),
+    ];
+    let kinds: [&[&str]; 7] = [
+        &["raw_syscalls:sys_enter"],
+        &["sys_enter_read", "sys_enter_recvfrom"],
+        &["sys_exit_read", "sys_exit_recvfrom"],
+        &["sys_enter_write", "sys_enter_sendto", "sys_enter_writev"],
+        &["sys_enter_epoll_wait", "sys_enter_epoll_pwait"],
+        &["sys_enter_futex"],
+        &["context-switches"],
+    ];
+    for (label, os) in groups {
+        let counted: Vec<&Vec<(String, f64)>> = os.iter().filter_map(|o| o.per_op_events.as_ref().ok()).collect();
+        if counted.is_empty() {
+            if let Some(Err(e)) = os.first().map(|o| &o.per_op_events) {
+                let _ = writeln!(t, "| {label} | {e} | | | | | | |");
+            }
+            continue;
+        }
+        let cells: Vec<String> = kinds
+            .iter()
+            .map(|names| {
+                let per_round = counted
+                    .iter()
+                    .map(|ev| ev.iter().filter(|(e, _)| names.iter().any(|n| e.ends_with(n))).map(|(_, v)| v).sum())
+                    .collect();
+                median(per_round).map_or("-".into(), |m| format!("{m:.2}"))
+            })
+            .collect();
+        let _ = writeln!(t, "| {label} | {} |", cells.join(" | "));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payload_sizes() {
+        for n in [16, 100, 1000] {
+            assert_eq!(payload(n).len(), n);
+        }
+    }
+
+    #[test]
+    fn medians() {
+        fn check(xs: &[f64], expected: Option<f64>) {
+            assert_eq!(median(xs.to_vec()), expected, "{xs:?}");
+        }
+        check(&[], None);
+        check(&[3.0], Some(3.0));
+        check(&[3.0, 1.0, 2.0], Some(2.0));
+        check(&[4.0, 1.0, 2.0, 3.0], Some(2.5));
+    }
+
+    #[test]
+    fn num_fields() {
+        fn check(text: &str, key: &str, expected: Option<u64>) {
+            assert_eq!(json_num_field(text.as_bytes(), key), expected, "{text}");
+        }
+        check(r#"{"status":"ok","clients":8,"active_clients":7}"#, "active_clients", Some(7));
+        check(r#"{"clients":8}"#, "clients", Some(8));
+        check(r#"{"clients":"8"}"#, "clients", None);
+    }
+}
