@@ -113,55 +113,54 @@ impl Api {
 
     /// Checks that need only the head: path, method, credentials, declared size. `Some` is the
     /// final answer (sent without reading the body). `wall_ms` is the wall clock, for JWT `exp`.
-    pub fn precheck(&self, head: &Head, wall_ms: u64) -> Option<Response> {
+    /// `Err` is the final answer (sent without reading the body); `Ok` carries who is asking
+    /// (`None` on routes that need no token, and on `/ws`, whose token is not an identity).
+    pub fn precheck(&self, head: &Head, wall_ms: u64) -> Result<Option<Identity>, Response> {
         let route = Route::of(&head.path);
         if route == Route::NotFound {
-            return Some(error(404, &format!("no such endpoint: {}", head.path)));
+            return Err(error(404, &format!("no such endpoint: {}", head.path)));
         }
         if !route.allows(head.method) {
             let msg = format!("{} accepts {}", head.path, route.allow());
-            return Some(error(405, &msg).with_header("Allow", route.allow()));
+            return Err(error(405, &msg).with_header("Allow", route.allow()));
         }
-        match route {
+        let identity = match route {
             Route::Ws => {
                 let token = head.query_param("token").map(percent_decode);
                 if !self.auth.worker(token.as_deref()) {
-                    return Some(error(401, "missing or invalid worker token (use /ws?token=...)"));
+                    return Err(error(401, "missing or invalid worker token (use /ws?token=...)"));
                 }
+                None
             }
-            Route::Healthz | Route::Metrics => {}
+            Route::Healthz | Route::Metrics => None,
             Route::Files | Route::File(_) => {
-                if self.auth.files(head.bearer_token(), wall_ms).is_none() {
-                    return Some(unauthorized());
-                }
+                Some(self.auth.files(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?)
             }
             Route::Clients => match self.auth.task_api(head.bearer_token(), wall_ms) {
-                None => return Some(unauthorized()),
-                Some(Identity::Root) => {}
-                Some(_) => return Some(error(403, "/clients needs the root API token")),
+                None => return Err(unauthorized()),
+                Some(Identity::Root) => Some(Identity::Root),
+                Some(_) => return Err(error(403, "/clients needs the root API token")),
             },
-            _ => {
-                if self.auth.task_api(head.bearer_token(), wall_ms).is_none() {
-                    return Some(unauthorized());
-                }
-            }
-        }
+            _ => Some(self.auth.task_api(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?),
+        };
         if let crate::http::Framing::Length(n) = head.framing {
             let limit = self.body_limit(route);
             if n > limit {
-                return Some(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")));
+                return Err(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")));
             }
         }
-        None
+        Ok(identity)
     }
 
-    /// Handles a complete request whose head passed [`Api::precheck`].
+    /// Handles a complete request whose head passed [`Api::precheck`], which found `identity`.
+    #[allow(clippy::too_many_arguments)]
     pub fn handle(
         &self,
         core: &mut Core,
         io: &mut dyn Io,
         conn: ConnRef,
         head: &Head,
+        identity: Option<&Identity>,
         body: &[u8],
         connections_open: usize,
     ) -> Handled {
@@ -181,16 +180,12 @@ impl Api {
             }
             Route::Clients => Handled::Respond(Response::json(200, core.clients_json())),
             Route::Tasks => {
-                let Some(identity) = self.auth.task_api(head.bearer_token(), core.wall_ms) else {
-                    return Handled::Respond(unauthorized());
-                };
-                self.submit(core, io, conn, head, body, &identity, wait)
+                let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
+                self.submit(core, io, conn, head, body, identity, wait)
             }
             Route::Task(id_text) => {
-                let Some(identity) = self.auth.task_api(head.bearer_token(), core.wall_ms) else {
-                    return Handled::Respond(unauthorized());
-                };
-                let Some(id) = parse_id(id_text).filter(|id| visible(core, *id, &identity)) else {
+                let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
+                let Some(id) = parse_id(id_text).filter(|id| visible(core, *id, identity)) else {
                     return Handled::Respond(error(404, "no such task"));
                 };
                 match head.method {
@@ -200,9 +195,9 @@ impl Api {
                         None => Handled::Held,
                     },
                     _ => {
-                        let mut body = Vec::with_capacity(512);
+                        let mut body = String::new();
                         core.write_task_json(id, &mut body);
-                        Handled::Respond(Response::json(200, body))
+                        Handled::Respond(Response::json(200, body.into_bytes()))
                     }
                 }
             }
@@ -293,9 +288,9 @@ fn cancel(core: &mut Core, io: &mut dyn Io, id: TaskId) -> Response {
         CancelResult::AlreadyFinal => 409,
         CancelResult::NotFound => return error(404, "no such task"),
     };
-    let mut body = Vec::with_capacity(512);
+    let mut body = String::new();
     core.write_task_json(id, &mut body);
-    Response::json(status, body)
+    Response::json(status, body.into_bytes())
 }
 
 fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {

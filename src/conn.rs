@@ -8,6 +8,7 @@ use std::net::IpAddr;
 use mio::net::TcpStream;
 use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
 
+use crate::auth::Identity;
 use crate::files::{TransferId, UploadParse};
 use crate::http::{ChunkedDecoder, Head};
 use crate::timer::TimerHandle;
@@ -54,8 +55,8 @@ pub enum Phase {
     Idle,
     /// Some bytes of a head have arrived.
     Head,
-    /// The head is parsed; the body is arriving.
-    Body { head: Box<Head>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
+    /// The head is parsed (and passed its checks as `identity`); the body is arriving.
+    Body { head: Box<Head>, identity: Option<Identity>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
     /// The core holds the response (`wait=true`); `keep_alive` is the request's.
     Held { keep_alive: bool, head_only: bool },
     /// `POST /files`: the body streams through the multipart parser to the disk thread.
@@ -126,21 +127,32 @@ impl Conn {
     }
 }
 
-/// tungstenite's view of a connection: reads come straight from the socket (`WouldBlock` when
-/// drained, `Ok(0)` only at EOF); writes are appended to the connection's own output buffer and
-/// never block, so the reactor decides when bytes hit the socket.
+/// tungstenite's view of a connection. Reads come from `input` — bytes the reactor already
+/// read from the socket in one syscall — and end in `WouldBlock` when it is used up (never
+/// `Ok(0)`, which would mean EOF); writes are appended to the connection's own output buffer
+/// and never block, so the reactor decides when bytes hit the socket.
 pub struct WsIo<'a> {
-    pub stream: &'a mut TcpStream,
+    pub input: &'a [u8],
+    pub pos: usize,
     pub out: &'a mut Vec<u8>,
-    pub got_bytes: bool,
+}
+
+impl<'a> WsIo<'a> {
+    /// For writing only.
+    pub fn writer(out: &'a mut Vec<u8>) -> WsIo<'a> {
+        WsIo { input: &[], pos: 0, out }
+    }
 }
 
 impl Read for WsIo<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.stream.read(buf)?;
-        if n > 0 {
-            self.got_bytes = true;
+        let rest = &self.input[self.pos..];
+        if rest.is_empty() {
+            return Err(io::ErrorKind::WouldBlock.into());
         }
+        let n = rest.len().min(buf.len());
+        buf[..n].copy_from_slice(&rest[..n]);
+        self.pos += n;
         Ok(n)
     }
 }
@@ -152,6 +164,26 @@ impl Write for WsIo<'_> {
     }
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
+    }
+}
+
+/// Appends one unmasked, final text frame (server to client, RFC 6455 §5.2) whose payload is
+/// `parts` concatenated (`len` bytes in all): the hot path of sending tasks, with no copy into
+/// an intermediate string or into tungstenite's buffer.
+pub fn push_text_frame(out: &mut Vec<u8>, parts: &[&str], len: usize) {
+    out.reserve(10 + len);
+    out.push(0x81);
+    if len < 126 {
+        out.push(len as u8);
+    } else if len <= usize::from(u16::MAX) {
+        out.push(126);
+        out.extend_from_slice(&(len as u16).to_be_bytes());
+    } else {
+        out.push(127);
+        out.extend_from_slice(&(len as u64).to_be_bytes());
+    }
+    for part in parts {
+        out.extend_from_slice(part.as_bytes());
     }
 }
 
@@ -173,4 +205,25 @@ pub fn ws_config(max_message_bytes: usize) -> WebSocketConfig {
 
 pub fn ws_context(leftover: Vec<u8>, max_message_bytes: usize) -> WebSocketContext {
     WebSocketContext::from_partially_read(leftover, Role::Server, Some(ws_config(max_message_bytes)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tungstenite::protocol::frame::FrameSocket;
+
+    #[test]
+    fn frames_we_write_are_frames_tungstenite_reads() {
+        for len in [0usize, 1, 125, 126, 127, 65_535, 65_536, 200_000] {
+            let text = "x".repeat(len);
+            let (a, b) = text.split_at(len / 2);
+            let mut out = Vec::new();
+            push_text_frame(&mut out, &[a, b], len);
+            let mut socket = FrameSocket::new(std::io::Cursor::new(out));
+            let frame = socket.read(None).expect("readable").expect("a frame");
+            assert!(frame.header().is_final);
+            assert_eq!(frame.payload().len(), len);
+            assert_eq!(frame.into_text().expect("text").as_str(), text);
+        }
+    }
 }

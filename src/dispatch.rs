@@ -7,7 +7,7 @@
 //! may close a connection or read a clock.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::BuildHasherDefault;
 use std::net::IpAddr;
 
 use serde::Deserialize;
@@ -16,15 +16,18 @@ use serde_json::value::RawValue;
 use crate::http::Response;
 use crate::log::Level;
 use crate::metrics::{Gauges, Ignored, Metrics};
-use crate::tasks::{Attempt, ConnRef, Outcome, Place, Status, Task, TaskId, push_json_str, push_uuid, uuid_string};
+use crate::tasks::{
+    Attempt, ConnRef, IdHasher, Outcome, Place, Status, Task, TaskId, TaskTable, push_json_str, push_uuid, uuid_string,
+};
 use crate::timefmt::write_rfc3339_ms;
 use crate::timer::{TimerHandle, Wheel};
 
 /// What the reactor does for the core.
 pub trait Io {
-    /// Queues a text frame for a worker; `false` if it cannot be written (gone, or its output
+    /// Queues one text frame for a worker whose content is `parts` concatenated (so the frame
+    /// needs no intermediate string); `false` if it cannot be written (gone, or its output
     /// buffer is full), which makes the attempt `send_failed`.
-    fn send_text(&mut self, worker: ConnRef, text: String) -> bool;
+    fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool;
     /// Completes an HTTP request that was held (`wait=true`).
     fn reply(&mut self, conn: ConnRef, response: Response);
 }
@@ -48,27 +51,8 @@ pub enum Timer {
     ShutdownDeadline,
 }
 
-/// A hasher for keys that are already random (task ids): fold, don't hash.
-#[derive(Default)]
-pub struct IdHasher(u64);
-
-impl Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for b in bytes {
-            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    fn write_u128(&mut self, n: u128) {
-        self.0 = (n as u64) ^ ((n >> 64) as u64);
-    }
-}
-
 /// (token identity, `Idempotency-Key` header).
 type IdempotencyKey = (Box<str>, Box<str>);
-type IdMap<V> = HashMap<TaskId, V, BuildHasherDefault<IdHasher>>;
 type IdSet = HashSet<TaskId, BuildHasherDefault<IdHasher>>;
 
 /// The round-robin cursor key of tasks without a kind (not a string a kind can be).
@@ -207,7 +191,7 @@ pub struct Core {
     pub wall_ms: u64,
     started_mono_ms: u64,
     pub shutting_down: bool,
-    tasks: IdMap<Task>,
+    tasks: TaskTable,
     status_counts: [usize; Status::COUNT],
     workers: Vec<Option<Worker>>,
     /// Slots of connected workers, in connection order (the round-robin ring).
@@ -240,7 +224,7 @@ impl Core {
             wall_ms,
             started_mono_ms: now_ms,
             shutting_down: false,
-            tasks: IdMap::default(),
+            tasks: TaskTable::default(),
             status_counts: [0; Status::COUNT],
             workers: Vec::new(),
             order: Vec::new(),
@@ -314,7 +298,7 @@ impl Core {
     }
 
     /// Appends the task JSON for `id`.
-    pub fn write_task_json(&self, id: TaskId, out: &mut Vec<u8>) -> bool {
+    pub fn write_task_json(&self, id: TaskId, out: &mut String) -> bool {
         match self.tasks.get(&id) {
             Some(task) => {
                 task.write_json(out);
@@ -417,7 +401,7 @@ impl Core {
             id,
             status: Status::Pending,
             kind: new.kind.map(Box::from),
-            payload: new.payload.to_owned(),
+            payload: Some(new.payload.to_owned()),
             created_wall_ms: self.wall_ms,
             created_mono_ms: self.now_ms,
             run_at_wall_ms: new.run_at_wall_ms,
@@ -478,7 +462,7 @@ impl Core {
                 let worker = task.current_attempt().map(|a| a.worker);
                 self.end_attempt(id, Outcome::Canceled, None);
                 if let Some(w) = worker {
-                    io.send_text(w, cancel_frame(id));
+                    send_cancel(io, w, id);
                 }
                 self.finalize(io, id, Status::Canceled, None, None);
                 if let Some(w) = worker {
@@ -701,7 +685,7 @@ impl Core {
         let error = format!("no answer within {}", human_ms(task.timeout_ms));
         self.end_attempt(id, Outcome::Timeout, Some(&error));
         // Advisory: the worker may stop; its slot is free again either way.
-        io.send_text(worker, cancel_frame(id));
+        send_cancel(io, worker, id);
         self.run(io, id);
         self.fill(io, worker.slot);
     }
@@ -832,7 +816,7 @@ impl Core {
                     if started == 0 || self.any_untried(id) {
                         self.enqueue_ready(id);
                     } else {
-                        let error = self.tasks[&id].last_error().unwrap_or("no worker").to_string();
+                        let error = self.tasks.get(&id).and_then(Task::last_error).unwrap_or("no worker").to_string();
                         self.finalize(io, id, Status::Failed, None, Some(&error));
                     }
                     return;
@@ -883,12 +867,8 @@ impl Core {
         let Some(w) = self.worker(slot) else { return false };
         let (conn, client_id, ip) = (w.conn, w.client_id, w.ip);
         let Some(task) = self.tasks.get_mut(&id) else { return false };
-        let mut frame = String::with_capacity(64 + task.payload.get().len());
-        frame.push_str("{\"type\":\"task\",\"task_id\":\"");
-        push_uuid(&mut frame, id);
-        frame.push_str("\",\"payload\":");
-        frame.push_str(task.payload.get());
-        frame.push('}');
+        let Some(payload) = task.payload.as_deref() else { return false };
+        let payload = payload.get();
         task.attempts.push(Attempt {
             worker: conn,
             client_id,
@@ -902,8 +882,11 @@ impl Core {
         });
         let num = task.attempts.len() as u32;
         let deadline = self.now_ms + task.timeout_ms;
+        let mut buf = uuid::Uuid::encode_buffer();
+        let id_text = uuid::Uuid::from_u128(id).hyphenated().encode_lower(&mut buf);
+        let sent = io.send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", payload, "}"]);
         self.set_status(id, Status::Dispatched);
-        if !io.send_text(conn, frame) {
+        if !sent {
             self.end_attempt(id, Outcome::SendFailed, Some("could not write the task to the worker"));
             return false;
         }
@@ -963,6 +946,9 @@ impl Core {
         self.set_status(id, status);
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.finished_wall_ms = Some(self.wall_ms);
+        // A final task never runs again: its payload is not kept for TASK_TTL.
+        task.payload = None;
+        task.attempts.shrink_to_fit();
         task.result = result;
         task.error = error.map(Box::from);
         let duration = self.now_ms.saturating_sub(task.created_mono_ms);
@@ -1079,8 +1065,9 @@ impl Core {
 
 /// The response a waiter gets: POST maps the status to a code, GET is always 200.
 pub fn task_response(task: &Task, post: bool) -> Response {
-    let mut body = Vec::with_capacity(512);
+    let mut body = String::new();
     task.write_json(&mut body);
+    let body = body.into_bytes();
     let status = if !post {
         200
     } else {
@@ -1094,12 +1081,11 @@ pub fn task_response(task: &Task, post: bool) -> Response {
     Response::json(status, body)
 }
 
-fn cancel_frame(id: TaskId) -> String {
-    let mut s = String::with_capacity(72);
-    s.push_str("{\"type\":\"cancel\",\"task_id\":\"");
-    push_uuid(&mut s, id);
-    s.push_str("\"}");
-    s
+/// Sends the advisory `cancel` for `id` to a worker.
+fn send_cancel(io: &mut dyn Io, worker: ConnRef, id: TaskId) {
+    let mut buf = uuid::Uuid::encode_buffer();
+    let id_text = uuid::Uuid::from_u128(id).hyphenated().encode_lower(&mut buf);
+    io.send_text(worker, &["{\"type\":\"cancel\",\"task_id\":\"", id_text, "\"}"]);
 }
 
 /// `10s`, `1.5s`, `250ms`: for error messages.

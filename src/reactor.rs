@@ -25,6 +25,7 @@ use tungstenite::protocol::frame::coding::CloseCode;
 use std::collections::HashMap;
 
 use crate::api::{Api, Handled, Route};
+use crate::auth::Identity;
 use crate::config::Config;
 use crate::conn::{Conn, Download, Phase, State, Upload, Ws, WsIo, ws_context};
 use crate::dispatch::{Core, CoreConfig, Io, Timer};
@@ -38,8 +39,10 @@ const WAKER: Token = Token(usize::MAX - 1);
 
 /// Connections accepted per loop turn before others get their turn.
 const ACCEPT_BATCH: usize = 256;
-/// Requests (or WebSocket messages) handled per connection per turn.
+/// Requests handled per connection per turn.
 const MAX_ITEMS_PER_TURN: usize = 64;
+/// Socket reads (of up to 64 KiB) per worker connection per turn.
+const MAX_READS_PER_TURN: usize = 4;
 /// Unwritten response bytes beyond which a connection's further requests wait.
 const MAX_HTTP_BACKLOG_BYTES: usize = 1 << 20;
 /// Pipelined bytes buffered while a request is held.
@@ -157,23 +160,23 @@ struct Wire<'a> {
 }
 
 impl Io for Wire<'_> {
-    fn send_text(&mut self, worker: ConnRef, text: String) -> bool {
+    fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool {
         let Some(conn) = self.conns.get_mut(worker) else { return false };
-        if conn.close_after_flush {
-            return false;
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        match &conn.state {
+            State::Ws(ws) if ws.ctx.can_write() && !conn.close_after_flush => {}
+            _ => return false,
         }
-        if conn.pending_out() + text.len() > self.max_ws_out_bytes {
+        if conn.pending_out() + len > self.max_ws_out_bytes {
             // Over the cap: it is only a failure if the socket will not take bytes now (a burst
             // within one loop turn is not a stalled worker).
-            if write_out(conn).is_err() || conn.pending_out() + text.len() > self.max_ws_out_bytes {
+            if write_out(conn).is_err() || conn.pending_out() + len > self.max_ws_out_bytes {
                 return false;
             }
         }
-        let State::Ws(ws) = &mut conn.state else { return false };
-        let mut io = WsIo { stream: &mut conn.stream, out: &mut conn.out, got_bytes: false };
-        if ws.ctx.write(&mut io, Message::text(text)).is_err() {
-            return false;
-        }
+        // tungstenite keeps nothing buffered (write_buffer_size 0: every frame it makes goes
+        // straight to `out`), so a frame written here keeps the stream in order.
+        crate::conn::push_text_frame(&mut conn.out, parts, len);
         mark_dirty(&mut conn.in_dirty, worker, self.dirty);
         true
     }
@@ -370,7 +373,7 @@ impl Server {
                     t => {
                         let r = conn_ref(t);
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
-                            self.on_readable(r);
+                            self.on_readable(r, event.is_read_closed() || event.is_error());
                         }
                         if event.is_writable() {
                             self.flush(r);
@@ -530,7 +533,7 @@ impl Server {
                     return;
                 }
                 if now >= ws.next_ping_ms {
-                    let mut io = WsIo { stream: &mut conn.stream, out: &mut conn.out, got_bytes: false };
+                    let mut io = WsIo::writer(&mut conn.out);
                     let _ = ws.ctx.write(&mut io, Message::Ping(Default::default()));
                     ws.next_ping_ms = now + self.cfg.ping_interval_ms;
                     mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
@@ -545,16 +548,19 @@ impl Server {
 
     // ----- reading ---------------------------------------------------------------------------
 
-    fn on_readable(&mut self, r: ConnRef) {
+    /// `peer_closed`: the event reported a hang-up, so reading must go on until EOF is seen.
+    fn on_readable(&mut self, r: ConnRef, peer_closed: bool) {
         let Some(conn) = self.conns.get_mut(r) else { return };
         match conn.state {
-            State::Http(_) => self.read_http(r),
-            State::Ws(_) => self.read_ws(r),
+            State::Http(_) => self.read_http(r, !peer_closed),
+            State::Ws(_) => self.read_ws(r, !peer_closed),
             State::Closing => self.drain_closing(r),
         }
     }
 
-    fn read_http(&mut self, r: ConnRef) {
+    /// Reads and handles requests. With `stop_on_short`, a read that did not fill the room it
+    /// had counts as draining the socket (edge-triggered epoll reports later data anew).
+    fn read_http(&mut self, r: ConnRef, stop_on_short: bool) {
         loop {
             let Some(conn) = self.conns.get_mut(r) else { return };
             let State::Http(http) = &mut conn.state else { return };
@@ -589,6 +595,12 @@ impl Server {
                 Ok(n) => {
                     http.buf.extend_from_slice(&self.scratch[..n]);
                     self.process_http(r);
+                    if stop_on_short && n < room {
+                        if let Some(conn) = self.conns.get_mut(r) {
+                            conn.read_more = false;
+                        }
+                        return;
+                    }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     conn.read_more = false;
@@ -660,10 +672,13 @@ impl Server {
                     head.forwarded_for.as_deref(),
                     head.real_ip.as_deref(),
                 );
-                if let Some(response) = self.api.precheck(&head, self.core.wall_ms) {
-                    self.answer_early(r, &head, response);
-                    return true;
-                }
+                let identity = match self.api.precheck(&head, self.core.wall_ms) {
+                    Ok(identity) => identity,
+                    Err(response) => {
+                        self.answer_early(r, &head, response);
+                        return true;
+                    }
+                };
                 match Route::of(&head.path) {
                     Route::Files => return self.start_upload(r, head),
                     Route::File(id) => {
@@ -686,10 +701,10 @@ impl Server {
                 if let Framing::Length(n) = head.framing {
                     http.buf.reserve((n as usize).saturating_sub(http.buf.len()));
                 }
-                http.phase = Phase::Body { head: Box::new(head), chunked };
+                http.phase = Phase::Body { head: Box::new(head), identity, chunked };
                 true
             }
-            Phase::Body { head, chunked } => {
+            Phase::Body { head, chunked, .. } => {
                 let body = match head.framing {
                     Framing::Empty => Vec::new(),
                     Framing::Length(n) => {
@@ -727,10 +742,10 @@ impl Server {
                         std::mem::take(decoded)
                     }
                 };
-                let Phase::Body { head, .. } = std::mem::replace(&mut http.phase, Phase::Idle) else {
+                let Phase::Body { head, identity, .. } = std::mem::replace(&mut http.phase, Phase::Idle) else {
                     return false;
                 };
-                self.complete_request(r, &head, &body);
+                self.complete_request(r, &head, identity.as_ref(), &body);
                 true
             }
         }
@@ -769,7 +784,7 @@ impl Server {
         self.set_deadline(r, at);
     }
 
-    fn complete_request(&mut self, r: ConnRef, head: &Head, body: &[u8]) {
+    fn complete_request(&mut self, r: ConnRef, head: &Head, identity: Option<&Identity>, body: &[u8]) {
         let open = self.conns.len();
         let handled = {
             let (mut wire, core) = (
@@ -782,7 +797,7 @@ impl Server {
                 },
                 &mut self.core,
             );
-            self.api.handle(core, &mut wire, r, head, body, open)
+            self.api.handle(core, &mut wire, r, head, identity, body, open)
         };
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
@@ -840,54 +855,81 @@ impl Server {
             core.worker_connected(&mut wire, r, client_ip);
         }
         // Frames that arrived with the upgrade request are already buffered: read them now.
-        self.read_ws(r);
+        self.read_ws(r, false);
     }
 
-    fn read_ws(&mut self, r: ConnRef) {
+    /// Reads a worker's socket into the scratch buffer and lets tungstenite parse frames from
+    /// there: one syscall per batch of frames rather than one per refill of tungstenite's small
+    /// buffer. With `stop_on_short`, a read that did not fill the buffer counts as draining the
+    /// socket (edge-triggered epoll reports data that arrives later as a new event).
+    fn read_ws(&mut self, r: ConnRef, stop_on_short: bool) {
         let now = self.now_ms;
         let mut texts = Vec::new();
         let mut close: Option<(CloseCode, &'static str)> = None;
         let mut gone = false;
+        let mut more = false;
         {
             let Some(conn) = self.conns.get_mut(r) else { return };
             let State::Ws(ws) = &mut conn.state else { return };
-            let mut io = WsIo { stream: &mut conn.stream, out: &mut conn.out, got_bytes: false };
-            let mut drained = false;
-            for _ in 0..MAX_ITEMS_PER_TURN {
-                match ws.ctx.read(&mut io) {
-                    Ok(Message::Text(text)) => texts.push(text),
-                    Ok(Message::Binary(_)) => {
-                        close = Some((CloseCode::Unsupported, "binary frames are not accepted"));
+            // First what tungstenite already holds (frames that came with the upgrade), then
+            // the socket.
+            let mut n = 0;
+            let mut reads = 0;
+            loop {
+                let mut io = WsIo { input: &self.scratch[..n], pos: 0, out: &mut conn.out };
+                loop {
+                    match ws.ctx.read(&mut io) {
+                        Ok(Message::Text(text)) => texts.push(text),
+                        Ok(Message::Binary(_)) => {
+                            close = Some((CloseCode::Unsupported, "binary frames are not accepted"));
+                            break;
+                        }
+                        Ok(_) => {} // ping (answered by tungstenite), pong, close (reply queued)
+                        Err(tungstenite::Error::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(tungstenite::Error::Capacity(_)) => {
+                            close = Some((CloseCode::Size, "message over MAX_MESSAGE_SIZE"));
+                            break;
+                        }
+                        Err(tungstenite::Error::Utf8(_)) => {
+                            close = Some((CloseCode::Invalid, "text frame is not valid UTF-8"));
+                            break;
+                        }
+                        Err(tungstenite::Error::Protocol(_)) => {
+                            close = Some((CloseCode::Protocol, "WebSocket protocol error"));
+                            break;
+                        }
+                        Err(_) => {
+                            gone = true;
+                            break;
+                        }
+                    }
+                }
+                if close.is_some() || gone || (stop_on_short && reads > 0 && n < self.scratch.len()) {
+                    break;
+                }
+                if reads == MAX_READS_PER_TURN {
+                    more = true;
+                    break;
+                }
+                match conn.stream.read(&mut self.scratch) {
+                    Ok(0) => {
+                        gone = true;
                         break;
                     }
-                    Ok(_) => {} // ping (answered by tungstenite), pong, close (reply queued)
-                    Err(tungstenite::Error::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => {
-                        drained = true;
-                        break;
+                    Ok(got) => {
+                        n = got;
+                        reads += 1;
+                        ws.last_seen_ms = now;
                     }
-                    Err(tungstenite::Error::Io(e)) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(tungstenite::Error::Capacity(_)) => {
-                        close = Some((CloseCode::Size, "message over MAX_MESSAGE_SIZE"));
-                        break;
-                    }
-                    Err(tungstenite::Error::Utf8(_)) => {
-                        close = Some((CloseCode::Invalid, "text frame is not valid UTF-8"));
-                        break;
-                    }
-                    Err(tungstenite::Error::Protocol(_)) => {
-                        close = Some((CloseCode::Protocol, "WebSocket protocol error"));
-                        break;
-                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => n = 0,
                     Err(_) => {
                         gone = true;
                         break;
                     }
                 }
             }
-            if io.got_bytes {
-                ws.last_seen_ms = now;
-            }
-            conn.read_more = !drained && !gone && close.is_none();
+            conn.read_more = more;
             if conn.pending_out() > 0 {
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }
@@ -902,7 +944,7 @@ impl Server {
             // Closed (after a close handshake, whose reply is already queued) or reset.
             self.worker_gone(r, "connection closed");
             self.finish_after_flush(r);
-        } else if self.conns.get_mut(r).is_some_and(|c| c.read_more) {
+        } else if more {
             self.again.push(r);
         }
     }
@@ -917,7 +959,7 @@ impl Server {
         if let Some(conn) = self.conns.get_mut(r)
             && let State::Ws(ws) = &mut conn.state
         {
-            let mut io = WsIo { stream: &mut conn.stream, out: &mut conn.out, got_bytes: false };
+            let mut io = WsIo::writer(&mut conn.out);
             let _ = ws.ctx.close(&mut io, Some(CloseFrame { code, reason: reason.into() }));
             crate::log!(
                 Level::Info,
@@ -984,10 +1026,10 @@ impl Server {
                 State::Http(_) => {
                     self.process_http(r);
                     if self.conns.get_mut(r).is_some_and(|c| c.read_more) {
-                        self.read_http(r);
+                        self.read_http(r, false);
                     }
                 }
-                State::Ws(_) => self.read_ws(r),
+                State::Ws(_) => self.read_ws(r, false),
                 State::Closing => self.drain_closing(r),
             }
         }

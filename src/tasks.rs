@@ -3,6 +3,8 @@
 //! Status changes are made only by `dispatch::Core` (one place, so a journal record can be
 //! emitted there); this module defines the data and how it reads.
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::net::IpAddr;
 
 use serde_json::value::RawValue;
@@ -11,6 +13,69 @@ use crate::timefmt::write_rfc3339_ms;
 use crate::timer::TimerHandle;
 
 pub type TaskId = u128;
+
+/// A hasher for keys that are already random (task ids): fold, don't hash.
+#[derive(Default)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = (self.0 ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = (n as u64) ^ ((n >> 64) as u64);
+    }
+}
+
+type IdMap<V> = HashMap<TaskId, V, BuildHasherDefault<IdHasher>>;
+
+/// Shards of the task table: a million finished tasks kept for TASK_TTL must not stall the
+/// loop while one huge hash table doubles; each shard grows (and rehashes) on its own.
+const TASK_SHARDS: usize = 64;
+
+/// Every task relay knows, by id.
+pub struct TaskTable {
+    shards: Vec<IdMap<Task>>,
+}
+
+impl Default for TaskTable {
+    fn default() -> TaskTable {
+        TaskTable { shards: (0..TASK_SHARDS).map(|_| IdMap::default()).collect() }
+    }
+}
+
+impl TaskTable {
+    fn shard(id: TaskId) -> usize {
+        // Ids are random; the top bits pick the shard, the folded hash the bucket.
+        (id >> 120) as usize % TASK_SHARDS
+    }
+    pub fn get(&self, id: &TaskId) -> Option<&Task> {
+        self.shards[Self::shard(*id)].get(id)
+    }
+    pub fn get_mut(&mut self, id: &TaskId) -> Option<&mut Task> {
+        self.shards[Self::shard(*id)].get_mut(id)
+    }
+    pub fn contains_key(&self, id: &TaskId) -> bool {
+        self.shards[Self::shard(*id)].contains_key(id)
+    }
+    pub fn insert(&mut self, id: TaskId, task: Task) {
+        self.shards[Self::shard(id)].insert(id, task);
+    }
+    pub fn remove(&mut self, id: &TaskId) -> Option<Task> {
+        self.shards[Self::shard(*id)].remove(id)
+    }
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(HashMap::len).sum()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.shards.iter().all(HashMap::is_empty)
+    }
+}
 
 /// A connection's identity: its slot and the slot's generation when it was opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -108,7 +173,8 @@ pub struct Task {
     pub id: TaskId,
     pub status: Status,
     pub kind: Option<Box<str>>,
-    pub payload: Box<RawValue>,
+    /// What workers are sent; dropped once the task is final.
+    pub payload: Option<Box<RawValue>>,
     pub created_wall_ms: u64,
     pub created_mono_ms: u64,
     /// Set for tasks submitted with `delay`/`run_at`.
@@ -144,51 +210,52 @@ impl Task {
         self.attempts.iter().rev().find_map(|a| a.error.as_deref())
     }
 
-    /// Appends the task JSON of SPEC §4 to `out`.
-    pub fn write_json(&self, out: &mut Vec<u8>) {
-        let mut s = String::with_capacity(256);
+    /// Appends the task JSON of SPEC §4 to `s`. On the hot path of every answer: no
+    /// formatting machinery, no allocation beyond `s` growing.
+    pub fn write_json(&self, s: &mut String) {
+        s.reserve(320 + self.attempts.len() * 200 + self.result.as_ref().map_or(0, |r| r.get().len()));
         s.push_str("{\"task_id\":\"");
-        push_uuid(&mut s, self.id);
+        push_uuid(s, self.id);
         s.push_str("\",\"status\":\"");
         s.push_str(self.status.as_str());
         s.push('"');
         if let Some(kind) = &self.kind {
             s.push_str(",\"kind\":");
-            push_json_str(&mut s, kind);
+            push_json_str(s, kind);
         }
-        push_time(&mut s, "created_at", Some(self.created_wall_ms));
-        push_time(&mut s, "run_at", self.run_at_wall_ms);
-        push_time(&mut s, "finished_at", self.finished_wall_ms);
+        push_time(s, "created_at", Some(self.created_wall_ms));
+        push_time(s, "run_at", self.run_at_wall_ms);
+        push_time(s, "finished_at", self.finished_wall_ms);
         if self.status == Status::Done {
             s.push_str(",\"result\":");
             s.push_str(self.result.as_deref().map_or("null", RawValue::get));
         }
         if let Some(error) = &self.error {
             s.push_str(",\"error\":");
-            push_json_str(&mut s, error);
+            push_json_str(s, error);
         }
         if matches!(self.status, Status::Done | Status::Failed)
             && let Some(last) = self.attempts.last()
         {
             s.push_str(",\"client_id\":\"");
-            push_uuid(&mut s, last.client_id);
+            push_uuid(s, last.client_id);
             s.push_str("\",\"client_ip\":\"");
-            s.push_str(&last.client_ip.to_string());
+            push_ip(s, last.client_ip);
             s.push('"');
         }
         s.push_str(",\"attempts\":");
-        s.push_str(&self.attempts.len().to_string());
+        push_u64(s, self.attempts.len() as u64);
         s.push_str(",\"attempt_log\":[");
         for (i, a) in self.attempts.iter().enumerate() {
             if i > 0 {
                 s.push(',');
             }
             s.push_str("{\"num\":");
-            s.push_str(&(i + 1).to_string());
+            push_u64(s, i as u64 + 1);
             s.push_str(",\"client_id\":\"");
-            push_uuid(&mut s, a.client_id);
+            push_uuid(s, a.client_id);
             s.push_str("\",\"client_ip\":\"");
-            s.push_str(&a.client_ip.to_string());
+            push_ip(s, a.client_ip);
             s.push('"');
             if let Some(outcome) = a.outcome {
                 s.push_str(",\"outcome\":\"");
@@ -197,23 +264,56 @@ impl Task {
             }
             if let Some(error) = &a.error {
                 s.push_str(",\"error\":");
-                push_json_str(&mut s, error);
+                push_json_str(s, error);
             }
-            push_time(&mut s, "started_at", Some(a.started_wall_ms));
+            push_time(s, "started_at", Some(a.started_wall_ms));
             if a.outcome.is_some() {
                 s.push_str(",\"duration_ms\":");
-                s.push_str(&a.duration_ms.to_string());
+                push_u64(s, a.duration_ms);
             }
             s.push('}');
         }
         s.push_str("]}");
-        out.extend_from_slice(s.as_bytes());
     }
 }
 
 pub fn push_uuid(s: &mut String, id: u128) {
     let mut buf = uuid::Uuid::encode_buffer();
     s.push_str(uuid::Uuid::from_u128(id).hyphenated().encode_lower(&mut buf));
+}
+
+/// Appends `n` in decimal.
+pub fn push_u64(s: &mut String, mut n: u64) {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    // Only ASCII digits were written.
+    s.push_str(std::str::from_utf8(&buf[i..]).unwrap_or("0"));
+}
+
+/// Appends an IP address (IPv4 by hand, the common case; IPv6 through its Display).
+pub fn push_ip(s: &mut String, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            for (i, octet) in v4.octets().iter().enumerate() {
+                if i > 0 {
+                    s.push('.');
+                }
+                push_u64(s, u64::from(*octet));
+            }
+        }
+        IpAddr::V6(v6) => {
+            use std::fmt::Write as _;
+            let _ = write!(s, "{v6}");
+        }
+    }
 }
 
 pub fn uuid_string(id: u128) -> String {
@@ -231,8 +331,12 @@ pub fn parse_id(text: &str) -> Option<TaskId> {
 }
 
 pub fn push_json_str(s: &mut String, text: &str) {
-    // serde_json escapes exactly as JSON requires; writing into a String cannot fail.
-    if let Ok(quoted) = serde_json::to_string(text) {
+    if text.bytes().all(|b| b >= 0x20 && b != b'"' && b != b'\\') {
+        s.push('"');
+        s.push_str(text);
+        s.push('"');
+    } else if let Ok(quoted) = serde_json::to_string(text) {
+        // serde_json escapes exactly as JSON requires; writing into a String cannot fail.
         s.push_str(&quoted);
     }
 }
@@ -256,7 +360,7 @@ mod tests {
             id: 0x0123_4567_89ab_cdef_0123_4567_89ab_cdef,
             status,
             kind: Some("http".into()),
-            payload: RawValue::from_string("{\"kind\":\"http\"}".into()).expect("raw"),
+            payload: Some(RawValue::from_string("{\"kind\":\"http\"}".into()).expect("raw")),
             created_wall_ms: 0,
             created_mono_ms: 0,
             run_at_wall_ms: None,
@@ -289,9 +393,9 @@ mod tests {
     }
 
     fn check(t: &Task, expected: serde_json::Value) {
-        let mut out = Vec::new();
+        let mut out = String::new();
         t.write_json(&mut out);
-        let got: serde_json::Value = serde_json::from_slice(&out).expect("valid JSON");
+        let got: serde_json::Value = serde_json::from_str(&out).expect("valid JSON");
         assert_eq!(got, expected);
     }
 
@@ -332,6 +436,26 @@ mod tests {
                     {"num": 1, "client_id": "00000000-0000-0000-0000-000000000007", "client_ip": "10.0.0.5",
                      "outcome": "done", "started_at": "1970-01-01T00:00:01.000Z", "duration_ms": 12}]}),
         );
+    }
+
+    #[test]
+    fn writers() {
+        let mut s = String::new();
+        for n in [0, 7, 10, 1234567890, u64::MAX] {
+            s.clear();
+            push_u64(&mut s, n);
+            assert_eq!(s, n.to_string());
+        }
+        for ip in ["0.0.0.0", "10.0.0.5", "255.255.255.255", "::1", "2001:db8::7"] {
+            s.clear();
+            push_ip(&mut s, ip.parse().expect("ip"));
+            assert_eq!(s, ip);
+        }
+        for text in ["plain", "with \"quote\"", "back\\slash", "tab\there", "€ ok", ""] {
+            s.clear();
+            push_json_str(&mut s, text);
+            assert_eq!(serde_json::from_str::<String>(&s).expect("JSON string"), text);
+        }
     }
 
     #[test]

@@ -23,8 +23,33 @@ pub fn write_rfc3339_ms(out: &mut String, ms: u64) {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     let (y, m, d) = civil_from_days(days);
-    let _ =
-        write!(out, "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z", rem / 3600, rem / 60 % 60, rem % 60, ms % 1000);
+    if !(0..=9999).contains(&y) {
+        let _ = write!(
+            out,
+            "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+            rem / 3600,
+            rem / 60 % 60,
+            rem % 60,
+            ms % 1000
+        );
+        return;
+    }
+    // By hand: this runs several times for every task JSON.
+    let mut b = *b"0000-00-00T00:00:00.000Z";
+    let mut put = |at: usize, width: usize, mut v: u64| {
+        for i in (at..at + width).rev() {
+            b[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+        }
+    };
+    put(0, 4, y as u64);
+    put(5, 2, m as u64);
+    put(8, 2, d as u64);
+    put(11, 2, rem / 3600);
+    put(14, 2, rem / 60 % 60);
+    put(17, 2, rem % 60);
+    put(20, 3, ms % 1000);
+    out.push_str(std::str::from_utf8(&b).unwrap_or(""));
 }
 
 /// Parses RFC 3339 (`2026-11-29T12:00:00Z`, `...T12:00:00.5+05:00`, lower-case `t`/`z` and a

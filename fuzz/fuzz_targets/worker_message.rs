@@ -9,7 +9,7 @@ use relay::tasks::ConnRef;
 struct NullIo;
 
 impl Io for NullIo {
-    fn send_text(&mut self, _: ConnRef, _: String) -> bool {
+    fn send_text(&mut self, _: ConnRef, _: &[&str]) -> bool {
         true
     }
     fn reply(&mut self, _: ConnRef, _: Response) {}

@@ -11,11 +11,11 @@ struct FakeIo {
 }
 
 impl Io for FakeIo {
-    fn send_text(&mut self, worker: ConnRef, text: String) -> bool {
+    fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool {
         if self.broken.contains(&worker) {
             return false;
         }
-        self.sent.push((worker, text));
+        self.sent.push((worker, parts.concat()));
         true
     }
     fn reply(&mut self, conn: ConnRef, response: Response) {
