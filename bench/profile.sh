@@ -5,22 +5,26 @@
 # hardware counters; DWARF call graphs, since release code has no frame pointers) while
 # `relay-bench drive` loads it, then prints a summary (bench/perf_summary.py: time by kind of work,
 # self-time top, relay functions inclusive) and perf's own flat report.
-# SECS (default 10) sets the load duration; OUT (default a temp dir) keeps perf.data.
-# relay and perf are stopped by PID before the script exits.
+# SECS (default 10) sets the load duration; OUT (default a temp dir) keeps perf.data; RELAY (a
+# relay binary with symbols, e.g. one built from an older commit the same way) skips the build and
+# profiles that binary instead. relay and perf are stopped by PID before the script exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${SECS:-10}
 out=${OUT:-$(mktemp -d /tmp/relay-profile.XXXXXX)}
 mkdir -p "$out"
 
-CARGO_PROFILE_RELEASE_STRIP=false CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
-  cargo build --release -p relay --target-dir target/profiling
+relay_bin=${RELAY:-target/profiling/release/relay}
+if [ -z "${RELAY:-}" ]; then
+  CARGO_PROFILE_RELEASE_STRIP=false CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+    cargo build --release -p relay --target-dir target/profiling
+fi
 cargo build --release -p relay-bench
 target_dir=$(cargo metadata --format-version 1 --no-deps | sed -n 's/.*"target_directory":"\([^"]*\)".*/\1/p')
 
 env -i PORT=0 BIND=127.0.0.1 API_TOKEN=bench-api-token WORKER_TOKEN=bench-worker-token DATA_DIR= \
   LOG_LEVEL=warn SHUTDOWN_TIMEOUT=1s BLOB_DIR="$out/blobs" TOKEN_STORE="$out/tokens.json" \
-  target/profiling/release/relay 2>"$out/relay.log" &
+  "$relay_bin" 2>"$out/relay.log" &
 relay_pid=$!
 perf_pid=
 cleanup() {

@@ -1,6 +1,7 @@
-//! A minimal blocking HTTP/1.1 keep-alive client: one request in flight per connection, requests
-//! are pre-built byte strings, responses must carry `Content-Length` (relay's and the floor's do).
-//! Just enough to load a server without the client's own cost hiding the server's.
+//! A minimal blocking HTTP/1.1 keep-alive client: requests are pre-built byte strings, responses
+//! must carry `Content-Length` (relay's and the floor's do). One request in flight (`request`), or
+//! several (HTTP/1.1 pipelining: `send` any number, then `read_response` them in order). Just
+//! enough to load a server without the client's own cost hiding the server's.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -13,6 +14,8 @@ const READ_CHUNK_BYTES: usize = 16 * 1024;
 pub struct HttpConn {
     stream: TcpStream,
     buf: Vec<u8>,
+    /// Bytes at the front of `buf` that belong to responses already returned.
+    consumed: usize,
 }
 
 /// Status and body range (into the connection's buffer) of the last response.
@@ -27,13 +30,42 @@ impl HttpConn {
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
         stream.set_read_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
         stream.set_write_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
-        Ok(HttpConn { stream, buf: Vec::with_capacity(READ_CHUNK_BYTES) })
+        Ok(HttpConn { stream, buf: Vec::with_capacity(READ_CHUNK_BYTES), consumed: 0 })
     }
 
-    /// Sends one complete request and reads its response.
+    /// Sends one complete request and reads its response (nothing else may be in flight).
     pub fn request(&mut self, req: &[u8]) -> Result<Response<'_>, String> {
-        self.stream.write_all(req).map_err(|e| format!("write: {e}"))?;
-        self.buf.clear();
+        self.send(req)?;
+        let (status, body_at, total) = self.next_response()?;
+        if self.buf.len() > total {
+            return Err("bytes after the response (unexpected with one request in flight)".into());
+        }
+        Ok(Response { status, body: &self.buf[body_at..total] })
+    }
+
+    /// Writes requests (one or several, back to back) without reading anything.
+    pub fn send(&mut self, reqs: &[u8]) -> Result<(), String> {
+        self.stream.write_all(reqs).map_err(|e| format!("write: {e}"))
+    }
+
+    /// Reads the next response of those in flight, in request order.
+    pub fn read_response(&mut self) -> Result<Response<'_>, String> {
+        let (status, body_at, total) = self.next_response()?;
+        Ok(Response { status, body: &self.buf[body_at..total] })
+    }
+
+    /// Whether a complete response is already buffered (`read_response` will not read the socket).
+    pub fn has_response(&self) -> bool {
+        let rest = &self.buf[self.consumed..];
+        matches!(parse_head(rest), Ok(Some((_, at, len))) if rest.len() >= at + len)
+    }
+
+    /// Status, body start and end (in `buf`) of the next response; marks it consumed.
+    fn next_response(&mut self) -> Result<(u16, usize, usize), String> {
+        if self.consumed > 0 {
+            self.buf.drain(..self.consumed);
+            self.consumed = 0;
+        }
         let (status, body_at, body_len) = loop {
             if let Some(head) = parse_head(&self.buf)? {
                 break head;
@@ -47,10 +79,8 @@ impl HttpConn {
         while self.buf.len() < total {
             self.fill()?;
         }
-        if self.buf.len() > total {
-            return Err("bytes after the response (unexpected with one request in flight)".into());
-        }
-        Ok(Response { status, body: &self.buf[body_at..total] })
+        self.consumed = total;
+        Ok((status, body_at, total))
     }
 
     fn fill(&mut self) -> Result<(), String> {
@@ -153,6 +183,40 @@ mod tests {
         check(r#"{"task_id":"ab-12","status":"done"}"#, "status", Some("done"));
         check(r#"{"task_id":12}"#, "task_id", None);
         check(r#"{"task_id":"open"#, "task_id", None);
+    }
+
+    #[test]
+    fn pipelined_responses() {
+        use std::net::TcpListener;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let mut got = Vec::new();
+            let mut chunk = [0u8; 1024];
+            while got.windows(4).filter(|w| w == b"\r\n\r\n").count() < 3 {
+                let n = s.read(&mut chunk).expect("read");
+                assert!(n > 0, "client closed early");
+                got.extend_from_slice(&chunk[..n]);
+            }
+            // Three answers in one write, the last split in two.
+            let r = |b: &str| format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{b}", b.len());
+            let all = format!("{}{}{}", r("one"), r("two"), r("three"));
+            let cut = all.len() - 3;
+            s.write_all(&all.as_bytes()[..cut]).expect("write");
+            std::thread::sleep(Duration::from_millis(50));
+            s.write_all(&all.as_bytes()[cut..]).expect("write");
+        });
+        let mut c = HttpConn::connect(addr, Duration::from_secs(5)).expect("connect");
+        assert!(!c.has_response());
+        let get = build_request("GET", "/x", None, b"");
+        c.send(&[get.as_slice(), &get, &get].concat()).expect("send");
+        for body in ["one", "two", "three"] {
+            let resp = c.read_response().expect("response");
+            assert_eq!((resp.status, resp.body), (200, body.as_bytes()));
+        }
+        assert!(!c.has_response());
+        server.join().expect("server");
     }
 
     #[test]

@@ -1,17 +1,31 @@
-//! The closed-loop load driver: C client threads, each doing one call at a time, a warm-up, then
-//! a measured window during which completions, latencies and the server's CPU time are taken.
-//! It knows nothing about HTTP or NATS: a scenario hands it one `Client` per thread.
+//! The load driver: C client threads, each calling its `Client` in a loop, a warm-up, then a
+//! measured window during which completions, latencies and the server's CPU time are taken. A call
+//! completes one operation: a closed-loop client does one request-reply per call, a pipelined one
+//! takes one answer of the several it keeps in flight. It knows nothing about HTTP or NATS: a
+//! scenario hands it one `Client` per thread.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use crate::procs;
 
-/// One closed-loop client: `call` does one request-reply and returns when the answer is in.
+/// One client: `call` completes one operation and returns when its answer is in.
 pub trait Client: Send + 'static {
     fn call(&mut self) -> Result<(), String>;
+    /// Latency of the operation the last `call` completed, when it is not the time the call
+    /// took (a pipelined client: from the write of the request to its answer).
+    fn latency(&self) -> Option<Duration> {
+        None
+    }
+    /// Nothing more to do (a fixed budget of operations is used up): the thread stops calling,
+    /// and when every thread has stopped the measured window ends early.
+    fn finished(&self) -> bool {
+        false
+    }
+    /// Called once after the last call, outside every window: e.g. read answers still in flight.
+    fn finish(&mut self) {}
 }
 
 const WARMUP: u8 = 0;
@@ -84,20 +98,25 @@ pub struct Percentiles {
 pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc<AtomicU64>]) -> (Outcome, Vec<C>) {
     let phase = Arc::new(AtomicU8::new(WARMUP));
     let counted = Arc::new(AtomicU64::new(0));
+    let stopped = Arc::new(AtomicUsize::new(0));
+    let n_clients = clients.len();
     let handles: Vec<_> = clients
         .into_iter()
         .map(|mut client| {
-            let (phase, counted) = (phase.clone(), counted.clone());
+            let (phase, counted, stopped) = (phase.clone(), counted.clone(), stopped.clone());
             thread::spawn(move || {
                 let mut lat_ns: Vec<u64> = Vec::with_capacity(1 << 16);
                 let (mut errors, mut first_error) = (0u64, None);
-                while phase.load(Ordering::Relaxed) != STOP {
+                while phase.load(Ordering::Relaxed) != STOP && !client.finished() {
                     let t0 = Instant::now();
                     match client.call() {
                         Ok(()) => {
                             // Counted when it completes inside the window, whenever it started.
                             match phase.load(Ordering::Relaxed) {
-                                MEASURE => lat_ns.push(t0.elapsed().as_nanos() as u64),
+                                MEASURE => {
+                                    let lat = client.latency().unwrap_or_else(|| t0.elapsed());
+                                    lat_ns.push(lat.as_nanos() as u64);
+                                }
                                 COUNT => {
                                     counted.fetch_add(1, Ordering::Relaxed);
                                 }
@@ -114,6 +133,8 @@ pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc
                         }
                     }
                 }
+                stopped.fetch_add(1, Ordering::Relaxed);
+                client.finish();
                 (client, lat_ns, errors, first_error)
             })
         })
@@ -127,7 +148,10 @@ pub fn run<C: Client>(clients: Vec<C>, pid: u32, window: Window, counters: &[Arc
     let (busy0, steal0) = procs::machine_cpu();
     phase.store(MEASURE, Ordering::Relaxed);
     let t0 = Instant::now();
-    thread::sleep(window.measure);
+    // The window ends early when every client has stopped (budgets used up, or failing).
+    while t0.elapsed() < window.measure && stopped.load(Ordering::Relaxed) < n_clients {
+        thread::sleep((window.measure - t0.elapsed().min(window.measure)).min(Duration::from_millis(10)));
+    }
     phase.store(if window.syscalls.is_some() { COUNT } else { STOP }, Ordering::Relaxed);
     let elapsed = t0.elapsed();
     let cpu1 = procs::cpu_time(pid).unwrap_or_default();

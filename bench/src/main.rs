@@ -24,13 +24,14 @@ usage: relay-bench [SCENARIO...] [OPTIONS]
 
 scenarios (default: all):
   sync      relay POST /tasks?wait=true, C clients, W workers
-  async     relay POST /tasks (202), then GET /tasks/{id}
+  async     relay POST /tasks (202), then GET /tasks/{id}: closed loop, and pipelined
+            (--pipeline-depth requests in flight per connection), in every round
   nats      nats-server request-reply, C requesters, W queue-group responders
   floor     one-hop HTTP server answering at once
   latency   1 client 1 worker, relay then NATS back to back
   memory    N idle worker connections: relay RSS per connection
   startup   relay start-up time to listening and idle RSS
-  pending   scheduled tasks (delay 1h) submitted for one window: relay RSS per task
+  pending   scheduled tasks (delay 1h), --pending-tasks of them: relay RSS per task
   all       every one of the above
 
 options:
@@ -40,6 +41,9 @@ options:
   --clients N           concurrent clients (default 64)
   --workers N           workers / responders (default 8)
   --payload-bytes N     task payload size (default 100)
+  --pipeline-depth N    requests in flight per connection in pipelined async and pending (default 16)
+  --pending-tasks N     scheduled tasks `pending` submits (default 1000000)
+  --pending-max-secs N  time limit on those submits; fewer are held if it runs out (default 120)
   --idle-conns N        idle worker connections in `memory` (default 19000)
   --startup-runs N      relay starts in `startup` (default 10)
   --relay PATH          relay binary (default: `relay` beside this executable)
@@ -65,6 +69,9 @@ pub struct Opts {
     pub clients: usize,
     pub workers: usize,
     pub payload_bytes: usize,
+    pub pipeline_depth: usize,
+    pub pending_tasks: u64,
+    pub pending_max: Duration,
     pub idle_conns: usize,
     pub startup_runs: usize,
     pub relay: PathBuf,
@@ -87,6 +94,9 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         clients: 64,
         workers: 8,
         payload_bytes: 100,
+        pipeline_depth: 16,
+        pending_tasks: 1_000_000,
+        pending_max: Duration::from_secs(120),
         idle_conns: 19_000,
         startup_runs: 10,
         relay: exe_dir.join("relay"),
@@ -109,6 +119,9 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             "--clients" => o.clients = num(value()?)?.max(1) as usize,
             "--workers" => o.workers = num(value()?)?.max(1) as usize,
             "--payload-bytes" => o.payload_bytes = num(value()?)?.max(16) as usize,
+            "--pipeline-depth" => o.pipeline_depth = num(value()?)?.clamp(1, 1024) as usize,
+            "--pending-tasks" => o.pending_tasks = num(value()?)?.max(1),
+            "--pending-max-secs" => o.pending_max = Duration::from_secs(num(value()?)?.max(1)),
             "--idle-conns" => o.idle_conns = num(value()?)? as usize,
             "--startup-runs" => o.startup_runs = num(value()?)?.max(1) as usize,
             "--relay" => o.relay = PathBuf::from(value()?),
@@ -175,6 +188,8 @@ mod tests {
         }
         check(&[], Ok((vec!["all"], 4000, 64)));
         check(&["sync", "nats", "--measure-ms", "500", "--clients", "8"], Ok((vec!["sync", "nats"], 500, 8)));
+        check(&["async", "--pipeline-depth", "8"], Ok((vec!["async"], 4000, 64)));
+        check(&["--pipeline-depth", "x"], Err(()));
         check(&["--clients"], Err(()));
         check(&["--clients", "x"], Err(()));
         check(&["--bogus"], Err(()));

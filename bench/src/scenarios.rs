@@ -2,12 +2,13 @@
 //! put the figures in one report with the ratios the targets are stated in. Each scenario starts
 //! a fresh server, so tasks kept from one never weigh on the next.
 
+use std::collections::VecDeque;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::httpc::{HttpConn, build_request, json_str_field};
@@ -31,85 +32,148 @@ const IDLE_SETTLE: Duration = Duration::from_secs(5);
 
 // ---------------------------------------------------------------- clients
 
-/// `POST` with a fixed body on a keep-alive connection; any status but `expect` is an error.
-struct PostClient {
+/// What a `PipeClient` takes from each answer.
+enum Keep {
+    Nothing,
+    /// The `task_id` of each answer (async submit), for the fetch phase.
+    Ids(Vec<String>),
+    /// Per request (by index into `reqs`), the first answer's verdict: 0 not answered yet,
+    /// 1 `"status":"done"`, 2 anything else (the fetch phase's check).
+    Done(Vec<u8>),
+}
+
+/// An HTTP/1.1 keep-alive client that keeps up to `depth` requests in flight on its connection
+/// (pipelining; relay and the floor answer in request order). Each call takes one answer: when no
+/// complete answer is buffered it first tops the connection up to `depth` requests with one
+/// write, then reads. `depth` 1 is the closed loop: write one request, read its answer.
+/// Requests cycle through `reqs`; with a `budget` (shared by clients) it sends only that many in
+/// all. Any status but `expect` is an error, and drops the connection with what was in flight.
+struct PipeClient {
     addr: SocketAddr,
-    req: Arc<Vec<u8>>,
+    depth: usize,
+    reqs: Arc<Vec<Vec<u8>>>,
     expect: u16,
+    keep: Keep,
+    budget: Option<Arc<AtomicU64>>,
     conn: Option<HttpConn>,
-    /// Task ids from the answers (async submit), kept for the fetch phase.
-    ids: Option<Vec<String>>,
+    /// Requests written so far (the next one is `reqs[sent % reqs.len()]`).
+    sent: u64,
+    /// Index and write time of every request in flight, oldest first.
+    in_flight: VecDeque<(u64, Instant)>,
+    batch: Vec<u8>,
+    /// Set by `finish`: read what is in flight, send nothing more.
+    draining: bool,
+    /// Requests in flight on a connection that failed: whether the server took them is unknown.
+    lost: u64,
+    last_latency: Option<Duration>,
 }
 
-impl PostClient {
-    fn new(addr: SocketAddr, req: Arc<Vec<u8>>, expect: u16, keep_ids: bool) -> PostClient {
-        PostClient { addr, req, expect, conn: None, ids: keep_ids.then(Vec::new) }
+impl PipeClient {
+    fn new(addr: SocketAddr, depth: usize, reqs: Arc<Vec<Vec<u8>>>, expect: u16, keep: Keep) -> PipeClient {
+        PipeClient {
+            addr,
+            depth: depth.max(1),
+            reqs,
+            expect,
+            keep,
+            budget: None,
+            conn: None,
+            sent: 0,
+            in_flight: VecDeque::new(),
+            batch: Vec::new(),
+            draining: false,
+            lost: 0,
+            last_latency: None,
+        }
     }
-}
 
-impl Client for PostClient {
-    fn call(&mut self) -> Result<(), String> {
+    fn with_budget(mut self, budget: Arc<AtomicU64>) -> PipeClient {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Writes requests until `depth` are in flight (fewer if the budget runs out), in one write.
+    fn top_up(&mut self) -> Result<(), String> {
+        let want = if self.draining { 0 } else { self.depth - self.in_flight.len().min(self.depth) };
+        let n = match &self.budget {
+            None => want as u64,
+            Some(b) => {
+                let mut took = 0;
+                let _ = b.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                    took = left.min(want as u64);
+                    Some(left - took)
+                });
+                took
+            }
+        };
+        if n == 0 {
+            return Ok(());
+        }
+        let conn = self.conn.as_mut().ok_or("not connected")?;
+        self.batch.clear();
+        let now = Instant::now();
+        for _ in 0..n {
+            self.batch.extend_from_slice(&self.reqs[(self.sent % self.reqs.len() as u64) as usize]);
+            self.in_flight.push_back((self.sent, now));
+            self.sent += 1;
+        }
+        conn.send(&self.batch)
+    }
+
+    fn step(&mut self) -> Result<(), String> {
         if self.conn.is_none() {
             self.conn = Some(HttpConn::connect(self.addr, IO_TIMEOUT)?);
         }
+        if !self.conn.as_ref().is_some_and(HttpConn::has_response) {
+            self.top_up()?;
+        }
+        if self.in_flight.is_empty() {
+            return Err("nothing in flight".into());
+        }
         let conn = self.conn.as_mut().expect("connected above");
-        let result = match conn.request(&self.req) {
-            Ok(resp) if resp.status == self.expect => {
-                if let Some(ids) = self.ids.as_mut() {
-                    let id = json_str_field(resp.body, "task_id").ok_or("202 without task_id")?;
-                    ids.push(id.to_string());
+        let resp = conn.read_response()?;
+        let (i, sent_at) = self.in_flight.pop_front().expect("checked above");
+        self.last_latency = Some(sent_at.elapsed());
+        if resp.status != self.expect {
+            return Err(format!("status {}: {}", resp.status, String::from_utf8_lossy(resp.body)));
+        }
+        match &mut self.keep {
+            Keep::Nothing => {}
+            Keep::Ids(ids) => ids.push(json_str_field(resp.body, "task_id").ok_or("202 without task_id")?.to_string()),
+            Keep::Done(verdicts) => {
+                let v = &mut verdicts[(i % self.reqs.len() as u64) as usize];
+                if *v == 0 {
+                    *v = if json_str_field(resp.body, "status") == Some("done") { 1 } else { 2 };
                 }
-                Ok(())
             }
-            Ok(resp) => Err(format!("status {}: {}", resp.status, String::from_utf8_lossy(resp.body))),
-            Err(e) => Err(e),
-        };
+        }
+        Ok(())
+    }
+}
+
+impl Client for PipeClient {
+    fn call(&mut self) -> Result<(), String> {
+        let result = self.step();
         if result.is_err() {
+            self.lost += self.in_flight.len() as u64;
+            self.in_flight.clear();
             self.conn = None;
         }
         result
     }
-}
 
-/// `GET /tasks/{id}` over its share of the submitted ids, round and round; counts `done`.
-struct FetchClient {
-    addr: SocketAddr,
-    reqs: Vec<Vec<u8>>,
-    next: usize,
-    conn: Option<HttpConn>,
-    fetched_first_pass: u64,
-    done_first_pass: u64,
-}
+    fn latency(&self) -> Option<Duration> {
+        self.last_latency
+    }
 
-impl Client for FetchClient {
-    fn call(&mut self) -> Result<(), String> {
-        if self.reqs.is_empty() {
-            std::thread::sleep(Duration::from_millis(10));
-            return Err("no ids to fetch".into());
-        }
-        if self.conn.is_none() {
-            self.conn = Some(HttpConn::connect(self.addr, IO_TIMEOUT)?);
-        }
-        let conn = self.conn.as_mut().expect("connected above");
-        let i = self.next % self.reqs.len();
-        let result = match conn.request(&self.reqs[i]) {
-            Ok(resp) if resp.status == 200 => {
-                if self.next < self.reqs.len() {
-                    self.fetched_first_pass += 1;
-                    if json_str_field(resp.body, "status") == Some("done") {
-                        self.done_first_pass += 1;
-                    }
-                }
-                Ok(())
-            }
-            Ok(resp) => Err(format!("status {}: {}", resp.status, String::from_utf8_lossy(resp.body))),
-            Err(e) => Err(e),
-        };
-        self.next += 1;
-        if result.is_err() {
-            self.conn = None;
-        }
-        result
+    fn finished(&self) -> bool {
+        self.in_flight.is_empty() && self.budget.as_ref().is_some_and(|b| b.load(Ordering::Relaxed) == 0)
+    }
+
+    /// Reads the answers still in flight (an async submit's task ids), bounded by the I/O timeout.
+    fn finish(&mut self) {
+        self.draining = true;
+        while !self.in_flight.is_empty() && self.call().is_ok() {}
     }
 }
 
@@ -253,62 +317,130 @@ fn relay_sync(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, St
     let pool = Pool::ws(relay.addr, WORKER_TOKEN, workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(relay.addr, workers)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
-    let req = Arc::new(build_request("POST", "/tasks?wait=true", Some(API_TOKEN), body.as_bytes()));
-    let cs: Vec<_> = (0..clients).map(|_| PostClient::new(relay.addr, req.clone(), 200, false)).collect();
+    let req = Arc::new(vec![build_request("POST", "/tasks?wait=true", Some(API_TOKEN), body.as_bytes())]);
+    let cs: Vec<_> = (0..clients).map(|_| PipeClient::new(relay.addr, 1, req.clone(), 200, Keep::Nothing)).collect();
     let (out, _) = load::run(cs, relay.pid(), window(opts), std::slice::from_ref(&pool.answered));
     check_alive(&mut relay)?;
     pool.stop()?;
     Ok(out)
 }
 
+/// How long the workers may take to finish what an async window submitted.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long the check of the ids the fetch window did not reach may take.
+const VERIFY_TIMEOUT: Duration = Duration::from_secs(120);
+
 struct AsyncResult {
     submit: Outcome,
     fetch: Outcome,
     note: String,
+    /// Why not every submitted task was seen `done`, if so.
+    problem: Option<String>,
 }
 
-fn relay_async(opts: &Opts) -> Result<AsyncResult, String> {
+/// Async submit (`POST /tasks`, 202) with `depth` requests in flight per connection (1 = closed
+/// loop), the workers answering inside the window; then the workers drain what is left; then
+/// `GET /tasks/{id}` over every submitted id with the same depth (the fetch row), and an untimed
+/// pass over the ids the fetch window did not reach: every submitted task must be `done`.
+fn relay_async(opts: &Opts, depth: usize) -> Result<AsyncResult, String> {
     let mut relay = start_relay(opts, &opts.relay, &[])?;
     let pool = Pool::ws(relay.addr, WORKER_TOKEN, opts.workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(relay.addr, opts.workers)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
-    let req = Arc::new(build_request("POST", "/tasks", Some(API_TOKEN), body.as_bytes()));
-    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(relay.addr, req.clone(), 202, true)).collect();
+    let req = Arc::new(vec![build_request("POST", "/tasks", Some(API_TOKEN), body.as_bytes())]);
+    let cs: Vec<_> = (0..opts.clients)
+        .map(|_| PipeClient::new(relay.addr, depth, req.clone(), 202, Keep::Ids(Vec::new())))
+        .collect();
     let (submit, cs) = load::run(cs, relay.pid(), window(opts), std::slice::from_ref(&pool.answered));
-    let ids: Vec<String> = cs.into_iter().flat_map(|c| c.ids.unwrap_or_default()).collect();
-
-    // Let the workers drain what was submitted, bounded.
-    let drain_deadline = Instant::now() + Duration::from_secs(10);
-    while pool.answered.load(Ordering::Relaxed) < ids.len() as u64 && Instant::now() < drain_deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let answered_total = pool.answered.load(Ordering::Relaxed);
-
-    let per = ids.len().div_ceil(opts.clients).max(1);
-    let fetchers: Vec<FetchClient> = ids
-        .chunks(per)
-        .map(|chunk| FetchClient {
-            addr: relay.addr,
-            reqs: chunk.iter().map(|id| build_request("GET", &format!("/tasks/{id}"), Some(API_TOKEN), b"")).collect(),
-            next: 0,
-            conn: None,
-            fetched_first_pass: 0,
-            done_first_pass: 0,
+    let lost: u64 = cs.iter().map(|c| c.lost).sum();
+    let ids: Vec<String> = cs
+        .into_iter()
+        .flat_map(|c| match c.keep {
+            Keep::Ids(ids) => ids,
+            _ => Vec::new(),
         })
         .collect();
-    let (fetch, fetchers) = load::run(fetchers, relay.pid(), window(opts), &[]);
-    let (fetched, done) = fetchers.iter().fold((0, 0), |(f, d), c| (f + c.fetched_first_pass, d + c.done_first_pass));
+
+    // Let the workers drain what was submitted: nothing pending or dispatched, bounded.
+    let t = Instant::now();
+    let drained = loop {
+        let h = healthz(relay.addr)?;
+        let open = |k| json_num_field(h.as_bytes(), k);
+        if open("pending") == Some(0) && open("dispatched") == Some(0) {
+            break true;
+        }
+        if t.elapsed() > DRAIN_TIMEOUT {
+            break false;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let drain_time = t.elapsed();
+    let answered_total = pool.answered.load(Ordering::Relaxed);
+
+    let fetch_clients = |ids: &[String], depth: usize, budget: bool| -> Vec<PipeClient> {
+        let per = ids.len().div_ceil(opts.clients).max(1);
+        ids.chunks(per)
+            .map(|chunk| {
+                let reqs: Vec<Vec<u8>> = chunk
+                    .iter()
+                    .map(|id| build_request("GET", &format!("/tasks/{id}"), Some(API_TOKEN), b""))
+                    .collect();
+                let c = PipeClient::new(relay.addr, depth, Arc::new(reqs), 200, Keep::Done(vec![0; chunk.len()]));
+                if budget { c.with_budget(Arc::new(AtomicU64::new(chunk.len() as u64))) } else { c }
+            })
+            .collect()
+    };
+    // Per id, the verdict of its first fetch (0: not fetched).
+    let verdicts = |clients: Vec<PipeClient>| -> Vec<u8> {
+        clients
+            .into_iter()
+            .flat_map(|c| match c.keep {
+                Keep::Done(v) => v,
+                _ => Vec::new(),
+            })
+            .collect()
+    };
+    let (fetch, fetchers) = load::run(fetch_clients(&ids, depth, false), relay.pid(), window(opts), &[]);
+    let mut seen = verdicts(fetchers);
+    let in_window = seen.iter().filter(|&&v| v != 0).count();
+    // The ids the window did not reach: fetched once each, untimed.
+    let rest: Vec<usize> = (0..ids.len()).filter(|&i| seen[i] == 0).collect();
+    if !rest.is_empty() {
+        let rest_ids: Vec<String> = rest.iter().map(|&i| ids[i].clone()).collect();
+        let win = Window { warmup: Duration::ZERO, measure: VERIFY_TIMEOUT, syscalls: None };
+        let (_, checkers) = load::run(fetch_clients(&rest_ids, opts.pipeline_depth, true), relay.pid(), win, &[]);
+        for (i, v) in rest.into_iter().zip(verdicts(checkers)) {
+            seen[i] = v;
+        }
+    }
+    let done = seen.iter().filter(|&&v| v == 1).count();
+    let unfetched = seen.iter().filter(|&&v| v == 0).count();
     let health = healthz(relay.addr).unwrap_or_else(|e| format!("healthz failed: {e}"));
+    let relay_done = json_num_field(health.as_bytes(), "done");
     check_alive(&mut relay)?;
     pool.stop()?;
     let note = format!(
-        "submitted {} (window: {} submits, {} worker answers); answered in all {answered_total}; \
-         fetch first pass: {done}/{fetched} done; healthz: {health}",
+        "{depth} in flight per connection: submitted {} (window: {} submits, {} worker answers){}; \
+         drained in {:.1} s; answered in all {answered_total}; fetched {in_window} in the fetch window \
+         and {} after it: {done}/{} done; healthz: {health}",
         ids.len(),
         submit.completed,
         submit.counters.first().copied().unwrap_or(0),
+        if lost > 0 { format!(", {lost} more in flight on failed connections") } else { String::new() },
+        drain_time.as_secs_f64(),
+        ids.len() - in_window - unfetched,
+        ids.len(),
     );
-    Ok(AsyncResult { submit, fetch, note })
+    let problem = if !drained {
+        Some(format!("workers did not drain in {DRAIN_TIMEOUT:?}"))
+    } else if done != ids.len() || ids.is_empty() {
+        Some(format!("{done} of {} submitted tasks done ({unfetched} not fetched)", ids.len()))
+    } else if !relay_done.is_some_and(|d| (ids.len() as u64..=ids.len() as u64 + lost).contains(&d)) {
+        Some(format!("relay counts {relay_done:?} done tasks, the clients submitted {} (+{lost} unknown)", ids.len()))
+    } else {
+        None
+    };
+    Ok(AsyncResult { submit, fetch, note, problem })
 }
 
 fn nats_reqrep(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, String> {
@@ -326,8 +458,9 @@ fn nats_reqrep(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, S
 fn floor(opts: &Opts) -> Result<Outcome, String> {
     let mut floor = start_floor(opts)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
-    let req = Arc::new(build_request("POST", "/echo", Some(API_TOKEN), body.as_bytes()));
-    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(floor.addr, req.clone(), 200, false)).collect();
+    let req = Arc::new(vec![build_request("POST", "/echo", Some(API_TOKEN), body.as_bytes())]);
+    let cs: Vec<_> =
+        (0..opts.clients).map(|_| PipeClient::new(floor.addr, 1, req.clone(), 200, Keep::Nothing)).collect();
     let (out, _) = load::run(cs, floor.pid(), window(opts), &[]);
     check_alive(&mut floor)?;
     Ok(out)
@@ -391,16 +524,24 @@ impl PendingResult {
     }
 }
 
-/// Scheduled tasks (`"delay":"1h"`, no worker connected) submitted for one window: relay's RSS
-/// per task held.
+/// Scheduled tasks (`"delay":"1h"`, no worker connected): `--pending-tasks` of them submitted
+/// (pipelined) or as many as `--pending-max-secs` allows; relay's RSS per task held.
+/// `MAX_PENDING` is raised above the count so that no submit is refused.
 fn pending(opts: &Opts) -> Result<PendingResult, String> {
-    let mut relay = start_relay(opts, &opts.relay, &[])?;
+    let max_pending = (opts.pending_tasks.saturating_mul(2)).max(1_000_000).to_string();
+    let mut relay = start_relay(opts, &opts.relay, &[("MAX_PENDING", max_pending)])?;
     healthz(relay.addr)?;
     let base = procs::mem(relay.pid())?;
     let body = format!("{{\"payload\":{},\"delay\":\"1h\"}}", payload(opts.payload_bytes));
-    let req = Arc::new(build_request("POST", "/tasks", Some(API_TOKEN), body.as_bytes()));
-    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(relay.addr, req.clone(), 202, false)).collect();
-    let win = Window { warmup: Duration::ZERO, measure: opts.measure, syscalls: None };
+    let req = Arc::new(vec![build_request("POST", "/tasks", Some(API_TOKEN), body.as_bytes())]);
+    let budget = Arc::new(AtomicU64::new(opts.pending_tasks));
+    let cs: Vec<_> = (0..opts.clients)
+        .map(|_| {
+            PipeClient::new(relay.addr, opts.pipeline_depth, req.clone(), 202, Keep::Nothing)
+                .with_budget(budget.clone())
+        })
+        .collect();
+    let win = Window { warmup: Duration::ZERO, measure: opts.pending_max, syscalls: None };
     let (submit, _) = load::run(cs, relay.pid(), win, &[]);
     std::thread::sleep(Duration::from_millis(200));
     let health = healthz(relay.addr)?;
@@ -443,7 +584,10 @@ struct Results {
     sync: Vec<Outcome>,
     nats: Vec<Outcome>,
     floor: Vec<Outcome>,
-    async_: Option<AsyncResult>,
+    /// Async submit + fetch, one request in flight per connection, per round.
+    async_closed: Vec<AsyncResult>,
+    /// The same with `--pipeline-depth` requests in flight per connection, per round.
+    async_pipe: Vec<AsyncResult>,
     sync1: Vec<Outcome>,
     nats1: Vec<Outcome>,
     memory: Option<MemoryResult>,
@@ -522,10 +666,23 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
             step(&format!("round {round}/{n}: HTTP floor, {c} clients"));
             r.floor.extend(keep(&mut r.failures, "floor", floor(opts)));
         }
-    }
-    if want("async") {
-        step(&format!("relay async submit + fetch, {c} clients, {w} workers"));
-        r.async_ = keep(&mut r.failures, "relay async", relay_async(opts));
+        if want("async") {
+            let d = opts.pipeline_depth;
+            let modes: &[(usize, &str)] =
+                if d > 1 { &[(1, "closed loop"), (d, "pipelined")] } else { &[(1, "closed loop")] };
+            for &(depth, kind) in modes {
+                step(&format!(
+                    "round {round}/{n}: relay async submit + fetch, {kind}, {c} clients × {depth}, {w} workers"
+                ));
+                if let Some(a) = keep(&mut r.failures, "relay async", relay_async(opts, depth)) {
+                    if let Some(p) = &a.problem {
+                        eprintln!("bench: relay async ({kind}) check failed: {p}");
+                        r.failures.push(format!("relay async ({kind}) check: {p}"));
+                    }
+                    if depth == 1 { &mut r.async_closed } else { &mut r.async_pipe }.push(a);
+                }
+            }
+        }
     }
     if want("latency") {
         for round in 1..=n {
@@ -544,7 +701,12 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
         }
     }
     if want("pending") {
-        step(&format!("relay holding scheduled tasks (delay 1h), {c} clients submitting"));
+        step(&format!(
+            "relay holding scheduled tasks (delay 1h): {} submitted by {c} clients × {}, at most {} s",
+            opts.pending_tasks,
+            opts.pipeline_depth,
+            opts.pending_max.as_secs()
+        ));
         r.pending = keep(&mut r.failures, "pending", pending(opts));
     }
     if want("memory") && opts.idle_conns > 0 {
@@ -569,8 +731,8 @@ pub fn drive(opts: &Opts) -> Result<(), String> {
     let pool = Pool::ws(addr, WORKER_TOKEN, opts.workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(addr, opts.workers)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
-    let req = Arc::new(build_request("POST", "/tasks?wait=true", Some(API_TOKEN), body.as_bytes()));
-    let cs: Vec<_> = (0..opts.clients).map(|_| PostClient::new(addr, req.clone(), 200, false)).collect();
+    let req = Arc::new(vec![build_request("POST", "/tasks?wait=true", Some(API_TOKEN), body.as_bytes())]);
+    let cs: Vec<_> = (0..opts.clients).map(|_| PipeClient::new(addr, 1, req.clone(), 200, Keep::Nothing)).collect();
     let win = Window { warmup: Duration::ZERO, measure: Duration::from_secs(opts.seconds), syscalls: None };
     let (out, _) = load::run(cs, 0, win, &[]);
     pool.stop()?;
@@ -630,12 +792,24 @@ impl Spread {
 }
 
 /// `f(a) / f(b)` within each round (the pairs ran back to back).
-fn paired(a: &[Outcome], b: &[Outcome], f: impl Fn(&Outcome) -> f64) -> Option<Spread> {
-    Spread::of(a.iter().zip(b).map(|(x, y)| f(x) / f(y).max(1e-12)).collect())
+fn paired<'a>(
+    a: impl IntoIterator<Item = &'a Outcome>,
+    b: impl IntoIterator<Item = &'a Outcome>,
+    f: impl Fn(&Outcome) -> f64,
+) -> Option<Spread> {
+    Spread::of(a.into_iter().zip(b).map(|(x, y)| f(x) / f(y).max(1e-12)).collect())
 }
 
-fn of(a: &[Outcome], f: impl Fn(&Outcome) -> f64) -> Option<Spread> {
-    Spread::of(a.iter().map(f).collect())
+fn of<'a>(a: impl IntoIterator<Item = &'a Outcome>, f: impl Fn(&Outcome) -> f64) -> Option<Spread> {
+    Spread::of(a.into_iter().map(f).collect())
+}
+
+fn submits(a: &[AsyncResult]) -> impl Iterator<Item = &Outcome> {
+    a.iter().map(|x| &x.submit)
+}
+
+fn fetches(a: &[AsyncResult]) -> impl Iterator<Item = &Outcome> {
+    a.iter().map(|x| &x.fetch)
 }
 
 fn cpu_us(o: &Outcome) -> f64 {
@@ -651,7 +825,7 @@ fn rate(o: &Outcome) -> f64 {
     o.per_sec()
 }
 
-fn row(t: &mut String, label: &str, c: usize, w: &str, o: &Outcome) {
+fn row(t: &mut String, label: &str, c: &str, w: &str, o: &Outcome) {
     let _ = writeln!(
         t,
         "| {label} | {c} | {w} | {:.0} | **{:.1}** | {:.0}% | {:.1} | {:.0}% / {:.0}% | {} | {} | {} | {} | {:.1} | {} |",
@@ -670,7 +844,8 @@ fn row(t: &mut String, label: &str, c: usize, w: &str, o: &Outcome) {
     );
 }
 
-fn rows(t: &mut String, label: &str, c: usize, w: &str, os: &[Outcome]) {
+fn rows<'a>(t: &mut String, label: &str, c: &str, w: &str, os: impl IntoIterator<Item = &'a Outcome>) {
+    let os: Vec<&Outcome> = os.into_iter().collect();
     for (i, o) in os.iter().enumerate() {
         let label = if os.len() > 1 { format!("{label} #{}", i + 1) } else { label.to_string() };
         row(t, &label, c, w, o);
@@ -684,6 +859,8 @@ fn verdict(ok: bool) -> &'static str {
 fn report(opts: &Opts, r: &Results) -> String {
     let mut t = String::new();
     let (c, w) = (opts.clients, opts.workers.to_string());
+    let (cs, d) = (c.to_string(), opts.pipeline_depth);
+    let cd = format!("{c} × {d}");
     let _ = writeln!(
         t,
         "\n## relay-bench results\n\n{} round(s); per scenario {} ms warm-up + {} ms measured; payload {} bytes; \
@@ -705,20 +882,28 @@ fn report(opts: &Opts, r: &Results) -> String {
         "| scenario | clients | workers | ops/s | server CPU µs/op | server CPU | bench CPU µs/op | others / steal | p50 ms | p99 ms | p99.9 ms | max ms | peak RSS MiB | errors |"
     );
     let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    rows(&mut t, "relay sync `POST /tasks?wait=true`", c, &w, &r.sync);
-    rows(&mut t, "NATS request-reply", c, &w, &r.nats);
-    rows(&mut t, "HTTP floor (one hop, answers at once)", c, "-", &r.floor);
-    if let Some(a) = &r.async_ {
-        row(&mut t, "relay async submit `POST /tasks` (202)", c, &w, &a.submit);
-        row(&mut t, "relay async fetch `GET /tasks/{id}`", c, &w, &a.fetch);
-    }
+    rows(&mut t, "relay sync `POST /tasks?wait=true`", &cs, &w, &r.sync);
+    rows(&mut t, "NATS request-reply", &cs, &w, &r.nats);
+    rows(&mut t, "HTTP floor (one hop, answers at once)", &cs, "-", &r.floor);
+    rows(&mut t, "relay async submit `POST /tasks` (202), closed loop", &cs, &w, submits(&r.async_closed));
+    rows(&mut t, &format!("relay async submit (202), pipelined {d} deep"), &cd, &w, submits(&r.async_pipe));
+    rows(&mut t, "relay async fetch `GET /tasks/{id}`, closed loop", &cs, &w, fetches(&r.async_closed));
+    rows(&mut t, &format!("relay async fetch, pipelined {d} deep"), &cd, &w, fetches(&r.async_pipe));
     if let Some(p) = &r.pending {
-        row(&mut t, "relay scheduled submit (`delay`, no worker)", c, "0", &p.submit);
+        row(&mut t, &format!("relay scheduled submit (`delay`, no worker), pipelined {d} deep"), &cd, "0", &p.submit);
     }
-    rows(&mut t, "relay sync, 1 client 1 worker", 1, "1", &r.sync1);
-    rows(&mut t, "NATS request-reply, 1 client 1 responder", 1, "1", &r.nats1);
-    if let Some(a) = &r.async_ {
-        let _ = writeln!(t, "\nasync: {}", a.note);
+    rows(&mut t, "relay sync, 1 client 1 worker", "1", "1", &r.sync1);
+    rows(&mut t, "NATS request-reply, 1 client 1 responder", "1", "1", &r.nats1);
+    if !r.async_closed.is_empty() || !r.async_pipe.is_empty() {
+        let _ = writeln!(
+            t,
+            "\nasync: \"{c} × {d}\" = {c} connections, each with up to {d} requests in flight (HTTP/1.1 \
+             pipelining); latency there runs from the write of a request to its answer, queueing behind the \
+             others included."
+        );
+    }
+    for a in r.async_closed.iter().chain(&r.async_pipe) {
+        let _ = writeln!(t, "\n- async, {}", a.note);
     }
     if let Some(span) = opts.syscalls {
         syscall_table(&mut t, span, r);
@@ -841,14 +1026,28 @@ fn report(opts: &Opts, r: &Results) -> String {
         let size = b as f64 / 1048576.0;
         let _ = writeln!(t, "| static binary, stripped | ≤ 4 MiB | {size:.2} MiB | {} |", verdict(size <= 4.0));
     }
-    if let (Some(s), Some(a)) = (of(&r.sync, rate), &r.async_) {
-        let ratio = a.submit.per_sec() / s.median.max(1e-9);
+    if let (Some(s), Some(closed)) = (of(&r.sync, rate), paired(submits(&r.async_closed), &r.sync, rate)) {
+        let closed_rate = of(submits(&r.async_closed), rate).map_or(0.0, |x| x.median);
+        let pipe = paired(submits(&r.async_pipe), &r.sync, rate);
+        let pipe_rate = of(submits(&r.async_pipe), rate).map_or(0.0, |x| x.median);
+        let (pipe_text, ok) = match &pipe {
+            Some(p) => (
+                format!(
+                    "**pipelined** ({c} × {d} in flight): {} ({pipe_rate:.0} / {:.0} per s); ",
+                    p.show(2),
+                    s.median
+                ),
+                p.median >= 2.0,
+            ),
+            None => (String::new(), closed.median >= 2.0),
+        };
         let _ = writeln!(
             t,
-            "| async submit throughput ÷ sync | ≥ 2 | {ratio:.2} ({:.0} / {:.0} per s) | {} |",
-            a.submit.per_sec(),
+            "| async submit throughput ÷ sync | ≥ 2 | {pipe_text}closed loop ({c} × 1): {} ({closed_rate:.0} / {:.0} per s) | {}{} |",
+            closed.show(2),
             s.median,
-            verdict(ratio >= 2.0)
+            verdict(ok),
+            if pipe.is_some() { " (pipelined)" } else { "" }
         );
     }
     let _ = writeln!(t, "\n| other ratios (no target) | value |\n|---|---:|");
@@ -861,18 +1060,28 @@ fn report(opts: &Opts, r: &Results) -> String {
     if let Some(x) = paired(&r.sync, &r.nats, rate) {
         let _ = writeln!(t, "| relay sync throughput ÷ NATS throughput | {} |", x.show(2));
     }
+    if let Some(x) = paired(submits(&r.async_closed), &r.sync, cpu_us) {
+        let _ = writeln!(t, "| relay CPU per async submit, closed loop ÷ per sync task | {} |", x.show(2));
+    }
+    if let Some(x) = paired(submits(&r.async_pipe), &r.sync, cpu_us) {
+        let _ = writeln!(t, "| relay CPU per async submit, pipelined {d} deep ÷ per sync task | {} |", x.show(2));
+    }
     if let Some(x) = paired(&r.sync1, &r.nats1, cpu_us) {
         let _ = writeln!(t, "| relay CPU per task ÷ NATS, 1 client 1 worker | {} |", x.show(2));
     }
     for f in &r.failures {
         let _ = writeln!(t, "\nFAILED: {f}");
     }
-    let groups = [
-        ("relay sync", &r.sync),
-        ("nats", &r.nats),
-        ("floor", &r.floor),
-        ("relay 1c1w", &r.sync1),
-        ("nats 1c1w", &r.nats1),
+    let groups: [(&str, Vec<&Outcome>); 9] = [
+        ("relay sync", r.sync.iter().collect()),
+        ("nats", r.nats.iter().collect()),
+        ("floor", r.floor.iter().collect()),
+        ("relay async submit, closed loop", submits(&r.async_closed).collect()),
+        ("relay async submit, pipelined", submits(&r.async_pipe).collect()),
+        ("relay async fetch", fetches(&r.async_closed).chain(fetches(&r.async_pipe)).collect()),
+        ("relay scheduled submit", r.pending.iter().map(|p| &p.submit).collect()),
+        ("relay 1c1w", r.sync1.iter().collect()),
+        ("nats 1c1w", r.nats1.iter().collect()),
     ];
     for (name, os) in groups {
         if let Some(e) = os.iter().find_map(|o| o.first_error.as_ref()) {
@@ -892,14 +1101,14 @@ fn syscall_table(t: &mut String, span: Duration, r: &Results) {
          |---|---:|---:|---:|---:|---:|---:|---:|",
         span.as_millis()
     );
-    let async_submit: Vec<&Outcome> = r.async_.iter().map(|a| &a.submit).collect();
-    let async_fetch: Vec<&Outcome> = r.async_.iter().map(|a| &a.fetch).collect();
-    let groups: [(&str, Vec<&Outcome>); 7] = [
+    let groups: [(&str, Vec<&Outcome>); 9] = [
         ("relay sync", r.sync.iter().collect()),
         ("NATS request-reply", r.nats.iter().collect()),
         ("HTTP floor", r.floor.iter().collect()),
-        ("relay async submit", async_submit),
-        ("relay async fetch", async_fetch),
+        ("relay async submit, closed loop", submits(&r.async_closed).collect()),
+        ("relay async submit, pipelined", submits(&r.async_pipe).collect()),
+        ("relay async fetch, closed loop", fetches(&r.async_closed).collect()),
+        ("relay async fetch, pipelined", fetches(&r.async_pipe).collect()),
         ("relay sync 1c1w", r.sync1.iter().collect()),
         ("NATS 1c1w", r.nats1.iter().collect()),
     ];
@@ -937,6 +1146,72 @@ fn syscall_table(t: &mut String, span: Duration, r: &Results) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A server that answers every request (no body) at once, in order, whatever the batching.
+    fn answering_server(body: &'static str) -> SocketAddr {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().expect("accept");
+            let resp = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+            let (mut pending, mut chunk) = (Vec::new(), [0u8; 4096]);
+            while let Ok(n @ 1..) = s.read(&mut chunk) {
+                pending.extend_from_slice(&chunk[..n]);
+                let mut out = Vec::new();
+                while let Some(end) = pending.windows(4).position(|w| w == b"\r\n\r\n") {
+                    pending.drain(..end + 4);
+                    out.extend_from_slice(resp.as_bytes());
+                }
+                if s.write_all(&out).is_err() {
+                    return;
+                }
+            }
+        });
+        addr
+    }
+
+    #[test]
+    fn pipelined_client_keeps_depth_and_budget() {
+        let addr = answering_server(r#"{"task_id":"t","status":"done"}"#);
+        let reqs: Vec<Vec<u8>> = (0..3).map(|i| build_request("GET", &format!("/tasks/{i}"), None, b"")).collect();
+        let budget = Arc::new(AtomicU64::new(10));
+        let mut c = PipeClient::new(addr, 4, Arc::new(reqs), 200, Keep::Done(vec![0; 3])).with_budget(budget.clone());
+        let mut calls = 0;
+        while !c.finished() {
+            c.call().expect("call");
+            assert!(c.in_flight.len() < 4, "one answer taken out of at most 4 in flight");
+            assert!(c.latency().is_some());
+            calls += 1;
+            assert!(calls <= 10);
+        }
+        assert_eq!((calls, c.sent, budget.load(Ordering::Relaxed), c.lost), (10, 10, 0, 0));
+        let Keep::Done(v) = &c.keep else { panic!("keeps verdicts") };
+        assert_eq!(v, &[1, 1, 1]);
+        // Depth 1 is the closed loop; a wrong status is an error.
+        let mut c = PipeClient::new(
+            answering_server("{}"),
+            1,
+            Arc::new(vec![b"GET / HTTP/1.1\r\n\r\n".to_vec()]),
+            202,
+            Keep::Nothing,
+        );
+        assert!(c.call().is_err());
+        assert_eq!((c.lost, c.in_flight.len()), (0, 0));
+    }
+
+    #[test]
+    fn pipelined_client_drains_on_finish() {
+        let addr = answering_server(r#"{"task_id":"abc"}"#);
+        let req = Arc::new(vec![build_request("POST", "/tasks", None, b"{}")]);
+        let mut c = PipeClient::new(addr, 8, req, 200, Keep::Ids(Vec::new()));
+        c.call().expect("call");
+        assert_eq!(c.in_flight.len(), 7);
+        c.finish();
+        let Keep::Ids(ids) = &c.keep else { panic!("keeps ids") };
+        assert_eq!((ids.len(), c.in_flight.len()), (8, 0));
+        assert!(ids.iter().all(|id| id == "abc"));
+    }
 
     #[test]
     fn payload_sizes() {
