@@ -868,6 +868,7 @@ impl Server {
         let mut close: Option<(CloseCode, &'static str)> = None;
         let mut gone = false;
         let mut more = false;
+        let mut blocked = false;
         {
             let Some(conn) = self.conns.get_mut(r) else { return };
             let State::Ws(ws) = &mut conn.state else { return };
@@ -876,6 +877,13 @@ impl Server {
             let mut n = 0;
             let mut reads = 0;
             loop {
+                // A worker that does not read what relay writes (its pongs included) is not
+                // read either until its output drains: `flush` brings it back. Its frames then
+                // wait in the kernel, and PONG_WAIT ends it if it never reads again.
+                if conn.out.len() - conn.out_pos > self.max_ws_out_bytes {
+                    blocked = true;
+                    break;
+                }
                 let mut io = WsIo { input: &self.scratch[..n], pos: 0, out: &mut conn.out };
                 loop {
                     match ws.ctx.read(&mut io) {
@@ -929,7 +937,7 @@ impl Server {
                     }
                 }
             }
-            conn.read_more = more;
+            conn.read_more = more || blocked;
             if conn.pending_out() > 0 {
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }

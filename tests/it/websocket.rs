@@ -143,3 +143,49 @@ fn trusted_proxy_headers_set_the_worker_ip() {
     plain.wait_clients(1, |c| c["ip"] == "127.0.0.1");
     drop((s, s2));
 }
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS")
+}
+
+#[test]
+fn a_worker_that_pings_but_never_reads_cannot_grow_relays_memory() {
+    // Regression: pongs piled up in relay's output buffer without limit (1 GB in 20 s).
+    let relay = Relay::start_with(&[("MAX_MESSAGE_SIZE", "4096"), ("PING_INTERVAL", "200ms"), ("PONG_WAIT", "1500ms")]);
+    let mut s = TcpStream::connect(relay.addr).expect("connect");
+    let raw = format!(
+        "GET /ws?token={WRK} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    );
+    s.write_all(raw.as_bytes()).expect("upgrade");
+    relay.wait_clients(1, |_| true);
+    let baseline = rss_kib(relay.pid());
+    let mask = [1u8, 2, 3, 4];
+    let mut ping = vec![0x89, 0x80 | 125];
+    ping.extend_from_slice(&mask);
+    ping.extend((0..125).map(|i| b'p' ^ mask[i % 4]));
+    let burst: Vec<u8> = ping.iter().copied().cycle().take(ping.len() * 512).collect();
+    s.set_write_timeout(Some(Duration::from_millis(200))).expect("timeout");
+    let started = Instant::now();
+    let mut peak = baseline;
+    while started.elapsed() < Duration::from_secs(3) {
+        if s.write_all(&burst).is_err() {
+            // relay stopped reading us (or closed): keep measuring a little longer.
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        peak = peak.max(rss_kib(relay.pid()));
+        if relay.clients()["count"] == 0 {
+            break;
+        }
+    }
+    let growth = peak.saturating_sub(baseline);
+    assert!(growth < 16 * 1024, "relay grew by {growth} KiB answering pings nobody read");
+    // Not reading relay means not being read either: PONG_WAIT ends it.
+    relay.wait_clients(0, |_| true);
+}
