@@ -293,8 +293,15 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
         return Err("must be positive".into());
     }
     let ms = total_ns.div_ceil(1_000_000);
-    u64::try_from(ms).map_err(|_| "duration too large".into())
+    if ms > MAX_DURATION_MS as u128 {
+        return Err("must be at most 100 years".into());
+    }
+    Ok(ms as u64)
 }
+
+/// The longest duration accepted anywhere (100 years): every deadline relay computes from one
+/// stays far from overflow, and every time it shows stays a four-digit-year RFC 3339 time.
+pub const MAX_DURATION_MS: u64 = 36_525 * 86_400 * 1000;
 
 /// The text of `relay --help`.
 pub fn help_text() -> String {
@@ -346,6 +353,10 @@ mod tests {
             ("1..2s", Err(())),
             ("1.2.3s", Err(())),
             ("99999999999999999999999h", Err(())),
+            ("18446744073709551615ms", Err(())),
+            ("5000000000000h", Err(())),
+            ("876600h", Ok(3_155_760_000_000)),
+            ("876601h", Err(())),
         ];
         for (input, expected) in table {
             check_duration(input, *expected);

@@ -60,6 +60,8 @@ fn invalid_configuration_exits_2_naming_the_variable() {
         ("MAX_CONNECTIONS", "many"),
         ("BIND", "256.0.0.1"),
         ("TOKEN_SECRET", "too-short"),
+        ("HEADER_TIMEOUT", "18446744073709551615ms"),
+        ("TASK_TTL", "1000000h"),
     ];
     for (var, value) in table {
         let mut env = BASE.to_vec();

@@ -373,3 +373,23 @@ fn healthz_and_clients_report_counts() {
     assert_eq!(relay.clients()["clients"][0]["in_flight"], 1);
     let _ = Value::Null;
 }
+
+#[test]
+fn huge_durations_are_refused_not_overflowed() {
+    // Regression: `now + timeout` overflowed (a panic in debug builds, wrapped deadlines in
+    // release builds) for a timeout near u64::MAX milliseconds.
+    let relay = Relay::start();
+    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    for body in [
+        r#"{"payload":1,"timeout":"18446744073709551615ms"}"#,
+        r#"{"payload":1,"delay":"18446744073709551615ms"}"#,
+        r#"{"payload":1,"delay":"5000000000000h"}"#,
+    ] {
+        let r = relay.submit(body);
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert!(r.json()["message"].as_str().is_some_and(|m| m.contains("100 years")), "{}", r.text());
+    }
+    // The server is alive and well.
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"timeout":"876000h"}"#)).status, 200);
+}
