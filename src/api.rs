@@ -143,6 +143,10 @@ impl Api {
             },
             _ => Some(self.auth.task_api(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?),
         };
+        if route == Route::TasksBatch {
+            // Decided by the head: the body (up to MAX_BATCH_BYTES) is never read.
+            return Err(error(501, "POST /tasks/batch is not available in this version"));
+        }
         if let crate::http::Framing::Length(n) = head.framing {
             let limit = self.body_limit(route);
             if n > limit {
@@ -202,6 +206,7 @@ impl Api {
                 }
             }
             Route::TasksBatch => Handled::Respond(error(501, "POST /tasks/batch is not available in this version")),
+            // (precheck answers batch from its head; this arm only keeps the match whole)
             Route::Files | Route::File(_) => {
                 Handled::Respond(error(501, "file transfer is not available in this version"))
             }

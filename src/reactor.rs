@@ -699,7 +699,8 @@ impl Server {
                 let chunked =
                     (head.framing == Framing::Chunked).then(|| Box::new((ChunkedDecoder::default(), Vec::new())));
                 if let Framing::Length(n) = head.framing {
-                    http.buf.reserve((n as usize).saturating_sub(http.buf.len()));
+                    let wanted = (n as usize).min(self.http_input_cap);
+                    http.buf.reserve(wanted.saturating_sub(http.buf.len()));
                 }
                 http.phase = Phase::Body { head: Box::new(head), identity, chunked };
                 true

@@ -290,3 +290,21 @@ fn a_client_that_half_closes_after_its_request_still_gets_the_answer() {
     assert_eq!(held.status, 200, "{}", held.text());
     assert!(c.closed_within(Duration::from_secs(2)));
 }
+
+#[test]
+fn batch_is_501_from_the_head_whatever_the_body_size() {
+    // Regression: a batch body over ~1 MiB could never finish arriving and timed out as 408.
+    let relay = Relay::start_with(&[("HEADER_TIMEOUT", "3s")]);
+    let a = auth();
+    let mut c = Client::connect(relay.addr);
+    c.send_raw(
+        format!("POST /tasks/batch HTTP/1.1\r\nAuthorization: {a}\r\nContent-Length: 2000000\r\n\r\n").as_bytes(),
+    );
+    let started = Instant::now();
+    let r = c.read_response().expect("answer");
+    assert_eq!(r.status, 501, "{}", r.text());
+    assert!(started.elapsed() < Duration::from_secs(1));
+    // Auth is still checked first.
+    let r = request(relay.addr, "POST", "/tasks/batch", &[], Some(b"{}"));
+    assert_eq!(r.status, 401);
+}
