@@ -27,11 +27,17 @@ pub fn block_shutdown_signals() {
     }
 }
 
-/// Starts the helper: the first signal sets `flag` and calls `wake`; a second one ends the
-/// process at once (exit 1), for an operator who does not want to wait.
+/// How long after the first signal a second one means "stop now". Supervisors such as GNU
+/// `timeout` signal the process and then its group, so two signals within microseconds are one
+/// request for a graceful shutdown.
+const FORCE_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Starts the helper: the first signal sets `flag` and calls `wake`; another one at least a
+/// second later ends the process at once (exit 1), for an operator who does not want to wait.
 pub fn spawn_waiter(flag: Arc<AtomicBool>, wake: impl Fn() + Send + 'static) -> std::io::Result<()> {
     std::thread::Builder::new().name("relay-signals".into()).spawn(move || {
         let set = shutdown_set();
+        let mut first: Option<std::time::Instant> = None;
         loop {
             let mut sig: libc::c_int = 0;
             // SAFETY: both pointers are valid for the duration of the call.
@@ -39,11 +45,16 @@ pub fn spawn_waiter(flag: Arc<AtomicBool>, wake: impl Fn() + Send + 'static) -> 
             if rc != 0 {
                 continue;
             }
-            if flag.swap(true, Ordering::SeqCst) {
-                crate::log!(crate::log::Level::Warn, "second signal: exiting now");
-                crate::log::flush();
-                std::process::exit(1);
+            if let Some(at) = first {
+                if at.elapsed() >= FORCE_AFTER {
+                    crate::log!(crate::log::Level::Warn, "second signal: exiting now");
+                    crate::log::flush();
+                    std::process::exit(1);
+                }
+                continue;
             }
+            first = Some(std::time::Instant::now());
+            flag.store(true, Ordering::SeqCst);
             let name = if sig == libc::SIGTERM { "SIGTERM" } else { "SIGINT" };
             crate::log!(crate::log::Level::Info, "signal received", signal = name);
             wake();

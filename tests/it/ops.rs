@@ -173,3 +173,37 @@ fn port_zero_logs_the_bound_address() {
     let relay = Relay::start();
     assert!(relay.log_text().contains(&format!("msg=listening addr={}", relay.addr)));
 }
+
+#[test]
+fn two_signals_at_once_are_one_graceful_shutdown_and_a_later_one_forces_exit() {
+    // Regression: GNU `timeout` signals the process and then its group; the second signal,
+    // microseconds later, skipped the graceful shutdown (exit 1).
+    let mut relay = Relay::start_with(&[("WAIT_TIMEOUT", "30s")]);
+    let w = FakeWorker::connect(&relay, None, Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let addr = relay.addr;
+    let waiter = std::thread::spawn(move || {
+        let auth = format!("Bearer {API}");
+        request(addr, "POST", "/tasks?wait=true", &[("Authorization", &auth)], Some(br#"{"payload":1}"#))
+    });
+    w.expect_task();
+    let pid = relay.pid().to_string();
+    let status = std::process::Command::new("sh")
+        .args(["-c", &format!("kill -TERM {pid}; kill -TERM {pid}")])
+        .status()
+        .expect("kill twice");
+    assert!(status.success());
+    assert_eq!(relay.wait_exit(Duration::from_secs(5)).and_then(|s| s.code()), Some(0));
+    assert_eq!(waiter.join().expect("waiter").status, 202, "the waiter got its graceful answer");
+
+    // A request under way keeps the graceful shutdown waiting (SHUTDOWN_TIMEOUT 30s); a second
+    // signal a second later ends it at once.
+    let mut relay = Relay::start_with(&[("SHUTDOWN_TIMEOUT", "30s"), ("HEADER_TIMEOUT", "30s")]);
+    let mut slow = Client::connect(relay.addr);
+    slow.send_raw(b"GET /healthz HTTP/1.1\r\n");
+    std::thread::sleep(Duration::from_millis(100));
+    relay.signal("TERM");
+    assert!(relay.wait_exit(Duration::from_millis(1200)).is_none(), "still finishing the request under way");
+    relay.signal("TERM");
+    assert_eq!(relay.wait_exit(Duration::from_secs(3)).and_then(|s| s.code()), Some(1));
+}
