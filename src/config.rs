@@ -168,6 +168,17 @@ impl Config {
             Ok(n)
         };
 
+        let ping_interval_ms = duration("PING_INTERVAL", 2_000)?;
+        let pong_wait_ms = duration("PONG_WAIT", 6_000)?;
+        if pong_wait_ms <= ping_interval_ms {
+            // Any frame counts as life, so a worker answering every ping would still be
+            // declared dead between two pings.
+            return Err(ConfigError {
+                var: "PONG_WAIT",
+                value: var("PONG_WAIT").unwrap_or_default(),
+                reason: format!("must be longer than PING_INTERVAL ({ping_interval_ms} ms)"),
+            });
+        }
         let max_retries = count("MAX_RETRIES", 2)?;
         let max_retries = u32::try_from(max_retries.min(1000)).unwrap_or(1000);
         Ok(Config {
@@ -175,8 +186,8 @@ impl Config {
             bind,
             worker_token,
             api_token,
-            ping_interval_ms: duration("PING_INTERVAL", 2_000)?,
-            pong_wait_ms: duration("PONG_WAIT", 6_000)?,
+            ping_interval_ms,
+            pong_wait_ms,
             task_timeout_ms: duration("TASK_TIMEOUT", 10_000)?,
             max_retries,
             wait_timeout_ms: duration("WAIT_TIMEOUT", 35_000)?,
@@ -393,6 +404,7 @@ mod tests {
             ("MAX_CONNECTIONS", "0"),
             ("TOKEN_SECRET", "short"),
             ("TRUSTED_PROXIES", "10.0.0.0/99"),
+            ("PONG_WAIT", "2s"),
         ];
         for (var, value) in table {
             let mut vars = base.to_vec();

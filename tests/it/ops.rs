@@ -61,6 +61,7 @@ fn invalid_configuration_exits_2_naming_the_variable() {
         ("BIND", "256.0.0.1"),
         ("TOKEN_SECRET", "too-short"),
         ("HEADER_TIMEOUT", "18446744073709551615ms"),
+        ("PONG_WAIT", "1s"),
         ("TASK_TTL", "1000000h"),
     ];
     for (var, value) in table {
