@@ -235,6 +235,11 @@ impl Api {
             }
             other => other,
         };
+        // A repeated key answers for the first task before the body is even looked at: its
+        // payload is not compared (SPEC §4).
+        if let Some(id) = key.and_then(|k| core.idempotent_task(identity.owner_key(), k)) {
+            return self.answer_submit(core, conn, id, wait);
+        }
         let parsed = match parse_submit(body, core.wall_ms) {
             Ok(p) => p,
             Err(msg) => return Handled::Respond(error(400, &msg)),
@@ -268,6 +273,12 @@ impl Api {
                 return Handled::Respond(Response::error(429, "queue_full", "MAX_PENDING tasks are already waiting"));
             }
         };
+        self.answer_submit(core, conn, id, wait)
+    }
+
+    /// What a submit answers for task `id`: the task when it is final or the wait ends
+    /// (`wait=true`), else 202 `{task_id, status}`.
+    fn answer_submit(&self, core: &mut Core, conn: ConnRef, id: TaskId, wait: bool) -> Handled {
         if wait {
             return match core.wait(conn, id, true) {
                 Some(r) => Handled::Respond(r),

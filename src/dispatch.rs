@@ -200,8 +200,9 @@ pub struct Core {
     cursors: HashMap<Box<str>, usize>,
     ready_all: BTreeMap<u64, TaskId>,
     ready_kind: HashMap<Box<str>, BTreeMap<u64, TaskId>>,
-    /// Ready tasks that already had attempts: they fail when no untried worker is left.
-    retry_waiting: IdSet,
+    /// Ready tasks that fail when no untried worker that could take them is connected:
+    /// retries, and first attempts of tasks submitted without `queue` or a schedule.
+    fragile: IdSet,
     scheduled: BTreeMap<(u64, u64), TaskId>,
     schedule_timer: Option<(u64, TimerHandle)>,
     sweep_timer: Option<(u64, TimerHandle)>,
@@ -231,7 +232,7 @@ impl Core {
             cursors: HashMap::new(),
             ready_all: BTreeMap::new(),
             ready_kind: HashMap::new(),
-            retry_waiting: IdSet::default(),
+            fragile: IdSet::default(),
             scheduled: BTreeMap::new(),
             schedule_timer: None,
             sweep_timer: None,
@@ -373,8 +374,7 @@ impl Core {
     /// Accepts a task (or finds the one an idempotency key already names). Returns its id.
     pub fn submit(&mut self, io: &mut dyn Io, new: NewTask<'_>) -> Result<TaskId, SubmitError> {
         if let Some((owner, key)) = new.idempotency
-            && let Some(&id) = self.idempotency.get(&(Box::from(owner), Box::from(key)))
-            && self.tasks.contains_key(&id)
+            && let Some(id) = self.idempotent_task(owner, key)
         {
             return Ok(id);
         }
@@ -414,6 +414,7 @@ impl Core {
             timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
             seq: self.take_seq(),
             place: Place::Nowhere,
+            queued: new.queue || new.run_at_wall_ms.is_some(),
             attempt_timer: None,
             waiters: Vec::new(),
         };
@@ -436,6 +437,12 @@ impl Core {
             None => self.enqueue_ready(id),
         }
         Ok(id)
+    }
+
+    /// The task an `Idempotency-Key` of this token identity already names, if it still exists.
+    pub fn idempotent_task(&self, owner: &str, key: &str) -> Option<TaskId> {
+        let id = *self.idempotency.get(&(Box::from(owner), Box::from(key)))?;
+        self.tasks.contains_key(&id).then_some(id)
     }
 
     /// Blocks `conn` until `id` is final or WAIT_TIMEOUT passes. Returns the response at once
@@ -550,7 +557,7 @@ impl Core {
         for id in worker.in_flight {
             self.run(io, id);
         }
-        self.recheck_retry_waiting(io);
+        self.recheck_fragile(io);
     }
 
     /// One text message from a worker.
@@ -610,7 +617,7 @@ impl Core {
             kinds = w.kinds.as_ref().map_or("*".to_string(), |k| k.join(",")),
             concurrency = w.concurrency.map_or("unlimited".to_string(), |c| c.to_string())
         );
-        self.recheck_retry_waiting(io);
+        self.recheck_fragile(io);
         self.fill(io, conn.slot);
     }
 
@@ -725,26 +732,39 @@ impl Core {
                 break;
             }
             if let Some((_, key)) = self.idempotency_expiry.pop_front() {
-                self.idempotency.remove(&key);
+                // A key lives as long as its task (a task delayed past TASK_TTL keeps it).
+                match self.idempotency.get(&key) {
+                    Some(id) if self.tasks.contains_key(id) => {
+                        self.idempotency_expiry.push_back((now + self.cfg.task_ttl_ms, key));
+                    }
+                    _ => {
+                        self.idempotency.remove(&key);
+                    }
+                }
             }
         }
-        // Pending tasks expire TASK_TTL after they fell due; the queue is in due order.
-        while let Some((_, &id)) = self.ready_all.first_key_value() {
-            let due = self.tasks.get(&id).map_or(0, |t| t.due_mono_ms);
-            if due + self.cfg.task_ttl_ms > now {
+        // Pending tasks expire TASK_TTL after they fell due; the queue is in due order. A retry
+        // waiting for an untried worker's capacity does not expire: it ends when no untried
+        // worker is left (with its last error) or runs when one frees up.
+        let mut expired = Vec::new();
+        let mut next_expiry = None;
+        for &id in self.ready_all.values() {
+            let Some(task) = self.tasks.get(&id) else { continue };
+            if !task.attempts.is_empty() {
+                continue;
+            }
+            let at = task.due_mono_ms + self.cfg.task_ttl_ms;
+            if at > now {
+                next_expiry = Some(at);
                 break;
             }
+            expired.push(id);
+        }
+        for id in expired {
             self.unqueue(id);
             self.finalize(io, id, Status::Failed, None, Some("expired in queue"));
         }
-        let next = [
-            self.finished.front().map(|f| f.0),
-            self.idempotency_expiry.front().map(|f| f.0),
-            self.ready_all
-                .first_key_value()
-                .and_then(|(_, id)| self.tasks.get(id))
-                .map(|t| t.due_mono_ms + self.cfg.task_ttl_ms),
-        ];
+        let next = [self.finished.front().map(|f| f.0), self.idempotency_expiry.front().map(|f| f.0), next_expiry];
         if let Some(at) = next.into_iter().flatten().min() {
             self.ensure_sweep(at);
         }
@@ -975,14 +995,17 @@ impl Core {
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.place = Place::Ready;
         let (seq, kind, retry, due) = (task.seq, task.kind.clone(), !task.attempts.is_empty(), task.due_mono_ms);
+        let fragile = retry || !task.queued;
         self.ready_all.insert(seq, id);
         if let Some(kind) = kind {
             self.ready_kind.entry(kind).or_default().insert(seq, id);
         }
-        if retry {
-            self.retry_waiting.insert(id);
+        if fragile {
+            self.fragile.insert(id);
         }
-        self.ensure_sweep(due + self.cfg.task_ttl_ms);
+        if !retry {
+            self.ensure_sweep(due + self.cfg.task_ttl_ms);
+        }
     }
 
     fn schedule(&mut self, id: TaskId) {
@@ -1006,7 +1029,7 @@ impl Core {
                         self.ready_kind.remove(kind);
                     }
                 }
-                self.retry_waiting.remove(&id);
+                self.fragile.remove(&id);
             }
             Place::Scheduled => {
                 self.scheduled.remove(&(task.due_mono_ms, task.seq));
@@ -1049,15 +1072,21 @@ impl Core {
         }
     }
 
-    /// Retries waiting for capacity fail once no untried worker that could take them is left.
-    fn recheck_retry_waiting(&mut self, io: &mut dyn Io) {
-        if self.retry_waiting.is_empty() {
+    /// Waiting tasks that need a worker now (retries, and tasks submitted without `queue` or a
+    /// schedule) fail once no untried worker that could take them is connected.
+    fn recheck_fragile(&mut self, io: &mut dyn Io) {
+        if self.fragile.is_empty() {
             return;
         }
-        let hopeless: Vec<TaskId> = self.retry_waiting.iter().copied().filter(|&id| !self.any_untried(id)).collect();
+        let hopeless: Vec<TaskId> = self.fragile.iter().copied().filter(|&id| !self.any_untried(id)).collect();
         for id in hopeless {
             self.unqueue(id);
-            let error = self.tasks.get(&id).and_then(Task::last_error).unwrap_or("no worker").to_string();
+            let error = self
+                .tasks
+                .get(&id)
+                .and_then(Task::last_error)
+                .unwrap_or("no connected worker can take this task any more")
+                .to_string();
             self.finalize(io, id, Status::Failed, None, Some(&error));
         }
     }

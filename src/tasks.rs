@@ -191,6 +191,9 @@ pub struct Task {
     pub seq: u64,
     /// Which pending queue holds the task, if any.
     pub place: Place,
+    /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
+    /// long it takes (until TASK_TTL), rather than failing when none can take it.
+    pub queued: bool,
     pub attempt_timer: Option<TimerHandle>,
     /// HTTP connections blocked in `wait=true` on this task.
     pub waiters: Vec<ConnRef>,
@@ -373,6 +376,7 @@ mod tests {
             timeout_ms: 10_000,
             seq: 0,
             place: Place::Nowhere,
+            queued: false,
             attempt_timer: None,
             waiters: Vec::new(),
         }

@@ -328,3 +328,47 @@ fn a_worker_that_stops_reading_gets_send_failed_and_its_tasks_move_on() {
     assert_eq!(t["attempt_log"][0]["error"], "could not write the task to the worker");
     drop((frozen, good));
 }
+
+#[test]
+fn a_retry_waiting_past_task_ttl_does_not_expire_in_queue() {
+    // Regression: the queue's TTL counted from the first submit, so a retry that had to wait
+    // for a busy untried worker ended "expired in queue" instead of running.
+    let relay = Relay::start_with(&[("TASK_TTL", "1s")]);
+    let a = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    let b = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    relay.wait_clients(2, |c| c["concurrency"] == 1);
+    let x = id_of(&relay.submit(r#"{"payload":"x"}"#));
+    let y = id_of(&relay.submit(r#"{"payload":"y"}"#));
+    let (ta, _tb) = (a.expect_task(), b.expect_task());
+    // `failing` holds x, `busy` holds y.
+    let (failing, busy) = if ta.id == x { (&a, &b) } else { (&b, &a) };
+    failing.fail(&x, "first try failed");
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(relay.get_task(&x)["status"], "pending", "still waiting for the busy untried worker");
+    busy.done(&y, json!("y"));
+    let retried = busy.expect_task();
+    assert_eq!(retried.id, x);
+    busy.done(&x, json!("x at last"));
+    let t = relay.wait_status(&x, "done", Duration::from_secs(3));
+    assert_eq!(outcomes(&t), ["failed", "done"]);
+}
+
+#[test]
+fn a_plain_task_waiting_for_capacity_fails_when_its_workers_leave_but_a_queued_one_waits() {
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
+    relay.wait_clients(1, |c| c["concurrency"] == 1);
+    let running = id_of(&relay.submit(r#"{"payload":1}"#));
+    w.expect_task();
+    let plain = id_of(&relay.submit(r#"{"payload":2}"#));
+    let queued = id_of(&relay.submit(r#"{"payload":3,"queue":true}"#));
+    assert_eq!(relay.get_task(&plain)["status"], "pending");
+    w.drop_connection();
+    let t = relay.wait_status(&plain, "failed", Duration::from_secs(3));
+    assert_eq!(t["error"], "no connected worker can take this task any more");
+    assert_eq!(
+        relay.wait_status(&running, "failed", Duration::from_secs(3))["attempt_log"][0]["outcome"],
+        "disconnect"
+    );
+    assert_eq!(relay.get_task(&queued)["status"], "pending", "queue: true waits for a worker");
+}

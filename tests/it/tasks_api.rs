@@ -393,3 +393,21 @@ fn huge_durations_are_refused_not_overflowed() {
     // The server is alive and well.
     assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"timeout":"876000h"}"#)).status, 200);
 }
+
+#[test]
+fn idempotency_keys_live_as_long_as_their_task_and_ignore_the_replayed_body() {
+    let relay = Relay::start_with(&[("TASK_TTL", "1s")]);
+    let auth = format!("Bearer {API}");
+    let h = [("Authorization", auth.as_str()), ("Idempotency-Key", "late-run")];
+    // Without a worker a plain submit is 503, and a 503 reserves nothing.
+    let refused = request(relay.addr, "POST", "/tasks", &h, Some(br#"{"payload":0}"#));
+    assert_eq!(refused.status, 503);
+    // Delayed past TASK_TTL: the key must still name the task after a TTL has passed.
+    let first = request(relay.addr, "POST", "/tasks", &h, Some(br#"{"payload":1,"delay":"3s"}"#));
+    assert_eq!(first.status, 202, "the 503 did not reserve the key: {}", first.text());
+    std::thread::sleep(Duration::from_millis(1300));
+    // The replay's body is not even parsed (its payload is not compared).
+    let again = request(relay.addr, "POST", "/tasks", &h, Some(br#"{"payload":null}"#));
+    assert_eq!(again.status, 202, "{}", again.text());
+    assert_eq!(id_of(&again), id_of(&first));
+}
