@@ -16,6 +16,9 @@ use crate::timer::TimerHandle;
 pub struct Conn {
     pub stream: TcpStream,
     pub peer_ip: IpAddr,
+    /// The client's address as logs and the API show it: the peer, or what a trusted proxy
+    /// said in the latest request (`TRUSTED_PROXIES`).
+    pub client_ip: IpAddr,
     /// Bytes waiting to be written; `out[out_pos..]` is what is left.
     pub out: Vec<u8>,
     pub out_pos: usize,
@@ -45,8 +48,6 @@ pub struct Http {
     /// How much of `buf` was already searched for the end of the head.
     pub scanned: usize,
     pub phase: Phase,
-    /// The client address of the latest request (after `TRUSTED_PROXIES`).
-    pub client_ip: IpAddr,
     pub requests: u64,
 }
 
@@ -105,15 +106,10 @@ impl Conn {
         Conn {
             stream,
             peer_ip,
+            client_ip: peer_ip,
             out: Vec::new(),
             out_pos: 0,
-            state: State::Http(Http {
-                buf: Vec::new(),
-                scanned: 0,
-                phase: Phase::Idle,
-                client_ip: peer_ip,
-                requests: 0,
-            }),
+            state: State::Http(Http { buf: Vec::new(), scanned: 0, phase: Phase::Idle, requests: 0 }),
             deadline_ms: u64::MAX,
             timer: None,
             read_more: false,

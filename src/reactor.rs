@@ -516,19 +516,19 @@ impl Server {
                     }
                 }
                 Phase::Head | Phase::Body { .. } => {
-                    crate::log!(Level::Debug, "request timeout", peer = conn.peer_ip);
+                    crate::log!(Level::Debug, "request timeout", client_ip = conn.client_ip);
                     self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
                 }
                 Phase::Held { .. } => {}
                 Phase::Upload(_) => {
-                    crate::log!(Level::Debug, "upload stalled", peer = conn.peer_ip);
+                    crate::log!(Level::Debug, "upload stalled", client_ip = conn.client_ip);
                     self.respond_and_close(r, crate::api::error(408, "upload made no progress within HEADER_TIMEOUT"));
                 }
                 Phase::Download(_) => self.close_now(r, "download stalled"),
             },
             State::Ws(ws) => {
                 if now >= ws.last_seen_ms + self.cfg.pong_wait_ms {
-                    crate::log!(Level::Info, "worker silent past PONG_WAIT", peer = conn.peer_ip);
+                    crate::log!(Level::Info, "worker silent past PONG_WAIT", client_ip = conn.client_ip);
                     self.close_now(r, "no pong within PONG_WAIT");
                     return;
                 }
@@ -667,7 +667,7 @@ impl Server {
                 };
                 http.buf.drain(..end);
                 http.requests += 1;
-                http.client_ip = self.cfg.trusted_proxies.client_ip(
+                conn.client_ip = self.cfg.trusted_proxies.client_ip(
                     conn.peer_ip,
                     head.forwarded_for.as_deref(),
                     head.real_ip.as_deref(),
@@ -772,7 +772,8 @@ impl Server {
             "request",
             method = format!("{:?}", head.method),
             path = head.path,
-            status = response.status
+            status = response.status,
+            client_ip = conn.client_ip
         );
         if close {
             http.buf.clear();
@@ -802,7 +803,7 @@ impl Server {
         };
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
-        let client_ip = http.client_ip;
+        let client_ip = conn.client_ip;
         match handled {
             Handled::Respond(response) => {
                 self.core.metrics.http_request(response.status);
@@ -973,7 +974,7 @@ impl Server {
             crate::log!(
                 Level::Info,
                 "closing worker connection",
-                peer = conn.peer_ip,
+                client_ip = conn.client_ip,
                 code = u16::from(code),
                 reason = reason
             );
@@ -1108,7 +1109,7 @@ impl Server {
         if let Some((_, h)) = conn.timer.take() {
             self.core.wheel.cancel(h);
         }
-        crate::log!(Level::Trace, "connection closed", peer = conn.peer_ip, reason = why);
+        crate::log!(Level::Trace, "connection closed", client_ip = conn.client_ip, reason = why);
         let was_ws = matches!(conn.state, State::Ws(_));
         drop(conn);
         let (mut wire, core) = self.wire();
@@ -1167,7 +1168,7 @@ impl Server {
             disk_bytes: 0,
             finishing: false,
         }));
-        crate::log!(Level::Debug, "upload started", file_id = uuid_string(file_id), peer = conn.peer_ip);
+        crate::log!(Level::Debug, "upload started", file_id = uuid_string(file_id), client_ip = conn.client_ip);
         let at = self.now_ms + self.cfg.header_timeout_ms;
         self.set_deadline(r, at);
         true

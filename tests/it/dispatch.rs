@@ -282,13 +282,16 @@ fn draining_workers_finish_but_take_nothing_new() {
 #[test]
 fn malformed_hello_is_ignored() {
     let relay = Relay::start();
-    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":"a,b","concurrency":-1})), Auto::Echo);
-    relay.wait_clients(1, |_| true);
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["a"],"concurrency":2})), Auto::Echo);
+    relay.wait_clients(1, |c| c["concurrency"] == 2);
+    // Wrong types: the whole hello is ignored and the earlier one stays in force.
+    w.send(json!({"type":"hello","kinds":"a,b","concurrency":-1}).to_string());
     assert!(poll_until(Duration::from_secs(2), || relay.metric("relay_ws_messages_malformed_total") == 1.0));
     let c = relay.clients();
-    assert!(c["clients"][0].get("kinds").is_none(), "still accepts every kind: {c}");
-    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"zzz"}}"#)).status, 200);
-    drop(w);
+    assert_eq!(c["clients"][0]["kinds"], json!(["a"]), "{c}");
+    assert_eq!(c["clients"][0]["concurrency"], 2, "{c}");
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"a"}}"#)).status, 200);
+    assert_eq!(relay.submit(r#"{"payload":{"kind":"zzz"}}"#).status, 503);
 }
 
 #[test]

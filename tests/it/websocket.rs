@@ -189,3 +189,27 @@ fn a_worker_that_pings_but_never_reads_cannot_grow_relays_memory() {
     // Not reading relay means not being read either: PONG_WAIT ends it.
     relay.wait_clients(0, |_| true);
 }
+
+#[test]
+fn trusted_proxy_rules_apply_to_api_clients_and_logs() {
+    let relay = Relay::start_with(&[("TRUSTED_PROXIES", "127.0.0.0/8, 10.0.0.0/8")]);
+    let auth = format!("Bearer {API}");
+    // Every hop trusted: the leftmost is the client. A 401 (answered from the head) logs it too.
+    let r = request(relay.addr, "GET", "/clients", &[("X-Forwarded-For", "10.1.1.1, 10.2.2.2")], None);
+    assert_eq!(r.status, 401);
+    assert!(relay.wait_log("status=401 client_ip=10.1.1.1", Duration::from_secs(2)), "{}", relay.log_text());
+    // No X-Forwarded-For: X-Real-IP.
+    let r = request(relay.addr, "GET", "/clients", &[("Authorization", &auth), ("X-Real-IP", "198.51.100.4")], None);
+    assert_eq!(r.status, 200);
+    assert!(relay.wait_log("status=200 client_ip=198.51.100.4", Duration::from_secs(2)), "{}", relay.log_text());
+    // IPv6 end to end, rightmost untrusted hop.
+    let r = request(
+        relay.addr,
+        "GET",
+        "/healthz",
+        &[("X-Forwarded-For", "2001:db8::1, [2001:db8::2]:443, 10.0.0.9")],
+        None,
+    );
+    assert_eq!(r.status, 200);
+    assert!(relay.wait_log("client_ip=2001:db8::2", Duration::from_secs(2)), "{}", relay.log_text());
+}
