@@ -55,20 +55,23 @@ impl<'a> Route<'a> {
     /// The methods this route answers, as the `Allow` header lists them.
     pub fn allow(self) -> &'static str {
         match self {
-            Route::Ws | Route::Clients | Route::Healthz | Route::Metrics => "GET",
+            Route::Ws => "GET",
+            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) => "GET, HEAD",
             Route::Tasks | Route::TasksBatch | Route::Files => "POST",
-            Route::Task(_) => "GET, DELETE",
-            Route::File(_) => "GET, HEAD",
+            Route::Task(_) => "GET, HEAD, DELETE",
             Route::NotFound => "",
         }
     }
 
     fn allows(self, method: Method) -> bool {
         match self {
-            Route::Ws | Route::Clients | Route::Healthz | Route::Metrics => method == Method::Get,
+            // HEAD is GET without the body (RFC 9110), except for the WebSocket upgrade.
+            Route::Ws => method == Method::Get,
+            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) => {
+                matches!(method, Method::Get | Method::Head)
+            }
             Route::Tasks | Route::TasksBatch | Route::Files => method == Method::Post,
-            Route::Task(_) => matches!(method, Method::Get | Method::Delete),
-            Route::File(_) => matches!(method, Method::Get | Method::Head),
+            Route::Task(_) => matches!(method, Method::Get | Method::Head | Method::Delete),
             Route::NotFound => false,
         }
     }

@@ -48,6 +48,8 @@ pub enum Timer {
     AcceptResume,
     /// A stored file reached BLOB_TTL.
     BlobExpire(u128),
+    /// The hourly clean-up of BLOB_DIR.
+    BlobSweep,
     ShutdownDeadline,
 }
 
@@ -678,7 +680,11 @@ impl Core {
                 self.sweep_timer = None;
                 self.on_sweep(io);
             }
-            Timer::Conn(_) | Timer::AcceptResume | Timer::BlobExpire(_) | Timer::ShutdownDeadline => {}
+            Timer::Conn(_)
+            | Timer::AcceptResume
+            | Timer::BlobExpire(_)
+            | Timer::BlobSweep
+            | Timer::ShutdownDeadline => {}
         }
     }
 

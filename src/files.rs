@@ -46,6 +46,11 @@ pub enum Job {
     Scan {
         now_wall_ms: u64,
     },
+    /// The same clean-up, reporting nothing (run every hour for leftovers of uploads that
+    /// were under way, here or in another relay, when this one started).
+    Sweep {
+        now_wall_ms: u64,
+    },
     Create {
         t: TransferId,
         file_id: u128,
@@ -161,6 +166,10 @@ impl Disk {
     fn run(&mut self, job: Job) -> Option<Done> {
         match job {
             Job::Scan { now_wall_ms } => Some(Done::Scanned(self.scan(now_wall_ms))),
+            Job::Sweep { now_wall_ms } => {
+                self.scan(now_wall_ms);
+                None
+            }
             Job::Create { t, file_id } => {
                 let tmp = self.dir.join(format!(".tmp-{}", uuid_string(file_id)));
                 let result = fs::create_dir_all(&self.dir)

@@ -11,7 +11,12 @@ use relay::log::Level;
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
-        None | Some("serve") if args.len() <= 1 => serve(),
+        None => serve(),
+        Some("serve") if args.len() == 1 => serve(),
+        Some("serve") => {
+            eprintln!("relay: serve takes no arguments (it is configured by the environment; see relay --help)");
+            ExitCode::from(2)
+        }
         Some("token") => relay::tokens::main(&args[1..]),
         Some("-h" | "--help" | "help") => {
             print!("{}", help_text());
@@ -25,7 +30,6 @@ fn main() -> ExitCode {
             eprintln!("relay: unknown argument {other:?} (see relay --help)");
             ExitCode::from(2)
         }
-        None => ExitCode::from(2),
     }
 }
 
@@ -66,6 +70,13 @@ fn serve() -> ExitCode {
         version = env!("CARGO_PKG_VERSION"),
         max_connections = cfg.max_connections
     );
+    if let Some(dir) = &cfg.data_dir {
+        relay::log!(
+            Level::Info,
+            "tasks are kept in memory only: the journal in DATA_DIR is not implemented yet",
+            data_dir = dir.display()
+        );
+    }
     let result = server.run();
     let code = match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -60,6 +60,9 @@ const UPLOAD_INPUT_BYTES: usize = 256 * 1024;
 const UPLOAD_WINDOW_BYTES: usize = 512 * 1024;
 /// The same, summed over every upload: beyond it uploads wait for the disk.
 const DISK_BUDGET_BYTES: usize = 64 << 20;
+/// How often BLOB_DIR is swept for leftovers (temp files and blobs without metadata that
+/// nothing wrote to for an hour) and files past their time.
+const BLOB_SWEEP_MS: u64 = 60 * 60 * 1000;
 /// One read from a file being downloaded.
 const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
 /// A download asks for more only when its unwritten output is at most this.
@@ -276,7 +279,7 @@ impl Server {
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         let local_addr = listener.local_addr()?;
         let started = Instant::now();
-        let core = Core::new(
+        let mut core = Core::new(
             CoreConfig {
                 task_timeout_ms: cfg.task_timeout_ms,
                 max_retries: cfg.max_retries,
@@ -302,6 +305,7 @@ impl Server {
             }),
         )?;
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
+        core.wheel.arm(BLOB_SWEEP_MS, Timer::BlobSweep);
         let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
         let cfg_max_body = cfg.max_message_bytes;
         let server = Server {
@@ -473,6 +477,10 @@ impl Server {
                 Timer::Conn(r) => self.on_conn_timer(r),
                 Timer::AcceptResume => self.accept_pending = true,
                 Timer::BlobExpire(file_id) => self.store.send(Job::Delete { file_id }),
+                Timer::BlobSweep => {
+                    self.store.send(Job::Sweep { now_wall_ms: crate::timefmt::wall_ms() });
+                    self.core.wheel.arm(self.now_ms + BLOB_SWEEP_MS, Timer::BlobSweep);
+                }
                 Timer::ShutdownDeadline => {
                     crate::log!(
                         Level::Warn,

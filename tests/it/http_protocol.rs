@@ -180,7 +180,11 @@ fn errors_are_json_with_the_right_codes() {
     let r = request(relay.addr, "GET", "/tasks/batch", &[], None);
     assert_eq!((r.status, r.header("Allow")), (405, Some("POST")));
     let r = request(relay.addr, "POST", "/tasks/0b9d2f7e-8f7e-4a63-9a1c-2d4c6f1e0a11", &[], None);
-    assert_eq!((r.status, r.header("Allow")), (405, Some("GET, DELETE")));
+    assert_eq!((r.status, r.header("Allow")), (405, Some("GET, HEAD, DELETE")));
+    let mut c = Client::connect(relay.addr);
+    c.send("HEAD", "/ws", &[], None);
+    let r = c.read_response_to(true).expect("answer");
+    assert_eq!((r.status, r.header("Allow")), (405, Some("GET")));
 
     // 404 before 405 before 401.
     let r = request(relay.addr, "DELETE", "/clients", &[("Authorization", "Bearer wrong")], None);
@@ -307,4 +311,18 @@ fn batch_is_501_from_the_head_whatever_the_body_size() {
     // Auth is still checked first.
     let r = request(relay.addr, "POST", "/tasks/batch", &[], Some(b"{}"));
     assert_eq!(r.status, 401);
+}
+
+#[test]
+fn head_is_get_without_the_body() {
+    let relay = Relay::start();
+    let mut c = Client::connect(relay.addr);
+    c.send("HEAD", "/healthz", &[], None);
+    let r = c.read_response_to(true).expect("head answer");
+    assert_eq!(r.status, 200);
+    let len: usize = r.header("Content-Length").and_then(|v| v.parse().ok()).expect("length");
+    assert!(len > 10, "the length of the body a GET would get");
+    // Nothing follows the head: the next answer on the connection starts at once.
+    let next = c.call("GET", "/healthz", &[], None);
+    assert_eq!((next.status, next.body.len()), (200, len));
 }

@@ -46,6 +46,9 @@ fn help_and_version() {
     let (code, _, err) = run_relay_env(&["--bogus"], &[]);
     assert_eq!(code, Some(2));
     assert!(err.contains("--bogus"));
+    let (code, _, err) = run_relay_env(&["serve", "--bogus"], &[]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("serve takes no arguments"), "{err}");
 }
 
 #[test]
