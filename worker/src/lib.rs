@@ -155,7 +155,8 @@ impl Worker {
 
     /// Runs until SIGTERM or SIGINT, then drains (hello with concurrency 0, finish running
     /// tasks within `shutdown_timeout_ms`) and returns. Installs process-wide handlers for both
-    /// signals; a second signal exits the process at once with code 1.
+    /// signals; a repeat signal at least 1 s after the first exits the process at once with
+    /// code 1 (an earlier one, as GNU `timeout` sends, is part of the same drain).
     pub fn run(self) -> Result<(), Error> {
         let stop = signals::install().map_err(|e| Error::new(format!("cannot install signal handlers: {e}")))?;
         self.run_until(stop)

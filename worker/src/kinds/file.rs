@@ -79,7 +79,11 @@ impl FileKind {
         }
         let header = |name| download.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_string);
         let content_type = header(CONTENT_TYPE).unwrap_or_else(|| "application/octet-stream".into());
-        let filename = header(CONTENT_DISPOSITION).and_then(|d| filename_of(&d)).unwrap_or_else(|| file_id.clone());
+        // Content-Disposition as UTF-8, not `to_str` (visible ASCII only): some servers send a
+        // raw UTF-8 `filename`; relay itself sends ASCII with `filename*`.
+        let disposition =
+            download.headers().get(CONTENT_DISPOSITION).and_then(|v| std::str::from_utf8(v.as_bytes()).ok());
+        let filename = disposition.and_then(filename_of).unwrap_or_else(|| file_id.clone());
         let length = download.content_length();
 
         let form = Multipart::new(&uuid::Uuid::new_v4().simple().to_string(), "file", &filename, &content_type);
@@ -156,17 +160,91 @@ pub fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// The `filename` of a `Content-Disposition` value (quoted or bare), if any.
+/// The file name a `Content-Disposition` value carries (RFC 6266), if any: `filename*` (RFC 8187
+/// ext-value, UTF-8 or ISO-8859-1, percent-decoded) when present and well-formed, else
+/// `filename` (a token or a quoted string with backslash escapes). relay sends both for a
+/// non-ASCII name: `attachment; filename="r_sum_.pdf"; filename*=UTF-8''r%C3%A9sum%C3%A9.pdf`.
 fn filename_of(disposition: &str) -> Option<String> {
-    disposition.split(';').map(str::trim).find_map(|param| {
-        let (key, value) = param.split_once('=')?;
-        if !key.trim().eq_ignore_ascii_case("filename") {
-            return None;
+    let mut plain = None;
+    let mut extended = None;
+    for (key, value) in disposition_params(disposition) {
+        if key.eq_ignore_ascii_case("filename") {
+            plain.get_or_insert(value);
+        } else if key.eq_ignore_ascii_case("filename*") {
+            extended.get_or_insert(value);
         }
-        let value = value.trim();
-        let value = value.strip_prefix('"').and_then(|v| v.strip_suffix('"')).unwrap_or(value);
-        (!value.is_empty()).then(|| value.to_string())
-    })
+    }
+    let extended = extended.as_deref().and_then(decode_ext_value).filter(|name| !name.is_empty());
+    extended.or(plain.filter(|name| !name.is_empty()))
+}
+
+/// The `key=value` parameters of a header value, in order. A value is a quoted string (backslash
+/// escapes honoured, so `;` and `\"` may appear inside; an unterminated one runs to the end) or
+/// a bare token up to the next `;` (surrounding whitespace trimmed). An item without `=` — the
+/// disposition type itself — is skipped.
+fn disposition_params(value: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut chars = value.chars().peekable();
+    loop {
+        while chars.next_if(|c| c.is_whitespace() || *c == ';').is_some() {}
+        if chars.peek().is_none() {
+            return out;
+        }
+        let mut key = String::new();
+        while let Some(c) = chars.next_if(|c| *c != '=' && *c != ';') {
+            key.push(c);
+        }
+        if chars.next_if_eq(&'=').is_none() {
+            continue; // `;` or the end: a parameter without a value
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let mut val = String::new();
+        if chars.next_if_eq(&'"').is_some() {
+            while let Some(c) = chars.next() {
+                match c {
+                    '"' => break,
+                    '\\' => val.extend(chars.next()),
+                    c => val.push(c),
+                }
+            }
+            // Anything between the closing quote and the next `;` is not part of the value.
+            while chars.next_if(|c| *c != ';').is_some() {}
+        } else {
+            while let Some(c) = chars.next_if(|c| *c != ';') {
+                val.push(c);
+            }
+            val.truncate(val.trim_end().len());
+        }
+        let key = key.trim();
+        if !key.is_empty() {
+            out.push((key.to_string(), val));
+        }
+    }
+}
+
+/// An RFC 8187 ext-value `charset'[language]'pct-encoded` → text; `None` when malformed (a `%`
+/// not followed by two hex digits, bytes that are not UTF-8) or in another charset.
+fn decode_ext_value(value: &str) -> Option<String> {
+    let mut parts = value.splitn(3, '\'');
+    let (charset, _language, encoded) = (parts.next()?, parts.next()?, parts.next()?);
+    let mut bytes = Vec::with_capacity(encoded.len());
+    let mut input = encoded.bytes();
+    while let Some(b) = input.next() {
+        if b == b'%' {
+            let hi = input.next().and_then(|h| (h as char).to_digit(16))?;
+            let lo = input.next().and_then(|l| (l as char).to_digit(16))?;
+            bytes.push(u8::try_from(hi * 16 + lo).ok()?);
+        } else {
+            bytes.push(b);
+        }
+    }
+    if charset.eq_ignore_ascii_case("UTF-8") {
+        String::from_utf8(bytes).ok()
+    } else if charset.eq_ignore_ascii_case("ISO-8859-1") {
+        Some(bytes.into_iter().map(char::from).collect())
+    } else {
+        None
+    }
 }
 
 #[cfg(test)]
@@ -188,11 +266,46 @@ mod tests {
     #[test]
     fn filenames() {
         for (value, expected) in [
+            // plain: quoted, bare, spacing and case
             (r#"attachment; filename="report.pdf""#, Some("report.pdf")),
             ("attachment; filename=data.csv", Some("data.csv")),
+            ("attachment; filename=data.csv ; size=3", Some("data.csv")),
             ("attachment; FILENAME = \"a b.txt\"", Some("a b.txt")),
+            ("attachment;filename=\"x\";", Some("x")),
+            // `;` and `=` inside a quoted value
+            (r#"attachment; filename="notes; v2.txt""#, Some("notes; v2.txt")),
+            (r#"attachment; filename="a=b;c=d.txt"; size=4"#, Some("a=b;c=d.txt")),
+            (r#"attachment; name="x;filename=evil"; filename="good.txt""#, Some("good.txt")),
+            // escaped quotes and backslashes
+            (r#"attachment; filename="say \"hi\".txt""#, Some(r#"say "hi".txt"#)),
+            (r#"attachment; filename="a\\b\;c.txt""#, Some(r"a\b;c.txt")),
+            (r#"attachment; filename="unterminated \"; x"#, Some(r#"unterminated "; x"#)),
+            // filename* with UTF-8 (relay's form for non-ASCII names)
+            ("attachment; filename*=UTF-8''r%C3%A9sum%C3%A9.pdf", Some("résumé.pdf")),
+            ("attachment; filename*=utf-8'fr'%E2%82%AC%20rate%3B%22q%22.txt", Some("€ rate;\"q\".txt")),
+            ("attachment; filename*=ISO-8859-1''caf%E9.txt", Some("café.txt")),
+            // both present: filename* wins, whichever comes first
+            (r#"attachment; filename="r_sum_.pdf"; filename*=UTF-8''r%C3%A9sum%C3%A9.pdf"#, Some("résumé.pdf")),
+            (r#"attachment; filename*=UTF-8''%E6%97%A5.txt; filename="_.txt""#, Some("日.txt")),
+            (r#"attachment; filename="_; x.csv"; filename*=UTF-8''%D1%8F%3B%20x.csv"#, Some("я; x.csv")),
+            // malformed filename* → filename
+            (r#"attachment; filename="fallback.pdf"; filename*=UTF-8''r%C3%A9sum%C3.pdf"#, Some("fallback.pdf")),
+            (r#"attachment; filename="fallback.pdf"; filename*=UTF-8''100%"#, Some("fallback.pdf")),
+            (r#"attachment; filename="fallback.pdf"; filename*=UTF-8''%zz.pdf"#, Some("fallback.pdf")),
+            (r#"attachment; filename="fallback.pdf"; filename*=UTF-8''%FF.pdf"#, Some("fallback.pdf")),
+            (r#"attachment; filename="fallback.pdf"; filename*=no-quotes.pdf"#, Some("fallback.pdf")),
+            (r#"attachment; filename="fallback.pdf"; filename*=KOI8-R''%C1.pdf"#, Some("fallback.pdf")),
+            (r#"attachment; filename="fallback.pdf"; filename*=UTF-8''"#, Some("fallback.pdf")),
+            ("attachment; filename*=UTF-8''%E2%82", None),
+            // nothing usable
             ("attachment", None),
+            ("", None),
             (r#"attachment; filename="""#, None),
+            ("attachment; filename", None),
+            ("attachment; filename=", None),
+            (r#"inline; name="file""#, None),
+            // no disposition type at all
+            (r#"filename="a;b.txt""#, Some("a;b.txt")),
         ] {
             assert_eq!(filename_of(value).as_deref(), expected, "{value}");
         }

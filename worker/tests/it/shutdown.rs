@@ -1,7 +1,7 @@
 //! SIGTERM/SIGINT: hello with concurrency 0, tasks that still arrive are refused, running tasks
 //! finish and are answered, exit 0.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::json;
 
@@ -73,4 +73,72 @@ fn a_task_arriving_while_draining_is_refused() {
     );
     assert_eq!(worker.proc.wait_exit(Duration::from_secs(5)).and_then(|s| s.code()), Some(0));
     assert_eq!(target.hit_count(), 1, "the refused task never ran");
+}
+
+/// Sends `sig` to `pid` straight from this process (no `kill` child in between), so two calls
+/// land microseconds apart, as GNU `timeout` signalling the child and then its process group.
+fn raw_signal(pid: u32, sig: libc::c_int) {
+    let pid = libc::pid_t::try_from(pid).expect("pid fits pid_t");
+    // SAFETY: kill(2) on a child we spawned and have not yet reaped.
+    let rc = unsafe { libc::kill(pid, sig) };
+    assert_eq!(rc, 0, "kill({pid}, {sig}): {}", std::io::Error::last_os_error());
+}
+
+/// Two SIGTERMs back to back (GNU `timeout`, some supervisors) are one request to drain: a
+/// repeat signal forces the exit only once 1 s has passed since the first. The second pair is
+/// sent after the worker has certainly handled the first signal (its `draining` line), so the
+/// handler does see a repeat rather than one coalesced pending signal.
+#[test]
+fn sigterms_back_to_back_still_drain() {
+    let target = Target::start(|_, _| {
+        Reply::After(Duration::from_millis(2000), Box::new(Reply::json(200, &json!({"slow": true}))))
+    });
+    let relay = Relay::start();
+    let mut worker = Worker::start(&relay.ws_url(), &[]);
+    worker.wait_connected();
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["active"] == true);
+
+    let id = relay.submit(json!({"kind": "http", "spec": {"url": target.url("/slow")}}));
+    assert!(poll_until(Duration::from_secs(5), || target.hit_count() == 1), "the task is running");
+    let pid = worker.proc.pid();
+    let first = Instant::now();
+    raw_signal(pid, libc::SIGTERM);
+    raw_signal(pid, libc::SIGTERM);
+    assert!(worker.proc.wait_log("msg=draining", Duration::from_secs(5)), "{}", worker.proc.log_text());
+    raw_signal(pid, libc::SIGTERM);
+    raw_signal(pid, libc::SIGINT);
+    let repeat_after = first.elapsed();
+    assert!(repeat_after < Duration::from_millis(900), "the repeats came {repeat_after:?} after the first signal");
+
+    let task = relay.wait_final(&id, Duration::from_secs(5));
+    assert_eq!(task["status"], "done", "{task}; worker log:\n{}", worker.proc.log_text());
+    assert_eq!(task["result"]["body"], json!({"slow": true}));
+    let status = worker.proc.wait_exit(Duration::from_secs(5)).expect("worker exits after draining");
+    assert_eq!(status.code(), Some(0), "{}", worker.proc.log_text());
+    let log = worker.proc.log_text();
+    assert_eq!(worker.proc.count_log("msg=draining"), 1, "{log}");
+    assert!(log.contains("msg=stopped reason=drained"), "{log}");
+}
+
+/// An operator who does not want to wait: a repeat signal 1 s or more after the first ends the
+/// worker at once with exit 1, even with a task still running.
+#[test]
+fn a_repeat_signal_after_a_second_exits_at_once() {
+    let target =
+        Target::start(|_, _| Reply::After(Duration::from_millis(10_000), Box::new(Reply::new(200, &[], "ok"))));
+    let relay = Relay::start();
+    let mut worker = Worker::start(&relay.ws_url(), &[]);
+    worker.wait_connected();
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["active"] == true);
+
+    relay.submit(json!({"kind": "http", "spec": {"url": target.url("/slow")}}));
+    assert!(poll_until(Duration::from_secs(5), || target.hit_count() == 1), "the task is running");
+    let pid = worker.proc.pid();
+    raw_signal(pid, libc::SIGTERM);
+    assert!(worker.proc.wait_log("msg=draining", Duration::from_secs(5)), "{}", worker.proc.log_text());
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(worker.proc.wait_exit(Duration::ZERO).is_none(), "still draining: {}", worker.proc.log_text());
+    raw_signal(pid, libc::SIGTERM);
+    let status = worker.proc.wait_exit(Duration::from_secs(3)).expect("the repeat signal ends the worker at once");
+    assert_eq!(status.code(), Some(1), "{}", worker.proc.log_text());
 }

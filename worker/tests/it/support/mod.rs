@@ -361,6 +361,19 @@ pub fn http_bytes(
     headers: &[(&str, &str)],
     body: Option<&[u8]>,
 ) -> (u16, Vec<u8>) {
+    let (status, _, body) = http_full(addr, method, path, headers, body);
+    (status, body)
+}
+
+/// Like `http_bytes`, with the response headers too: (status, headers in order, body). Header
+/// values are decoded as UTF-8 (lossily), names kept as sent.
+pub fn http_full(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&[u8]>,
+) -> (u16, Vec<(String, String)>, Vec<u8>) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
     let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
@@ -376,5 +389,16 @@ pub fn http_bytes(
     let head_end = resp.windows(4).position(|w| w == b"\r\n\r\n").expect("response head") + 4;
     let head = String::from_utf8_lossy(&resp[..head_end]).into_owned();
     let status: u16 = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).expect("status");
-    (status, resp[head_end..].to_vec())
+    let fields = head
+        .split("\r\n")
+        .skip(1)
+        .filter_map(|line| line.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    (status, fields, resp[head_end..].to_vec())
+}
+
+/// The first header called `name` (case-insensitive) in `http_full`'s headers.
+pub fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers.iter().find(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.as_str())
 }
