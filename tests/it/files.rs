@@ -276,16 +276,6 @@ fn uploads_need_multipart_with_a_file_part() {
     assert_eq!((got.body.as_slice(), got.header("Content-Type")), (b"chunked!".as_slice(), Some("text/plain")));
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS")
-}
-
 #[test]
 fn a_slow_downloader_keeps_memory_flat_and_others_are_served() {
     let blobs = TempDir::new("slow");

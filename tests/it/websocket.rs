@@ -144,16 +144,6 @@ fn trusted_proxy_headers_set_the_worker_ip() {
     drop((s, s2));
 }
 
-fn rss_kib(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .expect("VmRSS")
-}
-
 #[test]
 fn a_worker_that_pings_but_never_reads_cannot_grow_relays_memory() {
     // Regression: pongs piled up in relay's output buffer without limit (1 GB in 20 s).

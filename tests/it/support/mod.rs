@@ -220,6 +220,17 @@ impl Drop for Relay {
     }
 }
 
+/// Resident memory of a process, in KiB (VmRSS).
+pub fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmRSS")
+}
+
 /// Polls `f` every 10 ms until it is true or `within` passes.
 pub fn poll_until(within: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
