@@ -211,14 +211,15 @@ fn errors_are_json_with_the_right_codes() {
 
 #[test]
 fn slow_requests_time_out_with_408_and_silent_connections_close() {
-    let relay = Relay::start_with(&[("HEADER_TIMEOUT", "300ms"), ("IDLE_TIMEOUT", "400ms")]);
+    let relay = Relay::start_with(&[("HEADER_TIMEOUT", "1500ms"), ("IDLE_TIMEOUT", "400ms")]);
     // A partial head: 408 once HEADER_TIMEOUT passes.
     let mut slow = Client::connect(relay.addr);
     slow.send_raw(b"GET /healthz HTTP/1.1\r\nHost: x\r\n");
-    // Meanwhile others are served at once.
+    // Meanwhile others are served at once, not after the slow one's timeout (wide margin: a
+    // loaded CI machine must not make this flaky).
     let started = Instant::now();
     assert_eq!(request(relay.addr, "GET", "/healthz", &[], None).status, 200);
-    assert!(started.elapsed() < Duration::from_millis(250));
+    assert!(started.elapsed() < Duration::from_millis(1000));
     let r = slow.read_response().expect("408");
     assert_eq!(r.status, 408);
     assert!(slow.closed_within(Duration::from_secs(2)));
@@ -226,8 +227,8 @@ fn slow_requests_time_out_with_408_and_silent_connections_close() {
     // A connection that never sends a byte is closed after HEADER_TIMEOUT.
     let mut silent = Client::connect(relay.addr);
     let started = Instant::now();
-    assert!(silent.closed_within(Duration::from_secs(3)));
-    assert!(started.elapsed() >= Duration::from_millis(250), "closed too early");
+    assert!(silent.closed_within(Duration::from_secs(4)));
+    assert!(started.elapsed() >= Duration::from_millis(1400), "closed too early");
 
     // An idle keep-alive connection is closed silently after IDLE_TIMEOUT.
     let mut idle = Client::connect(relay.addr);
