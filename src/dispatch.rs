@@ -265,10 +265,6 @@ impl Core {
         self.order.iter().filter(|&&slot| self.worker(slot).is_some_and(Worker::active)).count()
     }
 
-    pub fn is_worker(&self, conn: ConnRef) -> bool {
-        self.worker_at(conn).is_some()
-    }
-
     pub fn gauges(&self, connections_open: usize) -> Gauges {
         Gauges {
             workers_connected: self.workers_connected(),
@@ -284,6 +280,7 @@ impl Core {
         self.order.iter().filter_map(|&s| self.worker(s)).any(|w| w.active() && w.accepts(kind))
     }
 
+    #[cfg(test)]
     pub fn has_held(&self) -> bool {
         !self.held.is_empty()
     }

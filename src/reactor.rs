@@ -342,6 +342,12 @@ impl Server {
     }
 
     fn wire(&mut self) -> (Wire<'_>, &mut Core) {
+        let (wire, core, _) = self.wire_and_api();
+        (wire, core)
+    }
+
+    /// The core, its window on the connections, and the API, borrowed together.
+    fn wire_and_api(&mut self) -> (Wire<'_>, &mut Core, &Api) {
         (
             Wire {
                 conns: &mut self.conns,
@@ -351,6 +357,7 @@ impl Server {
                 shutting_down: self.shutdown_started,
             },
             &mut self.core,
+            &self.api,
         )
     }
 
@@ -797,17 +804,8 @@ impl Server {
     fn complete_request(&mut self, r: ConnRef, head: &Head, identity: Option<&Identity>, body: &[u8]) {
         let open = self.conns.len();
         let handled = {
-            let (mut wire, core) = (
-                Wire {
-                    conns: &mut self.conns,
-                    dirty: &mut self.dirty,
-                    again: &mut self.again,
-                    max_ws_out_bytes: self.max_ws_out_bytes,
-                    shutting_down: self.shutdown_started,
-                },
-                &mut self.core,
-            );
-            self.api.handle(core, &mut wire, r, head, identity, body, open)
+            let (mut wire, core, api) = self.wire_and_api();
+            api.handle(core, &mut wire, r, head, identity, body, open)
         };
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
@@ -1118,13 +1116,10 @@ impl Server {
             self.core.wheel.cancel(h);
         }
         crate::log!(Level::Trace, "connection closed", client_ip = conn.client_ip, reason = why);
-        let was_ws = matches!(conn.state, State::Ws(_));
         drop(conn);
-        let (mut wire, core) = self.wire();
-        if was_ws || core.is_worker(r) {
-            core.worker_disconnected(&mut wire, r, why);
-        }
-        core.conn_closed(r);
+        // A no-op unless the connection was a worker's (or held a wait=true request).
+        self.worker_gone(r, why);
+        self.core.conn_closed(r);
     }
 
     // ----- file transfers ----------------------------------------------------------------------
