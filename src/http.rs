@@ -486,18 +486,23 @@ impl Response {
     }
 
     /// Appends the response to `out`. A HEAD response carries the headers only.
+    /// Every answer passes here: plain byte pushes, no formatting machinery.
     pub fn write_to(&self, out: &mut Vec<u8>, head_only: bool) {
-        use std::io::Write as _;
-        let _ = write!(
-            out,
-            "HTTP/1.1 {} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\n",
-            self.status,
-            reason(self.status),
-            self.content_type,
-            self.body.len()
-        );
+        out.reserve(128 + self.body.len());
+        out.extend_from_slice(b"HTTP/1.1 ");
+        push_decimal(out, u64::from(self.status));
+        out.push(b' ');
+        out.extend_from_slice(reason(self.status).as_bytes());
+        out.extend_from_slice(b"\r\nContent-Type: ");
+        out.extend_from_slice(self.content_type.as_bytes());
+        out.extend_from_slice(b"\r\nContent-Length: ");
+        push_decimal(out, self.body.len() as u64);
+        out.extend_from_slice(b"\r\n");
         for (name, value) in &self.headers {
-            let _ = write!(out, "{name}: {value}\r\n");
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(b": ");
+            out.extend_from_slice(value.as_bytes());
+            out.extend_from_slice(b"\r\n");
         }
         if self.close {
             out.extend_from_slice(b"Connection: close\r\n");
@@ -507,6 +512,21 @@ impl Response {
             out.extend_from_slice(&self.body);
         }
     }
+}
+
+/// Appends `n` in decimal.
+fn push_decimal(out: &mut Vec<u8>, mut n: u64) {
+    let mut buf = [0u8; 20];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    out.extend_from_slice(&buf[i..]);
 }
 
 /// Default error code names for statuses.
