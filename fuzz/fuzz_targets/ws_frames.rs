@@ -4,19 +4,11 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use relay::conn::{WsIo, ws_context};
-use relay::dispatch::{Core, CoreConfig, Io};
-use relay::http::Response;
-use relay::tasks::ConnRef;
 use tungstenite::Message;
 
-struct NullIo;
-
-impl Io for NullIo {
-    fn send_text(&mut self, _: ConnRef, _: &[&str]) -> bool {
-        true
-    }
-    fn reply(&mut self, _: ConnRef, _: Response) {}
-}
+#[path = "common.rs"]
+mod common;
+use common::{NullIo, WORKER, core_with_worker};
 
 const LIMIT: usize = 4096;
 
@@ -25,10 +17,7 @@ fuzz_target!(|data: &[u8]| {
     let (first, second) = rest.split_at(usize::from(split) % (rest.len() + 1));
     // Part arrives with the upgrade request, the rest later, in pieces.
     let mut ctx = ws_context(first.to_vec(), LIMIT);
-    let cfg = CoreConfig { task_timeout_ms: 1000, max_retries: 2, wait_timeout_ms: 1000, task_ttl_ms: 1000, max_pending: 10 };
-    let mut core = Core::new(cfg, 0, 0);
-    let worker = ConnRef { slot: 0, generation: 1 };
-    core.worker_connected(&mut NullIo, worker, std::net::IpAddr::from([127, 0, 0, 1]));
+    let mut core = core_with_worker();
     let mut out = Vec::new();
     for piece in std::iter::once(&[][..]).chain(second.chunks(97)) {
         let mut io = WsIo { input: piece, pos: 0, out: &mut out };
@@ -36,7 +25,7 @@ fuzz_target!(|data: &[u8]| {
             match ctx.read(&mut io) {
                 Ok(Message::Text(text)) => {
                     assert!(text.len() <= LIMIT);
-                    core.worker_message(&mut NullIo, worker, text.as_str());
+                    core.worker_message(&mut NullIo, WORKER, text.as_str());
                 }
                 Ok(Message::Binary(b)) => assert!(b.len() <= LIMIT),
                 Ok(_) => {}

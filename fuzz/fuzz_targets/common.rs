@@ -1,0 +1,23 @@
+//! Shared by the targets that drive a real core: an `Io` that accepts everything, and a core
+//! with one connected worker.
+use relay::dispatch::{Core, CoreConfig, Io};
+use relay::http::Response;
+use relay::tasks::ConnRef;
+
+pub struct NullIo;
+
+impl Io for NullIo {
+    fn send_text(&mut self, _: ConnRef, _: &[&str]) -> bool {
+        true
+    }
+    fn reply(&mut self, _: ConnRef, _: Response) {}
+}
+
+pub const WORKER: ConnRef = ConnRef { slot: 0, generation: 1 };
+
+pub fn core_with_worker() -> Core {
+    let cfg = CoreConfig { task_timeout_ms: 1000, max_retries: 2, wait_timeout_ms: 1000, task_ttl_ms: 1000, max_pending: 10 };
+    let mut core = Core::new(cfg, 0, 0);
+    core.worker_connected(&mut NullIo, WORKER, std::net::IpAddr::from([127, 0, 0, 1]));
+    core
+}
