@@ -1,0 +1,301 @@
+//! HTTP connections: reading, the request state machine (head, body, held answers), and
+//! answers written before the connection closes.
+
+use super::*;
+
+impl Server {
+    pub(super) fn read_http(&mut self, r: ConnRef, stop_on_short: bool) {
+        loop {
+            let Some(conn) = self.conns.get_mut(r) else { return };
+            let State::Http(http) = &mut conn.state else { return };
+            // The most input the connection may buffer in its phase.
+            let cap = match &http.phase {
+                Phase::Held { .. } | Phase::Download(_) => MAX_HELD_INPUT_BYTES,
+                Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES || self.disk_bytes >= DISK_BUDGET_BYTES => 0,
+                Phase::Upload(_) => UPLOAD_INPUT_BYTES,
+                _ => self.http_input_cap,
+            };
+            let backlog = conn.out.len() - conn.out_pos;
+            let blocked = conn.close_after_flush || backlog > MAX_HTTP_BACKLOG_BYTES || http.buf.len() >= cap;
+            if blocked {
+                conn.read_more = true;
+                return;
+            }
+            let room = (cap - http.buf.len()).min(self.scratch.len());
+            match conn.stream.read(&mut self.scratch[..room]) {
+                Ok(0) => {
+                    // The peer closed its side. An answer under way (or already queued) is
+                    // still delivered; nothing more will be read.
+                    let answering = matches!(http.phase, Phase::Held { .. } | Phase::Download(_));
+                    if answering || conn.pending_out() > 0 {
+                        conn.close_after_flush = true;
+                        conn.read_more = false;
+                        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                    } else {
+                        self.close_now(r, "peer closed");
+                    }
+                    return;
+                }
+                Ok(n) => {
+                    http.buf.extend_from_slice(&self.scratch[..n]);
+                    self.process_http(r);
+                    if stop_on_short && n < room {
+                        if let Some(conn) = self.conns.get_mut(r) {
+                            conn.read_more = false;
+                        }
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    conn.read_more = false;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.close_now(r, "read error");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Handles every complete request in the connection's buffer, in order.
+    pub(super) fn process_http(&mut self, r: ConnRef) {
+        for _ in 0..MAX_ITEMS_PER_TURN {
+            if !self.step_http(r) {
+                return;
+            }
+        }
+        // A turn's worth done; the rest next turn.
+        self.again.push(r);
+    }
+
+    /// One step of the HTTP state machine. `true` if it made progress and may continue.
+    pub(super) fn step_http(&mut self, r: ConnRef) -> bool {
+        let now = self.now_ms;
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        if conn.close_after_flush || conn.pending_out() > MAX_HTTP_BACKLOG_BYTES {
+            return false;
+        }
+        let State::Http(http) = &mut conn.state else { return false };
+        match &mut http.phase {
+            Phase::Held { .. } | Phase::Download(_) => false,
+            Phase::Upload(_) => self.step_upload(r),
+            Phase::Idle | Phase::Head => {
+                if http.buf.is_empty() {
+                    return false;
+                }
+                if matches!(http.phase, Phase::Idle) {
+                    http.phase = Phase::Head;
+                    let at = now + self.cfg.header_timeout_ms;
+                    self.set_deadline(r, at);
+                    return true;
+                }
+                let Some(end) = http::find_head_end(&http.buf, http.scanned) else {
+                    if http.buf.len() > MAX_HEAD_BYTES {
+                        self.respond_and_close(r, crate::api::error(431, "request head over 16 KiB"));
+                    } else {
+                        http.scanned = http.buf.len();
+                    }
+                    return false;
+                };
+                http.scanned = 0;
+                let head = match http::parse_head(&http.buf, end) {
+                    Ok(h) => h,
+                    Err(e) => {
+                        let status = e.status();
+                        let msg = e.to_string();
+                        self.respond_and_close(r, crate::api::error(status, &msg));
+                        return false;
+                    }
+                };
+                http.buf.drain(..end);
+                http.requests += 1;
+                conn.client_ip = self.cfg.trusted_proxies.client_ip(
+                    conn.peer_ip,
+                    head.forwarded_for.as_deref(),
+                    head.real_ip.as_deref(),
+                );
+                let identity = match self.api.precheck(&head, self.core.wall_ms) {
+                    Ok(identity) => identity,
+                    Err(response) => {
+                        self.answer_early(r, &head, response);
+                        return true;
+                    }
+                };
+                match Route::of(&head.path) {
+                    Route::Files => return self.start_upload(r, head),
+                    Route::File(id) => {
+                        let id = crate::tasks::parse_id(id);
+                        return self.start_download(r, head, id);
+                    }
+                    _ => {}
+                }
+                let body_ready = match head.framing {
+                    Framing::Empty => true,
+                    Framing::Length(n) => http.buf.len() as u64 >= n,
+                    Framing::Chunked => false,
+                };
+                if head.expect_continue && !body_ready && head.minor_version == 1 {
+                    conn.out.extend_from_slice(CONTINUE_100);
+                    mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                }
+                let chunked =
+                    (head.framing == Framing::Chunked).then(|| Box::new((ChunkedDecoder::default(), Vec::new())));
+                if let Framing::Length(n) = head.framing {
+                    let wanted = (n as usize).min(self.http_input_cap);
+                    http.buf.reserve(wanted.saturating_sub(http.buf.len()));
+                }
+                http.phase = Phase::Body { head: Box::new(head), identity, chunked };
+                true
+            }
+            Phase::Body { head, chunked, .. } => {
+                let body = match head.framing {
+                    Framing::Empty => Vec::new(),
+                    Framing::Length(n) => {
+                        let n = n as usize;
+                        if http.buf.len() < n {
+                            return false;
+                        }
+                        let rest = http.buf.split_off(n);
+                        std::mem::replace(&mut http.buf, rest)
+                    }
+                    Framing::Chunked => {
+                        let limit = self.api.body_limit(Route::of(&head.path)) as usize;
+                        let Some(state) = chunked.as_mut() else { return false };
+                        let (decoder, decoded) = &mut **state;
+                        match decoder.decode(&http.buf, decoded, limit) {
+                            Ok(used) => {
+                                http.buf.drain(..used);
+                            }
+                            Err(http::ChunkError::TooLarge) => {
+                                let msg = format!("body is over the limit of {limit} bytes");
+                                self.respond_and_close(r, crate::api::error(413, &msg));
+                                return false;
+                            }
+                            Err(http::ChunkError::Malformed(why)) => {
+                                self.respond_and_close(
+                                    r,
+                                    crate::api::error(400, &format!("malformed chunked body: {why}")),
+                                );
+                                return false;
+                            }
+                        }
+                        if !decoder.is_done() {
+                            return false;
+                        }
+                        std::mem::take(decoded)
+                    }
+                };
+                let Phase::Body { head, identity, .. } = std::mem::replace(&mut http.phase, Phase::Idle) else {
+                    return false;
+                };
+                self.complete_request(r, &head, identity.as_ref(), &body);
+                true
+            }
+        }
+    }
+
+    /// The head alone decided the answer. The connection stays usable only if the body (if
+    /// any) is already here to be skipped.
+    pub(super) fn answer_early(&mut self, r: ConnRef, head: &Head, response: Response) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &mut conn.state else { return };
+        let body_skipped = match head.framing {
+            Framing::Empty => true,
+            Framing::Length(n) if http.buf.len() as u64 >= n => {
+                http.buf.drain(..n as usize);
+                true
+            }
+            _ => false,
+        };
+        let close = !body_skipped || !head.keep_alive || self.shutdown_started;
+        self.core.metrics.http_request(response.status);
+        crate::log!(
+            Level::Debug,
+            "request",
+            method = format!("{:?}", head.method),
+            path = head.path,
+            status = response.status,
+            client_ip = conn.client_ip
+        );
+        if close {
+            http.buf.clear();
+            conn.close_after_flush = true;
+        }
+        http.phase = Phase::Idle;
+        write_response(&mut conn.out, response, close, head.method == Method::Head);
+        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        let at = self.now_ms + self.cfg.idle_timeout_ms;
+        self.set_deadline(r, at);
+    }
+
+    pub(super) fn complete_request(&mut self, r: ConnRef, head: &Head, identity: Option<&Identity>, body: &[u8]) {
+        let open = self.conns.len();
+        let handled = {
+            let (mut wire, core, api) = self.wire_and_api();
+            api.handle(core, &mut wire, r, head, identity, body, open)
+        };
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &mut conn.state else { return };
+        let client_ip = conn.client_ip;
+        match handled {
+            Handled::Respond(response) => {
+                self.core.metrics.http_request(response.status);
+                crate::log!(
+                    Level::Debug,
+                    "request",
+                    method = format!("{:?}", head.method),
+                    path = head.path,
+                    status = response.status,
+                    client_ip = client_ip
+                );
+                let close = !head.keep_alive || response.close || self.shutdown_started;
+                write_response(&mut conn.out, response, close, head.method == Method::Head);
+                conn.close_after_flush |= close;
+                mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                let at = self.now_ms + self.cfg.idle_timeout_ms;
+                self.set_deadline(r, at);
+            }
+            Handled::Held => {
+                http.phase = Phase::Held { keep_alive: head.keep_alive, head_only: head.method == Method::Head };
+                self.set_deadline(r, u64::MAX);
+            }
+            Handled::Upgrade { accept_key } => self.upgrade(r, &accept_key, client_ip),
+        }
+    }
+
+    pub(super) fn respond_and_close(&mut self, r: ConnRef, response: Response) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        self.core.metrics.http_request(response.status);
+        write_response(&mut conn.out, response, true, false);
+        if let State::Http(http) = &mut conn.state {
+            http.buf = Vec::new();
+            let phase = std::mem::replace(&mut http.phase, Phase::Idle);
+            end_transfer(&self.store, &mut self.transfers, &phase);
+        }
+        conn.close_after_flush = true;
+        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+    }
+
+    pub(super) fn drain_closing(&mut self, r: ConnRef) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        loop {
+            match conn.stream.read(&mut self.scratch) {
+                Ok(0) => {
+                    if conn.pending_out() == 0 {
+                        self.close_now(r, "closed");
+                    }
+                    return;
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.close_now(r, "read error while closing");
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,740 @@
+//! The event loop: one mio `Poll`, the listener, the connection slots, the timer wheel's clock.
+//! The only module that makes syscalls on sockets or reads the clock.
+//!
+//! Invariants:
+//! - readiness is edge-triggered: a socket is read until `WouldBlock`, or `read_more` is set and
+//!   the connection is revisited (`again`) once whatever stopped the read is gone;
+//! - output is appended to a connection's buffer and written once per loop turn (`dirty`), so
+//!   several responses or frames leave in one syscall;
+//! - a token carries the slot's generation: events, timers and core references to a closed
+//!   connection are dropped, never applied to the slot's next occupant;
+//! - nothing here blocks: no sleeps, no disk, no blocking sockets.
+
+use std::io::{self, Read, Write};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
+use tungstenite::Message;
+use tungstenite::protocol::CloseFrame;
+use tungstenite::protocol::frame::coding::CloseCode;
+
+use std::collections::HashMap;
+
+mod http_conn;
+mod transfer;
+mod ws;
+
+use crate::api::{Api, Handled, Route};
+use crate::auth::Identity;
+use crate::config::Config;
+use crate::conn::{Conn, Download, Phase, State, Upload, Ws, WsIo, ws_context};
+use crate::dispatch::{Core, CoreConfig, Io, Timer};
+use crate::files::{self, Done, FileMeta, Job, OpenError, RangeAnswer, Store, TransferId, UploadError, UploadParse};
+use crate::http::{self, ChunkedDecoder, Framing, Head, MAX_HEAD_BYTES, Method, Response};
+use crate::log::Level;
+use crate::tasks::{ConnRef, uuid_string};
+
+const LISTENER: Token = Token(usize::MAX);
+const WAKER: Token = Token(usize::MAX - 1);
+
+/// Connections accepted per loop turn before others get their turn.
+const ACCEPT_BATCH: usize = 256;
+/// Requests handled per connection per turn.
+const MAX_ITEMS_PER_TURN: usize = 64;
+/// Socket reads (of up to 64 KiB) per worker connection per turn.
+const MAX_READS_PER_TURN: usize = 4;
+/// Unwritten response bytes beyond which a connection's further requests wait.
+const MAX_HTTP_BACKLOG_BYTES: usize = 1 << 20;
+/// Pipelined bytes buffered while a request is held.
+const MAX_HELD_INPUT_BYTES: usize = 64 * 1024;
+/// Output buffers above this are released once drained.
+const KEEP_OUT_CAPACITY: usize = 64 * 1024;
+/// How long a closing connection waits for the peer's FIN.
+const LINGER_MS: u64 = 2_000;
+/// Retry delay after the process ran out of file descriptors.
+const ACCEPT_BACKOFF_MS: u64 = 100;
+
+/// Input an upload may buffer ahead of the parser.
+const UPLOAD_INPUT_BYTES: usize = 256 * 1024;
+/// File bytes of one upload sent to the disk thread and not yet written.
+const UPLOAD_WINDOW_BYTES: usize = 512 * 1024;
+/// The same, summed over every upload: beyond it uploads wait for the disk.
+const DISK_BUDGET_BYTES: usize = 64 << 20;
+/// How often BLOB_DIR is swept for leftovers (temp files and blobs without metadata that
+/// nothing wrote to for an hour) and files past their time.
+const BLOB_SWEEP_MS: u64 = 60 * 60 * 1000;
+/// One read from a file being downloaded.
+const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
+/// A download asks for more only when its unwritten output is at most this.
+const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
+
+const CONTINUE_100: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+fn token(r: ConnRef) -> Token {
+    Token((r.generation as usize) << 32 | r.slot as usize)
+}
+
+fn conn_ref(t: Token) -> ConnRef {
+    ConnRef { slot: (t.0 & 0xFFFF_FFFF) as u32, generation: (t.0 >> 32) as u32 }
+}
+
+struct Slot {
+    generation: u32,
+    conn: Option<Conn>,
+}
+
+/// Connection slots with generations, and a free list.
+#[derive(Default)]
+pub struct Conns {
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    len: usize,
+}
+
+impl Conns {
+    fn insert(&mut self, conn: Conn) -> ConnRef {
+        let slot = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(Slot { generation: 0, conn: None });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        let entry = &mut self.slots[slot as usize];
+        entry.generation = entry.generation.wrapping_add(1);
+        entry.conn = Some(conn);
+        self.len += 1;
+        ConnRef { slot, generation: entry.generation }
+    }
+
+    fn get_mut(&mut self, r: ConnRef) -> Option<&mut Conn> {
+        let entry = self.slots.get_mut(r.slot as usize)?;
+        if entry.generation != r.generation {
+            return None;
+        }
+        entry.conn.as_mut()
+    }
+
+    fn remove(&mut self, r: ConnRef) -> Option<Conn> {
+        let entry = self.slots.get_mut(r.slot as usize)?;
+        if entry.generation != r.generation {
+            return None;
+        }
+        let conn = entry.conn.take()?;
+        self.free.push(r.slot);
+        self.len -= 1;
+        Some(conn)
+    }
+
+    fn refs(&self) -> Vec<ConnRef> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.conn.is_some())
+            .map(|(i, s)| ConnRef { slot: i as u32, generation: s.generation })
+            .collect()
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Queues a connection for the end-of-turn write (takes the flag alone, so callers may hold
+/// other fields of the connection).
+fn mark_dirty(in_dirty: &mut bool, r: ConnRef, dirty: &mut Vec<ConnRef>) {
+    if !*in_dirty {
+        *in_dirty = true;
+        dirty.push(r);
+    }
+}
+
+/// The core's window on the connections (see [`Io`]). It never closes or removes one.
+struct Wire<'a> {
+    conns: &'a mut Conns,
+    dirty: &'a mut Vec<ConnRef>,
+    again: &'a mut Vec<ConnRef>,
+    max_ws_out_bytes: usize,
+    shutting_down: bool,
+}
+
+impl Io for Wire<'_> {
+    fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool {
+        let Some(conn) = self.conns.get_mut(worker) else { return false };
+        let len: usize = parts.iter().map(|p| p.len()).sum();
+        match &conn.state {
+            State::Ws(ws) if ws.ctx.can_write() && !conn.close_after_flush => {}
+            _ => return false,
+        }
+        if conn.pending_out() + len > self.max_ws_out_bytes {
+            // Over the cap: it is only a failure if the socket will not take bytes now (a burst
+            // within one loop turn is not a stalled worker).
+            if write_out(conn).is_err() || conn.pending_out() + len > self.max_ws_out_bytes {
+                return false;
+            }
+        }
+        // tungstenite keeps nothing buffered (write_buffer_size 0: every frame it makes goes
+        // straight to `out`), so a frame written here keeps the stream in order.
+        crate::conn::push_text_frame(&mut conn.out, parts, len);
+        mark_dirty(&mut conn.in_dirty, worker, self.dirty);
+        true
+    }
+
+    fn reply(&mut self, r: ConnRef, response: Response) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &mut conn.state else { return };
+        let Phase::Held { keep_alive, head_only } = http.phase else { return };
+        let close = !keep_alive || response.close || self.shutting_down;
+        write_response(&mut conn.out, response, close, head_only);
+        http.phase = Phase::Idle;
+        conn.close_after_flush |= close;
+        mark_dirty(&mut conn.in_dirty, r, self.dirty);
+        // Pipelined requests may be waiting behind the held one.
+        self.again.push(r);
+    }
+}
+
+/// Writes the connection's output until it is all written or the socket would block.
+fn write_out(conn: &mut Conn) -> io::Result<()> {
+    while conn.out_pos < conn.out.len() {
+        match conn.stream.write(&conn.out[conn.out_pos..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => conn.out_pos += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    conn.out.clear();
+    conn.out_pos = 0;
+    Ok(())
+}
+
+/// A held reply or a download that has not been written completely yet.
+fn answer_under_way(conn: &Conn) -> bool {
+    matches!(&conn.state, State::Http(http) if matches!(http.phase, Phase::Held { .. } | Phase::Download(_) | Phase::Upload(_)))
+}
+
+/// Tells the disk thread a connection's transfer is over (an upload not finished is removed).
+fn end_transfer(store: &Store, transfers: &mut HashMap<TransferId, ConnRef>, phase: &Phase) {
+    match phase {
+        Phase::Upload(up) => {
+            transfers.remove(&up.transfer);
+            if !up.finishing {
+                store.send(Job::Abort { t: up.transfer });
+            }
+        }
+        Phase::Download(d) => {
+            transfers.remove(&d.transfer);
+            store.send(Job::Close { t: d.transfer });
+        }
+        _ => {}
+    }
+}
+
+fn write_response(out: &mut Vec<u8>, mut response: Response, close: bool, head_only: bool) {
+    response.close = close;
+    response.write_to(out, head_only);
+}
+
+pub struct Server {
+    poll: Poll,
+    listener: Option<TcpListener>,
+    pub local_addr: SocketAddr,
+    conns: Conns,
+    core: Core,
+    api: Api,
+    cfg: Config,
+    started: Instant,
+    now_ms: u64,
+    scratch: Vec<u8>,
+    dirty: Vec<ConnRef>,
+    again: Vec<ConnRef>,
+    fired: Vec<Timer>,
+    accept_pending: bool,
+    shutdown_flag: Arc<AtomicBool>,
+    shutdown_started: bool,
+    max_ws_out_bytes: usize,
+    /// Input an HTTP connection may buffer: a head, the largest body, and a little more.
+    http_input_cap: usize,
+    store: Store,
+    /// Which connection a disk transfer belongs to.
+    transfers: HashMap<TransferId, ConnRef>,
+    next_transfer: TransferId,
+    /// Upload bytes queued to the disk thread and not yet written, over all uploads.
+    disk_bytes: usize,
+}
+
+impl Server {
+    /// Binds the listener and prepares the loop. Returns the server and the waker that
+    /// helper threads (signals, later disk work) use to wake it.
+    pub fn bind(cfg: Config, shutdown_flag: Arc<AtomicBool>) -> io::Result<(Server, Arc<Waker>)> {
+        let poll = Poll::new()?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
+        let mut listener = TcpListener::bind(SocketAddr::new(cfg.bind, cfg.port))?;
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        let local_addr = listener.local_addr()?;
+        let started = Instant::now();
+        let mut core = Core::new(
+            CoreConfig {
+                task_timeout_ms: cfg.task_timeout_ms,
+                max_retries: cfg.max_retries,
+                wait_timeout_ms: cfg.wait_timeout_ms,
+                task_ttl_ms: cfg.task_ttl_ms,
+                max_pending: cfg.max_pending,
+            },
+            0,
+            crate::timefmt::wall_ms(),
+        );
+        let api = Api {
+            auth: crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token)
+                .with_scoped_tokens(cfg.token_secret.as_deref(), &cfg.token_store),
+            max_message_bytes: cfg.max_message_bytes,
+            max_batch_bytes: cfg.max_batch_bytes,
+            max_file_bytes: cfg.max_file_bytes,
+        };
+        let disk_waker = waker.clone();
+        let store = Store::start(
+            cfg.blob_dir.clone(),
+            Arc::new(move || {
+                let _ = disk_waker.wake();
+            }),
+        )?;
+        store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
+        core.wheel.arm(BLOB_SWEEP_MS, Timer::BlobSweep);
+        let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
+        let cfg_max_body = cfg.max_message_bytes;
+        let server = Server {
+            poll,
+            listener: Some(listener),
+            local_addr,
+            conns: Conns::default(),
+            core,
+            api,
+            cfg,
+            started,
+            now_ms: 0,
+            scratch: vec![0; 64 * 1024],
+            dirty: Vec::new(),
+            again: Vec::new(),
+            fired: Vec::new(),
+            accept_pending: false,
+            shutdown_flag,
+            shutdown_started: false,
+            max_ws_out_bytes,
+            http_input_cap: MAX_HEAD_BYTES + cfg_max_body + 4096,
+            store,
+            transfers: HashMap::new(),
+            next_transfer: 1,
+            disk_bytes: 0,
+        };
+        Ok((server, waker))
+    }
+
+    fn tick_clock(&mut self) {
+        self.now_ms = self.started.elapsed().as_millis() as u64;
+        self.core.now_ms = self.now_ms;
+        self.core.wall_ms = crate::timefmt::wall_ms();
+    }
+
+    fn wire(&mut self) -> (Wire<'_>, &mut Core) {
+        let (wire, core, _) = self.wire_and_api();
+        (wire, core)
+    }
+
+    /// The core, its window on the connections, and the API, borrowed together.
+    fn wire_and_api(&mut self) -> (Wire<'_>, &mut Core, &Api) {
+        (
+            Wire {
+                conns: &mut self.conns,
+                dirty: &mut self.dirty,
+                again: &mut self.again,
+                max_ws_out_bytes: self.max_ws_out_bytes,
+                shutting_down: self.shutdown_started,
+            },
+            &mut self.core,
+            &self.api,
+        )
+    }
+
+    /// Runs until a graceful shutdown completes.
+    pub fn run(mut self) -> io::Result<()> {
+        let mut events = Events::with_capacity(1024);
+        loop {
+            self.tick_clock();
+            let timeout = if !self.again.is_empty() || self.accept_pending {
+                Some(Duration::ZERO)
+            } else {
+                self.core.wheel.next_wakeup_ms().map(|at| Duration::from_millis(at.saturating_sub(self.now_ms)))
+            };
+            if let Err(e) = self.poll.poll(&mut events, timeout)
+                && e.kind() != io::ErrorKind::Interrupted
+            {
+                return Err(e);
+            }
+            self.tick_clock();
+            for event in events.iter() {
+                match event.token() {
+                    LISTENER => self.accept_pending = true,
+                    WAKER => self.on_disk_done(),
+                    t => {
+                        let r = conn_ref(t);
+                        if event.is_readable() || event.is_read_closed() || event.is_error() {
+                            self.on_readable(r, event.is_read_closed() || event.is_error());
+                        }
+                        if event.is_writable() {
+                            self.flush(r);
+                        }
+                    }
+                }
+            }
+            if self.shutdown_flag.load(Ordering::Relaxed) && !self.shutdown_started {
+                self.begin_shutdown();
+            }
+            if self.accept_pending && self.listener.is_some() {
+                self.accept_batch();
+            }
+            self.fire_timers();
+            self.process_again();
+            self.flush_dirty();
+            if self.shutdown_started && self.conns.is_empty() {
+                crate::log!(Level::Info, "shutdown complete");
+                return Ok(());
+            }
+            if self.shutdown_started && self.core.wheel.is_empty() {
+                // Nothing left that could ever end the remaining connections.
+                return Ok(());
+            }
+        }
+    }
+
+    // ----- accepting -------------------------------------------------------------------------
+
+    fn accept_batch(&mut self) {
+        for _ in 0..ACCEPT_BATCH {
+            let Some(listener) = &self.listener else { return };
+            match listener.accept() {
+                Ok((stream, addr)) => self.admit(stream, addr),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.accept_pending = false;
+                    return;
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+                        crate::log!(Level::Warn, "accept failed; pausing", error = e);
+                        self.accept_pending = false;
+                        self.core.wheel.arm(self.now_ms + ACCEPT_BACKOFF_MS, Timer::AcceptResume);
+                        return;
+                    }
+                    // ECONNABORTED and friends concern one connection only.
+                }
+            }
+        }
+        // More may be queued; come back next turn without waiting.
+        self.accept_pending = true;
+    }
+
+    fn admit(&mut self, stream: TcpStream, addr: SocketAddr) {
+        if self.conns.len() >= self.cfg.max_connections {
+            self.core.metrics.connections_refused += 1;
+            crate::log!(Level::Debug, "connection refused: MAX_CONNECTIONS reached", peer = addr);
+            return; // dropping the stream closes it at once
+        }
+        let _ = stream.set_nodelay(true);
+        let r = self.conns.insert(Conn::new(stream, addr.ip()));
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        if self.poll.registry().register(&mut conn.stream, token(r), Interest::READABLE | Interest::WRITABLE).is_err() {
+            self.conns.remove(r);
+            return;
+        }
+        let deadline = self.now_ms + self.cfg.header_timeout_ms;
+        self.set_deadline(r, deadline);
+        crate::log!(Level::Trace, "connection accepted", peer = addr);
+    }
+
+    // ----- timers ----------------------------------------------------------------------------
+
+    fn set_deadline(&mut self, r: ConnRef, at: u64) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        conn.deadline_ms = at;
+        if at == u64::MAX {
+            return; // an armed timer will find nothing due and not re-arm
+        }
+        match conn.timer {
+            Some((armed, _)) if armed <= at => {}
+            _ => {
+                if let Some((_, h)) = conn.timer.take() {
+                    self.core.wheel.cancel(h);
+                }
+                conn.timer = Some((at, self.core.wheel.arm(at, Timer::Conn(r))));
+            }
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let mut fired = std::mem::take(&mut self.fired);
+        self.core.wheel.advance(self.now_ms, &mut fired);
+        for timer in fired.drain(..) {
+            match timer {
+                Timer::Conn(r) => self.on_conn_timer(r),
+                Timer::AcceptResume => self.accept_pending = true,
+                Timer::BlobExpire(file_id) => self.store.send(Job::Delete { file_id }),
+                Timer::BlobSweep => {
+                    self.store.send(Job::Sweep { now_wall_ms: crate::timefmt::wall_ms() });
+                    self.core.wheel.arm(self.now_ms + BLOB_SWEEP_MS, Timer::BlobSweep);
+                }
+                Timer::ShutdownDeadline => {
+                    crate::log!(
+                        Level::Warn,
+                        "shutdown timeout: closing remaining connections",
+                        open = self.conns.len()
+                    );
+                    for r in self.conns.refs() {
+                        self.close_now(r, "shutdown timeout");
+                    }
+                }
+                other => {
+                    let (mut wire, core) = self.wire();
+                    core.on_timer(&mut wire, other);
+                }
+            }
+        }
+        self.fired = fired;
+    }
+
+    fn on_conn_timer(&mut self, r: ConnRef) {
+        let now = self.now_ms;
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        conn.timer = None;
+        if conn.deadline_ms == u64::MAX {
+            return;
+        }
+        if now < conn.deadline_ms {
+            let at = conn.deadline_ms;
+            conn.timer = Some((at, self.core.wheel.arm(at, Timer::Conn(r))));
+            return;
+        }
+        match &mut conn.state {
+            State::Http(http) => match http.phase {
+                Phase::Idle => {
+                    if conn.pending_out() > 0 {
+                        // Still writing a response to a slow reader: not idle yet.
+                        let at = now + self.cfg.idle_timeout_ms;
+                        self.set_deadline(r, at);
+                    } else {
+                        self.close_now(r, "idle");
+                    }
+                }
+                Phase::Head | Phase::Body { .. } => {
+                    crate::log!(Level::Debug, "request timeout", client_ip = conn.client_ip);
+                    self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
+                }
+                Phase::Held { .. } => {}
+                Phase::Upload(_) => {
+                    crate::log!(Level::Debug, "upload stalled", client_ip = conn.client_ip);
+                    self.respond_and_close(r, crate::api::error(408, "upload made no progress within HEADER_TIMEOUT"));
+                }
+                Phase::Download(_) => self.close_now(r, "download stalled"),
+            },
+            State::Ws(ws) => {
+                if now >= ws.last_seen_ms + self.cfg.pong_wait_ms {
+                    crate::log!(Level::Info, "worker silent past PONG_WAIT", client_ip = conn.client_ip);
+                    self.close_now(r, "no pong within PONG_WAIT");
+                    return;
+                }
+                if now >= ws.next_ping_ms {
+                    let mut io = WsIo::writer(&mut conn.out);
+                    let _ = ws.ctx.write(&mut io, Message::Ping(Default::default()));
+                    ws.next_ping_ms = now + self.cfg.ping_interval_ms;
+                    mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                }
+                let State::Ws(ws) = &conn.state else { return };
+                let at = ws.next_ping_ms.min(ws.last_seen_ms + self.cfg.pong_wait_ms);
+                self.set_deadline(r, at);
+            }
+            State::Closing => self.close_now(r, "linger over"),
+        }
+    }
+
+    // ----- reading ---------------------------------------------------------------------------
+
+    /// `peer_closed`: the event reported a hang-up, so reading must go on until EOF is seen.
+    fn on_readable(&mut self, r: ConnRef, peer_closed: bool) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        match conn.state {
+            State::Http(_) => self.read_http(r, !peer_closed),
+            State::Ws(_) => self.read_ws(r, !peer_closed),
+            State::Closing => self.drain_closing(r),
+        }
+    }
+
+    /// Reads and handles requests. With `stop_on_short`, a read that did not fill the room it
+    /// had counts as draining the socket (edge-triggered epoll reports later data anew).
+    fn process_again(&mut self) {
+        let again = std::mem::take(&mut self.again);
+        for r in again {
+            let Some(conn) = self.conns.get_mut(r) else { continue };
+            match conn.state {
+                State::Http(_) => {
+                    self.process_http(r);
+                    if self.conns.get_mut(r).is_some_and(|c| c.read_more) {
+                        self.read_http(r, false);
+                    }
+                }
+                State::Ws(_) => self.read_ws(r, false),
+                State::Closing => self.drain_closing(r),
+            }
+        }
+    }
+
+    // ----- writing ---------------------------------------------------------------------------
+
+    fn flush_dirty(&mut self) {
+        let dirty = std::mem::take(&mut self.dirty);
+        for &r in &dirty {
+            if let Some(conn) = self.conns.get_mut(r) {
+                conn.in_dirty = false;
+            }
+            self.flush(r);
+        }
+        let mut dirty = dirty;
+        dirty.clear();
+        if self.dirty.is_empty() {
+            self.dirty = dirty;
+        }
+    }
+
+    fn flush(&mut self, r: ConnRef) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let total = conn.out.len();
+        if write_out(conn).is_err() {
+            self.close_now(r, "write error");
+            return;
+        }
+        if conn.pending_out() > 0 {
+            // A writable event follows; a download may still want its next chunk.
+            self.pump_download(r);
+            return;
+        }
+        let had_backlog = total > MAX_HTTP_BACKLOG_BYTES;
+        if conn.out.capacity() > KEEP_OUT_CAPACITY {
+            conn.out = Vec::new();
+        }
+        if conn.close_after_flush && !answer_under_way(conn) {
+            let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+            if !matches!(conn.state, State::Closing) {
+                if let State::Http(_) = conn.state {
+                    conn.state = State::Closing;
+                }
+                let at = self.now_ms + LINGER_MS;
+                conn.deadline_ms = u64::MAX;
+                self.set_deadline(r, at);
+            }
+            // The peer may already have closed; find out without waiting for an event.
+            self.drain_closing(r);
+            return;
+        }
+        if had_backlog || conn.read_more {
+            self.again.push(r);
+        }
+        self.pump_download(r);
+    }
+
+    // ----- closing ---------------------------------------------------------------------------
+
+    fn close_now(&mut self, r: ConnRef, why: &str) {
+        let Some(mut conn) = self.conns.remove(r) else { return };
+        if let State::Http(http) = &conn.state {
+            self.end_transfer(&http.phase);
+        }
+        let _ = self.poll.registry().deregister(&mut conn.stream);
+        if let Some((_, h)) = conn.timer.take() {
+            self.core.wheel.cancel(h);
+        }
+        crate::log!(Level::Trace, "connection closed", client_ip = conn.client_ip, reason = why);
+        drop(conn);
+        // A no-op unless the connection was a worker's (or held a wait=true request).
+        self.worker_gone(r, why);
+        self.core.conn_closed(r);
+    }
+
+    fn begin_shutdown(&mut self) {
+        self.shutdown_started = true;
+        crate::log!(
+            Level::Info,
+            "shutting down",
+            open_connections = self.conns.len(),
+            grace_ms = self.cfg.shutdown_timeout_ms
+        );
+        if let Some(mut listener) = self.listener.take() {
+            let _ = self.poll.registry().deregister(&mut listener);
+        }
+        self.core.shutting_down = true;
+        {
+            let (mut wire, core) = self.wire();
+            core.release_waiters(&mut wire);
+        }
+        for r in self.conns.refs() {
+            let Some(conn) = self.conns.get_mut(r) else { continue };
+            match &conn.state {
+                State::Http(http) => {
+                    if matches!(http.phase, Phase::Idle) && http.buf.is_empty() && conn.pending_out() == 0 {
+                        self.close_now(r, "shutdown");
+                    } else {
+                        // Finish the response under way, then close.
+                        if matches!(http.phase, Phase::Idle) {
+                            conn.close_after_flush = true;
+                            mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                        }
+                    }
+                }
+                State::Ws(_) => self.close_ws(r, CloseCode::Away, "server shutting down"),
+                State::Closing => {}
+            }
+        }
+        self.core.wheel.arm(self.now_ms + self.cfg.shutdown_timeout_ms, Timer::ShutdownDeadline);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_round_trip() {
+        for r in [ConnRef { slot: 0, generation: 1 }, ConnRef { slot: 12345, generation: u32::MAX }] {
+            assert_eq!(conn_ref(token(r)), r);
+            assert_ne!(token(r), LISTENER);
+            assert_ne!(token(r), WAKER);
+        }
+    }
+
+    #[test]
+    fn slots_reject_stale_generations() {
+        // A slot's next occupant must not be reachable through the previous occupant's ref.
+        let mut conns = Conns::default();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let mk = || {
+            let s = std::net::TcpStream::connect(addr).expect("connect");
+            Conn::new(TcpStream::from_std(s), addr.ip())
+        };
+        let first = conns.insert(mk());
+        assert!(conns.remove(first).is_some());
+        let second = conns.insert(mk());
+        assert_eq!(first.slot, second.slot);
+        assert!(conns.get_mut(first).is_none());
+        assert!(conns.remove(first).is_none());
+        assert!(conns.get_mut(second).is_some());
+        assert_eq!(conns.len(), 1);
+    }
+}
