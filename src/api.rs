@@ -9,9 +9,9 @@ use serde_json::value::RawValue;
 
 use crate::auth::{Auth, Identity};
 use crate::config::parse_duration_ms;
-use crate::dispatch::{CancelResult, Core, Io, NewTask, SubmitError};
+use crate::dispatch::{CancelResult, Core, Io, NewTask, ReadFor, SubmitError};
 use crate::http::{Head, Method, Response, error_code};
-use crate::tasks::{ConnRef, TaskId, parse_id, push_uuid};
+use crate::tasks::{ConnRef, TaskId, parse_id, push_json_str, push_uuid};
 
 /// Longest accepted `Idempotency-Key`.
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
@@ -146,9 +146,11 @@ impl Api {
             },
             _ => Some(self.auth.task_api(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?),
         };
-        if route == Route::TasksBatch {
-            // Decided by the head: the body (up to MAX_BATCH_BYTES) is never read.
-            return Err(error(501, "POST /tasks/batch is not available in this version"));
+        if route == Route::TasksBatch && head.idempotency_key.is_some() {
+            return Err(error(
+                400,
+                "Idempotency-Key is not supported on POST /tasks/batch (give each task its own submit)",
+            ));
         }
         if let crate::http::Framing::Length(n) = head.framing {
             let limit = self.body_limit(route);
@@ -192,24 +194,31 @@ impl Api {
             }
             Route::Task(id_text) => {
                 let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
-                let Some(id) = parse_id(id_text).filter(|id| visible(core, *id, identity)) else {
+                let Some(id) = parse_id(id_text) else { return Handled::Respond(error(404, "no such task")) };
+                if core.task(id).is_none() {
+                    // Finished and out of memory (TASK_MEMORY): read back from the journal; the
+                    // kind is checked against the token once it is read.
+                    let purpose = if head.method == Method::Delete { ReadFor::Cancel } else { ReadFor::Get };
+                    return if core.read_evicted(conn, id, purpose, identity) {
+                        Handled::Held
+                    } else {
+                        Handled::Respond(error(404, "no such task"))
+                    };
+                }
+                if !visible(core, id, identity) {
                     return Handled::Respond(error(404, "no such task"));
-                };
+                }
                 match head.method {
                     Method::Delete => Handled::Respond(cancel(core, io, id)),
                     _ if wait => match core.wait(conn, id, false) {
                         Some(r) => Handled::Respond(r),
                         None => Handled::Held,
                     },
-                    _ => {
-                        let mut body = String::new();
-                        core.write_task_json(id, &mut body);
-                        Handled::Respond(Response::json(200, body.into_bytes()))
-                    }
+                    _ => Handled::Respond(task_json_response(core, id, 200)),
                 }
             }
-            Route::TasksBatch => Handled::Respond(error(501, "POST /tasks/batch is not available in this version")),
-            // (precheck answers batch from its head; this arm only keeps the match whole)
+            // (the reactor runs batches through `Api::batch_start`; this arm keeps the match whole)
+            Route::TasksBatch => Handled::Respond(error(500, "batch submitted outside its path")),
             Route::Files | Route::File(_) => {
                 Handled::Respond(error(501, "file transfer is not available in this version"))
             }
@@ -241,7 +250,7 @@ impl Api {
         // A repeated key answers for the first task before the body is even looked at: its
         // payload is not compared (SPEC §4).
         if let Some(id) = key.and_then(|k| core.idempotent_task(identity.owner_key(), k)) {
-            return self.answer_submit(core, conn, id, wait);
+            return self.answer_submit(core, conn, id, wait, identity);
         }
         let parsed = match parse_submit(body, core.wall_ms) {
             Ok(p) => p,
@@ -258,7 +267,7 @@ impl Api {
             payload: parsed.payload,
             kind: parsed.kind.as_deref(),
             run_at_wall_ms: parsed.run_at_wall_ms,
-            queue: parsed.queue,
+            queue: parsed.queue.unwrap_or(false),
             timeout_ms: parsed.timeout_ms,
             max_retries: parsed.max_retries,
             idempotency: key.map(|k| (identity.owner_key(), k)),
@@ -276,20 +285,141 @@ impl Api {
                 return Handled::Respond(Response::error(429, "queue_full", "MAX_PENDING tasks are already waiting"));
             }
         };
-        self.answer_submit(core, conn, id, wait)
+        self.answer_submit(core, conn, id, wait, identity)
     }
 
     /// What a submit answers for task `id`: the task when it is final or the wait ends
     /// (`wait=true`), else 202 `{task_id, status}`.
-    fn answer_submit(&self, core: &mut Core, conn: ConnRef, id: TaskId, wait: bool) -> Handled {
+    fn answer_submit(&self, core: &mut Core, conn: ConnRef, id: TaskId, wait: bool, identity: &Identity) -> Handled {
+        if core.task(id).is_none() {
+            // The key names a finished task that left memory.
+            if wait && core.read_evicted(conn, id, ReadFor::PostWait, identity) {
+                return Handled::Held;
+            }
+            let mut r = Response::json(202, accepted_json(core, id));
+            r.lsn = core.task(id).map_or(0, |t| t.stored.lsn);
+            return Handled::Respond(r);
+        }
         if wait {
             return match core.wait(conn, id, true) {
                 Some(r) => Handled::Respond(r),
                 None => Handled::Held,
             };
         }
-        Handled::Respond(Response::json(202, accepted_json(core, id)))
+        let mut r = Response::json(202, accepted_json(core, id));
+        r.lsn = core.task(id).map_or(0, |t| t.stored.lsn);
+        Handled::Respond(r)
     }
+}
+
+/// A `POST /tasks/batch` under way: its items are submitted a slice per loop turn, so a batch
+/// of a hundred thousand tasks never holds the loop for long.
+pub struct Batch {
+    body: Vec<u8>,
+    /// Offset and length of each item's JSON in `body`.
+    items: Vec<(usize, usize)>,
+    next: usize,
+    out: String,
+    lsn: u64,
+    identity: Identity,
+}
+
+/// Batch items submitted per loop turn.
+pub const BATCH_ITEMS_PER_TURN: usize = 2048;
+
+#[derive(Deserialize)]
+struct BatchBody<'a> {
+    #[serde(borrow, default)]
+    tasks: Option<Vec<&'a RawValue>>,
+}
+
+impl Api {
+    /// Checks a batch body and finds its items (one pass over the JSON; nothing submitted yet).
+    pub fn batch_start(&self, body: Vec<u8>, identity: Identity) -> Result<Box<Batch>, Response> {
+        if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+            return Err(error(400, "the body must be a JSON object {\"tasks\": [...]}"));
+        }
+        let items = {
+            let parsed: BatchBody =
+                serde_json::from_slice(&body).map_err(|e| error(400, &format!("invalid JSON body: {e}")))?;
+            let Some(tasks) = parsed.tasks else {
+                return Err(error(400, "tasks is required: an array of submit bodies"));
+            };
+            let base = body.as_ptr() as usize;
+            tasks.iter().map(|raw| (raw.get().as_ptr() as usize - base, raw.get().len())).collect::<Vec<_>>()
+        };
+        let mut out = String::with_capacity(16 + items.len() * 72);
+        out.push_str("{\"tasks\":[");
+        Ok(Box::new(Batch { body, items, next: 0, out, lsn: 0, identity }))
+    }
+
+    /// Submits the next slice of a batch. `Some` is the answer once every item is done.
+    pub fn batch_step(&self, core: &mut Core, io: &mut dyn Io, batch: &mut Batch) -> Option<Response> {
+        let end = (batch.next + BATCH_ITEMS_PER_TURN).min(batch.items.len());
+        for i in batch.next..end {
+            let (off, len) = batch.items[i];
+            if i > 0 {
+                batch.out.push(',');
+            }
+            let item = &batch.body[off..off + len];
+            match submit_item(core, io, item, &batch.identity) {
+                Ok(id) => {
+                    batch.out.push_str("{\"task_id\":\"");
+                    push_uuid(&mut batch.out, id);
+                    batch.out.push_str("\",\"status\":\"");
+                    let task = core.task(id);
+                    batch.out.push_str(task.map_or("pending", |t| t.status.as_str()));
+                    batch.out.push_str("\"}");
+                    batch.lsn = batch.lsn.max(task.map_or(0, |t| t.stored.lsn));
+                }
+                Err((code, message)) => {
+                    batch.out.push_str("{\"error\":\"");
+                    batch.out.push_str(code);
+                    batch.out.push_str("\",\"message\":");
+                    push_json_str(&mut batch.out, &message);
+                    batch.out.push('}');
+                }
+            }
+        }
+        batch.next = end;
+        if end < batch.items.len() {
+            return None;
+        }
+        batch.out.push_str("]}");
+        let mut r = Response::json(202, std::mem::take(&mut batch.out).into_bytes());
+        r.lsn = batch.lsn;
+        Some(r)
+    }
+}
+
+/// One batch item: a submit body, queued unless it says `"queue": false`.
+fn submit_item(
+    core: &mut Core,
+    io: &mut dyn Io,
+    item: &[u8],
+    identity: &Identity,
+) -> Result<TaskId, (&'static str, String)> {
+    let parsed = parse_submit(item, core.wall_ms).map_err(|m| ("bad_request", m))?;
+    if !identity.allows_kind(parsed.kind.as_deref()) {
+        let msg = match parsed.kind.as_deref() {
+            Some(kind) => format!("this token may not submit tasks of kind {kind:?}"),
+            None => "this token may only submit tasks with a payload.kind it is scoped to".to_string(),
+        };
+        return Err(("forbidden", msg));
+    }
+    let new = NewTask {
+        payload: parsed.payload,
+        kind: parsed.kind.as_deref(),
+        run_at_wall_ms: parsed.run_at_wall_ms,
+        queue: parsed.queue.unwrap_or(true),
+        timeout_ms: parsed.timeout_ms,
+        max_retries: parsed.max_retries,
+        idempotency: None,
+    };
+    core.submit(io, new).map_err(|e| match e {
+        SubmitError::NoWorker => ("no_worker", "no connected worker can take this task".to_string()),
+        SubmitError::QueueFull => ("queue_full", "MAX_PENDING tasks are already waiting".to_string()),
+    })
 }
 
 fn unauthorized() -> Response {
@@ -307,9 +437,16 @@ fn cancel(core: &mut Core, io: &mut dyn Io, id: TaskId) -> Response {
         CancelResult::AlreadyFinal => 409,
         CancelResult::NotFound => return error(404, "no such task"),
     };
+    task_json_response(core, id, status)
+}
+
+/// The task JSON of `id` (held back until the journal has what it shows).
+fn task_json_response(core: &Core, id: TaskId, status: u16) -> Response {
     let mut body = String::new();
     core.write_task_json(id, &mut body);
-    Response::json(status, body.into_bytes())
+    let mut r = Response::json(status, body.into_bytes());
+    r.lsn = core.task(id).map_or(0, |t| t.stored.lsn);
+    r
 }
 
 fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
@@ -317,7 +454,8 @@ fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
     s.push_str("{\"task_id\":\"");
     push_uuid(&mut s, id);
     s.push_str("\",\"status\":\"");
-    s.push_str(core.task(id).map_or("pending", |t| t.status.as_str()));
+    let status = core.task(id).map(|t| t.status).or_else(|| core.evicted(id).map(|e| e.status));
+    s.push_str(status.map_or("pending", |st| st.as_str()));
     s.push_str("\"}");
     s.into_bytes()
 }
@@ -353,7 +491,8 @@ pub struct Submit<'a> {
     pub payload: &'a RawValue,
     pub kind: Option<Cow<'a, str>>,
     pub run_at_wall_ms: Option<u64>,
-    pub queue: bool,
+    /// As given (`None`: absent; a submit defaults to false, a batch item to true).
+    pub queue: Option<bool>,
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
 }
@@ -429,14 +568,7 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
         Some(t) => Some(parse_duration_ms(&t).map_err(|e| format!("invalid timeout {t:?}: {e}"))?),
         None => None,
     };
-    Ok(Submit {
-        payload,
-        kind,
-        run_at_wall_ms,
-        queue: raw.queue.unwrap_or(false),
-        timeout_ms,
-        max_retries: raw.max_retries,
-    })
+    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries: raw.max_retries })
 }
 
 /// Decodes `%XX` and `+` in a query value; invalid escapes are kept as they are.
@@ -477,8 +609,8 @@ mod tests {
     use super::*;
 
     fn check_submit(body: &str, expected: Result<(Option<&str>, Option<u64>, bool), &str>) {
-        let got =
-            parse_submit(body.as_bytes(), 1_000).map(|s| (s.kind.map(|k| k.into_owned()), s.run_at_wall_ms, s.queue));
+        let got = parse_submit(body.as_bytes(), 1_000)
+            .map(|s| (s.kind.map(|k| k.into_owned()), s.run_at_wall_ms, s.queue.unwrap_or(false)));
         match (&got, &expected) {
             (Ok(g), Ok(e)) => assert_eq!((g.0.as_deref(), g.1, g.2), *e, "{body}"),
             (Err(g), Err(e)) => assert!(g.contains(e), "{body}: error {g:?} should mention {e:?}"),

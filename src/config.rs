@@ -32,6 +32,10 @@ pub struct Config {
     pub idle_timeout_ms: u64,
     pub max_pending: usize,
     pub max_batch_bytes: usize,
+    /// Memory for finished tasks; beyond it the oldest leave memory (TASK_MEMORY).
+    pub task_memory_bytes: usize,
+    /// Journal segment files are closed past this size (JOURNAL_SEGMENT_SIZE).
+    pub journal_segment_bytes: u64,
     pub shutdown_timeout_ms: u64,
     pub log_level: Level,
     pub trusted_proxies: TrustedProxies,
@@ -80,6 +84,13 @@ pub const VARS: &[(&str, &str, &str)] = &[
     ("IDLE_TIMEOUT", "60s", "idle keep-alive connections close after this"),
     ("MAX_PENDING", "1000000", "tasks waiting as pending; beyond it submit answers 429"),
     ("MAX_BATCH_BYTES", "67108864", "body limit of POST /tasks/batch"),
+    (
+        "TASK_MEMORY",
+        "67108864",
+        "bytes of memory for finished tasks; beyond it the oldest are read back from the journal on demand \
+         (memory only: forgotten early)",
+    ),
+    ("JOURNAL_SEGMENT_SIZE", "67108864", "journal segment files are closed past this size (bytes)"),
     ("SHUTDOWN_TIMEOUT", "5s", "grace period on SIGTERM/SIGINT"),
     ("LOG_LEVEL", "info", "error, warn, info, debug or trace"),
     ("TRUSTED_PROXIES", "-", "IPs/CIDRs whose X-Forwarded-For / X-Real-IP is believed"),
@@ -204,6 +215,8 @@ impl Config {
             idle_timeout_ms: duration("IDLE_TIMEOUT", 60_000)?,
             max_pending: as_usize(count("MAX_PENDING", 1_000_000)?),
             max_batch_bytes: as_usize(positive("MAX_BATCH_BYTES", 67_108_864)?),
+            task_memory_bytes: as_usize(count("TASK_MEMORY", 67_108_864)?),
+            journal_segment_bytes: positive("JOURNAL_SEGMENT_SIZE", 67_108_864)?,
             shutdown_timeout_ms: duration("SHUTDOWN_TIMEOUT", 5_000)?,
             log_level,
             trusted_proxies,

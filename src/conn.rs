@@ -33,6 +33,15 @@ pub struct Conn {
     pub in_dirty: bool,
     /// Once `out` is flushed, shut down writes and linger until the peer closes.
     pub close_after_flush: bool,
+    /// Answers that may not leave before the journal is durable up to `lsn`: bytes from
+    /// `start` in `out` on wait (in order; the sequence numbers never decrease).
+    pub gates: std::collections::VecDeque<Gate>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Gate {
+    pub lsn: u64,
+    pub start: usize,
 }
 
 pub enum State {
@@ -60,6 +69,8 @@ pub enum Phase {
     Body { head: Box<Head>, identity: Option<Identity>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
     /// The core holds the response (`wait=true`); `keep_alive` is the request's.
     Held { keep_alive: bool, head_only: bool },
+    /// `POST /tasks/batch`: items are submitted a slice per loop turn.
+    Batch { batch: Box<crate::api::Batch>, keep_alive: bool },
     /// `POST /files`: the body streams through the multipart parser to the disk thread.
     Upload(Box<Upload>),
     /// `GET /files/{id}`: the file streams from the disk thread to the socket.
@@ -115,11 +126,37 @@ impl Conn {
             read_more: false,
             in_dirty: false,
             close_after_flush: false,
+            gates: std::collections::VecDeque::new(),
         }
     }
 
     pub fn pending_out(&self) -> usize {
         self.out.len() - self.out_pos
+    }
+
+    /// Starts holding the bytes appended from now on until the journal is durable up to
+    /// `lsn`. `true` if this is a new wait (the reactor must remember the connection).
+    pub fn gate(&mut self, lsn: u64, durable_lsn: u64) -> bool {
+        if lsn <= durable_lsn {
+            return false;
+        }
+        let lsn = self.gates.back().map_or(lsn, |g| g.lsn.max(lsn));
+        let first = self.gates.is_empty();
+        self.gates.push_back(Gate { lsn, start: self.out.len() });
+        first
+    }
+
+    /// Releases what the journal made durable; `true` while something still waits.
+    pub fn release_gates(&mut self, durable_lsn: u64) -> bool {
+        while self.gates.front().is_some_and(|g| g.lsn <= durable_lsn) {
+            self.gates.pop_front();
+        }
+        !self.gates.is_empty()
+    }
+
+    /// How far `out` may be written now.
+    pub fn writable_end(&self) -> usize {
+        self.gates.front().map_or(self.out.len(), |g| g.start)
     }
 }
 

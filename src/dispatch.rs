@@ -13,11 +13,17 @@ use std::net::IpAddr;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
+use crate::auth::Identity;
 use crate::http::Response;
+use crate::journal::Journal;
+use crate::journal::codec::{self as journal_codec, FrameAt, RESTART_ERROR, Record};
+use crate::journal::replay::Replayed;
+use crate::journal::thread::ReadDone;
 use crate::log::Level;
 use crate::metrics::{Gauges, Ignored, Metrics};
 use crate::tasks::{
-    Attempt, ConnRef, IdHasher, Outcome, Place, Status, Task, TaskId, TaskTable, push_json_str, push_uuid, uuid_string,
+    Attempt, ConnRef, Evicted, IdHasher, Outcome, Place, Status, Stored, Task, TaskId, TaskTable, kind_hash,
+    push_json_str, push_uuid, uuid_string,
 };
 use crate::timefmt::write_rfc3339_ms;
 use crate::timer::{TimerHandle, Wheel};
@@ -72,7 +78,47 @@ pub struct CoreConfig {
     pub wait_timeout_ms: u64,
     pub task_ttl_ms: u64,
     pub max_pending: usize,
+    /// Memory for finished tasks (`TASK_MEMORY`); beyond it the oldest leave memory.
+    pub task_memory_bytes: usize,
 }
+
+/// Where tasks are kept durable.
+pub enum Storage {
+    /// Nowhere: a restart forgets everything (`DATA_DIR` empty).
+    Memory,
+    Journal(Box<Journal>),
+}
+
+/// Which record a task change needs.
+#[derive(Clone, Copy)]
+enum Rec {
+    Whole,
+    AttemptStarted,
+    AttemptEnded,
+}
+
+/// How a task read back from the journal is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadFor {
+    /// `GET /tasks/{id}` (also with `wait=true`: the task is final): 200.
+    Get,
+    /// A submit with `wait=true` whose idempotency key names a finished task: its status.
+    PostWait,
+    /// `DELETE`: the task is final already, 409.
+    Cancel,
+}
+
+struct PendingRead {
+    conn: ConnRef,
+    id: TaskId,
+    purpose: ReadFor,
+    identity: Identity,
+}
+
+/// Tasks carried forward by one compaction step (bounded work per loop turn).
+const COMPACT_TASKS_PER_TURN: usize = 4096;
+/// Finished tasks evicted from memory per loop turn at most.
+const EVICT_PER_TURN: usize = 8192;
 
 #[derive(Debug)]
 struct Worker {
@@ -215,6 +261,20 @@ pub struct Core {
     held: HashMap<ConnRef, Held>,
     next_seq: u64,
     rng: Rng,
+    pub storage: Storage,
+    /// Finished tasks that left memory; read back from the journal on demand.
+    evicted: HashMap<TaskId, Evicted, BuildHasherDefault<IdHasher>>,
+    /// Memory held by finished tasks still in `tasks` (estimate, see `Task::mem_bytes`).
+    finished_mem: usize,
+    /// Index into `finished` of the oldest task that may still be in memory.
+    evict_next: usize,
+    reads: HashMap<u64, PendingRead>,
+    next_read: u64,
+    /// Compaction: the stale segment being cleared and the next task-table shard to scan.
+    compacting: Option<(u32, usize)>,
+    /// The newest stale segment a finished compaction pass cleared.
+    compacted_upto: u32,
+    logged_forgetting: bool,
 }
 
 impl Core {
@@ -244,6 +304,15 @@ impl Core {
             held: HashMap::new(),
             next_seq: 1,
             rng: Rng::from_os(),
+            storage: Storage::Memory,
+            evicted: HashMap::default(),
+            finished_mem: 0,
+            evict_next: 0,
+            reads: HashMap::new(),
+            next_read: 1,
+            compacting: None,
+            compacted_upto: 0,
+            logged_forgetting: false,
         }
     }
 
@@ -272,6 +341,16 @@ impl Core {
             tasks_pending: self.task_count(Status::Pending),
             tasks_dispatched: self.task_count(Status::Dispatched),
             connections_open,
+            finished_memory_bytes: self.finished_mem,
+            tasks_on_disk: self.evicted.len(),
+            journal: self.journal().map(|j| crate::metrics::JournalGauges {
+                bytes: j.disk_bytes(),
+                segments: j.segment_count(),
+                backlog_bytes: j.backlog_bytes(),
+                syncs: j.syncs(),
+                records: j.records_written,
+                corrupt_records: j.records_skipped_at_start,
+            }),
         }
     }
 
@@ -393,9 +472,10 @@ impl Core {
         }
 
         let mut id = self.rng.uuid();
-        while self.tasks.contains_key(&id) {
+        while self.tasks.contains_key(&id) || self.evicted.contains_key(&id) {
             id = self.rng.uuid();
         }
+        let seq = self.take_seq();
         let task = Task {
             id,
             status: Status::Pending,
@@ -411,13 +491,18 @@ impl Core {
             attempts: Vec::new(),
             max_retries: new.max_retries.unwrap_or(self.cfg.max_retries),
             timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
-            seq: self.take_seq(),
+            seq,
             place: Place::Nowhere,
             queued: new.queue || new.run_at_wall_ms.is_some(),
             attempt_timer: None,
             waiters: Vec::new(),
+            restored: false,
+            submit_seq: seq,
+            idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
+            stored: Stored::default(),
         };
         self.tasks.insert(id, task);
+        self.record(id, Rec::Whole);
         self.status_counts[Status::Pending.index()] += 1;
         crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
 
@@ -441,7 +526,7 @@ impl Core {
     /// The task an `Idempotency-Key` of this token identity already names, if it still exists.
     pub fn idempotent_task(&self, owner: &str, key: &str) -> Option<TaskId> {
         let id = *self.idempotency.get(&(Box::from(owner), Box::from(key)))?;
-        self.tasks.contains_key(&id).then_some(id)
+        (self.tasks.contains_key(&id) || self.evicted.contains_key(&id)).then_some(id)
     }
 
     /// Blocks `conn` until `id` is final or WAIT_TIMEOUT passes. Returns the response at once
@@ -723,12 +808,8 @@ impl Core {
                 break;
             }
             self.finished.pop_front();
-            if let Some(task) = self.tasks.get(&id)
-                && task.status.is_final()
-            {
-                self.status_counts[task.status.index()] -= 1;
-                self.tasks.remove(&id);
-            }
+            self.evict_next = self.evict_next.saturating_sub(1);
+            self.forget(id);
         }
         while let Some((at, _)) = self.idempotency_expiry.front() {
             if *at > now {
@@ -737,7 +818,7 @@ impl Core {
             if let Some((_, key)) = self.idempotency_expiry.pop_front() {
                 // A key lives as long as its task (a task delayed past TASK_TTL keeps it).
                 match self.idempotency.get(&key) {
-                    Some(id) if self.tasks.contains_key(id) => {
+                    Some(id) if self.tasks.contains_key(id) || self.evicted.contains_key(id) => {
                         self.idempotency_expiry.push_back((now + self.cfg.task_ttl_ms, key));
                     }
                     _ => {
@@ -821,7 +902,8 @@ impl Core {
         }
         loop {
             let Some(task) = self.tasks.get(&id) else { return };
-            let started = task.attempts.len();
+            // Attempts a restart of relay cut short do not use up retries.
+            let started = task.attempts.iter().filter(|a| !a.restarted).count();
             if started > 0 && started > task.max_retries as usize {
                 let error = task.last_error().unwrap_or("failed").to_string();
                 self.finalize(io, id, Status::Failed, None, Some(&error));
@@ -902,6 +984,7 @@ impl Core {
             error: None,
             duration_ms: 0,
             answered: false,
+            restarted: false,
         });
         let num = task.attempts.len() as u32;
         let deadline = self.now_ms + task.timeout_ms;
@@ -909,6 +992,7 @@ impl Core {
         let id_text = uuid::Uuid::from_u128(id).hyphenated().encode_lower(&mut buf);
         let sent = io.send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", payload, "}"]);
         self.set_status(id, Status::Dispatched);
+        self.record(id, Rec::AttemptStarted);
         if !sent {
             self.end_attempt(id, Outcome::SendFailed, Some("could not write the task to the worker"));
             return false;
@@ -949,6 +1033,8 @@ impl Core {
         if task.status == Status::Dispatched && outcome != Outcome::Done && outcome != Outcome::Canceled {
             // Between attempts the task counts as pending until `run` places it.
             self.set_status(id, Status::Pending);
+            // (`done` and `canceled` end the task: its final record carries the attempt.)
+            self.record(id, Rec::AttemptEnded);
         }
         if let Some(w) = self.worker_at_mut(worker)
             && let Some(pos) = w.in_flight.iter().position(|t| *t == id)
@@ -976,6 +1062,8 @@ impl Core {
         task.error = error.map(Box::from);
         let duration = self.now_ms.saturating_sub(task.created_mono_ms);
         let waiters = std::mem::take(&mut task.waiters);
+        self.finished_mem += task.mem_bytes();
+        self.record(id, Rec::Whole);
         self.metrics.task_final(status, duration);
         let forget_at = self.now_ms + self.cfg.task_ttl_ms;
         self.finished.push_back((forget_at, id));
@@ -993,12 +1081,44 @@ impl Core {
         }
     }
 
+    /// TASK_TTL has passed since the task finished: it is gone, from memory and journal.
+    fn forget(&mut self, id: TaskId) {
+        let stored = if let Some(task) = self.tasks.get(&id).filter(|t| t.status.is_final()) {
+            self.status_counts[task.status.index()] -= 1;
+            self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
+            let stored = task.stored;
+            self.tasks.remove(&id);
+            stored
+        } else if let Some(e) = self.evicted.remove(&id) {
+            self.status_counts[e.status.index()] -= 1;
+            Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] }
+        } else {
+            return;
+        };
+        if let Storage::Journal(j) = &mut self.storage {
+            j.forget(id, &stored);
+        }
+    }
+
+    /// Writes the record a change of task `id` needs (nothing in memory-only mode).
+    fn record(&mut self, id: TaskId, rec: Rec) {
+        let Storage::Journal(j) = &mut self.storage else { return };
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        let mut stored = task.stored;
+        match rec {
+            Rec::Whole => j.task(task, &mut stored),
+            Rec::AttemptStarted => j.attempt_started(task, &mut stored),
+            Rec::AttemptEnded => j.attempt_ended(task, &mut stored),
+        }
+        task.stored = stored;
+    }
+
     fn enqueue_ready(&mut self, id: TaskId) {
         self.set_status(id, Status::Pending);
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.place = Place::Ready;
         let (seq, kind, retry, due) = (task.seq, task.kind.clone(), !task.attempts.is_empty(), task.due_mono_ms);
-        let fragile = retry || !task.queued;
+        let fragile = (retry || !task.queued) && !task.restored;
         self.ready_all.insert(seq, id);
         if let Some(kind) = kind {
             self.ready_kind.entry(kind).or_default().insert(seq, id);
@@ -1100,6 +1220,7 @@ pub fn task_response(task: &Task, post: bool) -> Response {
     let mut body = String::new();
     task.write_json(&mut body);
     let body = body.into_bytes();
+    let lsn = task.stored.lsn;
     let status = if !post {
         200
     } else {
@@ -1110,7 +1231,9 @@ pub fn task_response(task: &Task, post: bool) -> Response {
             Status::Pending | Status::Dispatched => 202,
         }
     };
-    Response::json(status, body)
+    let mut response = Response::json(status, body);
+    response.lsn = lsn;
+    response
 }
 
 /// Sends the advisory `cancel` for `id` to a worker.
@@ -1131,5 +1254,6 @@ pub fn human_ms(ms: u64) -> String {
     }
 }
 
+mod storage;
 #[cfg(test)]
 mod tests;

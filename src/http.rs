@@ -455,13 +455,15 @@ pub struct Response {
     pub body: Vec<u8>,
     /// Close the connection once this response is written.
     pub close: bool,
+    /// The journal record this answer shows must be durable before it leaves (0: nothing).
+    pub lsn: u64,
 }
 
 pub const JSON: &str = "application/json";
 
 impl Response {
     pub fn json(status: u16, body: Vec<u8>) -> Response {
-        Response { status, content_type: JSON, headers: Vec::new(), body, close: false }
+        Response { status, content_type: JSON, headers: Vec::new(), body, close: false, lsn: 0 }
     }
 
     /// `{"error": code, "message": message}`.

@@ -11,6 +11,7 @@ pub mod conn;
 pub mod dispatch;
 pub mod files;
 pub mod http;
+pub mod journal;
 pub mod jwt;
 pub mod log;
 pub mod metrics;

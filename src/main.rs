@@ -48,10 +48,23 @@ fn serve() -> ExitCode {
     raise_fd_limit(cfg.max_connections);
 
     let flag = Arc::new(AtomicBool::new(false));
+    if cfg.data_dir.is_none() {
+        relay::log!(Level::Warn, "DATA_DIR is empty: tasks are kept in memory only and a restart loses them",);
+    }
     let (server, waker) = match relay::reactor::Server::bind(cfg.clone(), flag.clone()) {
         Ok(pair) => pair,
-        Err(e) => {
+        Err(relay::reactor::StartError::DataDir(msg)) => {
+            relay::log::flush();
+            eprintln!("relay: invalid configuration: {msg}");
+            return ExitCode::from(2);
+        }
+        Err(relay::reactor::StartError::Listen(e)) => {
             relay::log!(Level::Error, "cannot listen", addr = format!("{}:{}", cfg.bind, cfg.port), error = e);
+            relay::log::flush();
+            return ExitCode::from(1);
+        }
+        Err(e) => {
+            relay::log!(Level::Error, "cannot start", error = e);
             relay::log::flush();
             return ExitCode::from(1);
         }
@@ -70,13 +83,6 @@ fn serve() -> ExitCode {
         version = env!("CARGO_PKG_VERSION"),
         max_connections = cfg.max_connections
     );
-    if let Some(dir) = &cfg.data_dir {
-        relay::log!(
-            Level::Info,
-            "tasks are kept in memory only: the journal in DATA_DIR is not implemented yet",
-            data_dir = dir.display()
-        );
-    }
     let result = server.run();
     let code = match result {
         Ok(()) => ExitCode::SUCCESS,

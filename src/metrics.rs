@@ -28,6 +28,8 @@ pub struct Metrics {
     duration_sum_ms: u64,
     pub connections_refused: u64,
     pub ws_messages_malformed: u64,
+    /// Finished tasks that left memory over TASK_MEMORY (to the journal, or forgotten early).
+    pub tasks_evicted: u64,
 }
 
 /// Point-in-time values the core knows and the metrics do not keep.
@@ -37,6 +39,23 @@ pub struct Gauges {
     pub tasks_pending: usize,
     pub tasks_dispatched: usize,
     pub connections_open: usize,
+    /// Memory held by finished tasks (estimate), against TASK_MEMORY.
+    pub finished_memory_bytes: usize,
+    /// Finished tasks kept only in the journal.
+    pub tasks_on_disk: usize,
+    pub journal: Option<JournalGauges>,
+}
+
+/// The journal's figures (absent in memory-only mode).
+#[derive(Default)]
+pub struct JournalGauges {
+    pub bytes: u64,
+    pub segments: usize,
+    pub backlog_bytes: u64,
+    pub syncs: u64,
+    pub records: u64,
+    /// Damaged records or regions skipped when the journal was read at start.
+    pub corrupt_records: u64,
 }
 
 impl Metrics {
@@ -111,6 +130,35 @@ impl Metrics {
         let _ = writeln!(w, "relay_ws_messages_malformed_total {}", self.ws_messages_malformed);
         counter_header(w, "relay_log_lines_dropped_total", "Log lines dropped because stderr could not keep up.");
         let _ = writeln!(w, "relay_log_lines_dropped_total {}", crate::log::dropped_lines());
+        counter_header(w, "relay_tasks_evicted_total", "Finished tasks that left memory over TASK_MEMORY.");
+        let _ = writeln!(w, "relay_tasks_evicted_total {}", self.tasks_evicted);
+        gauge(
+            w,
+            "relay_finished_tasks_memory_bytes",
+            "Memory held by finished tasks (estimate).",
+            g.finished_memory_bytes,
+        );
+        gauge(w, "relay_tasks_on_disk", "Finished tasks kept only in the journal.", g.tasks_on_disk);
+        if let Some(j) = &g.journal {
+            gauge(w, "relay_journal_bytes", "Size of the journal's segments.", j.bytes as usize);
+            gauge(w, "relay_journal_segments", "Journal segment files.", j.segments);
+            gauge(
+                w,
+                "relay_journal_backlog_bytes",
+                "Journal bytes written but not yet durable.",
+                j.backlog_bytes as usize,
+            );
+            counter_header(w, "relay_journal_syncs_total", "fdatasync calls (one per group commit).");
+            let _ = writeln!(w, "relay_journal_syncs_total {}", j.syncs);
+            counter_header(w, "relay_journal_records_total", "Records written to the journal by this process.");
+            let _ = writeln!(w, "relay_journal_records_total {}", j.records);
+            counter_header(
+                w,
+                "relay_journal_corrupt_records_total",
+                "Damaged journal records or regions skipped at start (a torn tail is not counted).",
+            );
+            let _ = writeln!(w, "relay_journal_corrupt_records_total {}", j.corrupt_records);
+        }
         counter_header(w, "relay_http_requests_total", "HTTP responses by status code.");
         for (i, v) in self.http_requests.iter().enumerate().filter(|(_, v)| **v > 0) {
             let _ = writeln!(w, "relay_http_requests_total{{code=\"{}\"}} {v}", i + 100);
@@ -152,6 +200,9 @@ mod tests {
             tasks_pending: 3,
             tasks_dispatched: 4,
             connections_open: 5,
+            finished_memory_bytes: 6,
+            tasks_on_disk: 7,
+            journal: Some(JournalGauges { corrupt_records: 8, ..JournalGauges::default() }),
         };
         let text = m.render(&g);
         for line in [
@@ -163,6 +214,9 @@ mod tests {
             "relay_tasks_pending 3",
             "relay_tasks_dispatched 4",
             "relay_connections_open 5",
+            "relay_finished_tasks_memory_bytes 6",
+            "relay_tasks_on_disk 7",
+            "relay_journal_corrupt_records_total 8",
             "relay_http_requests_total{code=\"202\"} 1",
             "relay_task_duration_seconds_bucket{le=\"0.005\"} 1",
             "relay_task_duration_seconds_bucket{le=\"0.001\"} 0",

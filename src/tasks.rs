@@ -36,7 +36,7 @@ type IdMap<V> = HashMap<TaskId, V, BuildHasherDefault<IdHasher>>;
 
 /// Shards of the task table: a million finished tasks kept for TASK_TTL must not stall the
 /// loop while one huge hash table doubles; each shard grows (and rehashes) on its own.
-const TASK_SHARDS: usize = 64;
+pub const TASK_SHARDS: usize = 64;
 
 /// Every task relay knows, by id.
 pub struct TaskTable {
@@ -71,6 +71,10 @@ impl TaskTable {
     }
     pub fn len(&self) -> usize {
         self.shards.iter().map(HashMap::len).sum()
+    }
+    /// The tasks of shard `i` (a bounded slice of the table, for work spread over turns).
+    pub fn shard_tasks(&self, i: usize) -> impl Iterator<Item = &Task> {
+        self.shards.get(i).into_iter().flat_map(|m| m.values())
     }
     pub fn is_empty(&self) -> bool {
         self.shards.iter().all(HashMap::is_empty)
@@ -155,6 +159,8 @@ pub struct Attempt {
     pub duration_ms: u64,
     /// The worker sent a result for this attempt (a second one is a duplicate).
     pub answered: bool,
+    /// A restart of relay closed this attempt: it does not count against `max_retries`.
+    pub restarted: bool,
 }
 
 /// Where a pending task waits.
@@ -197,9 +203,74 @@ pub struct Task {
     pub attempt_timer: Option<TimerHandle>,
     /// HTTP connections blocked in `wait=true` on this task.
     pub waiters: Vec<ConnRef>,
+    /// Read back from the journal at start: it waits for a worker however long it takes
+    /// (it was accepted), like a `queue: true` task, retries included.
+    pub restored: bool,
+    /// Submission order, never changed (listing order; ties in due order after a restart).
+    pub submit_seq: u64,
+    /// (token identity, `Idempotency-Key`) it was submitted with: a key lives with its task.
+    pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
+    /// Where the storage backend keeps the task; `stored.lsn` is the newest record about it,
+    /// which must be durable before anyone is shown the task as it is now.
+    pub stored: Stored,
+}
+
+/// A task's place in durable storage (all zero in memory-only mode).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Stored {
+    /// Sequence number of the newest record about the task.
+    pub lsn: u64,
+    /// The newest record holding the task's whole state.
+    pub home: Loc,
+    /// Journal segments holding records the task still needs (0: unused).
+    pub segs: [u32; 3],
+}
+
+/// Where a record is: journal segment, byte offset, frame length.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Loc {
+    pub seg: u32,
+    pub off: u32,
+    pub len: u32,
+}
+
+/// What relay keeps of a finished task that left memory (`TASK_MEMORY`): enough to find it
+/// in the journal, list it and forget it.
+#[derive(Debug, Clone, Copy)]
+pub struct Evicted {
+    pub loc: Loc,
+    pub submit_seq: u64,
+    pub status: Status,
+    /// `kind_hash` of its kind (listing filters compare it, then check the kind read back).
+    pub kind_hash: u32,
+}
+
+/// A small hash of a task's kind (0 for none).
+pub fn kind_hash(kind: Option<&str>) -> u32 {
+    kind.map_or(0, |k| {
+        let mut h: u32 = 0x811C_9DC5;
+        for b in k.bytes() {
+            h = (h ^ u32::from(b)).wrapping_mul(0x0100_0193);
+        }
+        h | 1
+    })
 }
 
 impl Task {
+    /// Roughly what the task costs in memory (for the `TASK_MEMORY` budget).
+    pub fn mem_bytes(&self) -> usize {
+        const TABLE_ENTRY_BYTES: usize = 48;
+        std::mem::size_of::<Task>()
+            + TABLE_ENTRY_BYTES
+            + self.attempts.capacity() * std::mem::size_of::<Attempt>()
+            + self.attempts.iter().map(|a| a.error.as_ref().map_or(0, |e| e.len())).sum::<usize>()
+            + self.kind.as_ref().map_or(0, |k| k.len())
+            + self.payload.as_ref().map_or(0, |p| p.get().len())
+            + self.result.as_ref().map_or(0, |r| r.get().len())
+            + self.error.as_ref().map_or(0, |e| e.len())
+            + self.idempotency.as_ref().map_or(0, |i| i.0.len() + i.1.len() + 32)
+    }
+
     pub fn current_attempt(&self) -> Option<&Attempt> {
         self.attempts.last()
     }
@@ -379,6 +450,10 @@ mod tests {
             queued: false,
             attempt_timer: None,
             waiters: Vec::new(),
+            restored: false,
+            submit_seq: 0,
+            idempotency: None,
+            stored: Stored::default(),
         }
     }
 
@@ -393,6 +468,7 @@ mod tests {
             error: error.map(Into::into),
             duration_ms: 12,
             answered: false,
+            restarted: false,
         }
     }
 

@@ -10,7 +10,10 @@ impl Server {
             let State::Http(http) = &mut conn.state else { return };
             // The most input the connection may buffer in its phase.
             let cap = match &http.phase {
-                Phase::Held { .. } | Phase::Download(_) => MAX_HELD_INPUT_BYTES,
+                Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } => MAX_HELD_INPUT_BYTES,
+                Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
+                    MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
+                }
                 Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES || self.disk_bytes >= DISK_BUDGET_BYTES => 0,
                 Phase::Upload(_) => UPLOAD_INPUT_BYTES,
                 _ => self.http_input_cap,
@@ -26,7 +29,7 @@ impl Server {
                 Ok(0) => {
                     // The peer closed its side. An answer under way (or already queued) is
                     // still delivered; nothing more will be read.
-                    let answering = matches!(http.phase, Phase::Held { .. } | Phase::Download(_));
+                    let answering = matches!(http.phase, Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. });
                     if answering || conn.pending_out() > 0 {
                         conn.close_after_flush = true;
                         conn.read_more = false;
@@ -73,6 +76,7 @@ impl Server {
     /// One step of the HTTP state machine. `true` if it made progress and may continue.
     pub(super) fn step_http(&mut self, r: ConnRef) -> bool {
         let now = self.now_ms;
+        let journal_full = self.journal_full();
         let Some(conn) = self.conns.get_mut(r) else { return false };
         if conn.close_after_flush || conn.pending_out() > MAX_HTTP_BACKLOG_BYTES {
             return false;
@@ -81,6 +85,7 @@ impl Server {
         match &mut http.phase {
             Phase::Held { .. } | Phase::Download(_) => false,
             Phase::Upload(_) => self.step_upload(r),
+            Phase::Batch { .. } => self.step_batch(r),
             Phase::Idle | Phase::Head => {
                 if http.buf.is_empty() {
                     return false;
@@ -150,6 +155,14 @@ impl Server {
                 true
             }
             Phase::Body { head, chunked, .. } => {
+                if journal_full
+                    && head.method == Method::Post
+                    && matches!(Route::of(&head.path), Route::Tasks | Route::TasksBatch)
+                {
+                    // Backpressure: the disk is behind; this submit waits (`on_journal` resumes it).
+                    self.journal_blocked.push(r);
+                    return false;
+                }
                 let body = match head.framing {
                     Framing::Empty => Vec::new(),
                     Framing::Length(n) => {
@@ -190,10 +203,52 @@ impl Server {
                 let Phase::Body { head, identity, .. } = std::mem::replace(&mut http.phase, Phase::Idle) else {
                     return false;
                 };
+                if Route::of(&head.path) == Route::TasksBatch
+                    && let Some(identity) = identity
+                {
+                    match self.api.batch_start(body, identity) {
+                        Ok(batch) => {
+                            http.phase = Phase::Batch { batch, keep_alive: head.keep_alive };
+                            self.set_deadline(r, u64::MAX);
+                        }
+                        Err(response) => self.answer_early(r, &head, response),
+                    }
+                    return true;
+                }
                 self.complete_request(r, &head, identity.as_ref(), &body);
                 true
             }
         }
+    }
+
+    /// Submits the next slice of a batch; its answer once every item is in.
+    fn step_batch(&mut self, r: ConnRef) -> bool {
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        let State::Http(http) = &mut conn.state else { return false };
+        let Phase::Batch { mut batch, keep_alive } = std::mem::replace(&mut http.phase, Phase::Idle) else {
+            return false;
+        };
+        let answer = {
+            let (mut wire, core, api) = self.wire_and_api();
+            api.batch_step(core, &mut wire, &mut batch)
+        };
+        let durable = self.core.durable_lsn();
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        let State::Http(http) = &mut conn.state else { return false };
+        let Some(response) = answer else {
+            http.phase = Phase::Batch { batch, keep_alive };
+            // The next slice next turn, after others had theirs.
+            self.again.push(r);
+            return false;
+        };
+        self.core.metrics.http_request(response.status);
+        let close = !keep_alive || self.shutdown_started;
+        put_response(conn, r, response, close, false, durable, &mut self.gated);
+        conn.close_after_flush |= close;
+        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        let at = self.now_ms + self.cfg.idle_timeout_ms;
+        self.set_deadline(r, at);
+        true
     }
 
     /// The head alone decided the answer. The connection stays usable only if the body (if
@@ -236,6 +291,7 @@ impl Server {
             let (mut wire, core, api) = self.wire_and_api();
             api.handle(core, &mut wire, r, head, identity, body, open)
         };
+        let durable = self.core.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
         let client_ip = conn.client_ip;
@@ -251,7 +307,7 @@ impl Server {
                     client_ip = client_ip
                 );
                 let close = !head.keep_alive || response.close || self.shutdown_started;
-                write_response(&mut conn.out, response, close, head.method == Method::Head);
+                put_response(conn, r, response, close, head.method == Method::Head, durable, &mut self.gated);
                 conn.close_after_flush |= close;
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
                 let at = self.now_ms + self.cfg.idle_timeout_ms;

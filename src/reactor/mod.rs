@@ -72,6 +72,9 @@ const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
 /// A download asks for more only when its unwritten output is at most this.
 const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
 
+/// Journal bytes not yet durable beyond which new submits wait for the disk.
+const JOURNAL_BACKLOG_BYTES: u64 = 64 << 20;
+
 const CONTINUE_100: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 fn token(r: ConnRef) -> Token {
@@ -162,6 +165,8 @@ struct Wire<'a> {
     conns: &'a mut Conns,
     dirty: &'a mut Vec<ConnRef>,
     again: &'a mut Vec<ConnRef>,
+    gated: &'a mut Vec<ConnRef>,
+    durable_lsn: u64,
     max_ws_out_bytes: usize,
     shutting_down: bool,
 }
@@ -193,8 +198,8 @@ impl Io for Wire<'_> {
         let State::Http(http) = &mut conn.state else { return };
         let Phase::Held { keep_alive, head_only } = http.phase else { return };
         let close = !keep_alive || response.close || self.shutting_down;
-        write_response(&mut conn.out, response, close, head_only);
         http.phase = Phase::Idle;
+        put_response(conn, r, response, close, head_only, self.durable_lsn, self.gated);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, self.dirty);
         // Pipelined requests may be waiting behind the held one.
@@ -203,9 +208,11 @@ impl Io for Wire<'_> {
 }
 
 /// Writes the connection's output until it is all written or the socket would block.
+/// Bytes held back for the journal (`Conn::gates`) stay in the buffer.
 fn write_out(conn: &mut Conn) -> io::Result<()> {
-    while conn.out_pos < conn.out.len() {
-        match conn.stream.write(&conn.out[conn.out_pos..]) {
+    let end = conn.writable_end();
+    while conn.out_pos < end {
+        match conn.stream.write(&conn.out[conn.out_pos..end]) {
             Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
             Ok(n) => conn.out_pos += n,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
@@ -213,14 +220,33 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
             Err(e) => return Err(e),
         }
     }
-    conn.out.clear();
-    conn.out_pos = 0;
+    if end == conn.out.len() {
+        conn.out.clear();
+        conn.out_pos = 0;
+    }
     Ok(())
+}
+
+/// Appends an answer to a connection's output, held back until the journal is durable up to
+/// what it shows (`Response::lsn`); a connection newly held back is added to `gated`.
+fn put_response(
+    conn: &mut Conn,
+    r: ConnRef,
+    response: Response,
+    close: bool,
+    head_only: bool,
+    durable_lsn: u64,
+    gated: &mut Vec<ConnRef>,
+) {
+    if conn.gate(response.lsn, durable_lsn) {
+        gated.push(r);
+    }
+    write_response(&mut conn.out, response, close, head_only);
 }
 
 /// A held reply or a download that has not been written completely yet.
 fn answer_under_way(conn: &Conn) -> bool {
-    matches!(&conn.state, State::Http(http) if matches!(http.phase, Phase::Held { .. } | Phase::Download(_) | Phase::Upload(_)))
+    matches!(&conn.state, State::Http(http) if matches!(http.phase, Phase::Held { .. } | Phase::Batch { .. } | Phase::Download(_) | Phase::Upload(_)))
 }
 
 /// Tells the disk thread a connection's transfer is over (an upload not finished is removed).
@@ -243,6 +269,33 @@ fn end_transfer(store: &Store, transfers: &mut HashMap<TransferId, ConnRef>, pha
 fn write_response(out: &mut Vec<u8>, mut response: Response, close: bool, head_only: bool) {
     response.close = close;
     response.write_to(out, head_only);
+}
+
+/// Why the server could not start.
+#[derive(Debug)]
+pub enum StartError {
+    /// The listening socket (exit 1).
+    Listen(io::Error),
+    /// DATA_DIR cannot be used: a configuration error (exit 2).
+    DataDir(String),
+    /// The journal could not be read (exit 1).
+    Journal(String),
+    Io(io::Error),
+}
+
+impl From<io::Error> for StartError {
+    fn from(e: io::Error) -> StartError {
+        StartError::Io(e)
+    }
+}
+
+impl std::fmt::Display for StartError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            StartError::Listen(e) | StartError::Io(e) => write!(f, "{e}"),
+            StartError::DataDir(m) | StartError::Journal(m) => f.write_str(m),
+        }
+    }
 }
 
 pub struct Server {
@@ -271,15 +324,21 @@ pub struct Server {
     next_transfer: TransferId,
     /// Upload bytes queued to the disk thread and not yet written, over all uploads.
     disk_bytes: usize,
+    /// Connections with answers held back for the journal (`Conn::gates`).
+    gated: Vec<ConnRef>,
+    /// The journal's durable sequence number when `gated` was last looked at.
+    durable_seen: u64,
+    /// Connections whose next submit waits because too many journal bytes are not yet durable.
+    journal_blocked: Vec<ConnRef>,
 }
 
 impl Server {
     /// Binds the listener and prepares the loop. Returns the server and the waker that
     /// helper threads (signals, later disk work) use to wake it.
-    pub fn bind(cfg: Config, shutdown_flag: Arc<AtomicBool>) -> io::Result<(Server, Arc<Waker>)> {
+    pub fn bind(cfg: Config, shutdown_flag: Arc<AtomicBool>) -> Result<(Server, Arc<Waker>), StartError> {
         let poll = Poll::new()?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER)?);
-        let mut listener = TcpListener::bind(SocketAddr::new(cfg.bind, cfg.port))?;
+        let mut listener = TcpListener::bind(SocketAddr::new(cfg.bind, cfg.port)).map_err(StartError::Listen)?;
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         let local_addr = listener.local_addr()?;
         let started = Instant::now();
@@ -290,6 +349,7 @@ impl Server {
                 wait_timeout_ms: cfg.wait_timeout_ms,
                 task_ttl_ms: cfg.task_ttl_ms,
                 max_pending: cfg.max_pending,
+                task_memory_bytes: cfg.task_memory_bytes,
             },
             0,
             crate::timefmt::wall_ms(),
@@ -309,6 +369,38 @@ impl Server {
             }),
         )?;
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
+        if let Some(dir) = &cfg.data_dir {
+            let journal_waker = waker.clone();
+            let wake: crate::journal::thread::Wake = Arc::new(move || {
+                let _ = journal_waker.wake();
+            });
+            let (mut journal, replayed) = crate::journal::Journal::open(dir, cfg.task_memory_bytes, core.wall_ms, wake)
+                .map_err(|e| match e {
+                    crate::journal::OpenError::Unusable(m) => StartError::DataDir(m),
+                    crate::journal::OpenError::Io(m) => StartError::Journal(m),
+                })?;
+            journal.set_segment_bytes(cfg.journal_segment_bytes);
+            let (records, skipped, truncated, elapsed) =
+                (replayed.records, replayed.skipped, replayed.truncated_bytes, replayed.elapsed);
+            let segments = replayed.segments.len();
+            core.storage = crate::dispatch::Storage::Journal(Box::new(journal));
+            let restored = core.restore(replayed);
+            let level = if skipped > 0 { Level::Error } else { Level::Info };
+            crate::log!(
+                level,
+                "journal replayed",
+                data_dir = dir.display(),
+                tasks_restored = restored,
+                pending = core.task_count(crate::tasks::Status::Pending),
+                records = records,
+                records_skipped = skipped,
+                torn_bytes_cut = truncated,
+                segments = segments,
+                replay_ms = elapsed.as_millis()
+            );
+            // Restored records (attempts a restart cut short) go out with the first turn.
+            core.end_turn();
+        }
         core.wheel.arm(BLOB_SWEEP_MS, Timer::BlobSweep);
         let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
         let cfg_max_body = cfg.max_message_bytes;
@@ -335,6 +427,9 @@ impl Server {
             transfers: HashMap::new(),
             next_transfer: 1,
             disk_bytes: 0,
+            gated: Vec::new(),
+            durable_seen: 0,
+            journal_blocked: Vec::new(),
         };
         Ok((server, waker))
     }
@@ -354,9 +449,11 @@ impl Server {
     fn wire_and_api(&mut self) -> (Wire<'_>, &mut Core, &Api) {
         (
             Wire {
+                durable_lsn: self.core.durable_lsn(),
                 conns: &mut self.conns,
                 dirty: &mut self.dirty,
                 again: &mut self.again,
+                gated: &mut self.gated,
                 max_ws_out_bytes: self.max_ws_out_bytes,
                 shutting_down: self.shutdown_started,
             },
@@ -384,7 +481,10 @@ impl Server {
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_pending = true,
-                    WAKER => self.on_disk_done(),
+                    WAKER => {
+                        self.on_disk_done();
+                        self.on_journal()?;
+                    }
                     t => {
                         let r = conn_ref(t);
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
@@ -404,16 +504,65 @@ impl Server {
             }
             self.fire_timers();
             self.process_again();
+            // The turn's records go to the journal before its answers are written, so the sync
+            // runs while the rest of the output leaves.
+            self.core.end_turn();
             self.flush_dirty();
-            if self.shutdown_started && self.conns.is_empty() {
+            if self.shutdown_started && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.is_empty()))
+            {
+                // (With timers and journal waits gone, nothing could ever end the remaining
+                // connections.) Everything accepted is made durable before the exit.
+                if let crate::dispatch::Storage::Journal(j) = &mut self.core.storage {
+                    j.stop();
+                    if j.failed() {
+                        return Err(io::Error::other("the journal could not be written"));
+                    }
+                }
                 crate::log!(Level::Info, "shutdown complete");
                 return Ok(());
             }
-            if self.shutdown_started && self.core.wheel.is_empty() {
-                // Nothing left that could ever end the remaining connections.
-                return Ok(());
+        }
+    }
+
+    // ----- the journal -----------------------------------------------------------------------
+
+    /// The journal's threads woke the loop: answers it made durable leave, tasks read back are
+    /// answered, and submits held back for the backlog resume. A failed write is fatal.
+    fn on_journal(&mut self) -> io::Result<()> {
+        let Some(j) = self.core.journal() else { return Ok(()) };
+        if j.failed() {
+            return Err(io::Error::other("the journal could not be written (see the error above)"));
+        }
+        let durable = j.durable_lsn();
+        let backlog = j.backlog_bytes();
+        let mut reads = Vec::new();
+        while let Some(done) = j.try_read_done() {
+            reads.push(done);
+        }
+        for done in reads {
+            let (mut wire, core) = self.wire();
+            core.on_read_done(&mut wire, done);
+        }
+        if durable != self.durable_seen {
+            self.durable_seen = durable;
+            let gated = std::mem::take(&mut self.gated);
+            for r in gated {
+                let Some(conn) = self.conns.get_mut(r) else { continue };
+                if conn.release_gates(durable) {
+                    self.gated.push(r);
+                }
+                mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }
         }
+        if backlog <= JOURNAL_BACKLOG_BYTES && !self.journal_blocked.is_empty() {
+            self.again.append(&mut self.journal_blocked);
+        }
+        Ok(())
+    }
+
+    /// Too many journal bytes wait for the disk: new submits wait (backpressure).
+    fn journal_full(&self) -> bool {
+        self.core.journal().is_some_and(|j| j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
     }
 
     // ----- accepting -------------------------------------------------------------------------
@@ -538,7 +687,7 @@ impl Server {
                     crate::log!(Level::Debug, "request timeout", client_ip = conn.client_ip);
                     self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
                 }
-                Phase::Held { .. } => {}
+                Phase::Held { .. } | Phase::Batch { .. } => {}
                 Phase::Upload(_) => {
                     crate::log!(Level::Debug, "upload stalled", client_ip = conn.client_ip);
                     self.respond_and_close(r, crate::api::error(408, "upload made no progress within HEADER_TIMEOUT"));
@@ -614,7 +763,9 @@ impl Server {
     }
 
     fn flush(&mut self, r: ConnRef) {
+        let durable = self.core.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return };
+        conn.release_gates(durable);
         let total = conn.out.len();
         if write_out(conn).is_err() {
             self.close_now(r, "write error");

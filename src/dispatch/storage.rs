@@ -1,0 +1,286 @@
+//! The core's side of durable storage (SPEC §7): restoring tasks after a restart, the memory
+//! budget for finished tasks (`TASK_MEMORY`), answers read back from the journal, and the
+//! compaction step of each turn. Still no I/O: the journal's threads do the disk work, and time
+//! comes from the reactor.
+
+use super::*;
+
+impl Core {
+    /// Every record up to this sequence number is on disk (memory-only mode: everything).
+    pub fn durable_lsn(&self) -> u64 {
+        match &self.storage {
+            Storage::Memory => u64::MAX,
+            Storage::Journal(j) => j.durable_lsn(),
+        }
+    }
+
+    pub fn journal(&self) -> Option<&Journal> {
+        match &self.storage {
+            Storage::Journal(j) => Some(j),
+            Storage::Memory => None,
+        }
+    }
+
+    pub fn evicted(&self, id: TaskId) -> Option<&Evicted> {
+        self.evicted.get(&id)
+    }
+
+    pub fn evicted_count(&self) -> usize {
+        self.evicted.len()
+    }
+
+    pub fn finished_mem_bytes(&self) -> usize {
+        self.finished_mem
+    }
+
+    /// Once per loop turn, after its work: finished tasks over the budget leave memory, a
+    /// step of compaction, and the turn's records go to the journal's writer.
+    pub fn end_turn(&mut self) {
+        self.evict_over_budget();
+        self.compact_step();
+        if let Storage::Journal(j) = &mut self.storage {
+            j.now_ms = self.now_ms;
+            j.end_turn();
+        }
+    }
+
+    /// The oldest finished tasks leave memory while their memory is over `TASK_MEMORY`: to the
+    /// journal (read back on demand) or, in memory-only mode, forgotten early.
+    fn evict_over_budget(&mut self) {
+        let durable = self.durable_lsn();
+        let mut evicted = 0;
+        while self.finished_mem > self.cfg.task_memory_bytes && evicted < EVICT_PER_TURN {
+            let Some(&(_, id)) = self.finished.get(self.evict_next) else { break };
+            let Some(task) = self.tasks.get(&id).filter(|t| t.status.is_final()) else {
+                self.evict_next += 1;
+                continue;
+            };
+            if task.stored.lsn > durable {
+                break; // its final record is not on disk yet: next turn
+            }
+            self.evict_next += 1;
+            evicted += 1;
+            let Some(task) = self.tasks.remove(&id) else { continue };
+            self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
+            self.metrics.tasks_evicted += 1;
+            match &self.storage {
+                Storage::Journal(_) => {
+                    self.evicted.insert(
+                        id,
+                        Evicted {
+                            loc: task.stored.home,
+                            submit_seq: task.submit_seq,
+                            status: task.status,
+                            kind_hash: kind_hash(task.kind.as_deref()),
+                        },
+                    );
+                }
+                Storage::Memory => {
+                    self.status_counts[task.status.index()] -= 1;
+                    if !self.logged_forgetting {
+                        self.logged_forgetting = true;
+                        crate::log!(
+                            Level::Warn,
+                            "finished tasks over TASK_MEMORY are forgotten before TASK_TTL (memory-only mode; \
+                             set DATA_DIR to keep them on disk)",
+                            task_memory = self.cfg.task_memory_bytes
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// One bounded step of compaction: tasks still pinning a segment closed more than
+    /// TASK_TTL ago (only unfinished ones can) are written again at the head, so that
+    /// segment can go once those records are durable.
+    fn compact_step(&mut self) {
+        let Storage::Journal(j) = &self.storage else { return };
+        let (seg, shard) = match self.compacting {
+            Some(state) => state,
+            None => match j.stale_segment(self.cfg.task_ttl_ms) {
+                Some(seg) if seg > self.compacted_upto => (seg, 0),
+                _ => return,
+            },
+        };
+        let ids: Vec<TaskId> = self
+            .tasks
+            .shard_tasks(shard)
+            .filter(|t| t.stored.segs.iter().any(|&s| s != 0 && s <= seg))
+            .map(|t| t.id)
+            .take(COMPACT_TASKS_PER_TURN)
+            .collect();
+        let full = ids.len() == COMPACT_TASKS_PER_TURN;
+        for id in ids {
+            self.record(id, Rec::Whole);
+        }
+        // A full step may have left tasks in this shard: look at it again next turn.
+        let next = if full { shard } else { shard + 1 };
+        if next >= crate::tasks::TASK_SHARDS {
+            self.compacting = None;
+            self.compacted_upto = seg;
+        } else {
+            self.compacting = Some((seg, next));
+        }
+    }
+
+    /// Takes over what the journal held at start. Finished tasks keep their results until
+    /// TASK_TTL; unfinished ones wait as pending for a worker, in due order (ties in
+    /// submission order), an attempt cut short by the restart closed as `disconnect`.
+    /// Returns how many tasks were restored.
+    pub fn restore(&mut self, replayed: Replayed) -> usize {
+        let Replayed { tasks, evicted, rehome, .. } = replayed;
+        let (now, wall, ttl) = (self.now_ms, self.wall_ms, self.cfg.task_ttl_ms);
+        let mut restored = 0;
+        // Finished tasks, oldest first (the order they are forgotten and evicted in).
+        let mut finished: Vec<(u64, TaskId)> = Vec::new();
+        for (id, light) in evicted {
+            let forget_wall = light.finished_wall_ms.saturating_add(ttl);
+            if forget_wall <= wall {
+                self.forget_stale(id, Stored { lsn: 0, home: light.evicted.loc, segs: [light.evicted.loc.seg, 0, 0] });
+                continue;
+            }
+            self.status_counts[light.evicted.status.index()] += 1;
+            self.next_seq = self.next_seq.max(light.evicted.submit_seq);
+            if let Some(key) = light.idempotency {
+                self.remember_key(*key, id, forget_wall - wall);
+            }
+            self.evicted.insert(id, light.evicted);
+            finished.push((light.finished_wall_ms, id));
+            restored += 1;
+        }
+        let mut unfinished = Vec::new();
+        for mut task in tasks {
+            self.next_seq = self.next_seq.max(task.submit_seq);
+            let id = task.id;
+            task.created_mono_ms = now.saturating_sub(wall.saturating_sub(task.created_wall_ms));
+            if task.status.is_final() {
+                let finished_wall = task.finished_wall_ms.unwrap_or(task.created_wall_ms);
+                let forget_wall = finished_wall.saturating_add(ttl);
+                if forget_wall <= wall {
+                    self.forget_stale(id, task.stored);
+                    continue;
+                }
+                if let Some(key) = task.idempotency.take() {
+                    self.remember_key(*key.clone(), id, forget_wall - wall);
+                    task.idempotency = Some(key);
+                }
+                self.status_counts[task.status.index()] += 1;
+                self.finished_mem += task.mem_bytes();
+                finished.push((finished_wall, id));
+                self.tasks.insert(id, task);
+            } else {
+                if let Some(key) = task.idempotency.take() {
+                    self.remember_key(*key.clone(), id, ttl);
+                    task.idempotency = Some(key);
+                }
+                unfinished.push(task);
+            }
+            restored += 1;
+        }
+        finished.sort_unstable();
+        for (finished_wall, id) in finished {
+            let forget_at = now + finished_wall.saturating_add(ttl).saturating_sub(wall);
+            self.finished.push_back((forget_at, id));
+        }
+        if let Some(&(at, _)) = self.finished.front() {
+            self.ensure_sweep(at);
+        }
+
+        // Unfinished tasks: in due order, ties in submission order.
+        let due_wall = |t: &Task| t.run_at_wall_ms.unwrap_or(0).max(t.created_wall_ms);
+        unfinished.sort_unstable_by_key(|t| (due_wall(t), t.submit_seq));
+        let rehome: IdSet = rehome.into_iter().collect();
+        for mut task in unfinished {
+            let id = task.id;
+            let mut cut_short = false;
+            if let Some(a) = task.attempts.last_mut().filter(|a| a.outcome.is_none()) {
+                a.outcome = Some(Outcome::Disconnect);
+                a.error = Some(Box::from(RESTART_ERROR));
+                a.duration_ms = wall.saturating_sub(a.started_wall_ms);
+                a.restarted = true;
+                cut_short = true;
+            }
+            let due = due_wall(&task);
+            task.status = Status::Pending;
+            task.restored = true;
+            task.seq = self.take_seq();
+            task.due_mono_ms = now + due.saturating_sub(wall);
+            self.status_counts[Status::Pending.index()] += 1;
+            self.tasks.insert(id, task);
+            if cut_short {
+                self.record(id, Rec::AttemptEnded);
+            } else if rehome.contains(&id) {
+                self.record(id, Rec::Whole);
+            }
+            if due > wall {
+                self.schedule(id);
+            } else {
+                self.enqueue_ready(id);
+            }
+        }
+        restored
+    }
+
+    /// A task the journal held that expired while relay was down.
+    fn forget_stale(&mut self, id: TaskId, stored: Stored) {
+        if let Storage::Journal(j) = &mut self.storage {
+            j.forget(id, &stored);
+        }
+    }
+
+    fn remember_key(&mut self, key: (Box<str>, Box<str>), id: TaskId, lives_ms: u64) {
+        let expires = self.now_ms + lives_ms;
+        self.idempotency.insert(key.clone(), id);
+        self.idempotency_expiry.push_back((expires, key));
+        self.ensure_sweep(expires);
+    }
+
+    /// Reads a task that left memory back from the journal for `conn`; the answer comes later
+    /// through [`Io::reply`]. `false` if the task is not (or no longer) in the journal.
+    pub fn read_evicted(&mut self, conn: ConnRef, id: TaskId, purpose: ReadFor, identity: &Identity) -> bool {
+        let (Some(e), Storage::Journal(j)) = (self.evicted.get(&id), &self.storage) else { return false };
+        let token = self.next_read;
+        self.next_read += 1;
+        j.read(token, e.loc);
+        self.reads.insert(token, PendingRead { conn, id, purpose, identity: identity.clone() });
+        true
+    }
+
+    /// The reader thread answered: the waiting request gets the task (or 404 if it went).
+    pub fn on_read_done(&mut self, io: &mut dyn Io, done: ReadDone) {
+        let Some(pending) = self.reads.remove(&done.token) else { return };
+        let task = done.result.as_ref().ok().and_then(|bytes| match journal_codec::frame_at(bytes) {
+            FrameAt::Valid { kind, payload, .. } => match journal_codec::decode(kind, payload) {
+                Some(Record::Task(image)) if image.id == pending.id => Some(image.into_task(Stored::default())),
+                _ => None,
+            },
+            _ => None,
+        });
+        let response = match task {
+            Some(task) if pending.identity.allows_kind(task.kind.as_deref()) => match pending.purpose {
+                ReadFor::Get => task_response(&task, false),
+                ReadFor::PostWait => task_response(&task, true),
+                ReadFor::Cancel => {
+                    let mut r = task_response(&task, false);
+                    r.status = 409;
+                    r
+                }
+            },
+            Some(_) => Response::error(404, "not_found", "no such task"),
+            None if self.evicted.contains_key(&pending.id) => {
+                let why = done.result.err().unwrap_or_else(|| "the record read back is not this task".into());
+                crate::log!(
+                    Level::Error,
+                    "cannot read a task back from the journal",
+                    task_id = uuid_string(pending.id),
+                    error = why
+                );
+                Response::error(500, "internal", "cannot read the task from the journal")
+            }
+            None => Response::error(404, "not_found", "no such task"),
+        };
+        self.metrics.http_request(response.status);
+        io.reply(pending.conn, response);
+    }
+}

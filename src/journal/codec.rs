@@ -1,0 +1,526 @@
+//! The journal's bytes: segment headers, frames, and the records inside them. Pure: no I/O, no
+//! clock. Every decoder takes untrusted bytes (a damaged disk, a planted file) and answers
+//! `None`/`Err` for anything malformed, never panics.
+//!
+//! Frame (8-byte aligned, little-endian):
+//! `len: u32 | crc: u32 | seq: u64 | type: u8 | payload | zero padding to a multiple of 8`,
+//! where `len` counts `seq`, `type` and the payload, and `crc` is CRC-32C over those `len` bytes.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use serde_json::value::RawValue;
+
+use super::crc::crc32c;
+use crate::tasks::{Attempt, ConnRef, Outcome, Place, Status, Stored, Task, TaskId};
+
+/// Every segment file starts with these 16 bytes: magic, format version, reserved.
+pub const SEGMENT_MAGIC: &[u8; 8] = b"relayjnl";
+pub const FORMAT_VERSION: u32 = 1;
+pub const HEADER_BYTES: usize = 16;
+/// `len | crc`.
+pub const FRAME_PREFIX_BYTES: usize = 8;
+/// The largest `len` a frame may declare (a task with a payload and a result of
+/// MAX_MESSAGE_SIZE each stays far below; anything above is damage).
+pub const MAX_FRAME_LEN: usize = 1 << 30;
+
+/// The error a restart writes into the attempt it closes.
+pub const RESTART_ERROR: &str = "relay restarted while this attempt was running";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RecordType {
+    /// The whole state of a task: on submit, when it becomes final, and when compaction
+    /// carries it forward. Replaces whatever replay knew of the task.
+    Task = 1,
+    AttemptStart = 2,
+    AttemptEnd = 3,
+    /// TASK_TTL passed: the task is gone.
+    Forget = 4,
+}
+
+impl RecordType {
+    fn from_u8(b: u8) -> Option<RecordType> {
+        match b {
+            1 => Some(RecordType::Task),
+            2 => Some(RecordType::AttemptStart),
+            3 => Some(RecordType::AttemptEnd),
+            4 => Some(RecordType::Forget),
+            _ => None,
+        }
+    }
+}
+
+pub fn segment_header() -> [u8; HEADER_BYTES] {
+    let mut h = [0u8; HEADER_BYTES];
+    h[..8].copy_from_slice(SEGMENT_MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    h
+}
+
+/// Checks a segment's header; the error says what is wrong.
+pub fn check_header(bytes: &[u8]) -> Result<(), String> {
+    if bytes.len() < HEADER_BYTES {
+        return Err("shorter than its header".into());
+    }
+    if &bytes[..8] != SEGMENT_MAGIC {
+        return Err("not a relay journal segment (bad magic)".into());
+    }
+    let version = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+    if version != FORMAT_VERSION {
+        return Err(format!("journal format version {version}, this relay reads {FORMAT_VERSION}"));
+    }
+    Ok(())
+}
+
+pub fn align8(n: usize) -> usize {
+    (n + 7) & !7
+}
+
+/// Appends one frame around the payload that `fill` writes. Returns the frame's length.
+pub fn put_frame(out: &mut Vec<u8>, seq: u64, kind: RecordType, fill: impl FnOnce(&mut Vec<u8>)) -> usize {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; FRAME_PREFIX_BYTES]);
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.push(kind as u8);
+    fill(out);
+    let len = out.len() - start - FRAME_PREFIX_BYTES;
+    let crc = crc32c(&out[start + FRAME_PREFIX_BYTES..]);
+    out[start..start + 4].copy_from_slice(&(len as u32).to_le_bytes());
+    out[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+    out.resize(start + align8(FRAME_PREFIX_BYTES + len), 0);
+    out.len() - start
+}
+
+/// What is at an offset of a segment.
+#[derive(Debug, PartialEq, Eq)]
+pub enum FrameAt<'a> {
+    /// A valid frame: its sequence number, type byte, payload, and total (padded) length.
+    Valid { seq: u64, kind: u8, payload: &'a [u8], total: usize },
+    /// Not enough bytes for the frame its length announces (or for a prefix).
+    Short,
+    /// The bytes are there but are not a valid frame.
+    Bad,
+}
+
+/// Reads the frame at the start of `bytes`.
+pub fn frame_at(bytes: &[u8]) -> FrameAt<'_> {
+    if bytes.len() < FRAME_PREFIX_BYTES {
+        return FrameAt::Short;
+    }
+    let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]) as usize;
+    let crc = u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]);
+    if !(9..=MAX_FRAME_LEN).contains(&len) {
+        return FrameAt::Bad;
+    }
+    let total = align8(FRAME_PREFIX_BYTES + len);
+    if bytes.len() < FRAME_PREFIX_BYTES + len {
+        return FrameAt::Short;
+    }
+    let body = &bytes[FRAME_PREFIX_BYTES..FRAME_PREFIX_BYTES + len];
+    if crc32c(body) != crc {
+        return FrameAt::Bad;
+    }
+    let mut seq = [0u8; 8];
+    seq.copy_from_slice(&body[..8]);
+    FrameAt::Valid { seq: u64::from_le_bytes(seq), kind: body[8], payload: &body[9..], total: total.min(bytes.len()) }
+}
+
+// ----- records -------------------------------------------------------------------------------
+
+const F_QUEUED: u16 = 1;
+const F_RUN_AT: u16 = 1 << 1;
+const F_KIND: u16 = 1 << 2;
+const F_PAYLOAD: u16 = 1 << 3;
+const F_RESULT: u16 = 1 << 4;
+const F_ERROR: u16 = 1 << 5;
+const F_IDEMPOTENCY: u16 = 1 << 6;
+const F_FINISHED: u16 = 1 << 7;
+
+fn put_u32(out: &mut Vec<u8>, v: u32) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u64(out: &mut Vec<u8>, v: u64) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+fn put_u128(out: &mut Vec<u8>, v: u128) {
+    out.extend_from_slice(&v.to_le_bytes());
+}
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    put_u32(out, s.len() as u32);
+    out.extend_from_slice(s.as_bytes());
+}
+fn put_ip(out: &mut Vec<u8>, ip: IpAddr) {
+    match ip {
+        IpAddr::V4(v4) => {
+            out.push(4);
+            out.extend_from_slice(&v4.octets());
+        }
+        IpAddr::V6(v6) => {
+            out.push(6);
+            out.extend_from_slice(&v6.octets());
+        }
+    }
+}
+fn outcome_code(o: Option<Outcome>) -> u8 {
+    o.map_or(0, |o| Outcome::ALL.iter().position(|x| *x == o).map_or(0, |i| i as u8 + 1))
+}
+
+/// The whole state of `task` (the payload only while it is not final).
+pub fn put_task(out: &mut Vec<u8>, t: &Task) {
+    let mut flags = 0u16;
+    let set = |flags: &mut u16, bit: u16, on: bool| {
+        if on {
+            *flags |= bit;
+        }
+    };
+    set(&mut flags, F_QUEUED, t.queued);
+    set(&mut flags, F_RUN_AT, t.run_at_wall_ms.is_some());
+    set(&mut flags, F_KIND, t.kind.is_some());
+    set(&mut flags, F_PAYLOAD, t.payload.is_some());
+    set(&mut flags, F_RESULT, t.result.is_some());
+    set(&mut flags, F_ERROR, t.error.is_some());
+    set(&mut flags, F_IDEMPOTENCY, t.idempotency.is_some());
+    set(&mut flags, F_FINISHED, t.finished_wall_ms.is_some());
+    put_u128(out, t.id);
+    out.extend_from_slice(&flags.to_le_bytes());
+    out.push(t.status as u8);
+    put_u64(out, t.submit_seq);
+    put_u64(out, t.created_wall_ms);
+    put_u32(out, t.max_retries);
+    put_u64(out, t.timeout_ms);
+    if let Some(at) = t.run_at_wall_ms {
+        put_u64(out, at);
+    }
+    if let Some(at) = t.finished_wall_ms {
+        put_u64(out, at);
+    }
+    if let Some(k) = &t.kind {
+        put_str(out, k);
+    }
+    if let Some(p) = &t.payload {
+        put_str(out, p.get());
+    }
+    if let Some(r) = &t.result {
+        put_str(out, r.get());
+    }
+    if let Some(e) = &t.error {
+        put_str(out, e);
+    }
+    if let Some(idem) = &t.idempotency {
+        put_str(out, &idem.0);
+        put_str(out, &idem.1);
+    }
+    put_u32(out, t.attempts.len() as u32);
+    for a in &t.attempts {
+        put_u128(out, a.client_id);
+        put_ip(out, a.client_ip);
+        put_u64(out, a.started_wall_ms);
+        out.push(outcome_code(a.outcome));
+        put_u64(out, a.duration_ms);
+        match &a.error {
+            Some(e) => {
+                out.push(1);
+                put_str(out, e);
+            }
+            None => out.push(0),
+        }
+    }
+}
+
+pub fn put_attempt_start(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
+    put_u128(out, id);
+    put_u32(out, num);
+    put_u128(out, a.client_id);
+    put_ip(out, a.client_ip);
+    put_u64(out, a.started_wall_ms);
+}
+
+pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
+    put_u128(out, id);
+    put_u32(out, num);
+    out.push(outcome_code(a.outcome));
+    put_u64(out, a.duration_ms);
+    match &a.error {
+        Some(e) => {
+            out.push(1);
+            put_str(out, e);
+        }
+        None => out.push(0),
+    }
+}
+
+pub fn put_forget(out: &mut Vec<u8>, id: TaskId) {
+    put_u128(out, id);
+}
+
+/// A task as a Task record holds it.
+#[derive(Debug)]
+pub struct TaskImage {
+    pub id: TaskId,
+    pub status: Status,
+    pub queued: bool,
+    pub submit_seq: u64,
+    pub created_wall_ms: u64,
+    pub max_retries: u32,
+    pub timeout_ms: u64,
+    pub run_at_wall_ms: Option<u64>,
+    pub finished_wall_ms: Option<u64>,
+    pub kind: Option<Box<str>>,
+    pub payload: Option<Box<RawValue>>,
+    pub result: Option<Box<RawValue>>,
+    pub error: Option<Box<str>>,
+    pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
+    pub attempts: Vec<Attempt>,
+}
+
+impl TaskImage {
+    /// The task as the core holds it; clocks and queue places are the core's to set.
+    pub fn into_task(self, stored: Stored) -> Task {
+        Task {
+            id: self.id,
+            status: self.status,
+            kind: self.kind,
+            payload: self.payload,
+            created_wall_ms: self.created_wall_ms,
+            created_mono_ms: 0,
+            run_at_wall_ms: self.run_at_wall_ms,
+            due_mono_ms: 0,
+            finished_wall_ms: self.finished_wall_ms,
+            result: self.result,
+            error: self.error,
+            attempts: self.attempts,
+            max_retries: self.max_retries,
+            timeout_ms: self.timeout_ms,
+            seq: 0,
+            place: Place::Nowhere,
+            queued: self.queued,
+            attempt_timer: None,
+            waiters: Vec::new(),
+            restored: false,
+            submit_seq: self.submit_seq,
+            idempotency: self.idempotency,
+            stored,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub enum Record {
+    Task(Box<TaskImage>),
+    AttemptStart { id: TaskId, num: u32, attempt: Attempt },
+    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>> },
+    Forget { id: TaskId },
+}
+
+/// A cursor over a record's payload.
+struct Dec<'a> {
+    b: &'a [u8],
+}
+
+impl<'a> Dec<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        if self.b.len() < n {
+            return None;
+        }
+        let (head, rest) = self.b.split_at(n);
+        self.b = rest;
+        Some(head)
+    }
+    fn u8(&mut self) -> Option<u8> {
+        self.take(1).map(|b| b[0])
+    }
+    fn u16(&mut self) -> Option<u16> {
+        self.take(2).map(|b| u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self) -> Option<u64> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Some(u64::from_le_bytes(a))
+    }
+    fn u128(&mut self) -> Option<u128> {
+        let mut a = [0u8; 16];
+        a.copy_from_slice(self.take(16)?);
+        Some(u128::from_le_bytes(a))
+    }
+    fn str(&mut self) -> Option<&'a str> {
+        let n = self.u32()? as usize;
+        std::str::from_utf8(self.take(n)?).ok()
+    }
+    fn json(&mut self) -> Option<Box<RawValue>> {
+        RawValue::from_string(self.str()?.to_owned()).ok()
+    }
+    fn ip(&mut self) -> Option<IpAddr> {
+        match self.u8()? {
+            4 => {
+                let b = self.take(4)?;
+                Some(IpAddr::V4(Ipv4Addr::new(b[0], b[1], b[2], b[3])))
+            }
+            6 => {
+                let mut a = [0u8; 16];
+                a.copy_from_slice(self.take(16)?);
+                Some(IpAddr::V6(Ipv6Addr::from(a)))
+            }
+            _ => None,
+        }
+    }
+    fn outcome(&mut self) -> Option<Option<Outcome>> {
+        match self.u8()? {
+            0 => Some(None),
+            n => Outcome::ALL.get(n as usize - 1).copied().map(Some),
+        }
+    }
+    fn opt_error(&mut self) -> Option<Option<Box<str>>> {
+        match self.u8()? {
+            0 => Some(None),
+            1 => Some(Some(Box::from(self.str()?))),
+            _ => None,
+        }
+    }
+    fn done(&self) -> bool {
+        self.b.is_empty()
+    }
+}
+
+/// An attempt read back from the journal: no connection, and marked when a restart closed it.
+fn restored_attempt(client_id: u128, ip: IpAddr, started_wall_ms: u64) -> Attempt {
+    Attempt {
+        worker: ConnRef { slot: u32::MAX, generation: 0 },
+        client_id,
+        client_ip: ip,
+        started_wall_ms,
+        started_mono_ms: 0,
+        outcome: None,
+        error: None,
+        duration_ms: 0,
+        answered: false,
+        restarted: false,
+    }
+}
+
+fn status_from(b: u8) -> Option<Status> {
+    [Status::Pending, Status::Dispatched, Status::Done, Status::Failed, Status::Canceled].get(b as usize).copied()
+}
+
+fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
+    let id = d.u128()?;
+    let flags = d.u16()?;
+    let status = status_from(d.u8()?)?;
+    let submit_seq = d.u64()?;
+    let created_wall_ms = d.u64()?;
+    let max_retries = d.u32()?;
+    let timeout_ms = d.u64()?;
+    let run_at_wall_ms = if flags & F_RUN_AT != 0 { Some(d.u64()?) } else { None };
+    let finished_wall_ms = if flags & F_FINISHED != 0 { Some(d.u64()?) } else { None };
+    let kind = if flags & F_KIND != 0 { Some(Box::from(d.str()?)) } else { None };
+    let payload = if flags & F_PAYLOAD != 0 { Some(d.json()?) } else { None };
+    let result = if flags & F_RESULT != 0 { Some(d.json()?) } else { None };
+    let error = if flags & F_ERROR != 0 { Some(Box::from(d.str()?)) } else { None };
+    let idempotency =
+        if flags & F_IDEMPOTENCY != 0 { Some(Box::new((Box::from(d.str()?), Box::from(d.str()?)))) } else { None };
+    let n = d.u32()? as usize;
+    // Each attempt takes at least 38 bytes: a count beyond what is left is damage.
+    if n > d.b.len() / 38 {
+        return None;
+    }
+    let mut attempts = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut a = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+        a.outcome = d.outcome()?;
+        a.duration_ms = d.u64()?;
+        a.error = d.opt_error()?;
+        a.restarted = a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(RESTART_ERROR);
+        attempts.push(a);
+    }
+    Some(TaskImage {
+        id,
+        status,
+        queued: flags & F_QUEUED != 0,
+        submit_seq,
+        created_wall_ms,
+        max_retries,
+        timeout_ms,
+        run_at_wall_ms,
+        finished_wall_ms,
+        kind,
+        payload,
+        result,
+        error,
+        idempotency,
+        attempts,
+    })
+}
+
+/// Decodes a record of type `kind`. `None`: unknown type or malformed payload.
+pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
+    let mut d = Dec { b: payload };
+    let record = match RecordType::from_u8(kind)? {
+        RecordType::Task => Record::Task(Box::new(decode_task(&mut d)?)),
+        RecordType::AttemptStart => {
+            let id = d.u128()?;
+            let num = d.u32()?;
+            let attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+            Record::AttemptStart { id, num, attempt }
+        }
+        RecordType::AttemptEnd => Record::AttemptEnd {
+            id: d.u128()?,
+            num: d.u32()?,
+            outcome: d.outcome()?,
+            duration_ms: d.u64()?,
+            error: d.opt_error()?,
+        },
+        RecordType::Forget => Record::Forget { id: d.u128()? },
+    };
+    d.done().then_some(record)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn frames_round_trip_and_detect_damage() {
+        let mut buf = Vec::new();
+        let n = put_frame(&mut buf, 42, RecordType::Forget, |out| put_forget(out, 7));
+        assert_eq!(n % 8, 0);
+        assert_eq!(n, buf.len());
+        match frame_at(&buf) {
+            FrameAt::Valid { seq, kind, payload, total } => {
+                assert_eq!((seq, kind, total), (42, RecordType::Forget as u8, n));
+                assert!(matches!(decode(kind, payload), Some(Record::Forget { id: 7 })));
+            }
+            other => panic!("{other:?}"),
+        }
+        for cut in 0..FRAME_PREFIX_BYTES + 9 + 16 {
+            assert_eq!(frame_at(&buf[..cut]), FrameAt::Short, "cut at {cut}");
+        }
+        for i in 4..FRAME_PREFIX_BYTES + 9 + 16 {
+            let mut bad = buf.clone();
+            bad[i] ^= 0x40;
+            assert_eq!(frame_at(&bad), FrameAt::Bad, "flip at {i}");
+        }
+        assert_eq!(frame_at(&[0u8; 64]), FrameAt::Bad);
+    }
+
+    #[test]
+    fn decoders_refuse_trailing_bytes_and_unknown_types() {
+        let mut p = Vec::new();
+        put_forget(&mut p, 1);
+        p.push(0);
+        assert!(decode(RecordType::Forget as u8, &p).is_none());
+        assert!(decode(99, &[]).is_none());
+        assert!(decode(RecordType::Task as u8, &[1, 2, 3]).is_none());
+    }
+
+    #[test]
+    fn headers() {
+        assert!(check_header(&segment_header()).is_ok());
+        assert!(check_header(b"relayjnl").is_err());
+        let mut h = segment_header();
+        h[8] = 9;
+        assert!(check_header(&h).unwrap_err().contains("version 9"));
+        assert!(check_header(b"xxxxxxxxxxxxxxxx").unwrap_err().contains("magic"));
+    }
+}

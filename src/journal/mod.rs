@@ -1,0 +1,370 @@
+//! The journal in DATA_DIR: an append-only log of task records that makes accepted tasks
+//! survive a crash (SPEC §7).
+//!
+//! The loop side (this file) encodes records into the current turn's batch and keeps the
+//! books: which segment every record went to, which segments tasks still need, when a
+//! segment can go. It never touches a file: at the end of each turn the batch goes to the
+//! writer thread (`thread`), which appends, syncs once and publishes the durable sequence
+//! number; answers wait for it. Reads of tasks that left memory go to the reader thread.
+//! Replay (`replay`) runs once at start, before the loop.
+//!
+//! Compaction: a task pins the segments holding the records it still needs (its last whole
+//! record, and the attempt records after it). A segment nothing pins is deleted once the
+//! records that replaced it are durable. A segment closed more than TASK_TTL ago can only be
+//! pinned by tasks that are not finished (finished ones are forgotten by then): the core
+//! writes those tasks again at the head, so the journal's size follows the live tasks plus one
+//! TASK_TTL of history.
+
+pub mod codec;
+pub mod crc;
+pub mod replay;
+pub mod thread;
+
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, Sender};
+
+use self::codec::{HEADER_BYTES, RecordType};
+use self::replay::Replayed;
+use self::thread::{Batch, Msg, ReadDone, ReadJob, Shared, Wake};
+use crate::tasks::{Loc, Stored, Task, TaskId};
+
+/// Segment files are closed and a new one started past this size.
+pub const SEGMENT_BYTES: u64 = 64 << 20;
+
+/// Why DATA_DIR cannot be used.
+#[derive(Debug)]
+pub enum OpenError {
+    /// Not creatable, not writable, or locked by another relay: a configuration problem.
+    Unusable(String),
+    /// Reading the journal failed.
+    Io(String),
+}
+
+impl std::fmt::Display for OpenError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OpenError::Unusable(m) | OpenError::Io(m) => f.write_str(m),
+        }
+    }
+}
+
+struct Segment {
+    pins: u32,
+    bytes: u64,
+    /// When it stopped being the head (monotonic ms; may be "before start" for replayed
+    /// segments, hence signed).
+    closed_ms: Option<i64>,
+}
+
+pub struct Journal {
+    tx: Sender<Msg>,
+    writer: Option<std::thread::JoinHandle<()>>,
+    shared: Arc<Shared>,
+    reads: Sender<ReadJob>,
+    read_done: Receiver<ReadDone>,
+    /// Held for the process's life: the `flock` that keeps a second relay out of DATA_DIR.
+    _lock: File,
+    batch: Batch,
+    batch_bytes: u64,
+    /// Bytes handed to the writer so far.
+    sent_bytes: u64,
+    next_lsn: u64,
+    head: u32,
+    segments: BTreeMap<u32, Segment>,
+    segment_bytes: u64,
+    /// The loop's monotonic clock (ms), set each turn.
+    pub now_ms: u64,
+    pub records_written: u64,
+    pub records_skipped_at_start: u64,
+}
+
+/// Creates DATA_DIR if needed (mode 0700), takes its lock, and checks that it is writable.
+fn prepare_dir(dir: &Path) -> Result<File, OpenError> {
+    let unusable = |what: &str, e: io::Error| OpenError::Unusable(format!("DATA_DIR={}: {what}: {e}", dir.display()));
+    fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| unusable("cannot create it", e))?;
+    let meta = fs::metadata(dir).map_err(|e| unusable("cannot read it", e))?;
+    if !meta.is_dir() {
+        return Err(OpenError::Unusable(format!("DATA_DIR={}: not a directory", dir.display())));
+    }
+    // SAFETY: geteuid has no preconditions.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me && me != 0 {
+        return Err(OpenError::Unusable(format!(
+            "DATA_DIR={}: owned by another user (uid {}); relay keeps its journal private",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    let lock = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(dir.join("LOCK"))
+        .map_err(|e| unusable("not writable", e))?;
+    // SAFETY: flock on a file descriptor we own.
+    if unsafe { libc::flock(std::os::fd::AsRawFd::as_raw_fd(&lock), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(OpenError::Unusable(format!(
+            "DATA_DIR={}: in use by another relay process (its LOCK is held)",
+            dir.display()
+        )));
+    }
+    let probe = dir.join(".write-probe");
+    File::create(&probe).and_then(|f| f.sync_all()).map_err(|e| unusable("not writable", e))?;
+    let _ = fs::remove_file(&probe);
+    Ok(lock)
+}
+
+impl Journal {
+    /// Opens DATA_DIR: lock, replay (keeping at most `memory_budget_bytes` of finished tasks in
+    /// memory), start the threads. Writing continues in a new segment.
+    pub fn open(
+        dir: &Path,
+        memory_budget_bytes: usize,
+        now_wall_ms: u64,
+        wake: Wake,
+    ) -> Result<(Journal, Replayed), OpenError> {
+        let lock = prepare_dir(dir)?;
+        let replayed = replay::replay(dir, memory_budget_bytes)
+            .map_err(|e| OpenError::Io(format!("cannot read the journal in {}: {e}", dir.display())))?;
+        let shared = Arc::new(Shared::default());
+        shared.durable_lsn.store(replayed.next_lsn.saturating_sub(1), Ordering::SeqCst);
+        let (tx, writer) = thread::start_writer(dir.to_path_buf(), shared.clone(), wake.clone())
+            .map_err(|e| OpenError::Io(format!("cannot start the journal thread: {e}")))?;
+        let (reads, read_done) = thread::start_reader(PathBuf::from(dir), wake)
+            .map_err(|e| OpenError::Io(format!("cannot start the journal reader: {e}")))?;
+        let mut segments = BTreeMap::new();
+        for s in &replayed.segments {
+            let age_ms = now_wall_ms.saturating_sub(s.modified_wall_ms) as i64;
+            segments.insert(s.num, Segment { pins: s.pins, bytes: s.bytes, closed_ms: Some(-age_ms) });
+        }
+        let head = replayed.segments.last().map_or(1, |s| s.num + 1);
+        segments.insert(head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        let mut journal = Journal {
+            tx,
+            writer: Some(writer),
+            shared,
+            reads,
+            read_done,
+            _lock: lock,
+            batch: Batch::default(),
+            batch_bytes: 0,
+            sent_bytes: 0,
+            next_lsn: replayed.next_lsn.max(1),
+            head,
+            segments,
+            segment_bytes: SEGMENT_BYTES,
+            now_ms: 0,
+            records_written: 0,
+            records_skipped_at_start: replayed.skipped,
+        };
+        let unpinned: Vec<u32> =
+            journal.segments.iter().filter(|(n, s)| s.pins == 0 && **n != head).map(|(n, _)| *n).collect();
+        for n in unpinned {
+            journal.drop_segment(n);
+        }
+        Ok((journal, replayed))
+    }
+
+    /// A smaller segment size (tests of compaction).
+    pub fn set_segment_bytes(&mut self, bytes: u64) {
+        self.segment_bytes = bytes.max(4096);
+    }
+
+    /// The sequence number of the newest record.
+    pub fn lsn(&self) -> u64 {
+        self.next_lsn - 1
+    }
+
+    pub fn durable_lsn(&self) -> u64 {
+        self.shared.durable_lsn.load(Ordering::Acquire)
+    }
+
+    pub fn failed(&self) -> bool {
+        self.shared.failed.load(Ordering::Acquire)
+    }
+
+    pub fn syncs(&self) -> u64 {
+        self.shared.syncs.load(Ordering::Relaxed)
+    }
+
+    /// Bytes encoded but not yet durable.
+    pub fn backlog_bytes(&self) -> u64 {
+        (self.sent_bytes + self.batch_bytes).saturating_sub(self.shared.durable_bytes.load(Ordering::Acquire))
+    }
+
+    /// Total size of the segments on disk (as written or queued).
+    pub fn disk_bytes(&self) -> u64 {
+        self.segments.values().map(|s| s.bytes).sum()
+    }
+
+    pub fn segment_count(&self) -> usize {
+        self.segments.len()
+    }
+
+    fn append(&mut self, kind: RecordType, fill: impl FnOnce(&mut Vec<u8>)) -> (u64, Loc) {
+        let lsn = self.next_lsn;
+        self.next_lsn += 1;
+        if self.batch.chunks.last().is_none_or(|(seg, _)| *seg != self.head) {
+            self.batch.chunks.push((self.head, Vec::new()));
+        }
+        let Some((_, buf)) = self.batch.chunks.last_mut() else { unreachable!("a chunk was just pushed") };
+        let start = buf.len();
+        let n = codec::put_frame(buf, lsn, kind, fill) as u64;
+        let head_bytes = self.segments.get(&self.head).map_or(0, |s| s.bytes);
+        if head_bytes > HEADER_BYTES as u64 && head_bytes + n > self.segment_bytes {
+            // It goes to a new segment.
+            let frame = buf.split_off(start);
+            if buf.is_empty() {
+                self.batch.chunks.pop();
+            }
+            self.rotate();
+            self.batch.chunks.push((self.head, frame));
+        }
+        let head = self.head;
+        let seg = self.segments.entry(head).or_insert(Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        let off = seg.bytes;
+        seg.bytes += n;
+        self.batch_bytes += n;
+        self.batch.lsn = lsn;
+        self.records_written += 1;
+        (lsn, Loc { seg: head, off: off as u32, len: n as u32 })
+    }
+
+    fn rotate(&mut self) {
+        let old = self.head;
+        self.head += 1;
+        self.segments.insert(self.head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        let now = self.now_ms as i64;
+        if let Some(seg) = self.segments.get_mut(&old) {
+            seg.closed_ms = Some(now);
+            if seg.pins == 0 {
+                self.drop_segment(old);
+            }
+        }
+    }
+
+    fn pin(&mut self, seg: u32) {
+        if let Some(s) = self.segments.get_mut(&seg) {
+            s.pins += 1;
+        }
+    }
+
+    fn unpin(&mut self, seg: u32) {
+        let Some(s) = self.segments.get_mut(&seg) else { return };
+        s.pins = s.pins.saturating_sub(1);
+        if s.pins == 0 && seg != self.head {
+            self.drop_segment(seg);
+        }
+    }
+
+    fn drop_segment(&mut self, seg: u32) {
+        self.segments.remove(&seg);
+        self.batch.deletes.push(seg);
+    }
+
+    fn unpin_all(&mut self, stored: &Stored) {
+        for seg in stored.segs {
+            if seg != 0 {
+                self.unpin(seg);
+            }
+        }
+    }
+
+    /// Writes the whole task; it now needs only this record.
+    pub fn task(&mut self, t: &Task, stored: &mut Stored) {
+        let (lsn, loc) = self.append(RecordType::Task, |out| codec::put_task(out, t));
+        self.pin(loc.seg);
+        self.unpin_all(stored);
+        *stored = Stored { lsn, home: loc, segs: [loc.seg, 0, 0] };
+    }
+
+    /// Records the start of the task's last attempt.
+    pub fn attempt_started(&mut self, t: &Task, stored: &mut Stored) {
+        let num = t.attempts.len() as u32;
+        let Some(a) = t.attempts.last() else { return };
+        if !self.has_room(stored) {
+            return self.task(t, stored);
+        }
+        let (lsn, loc) = self.append(RecordType::AttemptStart, |out| codec::put_attempt_start(out, t.id, num, a));
+        self.add_record(stored, lsn, loc);
+    }
+
+    /// Records how the task's last attempt ended.
+    pub fn attempt_ended(&mut self, t: &Task, stored: &mut Stored) {
+        let num = t.attempts.len() as u32;
+        let Some(a) = t.attempts.last() else { return };
+        if !self.has_room(stored) {
+            return self.task(t, stored);
+        }
+        let (lsn, loc) = self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end(out, t.id, num, a));
+        self.add_record(stored, lsn, loc);
+    }
+
+    /// Can a record in the head segment be added to what the task pins?
+    fn has_room(&self, stored: &Stored) -> bool {
+        stored.segs.contains(&self.head) || stored.segs.contains(&0)
+    }
+
+    fn add_record(&mut self, stored: &mut Stored, lsn: u64, loc: Loc) {
+        stored.lsn = lsn;
+        if !stored.segs.contains(&loc.seg) {
+            if let Some(free) = stored.segs.iter_mut().find(|s| **s == 0) {
+                *free = loc.seg;
+            }
+            self.pin(loc.seg);
+        }
+    }
+
+    /// The task was forgotten (TASK_TTL): it needs nothing any more.
+    pub fn forget(&mut self, id: TaskId, stored: &Stored) {
+        self.append(RecordType::Forget, |out| codec::put_forget(out, id));
+        self.unpin_all(stored);
+    }
+
+    /// Hands the turn's records to the writer.
+    pub fn end_turn(&mut self) {
+        if self.batch.is_empty() {
+            return;
+        }
+        let batch = std::mem::take(&mut self.batch);
+        self.sent_bytes += self.batch_bytes;
+        self.batch_bytes = 0;
+        if self.tx.send(Msg::Batch(batch)).is_err() {
+            // The writer only ends after a failure, which `failed` reports.
+            self.shared.failed.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// The newest segment closed at least `age_ms` ago, if any: tasks still pinning it (or an
+    /// older one) should be written again at the head.
+    pub fn stale_segment(&self, age_ms: u64) -> Option<u32> {
+        let limit = self.now_ms as i64 - age_ms.min(i64::MAX as u64) as i64;
+        self.segments.iter().take_while(|(_, s)| s.closed_ms.is_some_and(|c| c <= limit)).map(|(n, _)| *n).last()
+    }
+
+    /// Asks the reader thread for a record.
+    pub fn read(&self, token: u64, loc: Loc) {
+        let _ = self.reads.send(ReadJob { token, seg: loc.seg, off: loc.off, len: loc.len });
+    }
+
+    pub fn try_read_done(&self) -> Option<ReadDone> {
+        self.read_done.try_recv().ok()
+    }
+
+    /// Writes what is queued, waits until it is durable, and stops the writer.
+    pub fn stop(&mut self) {
+        self.end_turn();
+        let _ = self.tx.send(Msg::Stop);
+        if let Some(handle) = self.writer.take() {
+            let _ = handle.join();
+        }
+    }
+}
