@@ -145,7 +145,7 @@ impl Journal {
             let age_ms = now_wall_ms.saturating_sub(s.modified_wall_ms) as i64;
             segments.insert(s.num, Segment { pins: s.pins, bytes: s.bytes, closed_ms: Some(-age_ms) });
         }
-        let head = replayed.segments.last().map_or(1, |s| s.num + 1);
+        let head = replayed.max_segment + 1;
         segments.insert(head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
         let mut journal = Journal {
             tx,

@@ -34,6 +34,8 @@ pub struct Replayed {
     /// in each.
     pub segments: Vec<SegmentInfo>,
     pub next_lsn: u64,
+    /// The highest segment number present (new records go to the next one).
+    pub max_segment: u32,
     pub records: u64,
     /// Damaged frames or regions skipped (not counting a torn tail).
     pub skipped: u64,
@@ -221,137 +223,443 @@ fn modified_wall_ms(path: &Path) -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// A valid frame found by [`scan_segment`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameRef {
+    pub off: usize,
+    /// Bytes the frame takes, padding included.
+    pub total: usize,
+    pub seq: u64,
+    pub kind: u8,
+    /// Where its payload is in the segment.
+    pub payload: (usize, usize),
+}
+
+/// What scanning one segment's bytes found.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Scan {
+    pub frames: Vec<FrameRef>,
+    /// Damaged regions (offset, length) followed by valid frames, or at the end of a segment
+    /// that is not the last: corruption.
+    pub skipped: Vec<(usize, usize)>,
+    /// The last segment ends in a torn write from this offset on: cut it off.
+    pub torn_at: Option<usize>,
+}
+
+/// Finds every valid frame of a segment (`bytes` includes the header, already checked).
+/// Pure: this is what the fuzz target and the property test drive.
+pub fn scan_segment(bytes: &[u8], last: bool) -> Scan {
+    let mut scan = Scan::default();
+    let mut off = HEADER_BYTES;
+    while off < bytes.len() {
+        match codec::frame_at(&bytes[off..]) {
+            FrameAt::Valid { seq, kind, total, payload } => {
+                let start = off + codec::FRAME_PREFIX_BYTES + 9;
+                scan.frames.push(FrameRef { off, total, seq, kind, payload: (start, start + payload.len()) });
+                off += total;
+            }
+            FrameAt::Short | FrameAt::Bad => match next_valid(bytes, off) {
+                Some(next) => {
+                    scan.skipped.push((off, next - off));
+                    off = next;
+                }
+                None if last => {
+                    scan.torn_at = Some(off);
+                    break;
+                }
+                None => {
+                    scan.skipped.push((off, bytes.len() - off));
+                    break;
+                }
+            },
+        }
+    }
+    scan
+}
+
+/// Replay without files: segments as (number, bytes), the last one possibly torn. The result's
+/// `segments` carry no modification times.
+pub fn replay_bytes(segments: &[(u32, &[u8])], budget_bytes: usize) -> Replayed {
+    let mut r = Replayer::new(budget_bytes);
+    for (i, (num, bytes)) in segments.iter().enumerate() {
+        r.segment(*num, bytes, i + 1 == segments.len(), None);
+    }
+    r.finish()
+}
+
+/// Replay's state across segments.
+struct Replayer {
+    state: State,
+    records: u64,
+    skipped: u64,
+    truncated_bytes: u64,
+    segments: Vec<SegmentInfo>,
+    max_segment: u32,
+    started: Instant,
+}
+
+impl Replayer {
+    fn new(budget_bytes: usize) -> Replayer {
+        Replayer {
+            state: State {
+                entries: HashMap::new(),
+                finished: VecDeque::new(),
+                finished_count: 0,
+                finished_bytes: 0,
+                budget_bytes,
+                max_seq: 0,
+            },
+            records: 0,
+            skipped: 0,
+            truncated_bytes: 0,
+            segments: Vec::new(),
+            max_segment: 0,
+            started: Instant::now(),
+        }
+    }
+
+    /// Applies one segment. Returns where a torn tail starts, if it has one. `path` only
+    /// names the file in logs.
+    fn segment(&mut self, num: u32, bytes: &[u8], last: bool, path: Option<&Path>) -> Option<usize> {
+        self.max_segment = self.max_segment.max(num);
+        let name = path.map_or_else(|| format!("segment {num}"), |p| p.display().to_string());
+        if let Err(why) = codec::check_header(bytes) {
+            self.skipped += 1;
+            crate::log!(Level::Error, "journal: segment skipped", file = name, error = why);
+            return None;
+        }
+        let scan = scan_segment(bytes, last);
+        for f in &scan.frames {
+            let payload = &bytes[f.payload.0..f.payload.1];
+            let loc = Loc { seg: num, off: f.off as u32, len: f.total as u32 };
+            match codec::decode(f.kind, payload) {
+                Some(record) => {
+                    self.records += 1;
+                    self.state.apply(f.seq, loc, record);
+                }
+                None => {
+                    self.skipped += 1;
+                    crate::log!(
+                        Level::Error,
+                        "journal: record with a valid checksum but unreadable content skipped",
+                        file = name,
+                        offset = f.off
+                    );
+                }
+            }
+        }
+        for &(off, len) in &scan.skipped {
+            self.skipped += 1;
+            crate::log!(
+                Level::Error,
+                "journal: damaged record skipped; the valid records after it are kept",
+                file = name,
+                offset = off,
+                bytes_skipped = len
+            );
+        }
+        let end = scan.torn_at.unwrap_or(bytes.len());
+        if let Some(at) = scan.torn_at {
+            self.truncated_bytes += (bytes.len() - at) as u64;
+            crate::log!(
+                Level::Warn,
+                "journal: torn tail cut off (a write interrupted by a crash)",
+                file = name,
+                offset = at,
+                bytes = bytes.len() - at
+            );
+        }
+        self.segments.push(SegmentInfo {
+            num,
+            bytes: end as u64,
+            modified_wall_ms: path.map_or(0, modified_wall_ms),
+            pins: 0,
+        });
+        scan.torn_at
+    }
+
+    fn finish(self) -> Replayed {
+        let Replayer { state, records, skipped, truncated_bytes, mut segments, max_segment, started } = self;
+        let mut pins: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut tasks = Vec::new();
+        let mut evicted = Vec::new();
+        let mut rehome = Vec::new();
+        for (id, entry) in state.entries {
+            if entry.overflow {
+                rehome.push(id);
+            }
+            if let Some(task) = entry.task {
+                for seg in task.stored.segs.into_iter().filter(|s| *s != 0) {
+                    *pins.entry(seg).or_default() += 1;
+                }
+                tasks.push(task);
+            } else if let Some(light) = entry.light {
+                *pins.entry(light.evicted.loc.seg).or_default() += 1;
+                evicted.push((id, light));
+            }
+        }
+        for seg in &mut segments {
+            seg.pins = pins.get(&seg.num).copied().unwrap_or(0);
+        }
+        Replayed {
+            tasks,
+            evicted,
+            rehome,
+            segments,
+            next_lsn: state.max_seq + 1,
+            max_segment,
+            records,
+            skipped,
+            truncated_bytes,
+            elapsed: started.elapsed(),
+        }
+    }
+}
+
 /// Replays every segment in `dir`, keeping at most `budget_bytes` of finished tasks in memory.
 /// Cuts a torn tail off the last segment (the only write replay makes).
 pub fn replay(dir: &Path, budget_bytes: usize) -> io::Result<Replayed> {
-    let started = Instant::now();
     let nums = list_segments(dir)?;
-    let mut state = State {
-        entries: HashMap::new(),
-        finished: VecDeque::new(),
-        finished_count: 0,
-        finished_bytes: 0,
-        budget_bytes,
-        max_seq: 0,
-    };
-    let (mut records, mut skipped, mut truncated_bytes) = (0u64, 0u64, 0u64);
-    let mut segments = Vec::with_capacity(nums.len());
+    let mut r = Replayer::new(budget_bytes);
     for (i, &num) in nums.iter().enumerate() {
         let last = i + 1 == nums.len();
         let path = segment_path(dir, num);
         let bytes = fs::read(&path)?;
-        if let Err(why) = codec::check_header(&bytes) {
-            if last && bytes.len() < HEADER_BYTES {
-                // Created just before a crash, its header never written whole.
-                crate::log!(Level::Warn, "journal: removing an incomplete last segment", file = path.display());
-                fs::remove_file(&path)?;
-                truncated_bytes += bytes.len() as u64;
-                continue;
-            }
-            skipped += 1;
-            crate::log!(Level::Error, "journal: segment skipped", file = path.display(), error = why);
+        if last && bytes.len() < HEADER_BYTES {
+            // Created just before a crash, its header never written whole.
+            crate::log!(Level::Warn, "journal: removing an incomplete last segment", file = path.display());
+            fs::remove_file(&path)?;
+            r.truncated_bytes += bytes.len() as u64;
             continue;
         }
-        let mut off = HEADER_BYTES;
-        while off < bytes.len() {
-            match codec::frame_at(&bytes[off..]) {
-                FrameAt::Valid { seq, kind, payload, total } => {
-                    let loc = Loc { seg: num, off: off as u32, len: total as u32 };
-                    match codec::decode(kind, payload) {
-                        Some(record) => {
-                            records += 1;
-                            state.apply(seq, loc, record);
-                        }
-                        None => {
-                            skipped += 1;
-                            crate::log!(
-                                Level::Error,
-                                "journal: record with a valid checksum but unreadable content skipped",
-                                file = path.display(),
-                                offset = off
-                            );
-                        }
-                    }
-                    off += total;
-                }
-                FrameAt::Short | FrameAt::Bad => match next_valid(&bytes, off) {
-                    Some(next) => {
-                        skipped += 1;
-                        crate::log!(
-                            Level::Error,
-                            "journal: damaged record skipped; the records after it are kept",
-                            file = path.display(),
-                            offset = off,
-                            bytes_skipped = next - off
-                        );
-                        off = next;
-                    }
-                    None if last => {
-                        crate::log!(
-                            Level::Warn,
-                            "journal: torn tail cut off (a write interrupted by a crash)",
-                            file = path.display(),
-                            offset = off,
-                            bytes = bytes.len() - off
-                        );
-                        let file = fs::OpenOptions::new().write(true).open(&path)?;
-                        file.set_len(off as u64)?;
-                        file.sync_all()?;
-                        truncated_bytes += (bytes.len() - off) as u64;
-                        break;
-                    }
-                    None => {
-                        skipped += 1;
-                        crate::log!(
-                            Level::Error,
-                            "journal: damaged end of a segment skipped",
-                            file = path.display(),
-                            offset = off,
-                            bytes_skipped = bytes.len() - off
-                        );
-                        break;
-                    }
-                },
-            }
+        if let Some(at) = r.segment(num, &bytes, last, Some(&path)) {
+            let file = fs::OpenOptions::new().write(true).open(&path)?;
+            file.set_len(at as u64)?;
+            file.sync_all()?;
         }
-        segments.push(SegmentInfo {
-            num,
-            bytes: off.min(bytes.len()) as u64,
-            modified_wall_ms: modified_wall_ms(&path),
-            pins: 0,
-        });
+    }
+    Ok(r.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::journal::codec::{RecordType, put_frame, segment_header};
+    use crate::tasks::{Attempt, ConnRef, Outcome, Place};
+    use serde_json::value::RawValue;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n.max(1)
+        }
     }
 
-    let mut pins: BTreeMap<u32, u32> = BTreeMap::new();
-    let mut tasks = Vec::new();
-    let mut evicted = Vec::new();
-    let mut rehome = Vec::new();
-    for (id, entry) in state.entries {
-        if entry.overflow {
-            rehome.push(id);
+    fn task(id: TaskId, status: Status, rng: &mut Rng) -> Task {
+        let n_attempts = rng.below(3) as usize;
+        let attempts = (0..n_attempts)
+            .map(|i| Attempt {
+                worker: ConnRef { slot: 1, generation: 1 },
+                client_id: u128::from(rng.next()),
+                client_ip: if i % 2 == 0 { "10.1.2.3".parse().expect("ip") } else { "::1".parse().expect("ip") },
+                started_wall_ms: rng.next() >> 20,
+                started_mono_ms: 0,
+                outcome: Some(Outcome::ALL[rng.below(6) as usize]),
+                error: (rng.below(2) == 0).then(|| Box::from("it \"broke\"\n")),
+                duration_ms: rng.below(100_000),
+                answered: false,
+                restarted: false,
+            })
+            .collect();
+        let payload = format!("{{\"kind\":\"k{}\",\"n\":{}}}", rng.below(3), rng.next());
+        Task {
+            id,
+            status,
+            kind: (rng.below(4) != 0).then(|| Box::from(format!("k{}", rng.below(3)))),
+            payload: (!status.is_final()).then(|| RawValue::from_string(payload).expect("json")),
+            created_wall_ms: rng.next() >> 20,
+            created_mono_ms: 0,
+            run_at_wall_ms: (rng.below(2) == 0).then(|| rng.next() >> 20),
+            due_mono_ms: 0,
+            finished_wall_ms: status.is_final().then(|| rng.next() >> 20),
+            result: (status == Status::Done).then(|| RawValue::from_string("[1,\"two\",{}]".into()).expect("json")),
+            error: (status == Status::Failed).then(|| Box::from("no worker")),
+            attempts,
+            max_retries: rng.below(5) as u32,
+            timeout_ms: rng.below(1 << 30),
+            seq: 0,
+            place: Place::Nowhere,
+            queued: rng.below(2) == 0,
+            attempt_timer: None,
+            waiters: Vec::new(),
+            restored: false,
+            submit_seq: rng.next() >> 1,
+            idempotency: (rng.below(2) == 0).then(|| Box::new((Box::from("jti-1"), Box::from("key é")))),
+            stored: Stored::default(),
         }
-        if let Some(task) = entry.task {
-            for seg in task.stored.segs.into_iter().filter(|s| *s != 0) {
-                *pins.entry(seg).or_default() += 1;
+    }
+
+    fn json(t: &Task) -> String {
+        let mut s = String::new();
+        t.write_json(&mut s);
+        s
+    }
+
+    #[test]
+    fn task_records_round_trip() {
+        let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+        for i in 0..500u128 {
+            let status = [Status::Pending, Status::Dispatched, Status::Done, Status::Failed, Status::Canceled]
+                [rng.below(5) as usize];
+            let t = task(i << 64 | 7, status, &mut rng);
+            let mut bytes = Vec::new();
+            put_frame(&mut bytes, 5, RecordType::Task, |out| codec::put_task(out, &t));
+            let FrameAt::Valid { kind, payload, .. } = codec::frame_at(&bytes) else { panic!("frame") };
+            let Some(Record::Task(image)) = codec::decode(kind, payload) else { panic!("decode") };
+            let back = image.into_task(Stored::default());
+            assert_eq!(json(&back), json(&t));
+            assert_eq!(back.payload.as_ref().map(|p| p.get()), t.payload.as_ref().map(|p| p.get()));
+            assert_eq!(
+                (back.submit_seq, back.queued, back.max_retries, back.timeout_ms),
+                (t.submit_seq, t.queued, t.max_retries, t.timeout_ms)
+            );
+            assert_eq!(back.idempotency, t.idempotency);
+        }
+    }
+
+    /// A segment of `n` random records; returns the bytes and each frame's offset and seq.
+    fn segment(rng: &mut Rng, n: usize) -> (Vec<u8>, Vec<(usize, u64)>) {
+        let mut bytes = segment_header().to_vec();
+        let mut frames = Vec::new();
+        for i in 0..n {
+            let seq = i as u64 + 1;
+            let off = bytes.len();
+            let id = u128::from(rng.below(20));
+            match rng.below(4) {
+                0 => {
+                    let t = task(id, Status::Pending, rng);
+                    put_frame(&mut bytes, seq, RecordType::Task, |out| codec::put_task(out, &t));
+                }
+                1 => {
+                    let t = task(id, Status::Dispatched, rng);
+                    match t.attempts.first() {
+                        Some(a) => put_frame(&mut bytes, seq, RecordType::AttemptStart, |out| {
+                            codec::put_attempt_start(out, id, 1, a)
+                        }),
+                        None => put_frame(&mut bytes, seq, RecordType::AttemptEnd, |out| {
+                            let mut a = task(id, Status::Done, &mut Rng(5)).attempts;
+                            a.resize_with(1, || Attempt {
+                                worker: ConnRef { slot: 0, generation: 0 },
+                                client_id: 9,
+                                client_ip: "127.0.0.1".parse().expect("ip"),
+                                started_wall_ms: 1,
+                                started_mono_ms: 0,
+                                outcome: Some(Outcome::Timeout),
+                                error: Some(Box::from("late")),
+                                duration_ms: 5,
+                                answered: false,
+                                restarted: false,
+                            });
+                            codec::put_attempt_end(out, id, 1, &a[0])
+                        }),
+                    };
+                }
+                2 => {
+                    let t = task(id, Status::Done, rng);
+                    put_frame(&mut bytes, seq, RecordType::Task, |out| codec::put_task(out, &t));
+                }
+                _ => {
+                    put_frame(&mut bytes, seq, RecordType::Forget, |out| codec::put_forget(out, id));
+                }
             }
-            tasks.push(task);
-        } else if let Some(light) = entry.light {
-            *pins.entry(light.evicted.loc.seg).or_default() += 1;
-            evicted.push((id, light));
+            frames.push((off, seq));
+        }
+        (bytes, frames)
+    }
+
+    fn seqs(scan: &Scan) -> Vec<u64> {
+        scan.frames.iter().map(|f| f.seq).collect()
+    }
+
+    #[test]
+    fn a_cut_anywhere_keeps_exactly_the_records_before_it() {
+        let mut rng = Rng(12345);
+        for round in 0..300 {
+            let n = 1 + rng.below(40) as usize;
+            let (bytes, frames) = segment(&mut rng, n);
+            let cut = HEADER_BYTES + rng.below((bytes.len() - HEADER_BYTES) as u64 + 1) as usize;
+            let scan = scan_segment(&bytes[..cut], true);
+            // A frame is whole once its checksummed bytes are (its zero padding does not matter).
+            let end = |i: usize| {
+                let b = &bytes[frames[i].0..];
+                frames[i].0 + 8 + u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize
+            };
+            let whole: Vec<u64> = (0..frames.len()).filter(|&i| end(i) <= cut).map(|i| frames[i].1).collect();
+            assert_eq!(seqs(&scan), whole, "round {round}, cut at {cut} of {}", bytes.len());
+            assert!(scan.skipped.is_empty(), "round {round}: a cut is a torn tail, not corruption");
+            // The torn tail starts where the first incomplete frame starts (none on a boundary).
+            let expected_torn = (0..frames.len()).find(|&i| end(i) > cut).map(|i| frames[i].0).filter(|off| *off < cut);
+            assert_eq!(scan.torn_at, expected_torn, "round {round}, cut at {cut}");
         }
     }
-    for seg in &mut segments {
-        seg.pins = pins.get(&seg.num).copied().unwrap_or(0);
+
+    #[test]
+    fn a_damaged_frame_in_the_middle_loses_only_itself() {
+        let mut rng = Rng(777);
+        for round in 0..300 {
+            let n = 3 + rng.below(40) as usize;
+            let (bytes, frames) = segment(&mut rng, n);
+            let victim = rng.below(frames.len() as u64 - 1) as usize; // not the last frame
+            let start = frames[victim].0;
+            let end = frames[victim + 1].0;
+            let mut damaged = bytes.clone();
+            let len = u32::from_le_bytes([bytes[start], bytes[start + 1], bytes[start + 2], bytes[start + 3]]) as usize;
+            let at = start + rng.below(8 + len as u64) as usize; // len, crc, seq, type or payload
+            damaged[at] ^= 1 << rng.below(8);
+            let scan = scan_segment(&damaged, true);
+            let expected: Vec<u64> = frames.iter().filter(|(off, _)| *off != start).map(|(_, s)| *s).collect();
+            assert_eq!(seqs(&scan), expected, "round {round}, byte {at} of frame {victim}");
+            assert_eq!(scan.skipped, vec![(start, end - start)], "round {round}");
+            assert_eq!(scan.torn_at, None);
+            // Not the last segment: the same.
+            assert_eq!(seqs(&scan_segment(&damaged, false)), expected);
+        }
     }
-    Ok(Replayed {
-        tasks,
-        evicted,
-        rehome,
-        segments,
-        next_lsn: state.max_seq + 1,
-        records,
-        skipped,
-        truncated_bytes,
-        elapsed: started.elapsed(),
-    })
+
+    #[test]
+    fn replay_rebuilds_tasks_and_keeps_the_memory_budget() {
+        let mut rng = Rng(99);
+        let mut bytes = segment_header().to_vec();
+        let mut seq = 0;
+        for i in 0..200u128 {
+            let t = task(i, Status::Done, &mut rng);
+            seq += 1;
+            put_frame(&mut bytes, seq, RecordType::Task, |out| codec::put_task(out, &t));
+        }
+        let pending = task(1000, Status::Pending, &mut rng);
+        seq += 1;
+        put_frame(&mut bytes, seq, RecordType::Task, |out| codec::put_task(out, &pending));
+        seq += 1;
+        put_frame(&mut bytes, seq, RecordType::Forget, |out| codec::put_forget(out, 3));
+        let budget = 20 * (std::mem::size_of::<Task>() + 400);
+        let r = replay_bytes(&[(1, &bytes)], budget);
+        assert_eq!(r.records, 202);
+        assert_eq!(r.tasks.len() + r.evicted.len(), 200, "199 finished + 1 pending");
+        assert!(!r.evicted.is_empty() && r.tasks.len() < 60, "{} in memory", r.tasks.len());
+        let in_memory: usize = r.tasks.iter().filter(|t| t.status.is_final()).map(Task::mem_bytes).sum();
+        assert!(in_memory <= budget);
+        // The oldest left memory; the newest stayed.
+        assert!(r.evicted.iter().any(|(id, _)| *id == 0));
+        assert!(r.tasks.iter().any(|t| t.id == 199));
+        assert!(r.tasks.iter().any(|t| t.id == 1000 && t.payload.is_some()));
+        assert!(!r.tasks.iter().any(|t| t.id == 3) && !r.evicted.iter().any(|(id, _)| *id == 3));
+        assert_eq!(r.next_lsn, seq + 1);
+        assert_eq!(r.segments[0].pins as usize, r.tasks.len() + r.evicted.len());
+    }
 }
