@@ -463,7 +463,9 @@ impl Core {
         let scheduled = due_mono_ms > self.now_ms;
         let worker_now = if scheduled { None } else { self.pick_for(new.kind, &[]) };
         if worker_now.is_none() {
-            if !scheduled && !new.queue && !self.can_ever_take(new.kind) {
+            // A `run_at` in the past is a scheduled task due now: it waits, never 503 (SPEC §7).
+            let waits = new.queue || new.run_at_wall_ms.is_some();
+            if !scheduled && !waits && !self.can_ever_take(new.kind) {
                 return Err(SubmitError::NoWorker);
             }
             if self.task_count(Status::Pending) >= self.cfg.max_pending {
