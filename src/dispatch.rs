@@ -42,6 +42,8 @@ pub enum Timer {
         num: u32,
     },
     Wait(ConnRef),
+    /// A new worker's [`HELLO_GRACE_MS`] is over.
+    HelloGrace(ConnRef),
     Schedule,
     Sweep,
     /// The reactor stopped accepting after EMFILE; try again.
@@ -65,6 +67,11 @@ const MAX_CURSORS: usize = 4096;
 /// How far one search of a pending queue may look for a task a worker has not tried yet.
 const MAX_QUEUE_SCAN: usize = 4096;
 
+/// A new worker connection is sent nothing until its first text message is read, or until
+/// this long has passed without one (SPEC §5): a worker that says hello is never sent a task
+/// it did not ask for, and one that never does is served as the seed protocol says.
+pub const HELLO_GRACE_MS: u64 = 1_000;
+
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
     pub task_timeout_ms: u64,
@@ -86,11 +93,17 @@ struct Worker {
     concurrency: Option<u32>,
     version: Option<Box<str>>,
     in_flight: Vec<TaskId>,
+    /// Its first text message was read, or [`HELLO_GRACE_MS`] passed: it may be sent tasks.
+    greeted: bool,
 }
 
 impl Worker {
     fn active(&self) -> bool {
         self.concurrency != Some(0)
+    }
+    /// May be sent a task now (capacity and kind aside).
+    fn ready(&self) -> bool {
+        self.greeted && self.active()
     }
     fn accepts(&self, kind: Option<&str>) -> bool {
         match &self.kinds {
@@ -512,7 +525,7 @@ impl Core {
     // ----- workers -------------------------------------------------------------------------
 
     /// A worker's WebSocket is open. Returns its client id.
-    pub fn worker_connected(&mut self, io: &mut dyn Io, conn: ConnRef, ip: IpAddr) -> u128 {
+    pub fn worker_connected(&mut self, _io: &mut dyn Io, conn: ConnRef, ip: IpAddr) -> u128 {
         let client_id = uuid::Uuid::new_v4().as_u128();
         let slot = conn.slot as usize;
         if self.workers.len() <= slot {
@@ -527,11 +540,23 @@ impl Core {
             concurrency: None,
             version: None,
             in_flight: Vec::new(),
+            greeted: false,
         });
         self.order.push(conn.slot);
         crate::log!(Level::Info, "worker connected", client_id = uuid_string(client_id), ip = ip);
-        self.fill(io, conn.slot);
+        // Nothing is sent before its hello (or the grace) says what it takes.
+        self.wheel.arm(self.now_ms + HELLO_GRACE_MS, Timer::HelloGrace(conn));
         client_id
+    }
+
+    /// The worker may be sent tasks from now on (first text message, or the grace is over).
+    fn greet(&mut self, io: &mut dyn Io, conn: ConnRef) {
+        if let Some(w) = self.worker_at_mut(conn)
+            && !w.greeted
+        {
+            w.greeted = true;
+            self.fill(io, conn.slot);
+        }
     }
 
     /// A worker's connection is gone (closed, dead, or failed): its attempts end `disconnect`.
@@ -561,6 +586,16 @@ impl Core {
 
     /// One text message from a worker.
     pub fn worker_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
+        // Any first text message, hello or not, ends the wait (a hello is applied first, so its
+        // kinds and concurrency decide the first fill).
+        let first = self.worker_at(conn).is_some_and(|w| !w.greeted);
+        self.on_message(io, conn, text);
+        if first {
+            self.greet(io, conn);
+        }
+    }
+
+    fn on_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
         let msg: Incoming = match serde_json::from_str(text) {
             Ok(m) => m,
             Err(e) => {
@@ -669,6 +704,7 @@ impl Core {
         match timer {
             Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
             Timer::Wait(conn) => self.release_wait(io, conn),
+            Timer::HelloGrace(conn) => self.greet(io, conn),
             Timer::Schedule => {
                 self.schedule_timer = None;
                 self.on_schedule(io);
@@ -860,7 +896,7 @@ impl Core {
             let i = (start + step) % n;
             let slot = self.order[i];
             let Some(w) = self.worker(slot) else { continue };
-            if w.active() && w.accepts(kind) && w.has_capacity() && !tried.contains(&w.client_id) {
+            if w.ready() && w.accepts(kind) && w.has_capacity() && !tried.contains(&w.client_id) {
                 match self.cursors.get_mut(key) {
                     Some(cursor) => *cursor = i,
                     None => {
@@ -1049,7 +1085,7 @@ impl Core {
         }
         loop {
             let Some(w) = self.worker(slot) else { return };
-            if !w.active() || !w.has_capacity() {
+            if !w.ready() || !w.has_capacity() {
                 return;
             }
             let Some(id) = self.next_ready_for(w) else { return };

@@ -18,10 +18,11 @@ fn outcomes(t: &serde_json::Value) -> Vec<String> {
 #[test]
 fn round_robin_rotates_over_workers() {
     let relay = Relay::start();
-    let a = FakeWorker::connect(&relay, None, Auto::Echo);
-    let b = FakeWorker::connect(&relay, None, Auto::Echo);
-    let c = FakeWorker::connect(&relay, None, Auto::Echo);
-    relay.wait_clients(3, |_| true);
+    let a = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"it"})), Auto::Echo);
+    let b = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"it"})), Auto::Echo);
+    let c = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"it"})), Auto::Echo);
+    // Wait until its hello is read: nothing is sent to a worker before that.
+    relay.wait_clients(3, |c| c["version"] == "it");
     let mut seen = Vec::new();
     for i in 0..6 {
         let r = relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{i}}}"#)));

@@ -1,0 +1,72 @@
+//! Regression tests of the dispatch core, each named after the bug it pins (issue 10).
+
+use super::*;
+
+fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId {
+    let p = payload("{}");
+    core.submit(
+        io,
+        NewTask {
+            payload: &p,
+            kind,
+            run_at_wall_ms: None,
+            queue: true,
+            timeout_ms: None,
+            max_retries: None,
+            idempotency: None,
+        },
+    )
+    .expect("queued")
+}
+
+/// Advances both clocks to `now_ms` and fires what is due.
+fn advance(core: &mut Core, io: &mut FakeIo, now_ms: u64) {
+    core.wall_ms += now_ms - core.now_ms;
+    core.now_ms = now_ms;
+    let mut fired = Vec::new();
+    core.wheel.advance(now_ms, &mut fired);
+    for t in fired {
+        core.on_timer(io, t);
+    }
+}
+
+#[test]
+fn new_worker_gets_queued_tasks_before_its_hello() {
+    let mut c = core();
+    let mut io = FakeIo::default();
+    let gpu: Vec<TaskId> = (0..3).map(|_| submit_queued(&mut c, &mut io, Some("gpu"))).collect();
+    let busy: Vec<TaskId> = (0..6).map(|_| submit_queued(&mut c, &mut io, Some("http"))).collect();
+    let w = conn(0);
+    c.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+    assert!(io.sent.is_empty(), "nothing goes to a worker before its first message: {:?}", io.sent);
+    c.worker_message(&mut io, w, r#"{"type":"hello","kinds":["http"],"concurrency":1}"#);
+    assert_eq!(io.tasks_to(w), [busy[0]], "one http task for a worker of concurrency 1");
+    for id in gpu {
+        let t = c.task(id).expect("task");
+        assert_eq!((t.status, t.attempts.len()), (Status::Pending, 0), "a gpu task never reaches an http worker");
+    }
+}
+
+#[test]
+fn silent_worker_is_served_after_the_hello_grace() {
+    let mut c = core();
+    let mut io = FakeIo::default();
+    let id = submit_queued(&mut c, &mut io, Some("any"));
+    let w = conn(0);
+    c.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+    advance(&mut c, &mut io, HELLO_GRACE_MS - 1);
+    assert!(io.tasks_to(w).is_empty(), "still within the grace");
+    advance(&mut c, &mut io, HELLO_GRACE_MS + 50);
+    assert_eq!(io.tasks_to(w), [id], "a worker that never says hello takes every kind after the grace");
+}
+
+#[test]
+fn any_first_text_message_ends_the_hello_wait() {
+    let mut c = core();
+    let mut io = FakeIo::default();
+    let id = submit_queued(&mut c, &mut io, None);
+    let w = conn(0);
+    c.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+    c.worker_message(&mut io, w, "not json");
+    assert_eq!(io.tasks_to(w), [id]);
+}
