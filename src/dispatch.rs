@@ -25,9 +25,17 @@ use crate::timer::{TimerHandle, Wheel};
 /// What the reactor does for the core.
 pub trait Io {
     /// Queues one text frame for a worker whose content is `parts` concatenated (so the frame
-    /// needs no intermediate string); `false` if it cannot be written (gone, or its output
-    /// buffer is full), which makes the attempt `send_failed`.
+    /// needs no intermediate string); `false` if it cannot be written (the connection failed or
+    /// is closing), which makes the attempt `send_failed`.
     fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool;
+    /// Whether a frame of about `bytes` fits in the worker's output buffer now. A worker whose
+    /// buffer is full is not eligible until it drains (SPEC §5), and the reactor then calls
+    /// [`Core::worker_drained`]; it never costs an attempt. (An `Io` without a buffer cap
+    /// always has room.)
+    fn has_room(&mut self, worker: ConnRef, bytes: usize) -> bool {
+        let _ = (worker, bytes);
+        true
+    }
     /// Completes an HTTP request that was held (`wait=true`).
     fn reply(&mut self, conn: ConnRef, response: Response);
 }
@@ -66,6 +74,9 @@ const MAX_CURSORS: usize = 4096;
 
 /// How far one search of a pending queue may look for a task a worker has not tried yet.
 const MAX_QUEUE_SCAN: usize = 4096;
+
+/// Bytes of a task frame besides its payload (type, task id, braces, WebSocket header).
+const TASK_FRAME_OVERHEAD_BYTES: usize = 80;
 
 /// A new worker connection is sent nothing until its first text message is read, or until
 /// this long has passed without one (SPEC §5): a worker that says hello is never sent a task
@@ -395,7 +406,8 @@ impl Core {
             _ => self.now_ms,
         };
         let scheduled = due_mono_ms > self.now_ms;
-        let worker_now = if scheduled { None } else { self.pick_for(new.kind, &[]) };
+        let frame_bytes = new.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
+        let worker_now = if scheduled { None } else { self.pick_for(io, new.kind, &[], frame_bytes) };
         if worker_now.is_none() {
             if !scheduled && !new.queue && !self.can_ever_take(new.kind) {
                 return Err(SubmitError::NoWorker);
@@ -555,6 +567,13 @@ impl Core {
             && !w.greeted
         {
             w.greeted = true;
+            self.fill(io, conn.slot);
+        }
+    }
+
+    /// A worker's output buffer drained after `Io::has_room` said it was full: fill it.
+    pub fn worker_drained(&mut self, io: &mut dyn Io, conn: ConnRef) {
+        if self.worker_at(conn).is_some() {
             self.fill(io, conn.slot);
         }
     }
@@ -865,7 +884,8 @@ impl Core {
             }
             let kind = task.kind.clone();
             let tried: Vec<u128> = task.attempts.iter().map(|a| a.client_id).collect();
-            match self.pick_for(kind.as_deref(), &tried) {
+            let frame_bytes = task.payload.as_deref().map_or(0, |p| p.get().len()) + TASK_FRAME_OVERHEAD_BYTES;
+            match self.pick_for(io, kind.as_deref(), &tried, frame_bytes) {
                 Some(slot) => {
                     if self.dispatch(io, id, slot) {
                         return;
@@ -884,8 +904,9 @@ impl Core {
         }
     }
 
-    /// Round-robin over workers that can take a task of `kind` now and were not tried.
-    fn pick_for(&mut self, kind: Option<&str>, tried: &[u128]) -> Option<u32> {
+    /// Round-robin over workers that can take a task of `kind` now (a frame of `frame_bytes`
+    /// fits in their output) and were not tried.
+    fn pick_for(&mut self, io: &mut dyn Io, kind: Option<&str>, tried: &[u128], frame_bytes: usize) -> Option<u32> {
         let n = self.order.len();
         if n == 0 {
             return None;
@@ -896,7 +917,12 @@ impl Core {
             let i = (start + step) % n;
             let slot = self.order[i];
             let Some(w) = self.worker(slot) else { continue };
-            if w.ready() && w.accepts(kind) && w.has_capacity() && !tried.contains(&w.client_id) {
+            if w.ready()
+                && w.accepts(kind)
+                && w.has_capacity()
+                && !tried.contains(&w.client_id)
+                && io.has_room(w.conn, frame_bytes)
+            {
                 match self.cursors.get_mut(key) {
                     Some(cursor) => *cursor = i,
                     None => {
@@ -1089,6 +1115,13 @@ impl Core {
                 return;
             }
             let Some(id) = self.next_ready_for(w) else { return };
+            let conn = w.conn;
+            let frame_bytes = self.tasks.get(&id).and_then(|t| t.payload.as_deref()).map_or(0, |p| p.get().len())
+                + TASK_FRAME_OVERHEAD_BYTES;
+            if !io.has_room(conn, frame_bytes) {
+                // Full: the task stays queued; `worker_drained` comes back here.
+                return;
+            }
             self.unqueue(id);
             if !self.dispatch(io, id, slot) {
                 // This worker cannot be written to; the task moves on without it.

@@ -8,9 +8,14 @@ struct FakeIo {
     replies: Vec<(ConnRef, u16)>,
     /// Connections whose writes fail (→ send_failed).
     broken: Vec<ConnRef>,
+    /// Connections whose output buffer is full (→ not eligible until drained).
+    full: Vec<ConnRef>,
 }
 
 impl Io for FakeIo {
+    fn has_room(&mut self, worker: ConnRef, _bytes: usize) -> bool {
+        !self.full.contains(&worker)
+    }
     fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool {
         if self.broken.contains(&worker) {
             return false;

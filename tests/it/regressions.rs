@@ -55,3 +55,73 @@ fn a_worker_that_never_says_hello_is_served_after_one_second() {
     assert_eq!(t.id, id_of(&r));
     assert!(started.elapsed() >= Duration::from_millis(900), "sent before the grace: {:?}", started.elapsed());
 }
+
+/// A worker on a plain blocking WebSocket that reads only when the test says so.
+pub struct RawWorker {
+    pub ws: tungstenite::WebSocket<std::net::TcpStream>,
+}
+
+impl RawWorker {
+    pub fn connect(relay: &Relay, hello: &serde_json::Value) -> RawWorker {
+        let stream = std::net::TcpStream::connect(relay.addr).expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        let (mut ws, _) = tungstenite::client(relay.ws_url(), stream).expect("upgrade");
+        ws.get_mut().set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        ws.send(tungstenite::Message::text(hello.to_string())).expect("hello");
+        RawWorker { ws }
+    }
+
+    /// Reads until `n` task frames arrived (or the deadline passes); returns their ids.
+    pub fn read_tasks(&mut self, n: usize, within: Duration) -> Vec<String> {
+        let deadline = std::time::Instant::now() + within;
+        let mut ids = Vec::new();
+        while ids.len() < n && std::time::Instant::now() < deadline {
+            match self.ws.read() {
+                Ok(tungstenite::Message::Text(t)) => {
+                    let v: serde_json::Value = serde_json::from_str(t.as_str()).expect("JSON frame");
+                    if v["type"] == "task" {
+                        ids.push(v["task_id"].as_str().expect("task_id").to_string());
+                    }
+                }
+                Ok(_) => {}
+                Err(tungstenite::Error::Io(e))
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e) => panic!("worker connection failed: {e}"),
+            }
+        }
+        ids
+    }
+}
+
+#[test]
+fn a_full_worker_output_buffer_is_recorded_as_send_failed() {
+    // Issue 10 #3. A small MAX_MESSAGE_SIZE makes the per-worker output cap small (4 × it +
+    // 64 KiB). The only worker stops reading; once the kernel buffers and that cap are full,
+    // further tasks must wait as pending (no attempt used), and go out when it reads again.
+    let relay = Relay::start_with(&[("MAX_MESSAGE_SIZE", "2000"), ("TASK_TIMEOUT", "60s"), ("PONG_WAIT", "60s")]);
+    let mut w = RawWorker::connect(&relay, &json!({"type":"hello","version":"it"}));
+    relay.wait_clients(1, |c| c["version"] == "it");
+    let auth = format!("Bearer {API}");
+    let body = format!(r#"{{"payload":"{}"}}"#, "p".repeat(1800));
+    let one = crate::support::http::build("POST", "/tasks", &[("Authorization", &auth)], Some(body.as_bytes()));
+    let mut c = Client::connect(relay.addr);
+    let mut ids = Vec::new();
+    while relay.metric("relay_tasks_pending") == 0.0 {
+        assert_eq!(relay.metric("relay_attempts_total{outcome=\"send_failed\"}"), 0.0, "a full buffer cost an attempt");
+        assert!(ids.len() < 40_000, "the worker's buffer never filled after {} tasks", ids.len());
+        let batch: Vec<u8> = (0..200).flat_map(|_| one.clone()).collect();
+        c.send_raw(&batch);
+        for _ in 0..200 {
+            let r = c.read_response().expect("an answer");
+            assert_eq!(r.status, 202, "{}", r.text());
+            ids.push(id_of(&r));
+        }
+    }
+    // The worker reads again: every task reaches it, in order, none failed.
+    let got = w.read_tasks(ids.len(), Duration::from_secs(60));
+    assert_eq!(got.len(), ids.len(), "tasks held back for a full buffer were never sent");
+    assert_eq!(got, ids, "in submission order");
+    assert_eq!(relay.metric("relay_attempts_total{outcome=\"send_failed\"}"), 0.0);
+    assert_eq!(relay.metric("relay_tasks_total{status=\"failed\"}"), 0.0);
+    assert_eq!(relay.metric("relay_tasks_pending"), 0.0);
+}

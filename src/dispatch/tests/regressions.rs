@@ -70,3 +70,25 @@ fn any_first_text_message_ends_the_hello_wait() {
     c.worker_message(&mut io, w, "not json");
     assert_eq!(io.tasks_to(w), [id]);
 }
+
+#[test]
+fn full_worker_output_buffer_is_recorded_as_send_failed() {
+    // Issue 10 #3: a full buffer burned an attempt (`send_failed`) and, with one worker, failed
+    // the task. It means "no capacity right now": the task waits and goes out once it drains.
+    let mut c = core();
+    let mut io = FakeIo::default();
+    let w = conn(0);
+    join(&mut c, &mut io, w, "10.0.0.1");
+    io.full.push(w);
+    let plain = submit(&mut c, &mut io, "{}", None).expect("a full buffer is not a 503");
+    let queued = submit_queued(&mut c, &mut io, None);
+    for id in [plain, queued] {
+        let t = c.task(id).expect("task");
+        assert_eq!((t.status, t.attempts.len()), (Status::Pending, 0), "waits without an attempt");
+    }
+    assert_eq!(c.metrics.attempts.iter().sum::<u64>(), 0, "no attempt was used up");
+    io.full.clear();
+    c.worker_drained(&mut io, w);
+    assert_eq!(io.tasks_to(w), [plain, queued], "both go out in order once it drains");
+    assert!(outcomes(&c, plain).is_empty() && outcomes(&c, queued).is_empty());
+}
