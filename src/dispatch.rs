@@ -21,6 +21,7 @@ use crate::tasks::{
 };
 use crate::timefmt::write_rfc3339_ms;
 use crate::timer::{TimerHandle, Wheel};
+use reach::{Accepts, Fragile, Reach};
 
 /// What the reactor does for the core.
 pub trait Io {
@@ -121,6 +122,9 @@ impl Worker {
             None => true,
             Some(kinds) => kind.is_some_and(|k| kinds.iter().any(|own| &**own == k)),
         }
+    }
+    fn acceptance(&self) -> Accepts {
+        Accepts::of(self.active(), self.kinds.as_deref())
     }
     fn has_capacity(&self) -> bool {
         self.concurrency.is_none_or(|c| self.in_flight.len() < c as usize)
@@ -228,7 +232,9 @@ pub struct Core {
     ready_kind: HashMap<Box<str>, BTreeMap<u64, TaskId>>,
     /// Ready tasks that fail when no untried worker that could take them is connected:
     /// retries, and first attempts of tasks submitted without `queue` or a schedule.
-    fragile: IdSet,
+    fragile: Fragile,
+    /// How many active workers take each kind.
+    reach: Reach,
     scheduled: BTreeMap<(u64, u64), TaskId>,
     schedule_timer: Option<(u64, TimerHandle)>,
     sweep_timer: Option<(u64, TimerHandle)>,
@@ -258,7 +264,8 @@ impl Core {
             cursors: HashMap::new(),
             ready_all: BTreeMap::new(),
             ready_kind: HashMap::new(),
-            fragile: IdSet::default(),
+            fragile: Fragile::default(),
+            reach: Reach::default(),
             scheduled: BTreeMap::new(),
             schedule_timer: None,
             sweep_timer: None,
@@ -301,7 +308,7 @@ impl Core {
 
     /// Is any connected worker able to take a task of `kind` at all (capacity aside)?
     pub fn can_ever_take(&self, kind: Option<&str>) -> bool {
-        self.order.iter().filter_map(|&s| self.worker(s)).any(|w| w.active() && w.accepts(kind))
+        self.reach.count(kind) > 0
     }
 
     #[cfg(test)]
@@ -554,6 +561,7 @@ impl Core {
             in_flight: Vec::new(),
             greeted: false,
         });
+        self.reach.add(&Accepts::All);
         self.order.push(conn.slot);
         crate::log!(Level::Info, "worker connected", client_id = uuid_string(client_id), ip = ip);
         // Nothing is sent before its hello (or the grace) says what it takes.
@@ -586,6 +594,8 @@ impl Core {
             return;
         }
         self.order.retain(|&s| s != conn.slot);
+        let before = worker.acceptance();
+        self.reach.remove(&before);
         crate::log!(
             Level::Info,
             "worker disconnected",
@@ -600,7 +610,7 @@ impl Core {
         for id in worker.in_flight {
             self.run(io, id);
         }
-        self.recheck_fragile(io);
+        self.recheck_fragile(io, &before, &Accepts::Nothing);
     }
 
     /// One text message from a worker.
@@ -660,9 +670,11 @@ impl Core {
         version: Option<String>,
     ) {
         let Some(w) = self.worker_at_mut(conn) else { return };
+        let before = w.acceptance();
         w.kinds = kinds.map(|ks| ks.into_iter().map(Box::from).collect());
         w.concurrency = concurrency.map(|c| u32::try_from(c).unwrap_or(u32::MAX));
         w.version = version.map(Box::from);
+        let after = w.acceptance();
         crate::log!(
             Level::Info,
             "worker hello",
@@ -670,7 +682,11 @@ impl Core {
             kinds = w.kinds.as_ref().map_or("*".to_string(), |k| k.join(",")),
             concurrency = w.concurrency.map_or("unlimited".to_string(), |c| c.to_string())
         );
-        self.recheck_fragile(io);
+        if before != after {
+            self.reach.remove(&before);
+            self.reach.add(&after);
+            self.recheck_fragile(io, &before, &after);
+        }
         self.fill(io, conn.slot);
     }
 
@@ -938,12 +954,17 @@ impl Core {
         None
     }
 
+    /// Is a worker that could take the task, and has not tried it, connected? Each attempt
+    /// went to a different worker, so: more takers than attempts on takers still connected.
     fn any_untried(&self, id: TaskId) -> bool {
         let Some(task) = self.tasks.get(&id) else { return false };
-        self.order
+        let kind = task.kind.as_deref();
+        let tried_takers = task
+            .attempts
             .iter()
-            .filter_map(|&s| self.worker(s))
-            .any(|w| w.active() && w.accepts(task.kind.as_deref()) && !task.tried(w.client_id))
+            .filter(|a| self.worker_at(a.worker).is_some_and(|w| w.active() && w.accepts(kind)))
+            .count();
+        self.reach.count(kind) > tried_takers
     }
 
     /// Starts an attempt on the worker in `slot`. `false` if the frame could not be written
@@ -1059,14 +1080,15 @@ impl Core {
         self.set_status(id, Status::Pending);
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.place = Place::Ready;
-        let (seq, kind, retry, due) = (task.seq, task.kind.clone(), !task.attempts.is_empty(), task.due_mono_ms);
+        let (seq, kind, attempts, due) = (task.seq, task.kind.clone(), task.attempts.len(), task.due_mono_ms);
+        let retry = attempts > 0;
         let fragile = retry || !task.queued;
         self.ready_all.insert(seq, id);
+        if fragile {
+            self.fragile.insert(kind.as_deref(), id, attempts);
+        }
         if let Some(kind) = kind {
             self.ready_kind.entry(kind).or_default().insert(seq, id);
-        }
-        if fragile {
-            self.fragile.insert(id);
         }
         if !retry {
             self.ensure_sweep(due + self.cfg.task_ttl_ms);
@@ -1094,7 +1116,7 @@ impl Core {
                         self.ready_kind.remove(kind);
                     }
                 }
-                self.fragile.remove(&id);
+                self.fragile.remove(task.kind.as_deref(), id, task.attempts.len());
             }
             Place::Scheduled => {
                 self.scheduled.remove(&(task.due_mono_ms, task.seq));
@@ -1146,11 +1168,23 @@ impl Core {
 
     /// Waiting tasks that need a worker now (retries, and tasks submitted without `queue` or a
     /// schedule) fail once no untried worker that could take them is connected.
-    fn recheck_fragile(&mut self, io: &mut dyn Io) {
+    /// A worker that accepted `before` now accepts `after` (or left): only tasks of kinds it
+    /// no longer takes can have lost their last possible worker, and among retries only those
+    /// with at least as many attempts as takers remain.
+    fn recheck_fragile(&mut self, io: &mut dyn Io, before: &Accepts, after: &Accepts) {
         if self.fragile.is_empty() {
             return;
         }
-        let hopeless: Vec<TaskId> = self.fragile.iter().copied().filter(|&id| !self.any_untried(id)).collect();
+        let mut hopeless = Vec::new();
+        for kind in self.fragile.affected(before, after) {
+            let takers = self.reach.count(kind.as_deref());
+            if takers == 0 {
+                hopeless.extend(self.fragile.all_of(&kind));
+            } else {
+                let suspects = self.fragile.retries_with_at_least(&kind, takers);
+                hopeless.extend(suspects.into_iter().filter(|&id| !self.any_untried(id)));
+            }
+        }
         for id in hopeless {
             self.unqueue(id);
             let error = self
@@ -1200,5 +1234,6 @@ pub fn human_ms(ms: u64) -> String {
     }
 }
 
+mod reach;
 #[cfg(test)]
 mod tests;

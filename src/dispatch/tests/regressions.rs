@@ -92,3 +92,51 @@ fn full_worker_output_buffer_is_recorded_as_send_failed() {
     assert_eq!(io.tasks_to(w), [plain, queued], "both go out in order once it drains");
     assert!(outcomes(&c, plain).is_empty() && outcomes(&c, queued).is_empty());
 }
+
+#[test]
+fn recheck_fragile_costs_waiting_tasks_times_workers() {
+    // Issue 10 #8: every hello and every disconnect rechecked each waiting retry or plain task
+    // against every worker. Now it looks only at kinds the worker stopped taking.
+    let mut c = Core::new(
+        CoreConfig {
+            task_timeout_ms: 1_000,
+            max_retries: 2,
+            wait_timeout_ms: 5_000,
+            task_ttl_ms: 60_000,
+            max_pending: 1 << 20,
+        },
+        0,
+        1_000_000,
+    );
+    let mut io = FakeIo::default();
+    let hello = r#"{"type":"hello","kinds":["a"],"concurrency":1}"#;
+    for w in [conn(0), conn(1)] {
+        c.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+        c.worker_message(&mut io, w, hello);
+    }
+    let waiting = 50_000;
+    for _ in 0..waiting + 2 {
+        submit(&mut c, &mut io, "{}", Some("a")).expect("accepted");
+    }
+    assert_eq!(c.task_count(Status::Pending), waiting);
+    let started = std::time::Instant::now();
+    // A worker looping on the same hello, and a fleet of unrelated workers coming and going.
+    for _ in 0..2_000 {
+        c.worker_message(&mut io, conn(1), hello);
+    }
+    for i in 0..500 {
+        let w = ConnRef { slot: 2, generation: i };
+        c.worker_connected(&mut io, w, "10.0.0.2".parse().expect("ip"));
+        c.worker_message(&mut io, w, r#"{"type":"hello","kinds":["b"]}"#);
+        c.worker_disconnected(&mut io, w, "gone");
+    }
+    let took = started.elapsed();
+    assert!(took < std::time::Duration::from_secs(3), "2,500 hellos and 500 disconnects took {took:?}");
+    assert_eq!(c.task_count(Status::Pending), waiting, "nothing lost hope");
+    // When the last worker of kind a leaves, every plain task waiting for it fails at once.
+    c.worker_disconnected(&mut io, conn(0), "gone");
+    assert_eq!(c.task_count(Status::Pending), waiting + 1, "one a-worker is still there; its task waits as a retry");
+    c.worker_message(&mut io, conn(1), r#"{"type":"hello","kinds":["b"],"concurrency":1}"#);
+    assert_eq!(c.task_count(Status::Pending), 0);
+    assert_eq!(c.task_count(Status::Failed), waiting + 1, "the retry from the departed worker too");
+}
