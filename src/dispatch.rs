@@ -91,6 +91,8 @@ pub struct CoreConfig {
     pub wait_timeout_ms: u64,
     pub task_ttl_ms: u64,
     pub max_pending: usize,
+    /// Payload bytes (JSON text as received) of the tasks waiting as pending, at most.
+    pub max_pending_bytes: usize,
 }
 
 #[derive(Debug)]
@@ -153,7 +155,7 @@ pub struct NewTask<'a> {
 pub enum SubmitError {
     /// 503: no connected worker could ever take it.
     NoWorker,
-    /// 429: MAX_PENDING tasks already wait.
+    /// 429: MAX_PENDING tasks, or MAX_PENDING_BYTES of payload, already wait.
     QueueFull,
 }
 
@@ -223,6 +225,8 @@ pub struct Core {
     pub shutting_down: bool,
     tasks: TaskTable,
     status_counts: [usize; Status::COUNT],
+    /// Payload bytes of the tasks whose status is pending (bounded by MAX_PENDING_BYTES).
+    pending_bytes: usize,
     workers: Vec<Option<Worker>>,
     /// Slots of connected workers, in connection order (the round-robin ring).
     order: Vec<u32>,
@@ -259,6 +263,7 @@ impl Core {
             shutting_down: false,
             tasks: TaskTable::default(),
             status_counts: [0; Status::COUNT],
+            pending_bytes: 0,
             workers: Vec::new(),
             order: Vec::new(),
             cursors: HashMap::new(),
@@ -419,7 +424,9 @@ impl Core {
             if !scheduled && !new.queue && !self.can_ever_take(new.kind) {
                 return Err(SubmitError::NoWorker);
             }
-            if self.task_count(Status::Pending) >= self.cfg.max_pending {
+            if self.task_count(Status::Pending) >= self.cfg.max_pending
+                || self.pending_bytes + new.payload.get().len() > self.cfg.max_pending_bytes
+            {
                 return Err(SubmitError::QueueFull);
             }
         }
@@ -451,6 +458,7 @@ impl Core {
         };
         self.tasks.insert(id, task);
         self.status_counts[Status::Pending.index()] += 1;
+        self.pending_bytes += new.payload.get().len();
         crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
 
         if let Some((owner, key)) = new.idempotency {
@@ -877,6 +885,12 @@ impl Core {
         if let Some(task) = self.tasks.get_mut(&id)
             && task.status != status
         {
+            let bytes = task.payload.as_deref().map_or(0, |p| p.get().len());
+            if task.status == Status::Pending {
+                self.pending_bytes -= bytes;
+            } else if status == Status::Pending {
+                self.pending_bytes += bytes;
+            }
             self.status_counts[task.status.index()] -= 1;
             self.status_counts[status.index()] += 1;
             task.status = status;

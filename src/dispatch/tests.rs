@@ -50,6 +50,7 @@ fn core() -> Core {
             wait_timeout_ms: 5_000,
             task_ttl_ms: 60_000,
             max_pending: 100,
+            max_pending_bytes: 1 << 20,
         },
         0,
         1_000_000,

@@ -306,6 +306,7 @@ impl Server {
                 wait_timeout_ms: cfg.wait_timeout_ms,
                 task_ttl_ms: cfg.task_ttl_ms,
                 max_pending: cfg.max_pending,
+                max_pending_bytes: cfg.max_pending_bytes,
             },
             0,
             crate::timefmt::wall_ms(),

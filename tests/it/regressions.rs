@@ -125,3 +125,28 @@ fn a_full_worker_output_buffer_is_recorded_as_send_failed() {
     assert_eq!(relay.metric("relay_tasks_total{status=\"failed\"}"), 0.0);
     assert_eq!(relay.metric("relay_tasks_pending"), 0.0);
 }
+
+#[test]
+fn memory_is_bounded_by_counts_not_bytes() {
+    // Issue 10 #10: kind at most 128 bytes, timeout at most 24h, delay/run_at at most 366 days
+    // ahead (400 beyond), and MAX_PENDING_BYTES of waiting payload (429 queue_full beyond).
+    let relay = Relay::start_with(&[("MAX_PENDING_BYTES", "1000")]);
+    let kind = "k".repeat(512 * 1024);
+    let bodies = [
+        format!(r#"{{"payload":{{"kind":"{kind}"}},"queue":true}}"#),
+        format!(r#"{{"payload":{{"kind":"{}"}},"queue":true}}"#, "k".repeat(129)),
+        r#"{"payload":1,"queue":true,"timeout":"876000h"}"#.to_string(),
+        r#"{"payload":1,"run_at":"9999-01-01T00:00:00Z"}"#.to_string(),
+        r#"{"payload":1,"delay":"8785h"}"#.to_string(),
+    ];
+    for body in &bodies {
+        let r = relay.api("POST", "/tasks", Some(body));
+        assert_eq!((r.status, r.error()), (400, "bad_request".to_string()), "{}", &body[..body.len().min(80)]);
+    }
+    let ok = format!(r#"{{"payload":{{"kind":"{}"}},"queue":true,"timeout":"24h"}}"#, "k".repeat(128));
+    assert_eq!(relay.submit(&ok).status, 202);
+    let big = format!(r#"{{"payload":"{}","queue":true}}"#, "x".repeat(600));
+    assert_eq!(relay.submit(&big).status, 202, "about 750 bytes wait");
+    let r = relay.submit(&big);
+    assert_eq!((r.status, r.error()), (429, "queue_full".to_string()), "{}", r.text());
+}

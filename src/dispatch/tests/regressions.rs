@@ -104,6 +104,7 @@ fn recheck_fragile_costs_waiting_tasks_times_workers() {
             wait_timeout_ms: 5_000,
             task_ttl_ms: 60_000,
             max_pending: 1 << 20,
+            max_pending_bytes: 1 << 30,
         },
         0,
         1_000_000,
@@ -139,4 +140,46 @@ fn recheck_fragile_costs_waiting_tasks_times_workers() {
     c.worker_message(&mut io, conn(1), r#"{"type":"hello","kinds":["b"],"concurrency":1}"#);
     assert_eq!(c.task_count(Status::Pending), 0);
     assert_eq!(c.task_count(Status::Failed), waiting + 1, "the retry from the departed worker too");
+}
+
+#[test]
+fn max_pending_counts_tasks_whatever_their_payload_size() {
+    // Issue 10 #10: MAX_PENDING_BYTES bounds the payload bytes waiting as pending.
+    let mut c = Core::new(
+        CoreConfig {
+            task_timeout_ms: 1_000,
+            max_retries: 2,
+            wait_timeout_ms: 5_000,
+            task_ttl_ms: 60_000,
+            max_pending: 100,
+            max_pending_bytes: 1_000,
+        },
+        0,
+        1_000_000,
+    );
+    let mut io = FakeIo::default();
+    let big = payload(&format!("\"{}\"", "x".repeat(398))); // 400 bytes of JSON text
+    let queued = |c: &mut Core, io: &mut FakeIo| {
+        c.submit(
+            io,
+            NewTask {
+                payload: &big,
+                kind: None,
+                run_at_wall_ms: None,
+                queue: true,
+                timeout_ms: None,
+                max_retries: None,
+                idempotency: None,
+            },
+        )
+    };
+    let first = queued(&mut c, &mut io).expect("400 bytes wait");
+    queued(&mut c, &mut io).expect("800 bytes wait");
+    assert_eq!(queued(&mut c, &mut io), Err(SubmitError::QueueFull), "1,200 bytes would be over 1,000");
+    assert_eq!(c.cancel(&mut io, first), CancelResult::Canceled);
+    queued(&mut c, &mut io).expect("a canceled task's bytes are free again");
+    // Dispatched tasks do not count: a worker takes both, and two more fit.
+    join(&mut c, &mut io, conn(0), "10.0.0.1");
+    assert_eq!(c.task_count(Status::Pending), 0);
+    queued(&mut c, &mut io).expect("nothing waits now");
 }
