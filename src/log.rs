@@ -119,7 +119,8 @@ pub fn emit_always(level: Level, msg: &str, fields: &[(&str, &dyn fmt::Display)]
         scratch.clear();
         let _ = write!(scratch, "{value}");
         line.push(' ');
-        line.push_str(key);
+        // `stringify!(r#type)` is "r#type": the key is the identifier without its raw prefix.
+        line.push_str(key.strip_prefix("r#").unwrap_or(key));
         line.push('=');
         push_value(&mut line, &scratch);
     }

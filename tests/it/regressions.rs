@@ -150,3 +150,16 @@ fn memory_is_bounded_by_counts_not_bytes() {
     let r = relay.submit(&big);
     assert_eq!((r.status, r.error()), (429, "queue_full".to_string()), "{}", r.text());
 }
+
+#[test]
+fn a_log_key_reads_r_hash_type() {
+    // Issue 10 #17: a Rust raw identifier leaked into a log key (`r#type=nope`).
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello"})), Auto::Manual);
+    w.send(json!({"type":"nope"}).to_string());
+    assert!(relay.wait_log("unknown worker message type ignored", Duration::from_secs(5)), "{}", relay.log_text());
+    let log = relay.log_text();
+    let line = log.lines().find(|l| l.contains("unknown worker message type ignored")).expect("the line");
+    assert!(line.contains(" type=nope"), "{line}");
+    assert!(!log.contains("r#"), "a raw identifier in a key: {line}");
+}
