@@ -332,6 +332,10 @@ fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
 /// Checks the WebSocket handshake headers (the token was checked by `precheck`) and returns
 /// the `Sec-WebSocket-Accept` value.
 fn upgrade(head: &Head) -> Result<String, Response> {
+    if head.minor_version == 0 {
+        // RFC 6455 §4.1: the opening handshake is an HTTP/1.1 request.
+        return Err(error(400, "a WebSocket upgrade needs HTTP/1.1"));
+    }
     if !head.upgrade_websocket || !head.connection_upgrade {
         return Err(error(426, "/ws needs a WebSocket upgrade (Connection: Upgrade, Upgrade: websocket)")
             .with_header("Upgrade", "websocket"));

@@ -163,3 +163,101 @@ fn a_log_key_reads_r_hash_type() {
     assert!(line.contains(" type=nope"), "{line}");
     assert!(!log.contains("r#"), "a raw identifier in a key: {line}");
 }
+
+/// Sends `raw` on a fresh connection and returns the first response and whether the server
+/// then closed the connection.
+fn one_shot(relay: &Relay, raw: &[u8]) -> (Resp, bool) {
+    let mut c = Client::connect(relay.addr);
+    c.send_raw(raw);
+    let r = c.read_response().expect("a response");
+    let closed = c.closed_within(Duration::from_secs(5));
+    (r, closed)
+}
+
+#[test]
+fn expect_other_than_100_continue_gets_400() {
+    // Issue 10 #12.
+    let relay = Relay::start();
+    let (r, _) = one_shot(&relay, b"GET /healthz HTTP/1.1\r\nHost: relay\r\nExpect: 200-ok\r\n\r\n");
+    assert_eq!(r.status, 417, "{}", r.text());
+}
+
+#[test]
+fn an_empty_transfer_encoding_is_ignored() {
+    // Issue 10 #13: TE.CL desync — the bytes after the Content-Length body were answered as a
+    // second request (404 for /smuggled) on a connection kept open.
+    let relay = Relay::start();
+    let _w = FakeWorker::connect(&relay, Some(json!({"type":"hello"})), Auto::Echo);
+    for te in ["", ",", "gzip, chunked, gzip"] {
+        let raw = format!(
+            "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nTransfer-Encoding: {te}\r\n\
+             Content-Length: 13\r\n\r\n{{\"payload\":1}}GET /smuggled HTTP/1.1\r\nHost: relay\r\n\r\n"
+        );
+        let (r, closed) = one_shot(&relay, raw.as_bytes());
+        assert_eq!(r.status, 400, "TE {te:?}: {}", r.text());
+        assert!(closed, "TE {te:?}: the connection must close after the 400");
+    }
+    assert!(!relay.log_text().contains("/smuggled"), "the smuggled request was answered");
+}
+
+#[test]
+fn bare_lf_in_chunked_framing_is_accepted() {
+    // Issue 10 #14.
+    let relay = Relay::start();
+    let head = format!(
+        "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    );
+    for body in [
+        &b"d\n{\"payload\":1}\r\n0\r\n\r\n"[..],
+        b"d\r\n{\"payload\":1}\n0\r\n\r\n",
+        b"d\r\n{\"payload\":1}\r\n0\n\n",
+        b"d;x=\0\r\n{\"payload\":1}\r\n0\r\n\r\n",
+        b"d;x=\"a\r\nb\"\r\n{\"payload\":1}\r\n0\r\n\r\n",
+        b"d\r\n{\"payload\":1}\r\n0\r\nX: a\r\n folded\r\n\r\n",
+        b"d\r\n{\"payload\":1}\r\n0\r\nX: a\0\r\n\r\n",
+    ] {
+        let mut raw = head.clone().into_bytes();
+        raw.extend_from_slice(body);
+        let (r, closed) = one_shot(&relay, &raw);
+        assert_eq!(r.status, 400, "{:?}: {}", String::from_utf8_lossy(body), r.text());
+        assert!(closed, "{:?}: not closed", String::from_utf8_lossy(body));
+    }
+}
+
+#[test]
+fn host_missing_or_twice_and_websocket_over_http_1_0_are_accepted() {
+    // Issue 10 #15.
+    let relay = Relay::start();
+    for raw in [&b"GET /healthz HTTP/1.1\r\n\r\n"[..], b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"] {
+        let (r, closed) = one_shot(&relay, raw);
+        assert_eq!(r.status, 400, "{:?}", String::from_utf8_lossy(raw));
+        assert!(closed);
+    }
+    let (r, _) = one_shot(&relay, b"GET /healthz HTTP/1.0\r\n\r\n");
+    assert_eq!(r.status, 200, "HTTP/1.0 may omit Host");
+    let raw = format!(
+        "GET /ws?token={WRK} HTTP/1.0\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    );
+    let (r, _) = one_shot(&relay, raw.as_bytes());
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(relay.clients()["count"], 0, "no worker came of it");
+}
+
+#[test]
+fn a_chunk_size_over_the_limit_waits_for_its_bytes_and_a_tls_hello_for_header_timeout() {
+    // Issue 10 #16: both waited for HEADER_TIMEOUT (then 408); both are answered at once.
+    let relay = Relay::start_with(&[("HEADER_TIMEOUT", "30s"), ("MAX_MESSAGE_SIZE", "1000")]);
+    let started = std::time::Instant::now();
+    let raw = format!(
+        "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nTransfer-Encoding: chunked\r\n\r\n3e9\r\n"
+    );
+    let (r, closed) = one_shot(&relay, raw.as_bytes());
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert!(closed);
+    let hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x8a\x1f";
+    let (r, closed) = one_shot(&relay, hello);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(closed);
+    assert!(started.elapsed() < Duration::from_secs(10), "answered late: {:?}", started.elapsed());
+}
