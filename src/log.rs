@@ -108,8 +108,8 @@ pub fn emit(level: Level, msg: &str, fields: &[(&str, &dyn fmt::Display)]) {
     }
 }
 
-/// Emits whatever LOG_LEVEL says: for the few lines an operator always needs (the address
-/// relay listens on, the start of a shutdown).
+/// Emits whatever LOG_LEVEL says. SPEC §2 allows one such line: `listening` (it carries the
+/// address picked for `PORT=0`). Nothing else may use it.
 pub fn emit_always(level: Level, msg: &str, fields: &[(&str, &dyn fmt::Display)]) {
     let mut line = String::with_capacity(128);
     let _ = write!(line, "ts={} level={} msg=", crate::timefmt::rfc3339_ms(crate::timefmt::wall_ms()), level.name());

@@ -261,3 +261,38 @@ fn a_chunk_size_over_the_limit_waits_for_its_bytes_and_a_tls_hello_for_header_ti
     assert!(closed);
     assert!(started.elapsed() < Duration::from_secs(10), "answered late: {:?}", started.elapsed());
 }
+
+#[test]
+fn log_level_error_still_prints_info_lines() {
+    // Issue 10 #11: at LOG_LEVEL=error only error lines may appear, and the `listening` line
+    // (it carries the port PORT=0 picked). Exercise what logs at info, warn and debug: workers
+    // coming, saying hello, sending junk and leaving, tasks, files, bad requests, shutdown.
+    let mut relay = Relay::start_with(&[("LOG_LEVEL", "error")]);
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["a"]})), Auto::Echo);
+    relay.wait_clients(1, |c| c["kinds"] == json!(["a"]));
+    w.send("not json".to_string());
+    w.send(json!({"type":"nope"}).to_string());
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"a"}}"#)).status, 200);
+    let body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n\r\nhello\r\n--b--\r\n";
+    let auth = format!("Bearer {API}");
+    let up = request(
+        relay.addr,
+        "POST",
+        "/files",
+        &[("Authorization", &auth), ("Content-Type", "multipart/form-data; boundary=b")],
+        Some(body),
+    );
+    assert_eq!(up.status, 201, "{}", up.text());
+    let (r, _) = one_shot(&relay, b"\x16\x03\x01\x00");
+    assert_eq!(r.status, 400);
+    w.close();
+    assert!(w.wait_closed(Duration::from_secs(5)).is_some());
+    relay.signal("TERM");
+    relay.wait_exit(Duration::from_secs(10)).expect("exit");
+    let log = relay.log_text();
+    let listening = log.lines().filter(|l| l.contains("msg=listening")).count();
+    assert_eq!(listening, 1, "the listening line is printed at every level:\n{log}");
+    let chatty: Vec<&str> =
+        log.lines().filter(|l| !l.contains("level=error") && !l.contains("msg=listening")).collect();
+    assert!(chatty.is_empty(), "lines below LOG_LEVEL=error:\n{}", chatty.join("\n"));
+}
