@@ -15,6 +15,12 @@ use crate::tasks::{ConnRef, TaskId, parse_id, push_json_str, push_uuid};
 
 /// Longest accepted `Idempotency-Key`.
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
+/// Longest `payload.kind` (SPEC §4): kinds are routing keys the core keeps.
+pub const MAX_KIND_BYTES: usize = 128;
+/// Longest per-task `timeout` (SPEC §4).
+pub const MAX_TASK_TIMEOUT_MS: u64 = 24 * 3_600_000;
+/// Furthest a `delay` or `run_at` may reach ahead of now (SPEC §4).
+pub const MAX_SCHEDULE_AHEAD_MS: u64 = 366 * 24 * 3_600_000;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route<'a> {
@@ -282,7 +288,8 @@ impl Api {
                 return Handled::Respond(Response::error(503, "no_worker", &msg));
             }
             Err(SubmitError::QueueFull) => {
-                return Handled::Respond(Response::error(429, "queue_full", "MAX_PENDING tasks are already waiting"));
+                let msg = "the queue is full (MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait)";
+                return Handled::Respond(Response::error(429, "queue_full", msg));
             }
         };
         self.answer_submit(core, conn, id, wait, identity)
@@ -463,6 +470,10 @@ fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
 /// Checks the WebSocket handshake headers (the token was checked by `precheck`) and returns
 /// the `Sec-WebSocket-Accept` value.
 fn upgrade(head: &Head) -> Result<String, Response> {
+    if head.minor_version == 0 {
+        // RFC 6455 §4.1: the opening handshake is an HTTP/1.1 request.
+        return Err(error(400, "a WebSocket upgrade needs HTTP/1.1"));
+    }
     if !head.upgrade_websocket || !head.connection_upgrade {
         return Err(error(426, "/ws needs a WebSocket upgrade (Connection: Upgrade, Upgrade: websocket)")
             .with_header("Upgrade", "websocket"));
@@ -547,7 +558,12 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
         match probe.kind {
             None => None,
             Some(k) if k.get().starts_with('"') => {
-                Some(serde_json::from_str::<Cow<str>>(k.get()).map_err(|e| format!("invalid payload.kind: {e}"))?)
+                let kind =
+                    serde_json::from_str::<Cow<str>>(k.get()).map_err(|e| format!("invalid payload.kind: {e}"))?;
+                if kind.len() > MAX_KIND_BYTES {
+                    return Err(format!("payload.kind is longer than {MAX_KIND_BYTES} bytes"));
+                }
+                Some(kind)
             }
             Some(_) => return Err("payload.kind must be a string".into()),
         }
@@ -557,15 +573,29 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
     let run_at_wall_ms = match (raw.delay, raw.run_at) {
         (Some(_), Some(_)) => return Err("give either delay or run_at, not both".into()),
         (Some(delay), None) => {
-            Some(wall_ms + parse_duration_ms(&delay).map_err(|e| format!("invalid delay {delay:?}: {e}"))?)
+            let ms = parse_duration_ms(&delay).map_err(|e| format!("invalid delay {delay:?}: {e}"))?;
+            if ms > MAX_SCHEDULE_AHEAD_MS {
+                return Err(format!("delay {delay:?} is more than 366 days"));
+            }
+            Some(wall_ms + ms)
         }
         (None, Some(at)) => {
-            Some(crate::timefmt::parse_rfc3339_ms(&at).map_err(|e| format!("invalid run_at {at:?}: {e}"))?)
+            let ms = crate::timefmt::parse_rfc3339_ms(&at).map_err(|e| format!("invalid run_at {at:?}: {e}"))?;
+            if ms.saturating_sub(wall_ms) > MAX_SCHEDULE_AHEAD_MS {
+                return Err(format!("run_at {at:?} is more than 366 days ahead"));
+            }
+            Some(ms)
         }
         (None, None) => None,
     };
     let timeout_ms = match raw.timeout {
-        Some(t) => Some(parse_duration_ms(&t).map_err(|e| format!("invalid timeout {t:?}: {e}"))?),
+        Some(t) => {
+            let ms = parse_duration_ms(&t).map_err(|e| format!("invalid timeout {t:?}: {e}"))?;
+            if ms > MAX_TASK_TIMEOUT_MS {
+                return Err(format!("timeout {t:?} is more than 24h"));
+            }
+            Some(ms)
+        }
         None => None,
     };
     Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries: raw.max_retries })
@@ -643,6 +673,31 @@ mod tests {
         check_submit(r#"{"payload":1,"queue":"yes"}"#, Err("invalid JSON"));
         check_submit(r#"[1]"#, Err("must be a JSON object"));
         check_submit(r#"  {"payload":1}"#, Ok((None, None, false)));
+    }
+
+    #[test]
+    fn unbounded_kind_timeout_and_schedule_are_accepted() {
+        // Issue 10 #10: a 1 MiB kind was pinned as a routing key, a run_at in year 9999 held a
+        // pending slot forever and a 100-year timeout never ended. Limits are inclusive.
+        let k128 = "k".repeat(128);
+        check_submit(&format!(r#"{{"payload":{{"kind":"{k128}"}}}}"#), Ok((Some(&k128), None, false)));
+        check_submit(&format!(r#"{{"payload":{{"kind":"{k128}x"}}}}"#), Err("longer than 128 bytes"));
+        check_submit(&format!(r#"{{"payload":{{"kind":"{}"}}}}"#, "k".repeat(1 << 20)), Err("longer than 128 bytes"));
+        check_submit(r#"{"payload":1,"timeout":"24h"}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":1,"timeout":"24h1ms"}"#, Err("more than 24h"));
+        check_submit(r#"{"payload":1,"timeout":"876000h"}"#, Err("more than 24h"));
+        check_submit(r#"{"payload":1,"delay":"8784h"}"#, Ok((None, Some(1_000 + MAX_SCHEDULE_AHEAD_MS), false)));
+        check_submit(r#"{"payload":1,"delay":"8784h1s"}"#, Err("more than 366 days"));
+        check_submit(r#"{"payload":1,"run_at":"9999-12-31T00:00:00Z"}"#, Err("more than 366 days ahead"));
+        let wall = 1_700_000_000_000;
+        let at = |ms: u64| {
+            let mut s = String::new();
+            crate::timefmt::write_rfc3339_ms(&mut s, ms);
+            format!(r#"{{"payload":1,"run_at":"{s}"}}"#)
+        };
+        assert!(parse_submit(at(wall + MAX_SCHEDULE_AHEAD_MS).as_bytes(), wall).is_ok());
+        assert!(parse_submit(at(wall + MAX_SCHEDULE_AHEAD_MS + 1).as_bytes(), wall).is_err());
+        assert!(parse_submit(at(wall - 1_000).as_bytes(), wall).is_ok(), "a past run_at is due at once");
     }
 
     #[test]

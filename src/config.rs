@@ -31,6 +31,7 @@ pub struct Config {
     pub header_timeout_ms: u64,
     pub idle_timeout_ms: u64,
     pub max_pending: usize,
+    pub max_pending_bytes: usize,
     pub max_batch_bytes: usize,
     /// Memory for finished tasks; beyond it the oldest leave memory (TASK_MEMORY).
     pub task_memory_bytes: usize,
@@ -83,6 +84,7 @@ pub const VARS: &[(&str, &str, &str)] = &[
     ("HEADER_TIMEOUT", "10s", "a request (head and body) must arrive within this"),
     ("IDLE_TIMEOUT", "60s", "idle keep-alive connections close after this"),
     ("MAX_PENDING", "1000000", "tasks waiting as pending; beyond it submit answers 429"),
+    ("MAX_PENDING_BYTES", "268435456", "payload bytes of tasks waiting as pending; beyond it submit answers 429"),
     ("MAX_BATCH_BYTES", "67108864", "body limit of POST /tasks/batch"),
     (
         "TASK_MEMORY",
@@ -214,6 +216,7 @@ impl Config {
             header_timeout_ms: duration("HEADER_TIMEOUT", 10_000)?,
             idle_timeout_ms: duration("IDLE_TIMEOUT", 60_000)?,
             max_pending: as_usize(count("MAX_PENDING", 1_000_000)?),
+            max_pending_bytes: as_usize(count("MAX_PENDING_BYTES", 268_435_456)?),
             max_batch_bytes: as_usize(positive("MAX_BATCH_BYTES", 67_108_864)?),
             task_memory_bytes: as_usize(count("TASK_MEMORY", 67_108_864)?),
             journal_segment_bytes: positive("JOURNAL_SEGMENT_SIZE", 67_108_864)?,

@@ -110,6 +110,8 @@ pub struct Ws {
     pub ctx: WebSocketContext,
     pub last_seen_ms: u64,
     pub next_ping_ms: u64,
+    /// The core was told its output buffer is full (`Io::has_room`): tell it when it drains.
+    pub starved: bool,
 }
 
 impl Conn {

@@ -27,13 +27,22 @@ use crate::tasks::{
 };
 use crate::timefmt::write_rfc3339_ms;
 use crate::timer::{TimerHandle, Wheel};
+use reach::{Accepts, Fragile, Reach};
 
 /// What the reactor does for the core.
 pub trait Io {
     /// Queues one text frame for a worker whose content is `parts` concatenated (so the frame
-    /// needs no intermediate string); `false` if it cannot be written (gone, or its output
-    /// buffer is full), which makes the attempt `send_failed`.
+    /// needs no intermediate string); `false` if it cannot be written (the connection failed or
+    /// is closing), which makes the attempt `send_failed`.
     fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool;
+    /// Whether a frame of about `bytes` fits in the worker's output buffer now. A worker whose
+    /// buffer is full is not eligible until it drains (SPEC §5), and the reactor then calls
+    /// [`Core::worker_drained`]; it never costs an attempt. (An `Io` without a buffer cap
+    /// always has room.)
+    fn has_room(&mut self, worker: ConnRef, bytes: usize) -> bool {
+        let _ = (worker, bytes);
+        true
+    }
     /// Completes an HTTP request that was held (`wait=true`).
     fn reply(&mut self, conn: ConnRef, response: Response);
 }
@@ -48,6 +57,8 @@ pub enum Timer {
         num: u32,
     },
     Wait(ConnRef),
+    /// A new worker's [`HELLO_GRACE_MS`] is over.
+    HelloGrace(ConnRef),
     Schedule,
     Sweep,
     /// The reactor stopped accepting after EMFILE; try again.
@@ -71,6 +82,14 @@ const MAX_CURSORS: usize = 4096;
 /// How far one search of a pending queue may look for a task a worker has not tried yet.
 const MAX_QUEUE_SCAN: usize = 4096;
 
+/// Bytes of a task frame besides its payload (type, task id, braces, WebSocket header).
+const TASK_FRAME_OVERHEAD_BYTES: usize = 80;
+
+/// A new worker connection is sent nothing until its first text message is read, or until
+/// this long has passed without one (SPEC §5): a worker that says hello is never sent a task
+/// it did not ask for, and one that never does is served as the seed protocol says.
+pub const HELLO_GRACE_MS: u64 = 1_000;
+
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
     pub task_timeout_ms: u64,
@@ -80,6 +99,8 @@ pub struct CoreConfig {
     pub max_pending: usize,
     /// Memory for finished tasks (`TASK_MEMORY`); beyond it the oldest leave memory.
     pub task_memory_bytes: usize,
+    /// Payload bytes (JSON text as received) of the tasks waiting as pending, at most.
+    pub max_pending_bytes: usize,
 }
 
 /// Where tasks are kept durable.
@@ -132,17 +153,26 @@ struct Worker {
     concurrency: Option<u32>,
     version: Option<Box<str>>,
     in_flight: Vec<TaskId>,
+    /// Its first text message was read, or [`HELLO_GRACE_MS`] passed: it may be sent tasks.
+    greeted: bool,
 }
 
 impl Worker {
     fn active(&self) -> bool {
         self.concurrency != Some(0)
     }
+    /// May be sent a task now (capacity and kind aside).
+    fn ready(&self) -> bool {
+        self.greeted && self.active()
+    }
     fn accepts(&self, kind: Option<&str>) -> bool {
         match &self.kinds {
             None => true,
             Some(kinds) => kind.is_some_and(|k| kinds.iter().any(|own| &**own == k)),
         }
+    }
+    fn acceptance(&self) -> Accepts {
+        Accepts::of(self.active(), self.kinds.as_deref())
     }
     fn has_capacity(&self) -> bool {
         self.concurrency.is_none_or(|c| self.in_flight.len() < c as usize)
@@ -171,7 +201,7 @@ pub struct NewTask<'a> {
 pub enum SubmitError {
     /// 503: no connected worker could ever take it.
     NoWorker,
-    /// 429: MAX_PENDING tasks already wait.
+    /// 429: MAX_PENDING tasks, or MAX_PENDING_BYTES of payload, already wait.
     QueueFull,
 }
 
@@ -241,6 +271,8 @@ pub struct Core {
     pub shutting_down: bool,
     tasks: TaskTable,
     status_counts: [usize; Status::COUNT],
+    /// Payload bytes of the tasks whose status is pending (bounded by MAX_PENDING_BYTES).
+    pending_bytes: usize,
     workers: Vec<Option<Worker>>,
     /// Slots of connected workers, in connection order (the round-robin ring).
     order: Vec<u32>,
@@ -250,7 +282,9 @@ pub struct Core {
     ready_kind: HashMap<Box<str>, BTreeMap<u64, TaskId>>,
     /// Ready tasks that fail when no untried worker that could take them is connected:
     /// retries, and first attempts of tasks submitted without `queue` or a schedule.
-    fragile: IdSet,
+    fragile: Fragile,
+    /// How many active workers take each kind.
+    reach: Reach,
     scheduled: BTreeMap<(u64, u64), TaskId>,
     schedule_timer: Option<(u64, TimerHandle)>,
     sweep_timer: Option<(u64, TimerHandle)>,
@@ -289,12 +323,14 @@ impl Core {
             shutting_down: false,
             tasks: TaskTable::default(),
             status_counts: [0; Status::COUNT],
+            pending_bytes: 0,
             workers: Vec::new(),
             order: Vec::new(),
             cursors: HashMap::new(),
             ready_all: BTreeMap::new(),
             ready_kind: HashMap::new(),
-            fragile: IdSet::default(),
+            fragile: Fragile::default(),
+            reach: Reach::default(),
             scheduled: BTreeMap::new(),
             schedule_timer: None,
             sweep_timer: None,
@@ -356,7 +392,7 @@ impl Core {
 
     /// Is any connected worker able to take a task of `kind` at all (capacity aside)?
     pub fn can_ever_take(&self, kind: Option<&str>) -> bool {
-        self.order.iter().filter_map(|&s| self.worker(s)).any(|w| w.active() && w.accepts(kind))
+        self.reach.count(kind) > 0
     }
 
     #[cfg(test)]
@@ -461,14 +497,17 @@ impl Core {
             _ => self.now_ms,
         };
         let scheduled = due_mono_ms > self.now_ms;
-        let worker_now = if scheduled { None } else { self.pick_for(new.kind, &[]) };
+        let frame_bytes = new.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
+        let worker_now = if scheduled { None } else { self.pick_for(io, new.kind, &[], frame_bytes) };
         if worker_now.is_none() {
             // A `run_at` in the past is a scheduled task due now: it waits, never 503 (SPEC §7).
             let waits = new.queue || new.run_at_wall_ms.is_some();
             if !scheduled && !waits && !self.can_ever_take(new.kind) {
                 return Err(SubmitError::NoWorker);
             }
-            if self.task_count(Status::Pending) >= self.cfg.max_pending {
+            if self.task_count(Status::Pending) >= self.cfg.max_pending
+                || self.pending_bytes + new.payload.get().len() > self.cfg.max_pending_bytes
+            {
                 return Err(SubmitError::QueueFull);
             }
         }
@@ -506,6 +545,7 @@ impl Core {
         self.tasks.insert(id, task);
         self.record(id, Rec::Whole);
         self.status_counts[Status::Pending.index()] += 1;
+        self.pending_bytes += new.payload.get().len();
         crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
 
         if let Some((owner, key)) = new.idempotency {
@@ -599,7 +639,7 @@ impl Core {
     // ----- workers -------------------------------------------------------------------------
 
     /// A worker's WebSocket is open. Returns its client id.
-    pub fn worker_connected(&mut self, io: &mut dyn Io, conn: ConnRef, ip: IpAddr) -> u128 {
+    pub fn worker_connected(&mut self, _io: &mut dyn Io, conn: ConnRef, ip: IpAddr) -> u128 {
         let client_id = uuid::Uuid::new_v4().as_u128();
         let slot = conn.slot as usize;
         if self.workers.len() <= slot {
@@ -614,11 +654,31 @@ impl Core {
             concurrency: None,
             version: None,
             in_flight: Vec::new(),
+            greeted: false,
         });
+        self.reach.add(&Accepts::All);
         self.order.push(conn.slot);
         crate::log!(Level::Info, "worker connected", client_id = uuid_string(client_id), ip = ip);
-        self.fill(io, conn.slot);
+        // Nothing is sent before its hello (or the grace) says what it takes.
+        self.wheel.arm(self.now_ms + HELLO_GRACE_MS, Timer::HelloGrace(conn));
         client_id
+    }
+
+    /// The worker may be sent tasks from now on (first text message, or the grace is over).
+    fn greet(&mut self, io: &mut dyn Io, conn: ConnRef) {
+        if let Some(w) = self.worker_at_mut(conn)
+            && !w.greeted
+        {
+            w.greeted = true;
+            self.fill(io, conn.slot);
+        }
+    }
+
+    /// A worker's output buffer drained after `Io::has_room` said it was full: fill it.
+    pub fn worker_drained(&mut self, io: &mut dyn Io, conn: ConnRef) {
+        if self.worker_at(conn).is_some() {
+            self.fill(io, conn.slot);
+        }
     }
 
     /// A worker's connection is gone (closed, dead, or failed): its attempts end `disconnect`.
@@ -629,6 +689,8 @@ impl Core {
             return;
         }
         self.order.retain(|&s| s != conn.slot);
+        let before = worker.acceptance();
+        self.reach.remove(&before);
         crate::log!(
             Level::Info,
             "worker disconnected",
@@ -643,11 +705,21 @@ impl Core {
         for id in worker.in_flight {
             self.run(io, id);
         }
-        self.recheck_fragile(io);
+        self.recheck_fragile(io, &before, &Accepts::Nothing);
     }
 
     /// One text message from a worker.
     pub fn worker_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
+        // Any first text message, hello or not, ends the wait (a hello is applied first, so its
+        // kinds and concurrency decide the first fill).
+        let first = self.worker_at(conn).is_some_and(|w| !w.greeted);
+        self.on_message(io, conn, text);
+        if first {
+            self.greet(io, conn);
+        }
+    }
+
+    fn on_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
         let msg: Incoming = match serde_json::from_str(text) {
             Ok(m) => m,
             Err(e) => {
@@ -693,9 +765,11 @@ impl Core {
         version: Option<String>,
     ) {
         let Some(w) = self.worker_at_mut(conn) else { return };
+        let before = w.acceptance();
         w.kinds = kinds.map(|ks| ks.into_iter().map(Box::from).collect());
         w.concurrency = concurrency.map(|c| u32::try_from(c).unwrap_or(u32::MAX));
         w.version = version.map(Box::from);
+        let after = w.acceptance();
         crate::log!(
             Level::Info,
             "worker hello",
@@ -703,7 +777,11 @@ impl Core {
             kinds = w.kinds.as_ref().map_or("*".to_string(), |k| k.join(",")),
             concurrency = w.concurrency.map_or("unlimited".to_string(), |c| c.to_string())
         );
-        self.recheck_fragile(io);
+        if before != after {
+            self.reach.remove(&before);
+            self.reach.add(&after);
+            self.recheck_fragile(io, &before, &after);
+        }
         self.fill(io, conn.slot);
     }
 
@@ -756,6 +834,7 @@ impl Core {
         match timer {
             Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
             Timer::Wait(conn) => self.release_wait(io, conn),
+            Timer::HelloGrace(conn) => self.greet(io, conn),
             Timer::Schedule => {
                 self.schedule_timer = None;
                 self.on_schedule(io);
@@ -889,6 +968,12 @@ impl Core {
         if let Some(task) = self.tasks.get_mut(&id)
             && task.status != status
         {
+            let bytes = task.payload.as_deref().map_or(0, |p| p.get().len());
+            if task.status == Status::Pending {
+                self.pending_bytes -= bytes;
+            } else if status == Status::Pending {
+                self.pending_bytes += bytes;
+            }
             self.status_counts[task.status.index()] -= 1;
             self.status_counts[status.index()] += 1;
             task.status = status;
@@ -913,7 +998,8 @@ impl Core {
             }
             let kind = task.kind.clone();
             let tried: Vec<u128> = task.attempts.iter().map(|a| a.client_id).collect();
-            match self.pick_for(kind.as_deref(), &tried) {
+            let frame_bytes = task.payload.as_deref().map_or(0, |p| p.get().len()) + TASK_FRAME_OVERHEAD_BYTES;
+            match self.pick_for(io, kind.as_deref(), &tried, frame_bytes) {
                 Some(slot) => {
                     if self.dispatch(io, id, slot) {
                         return;
@@ -932,8 +1018,9 @@ impl Core {
         }
     }
 
-    /// Round-robin over workers that can take a task of `kind` now and were not tried.
-    fn pick_for(&mut self, kind: Option<&str>, tried: &[u128]) -> Option<u32> {
+    /// Round-robin over workers that can take a task of `kind` now (a frame of `frame_bytes`
+    /// fits in their output) and were not tried.
+    fn pick_for(&mut self, io: &mut dyn Io, kind: Option<&str>, tried: &[u128], frame_bytes: usize) -> Option<u32> {
         let n = self.order.len();
         if n == 0 {
             return None;
@@ -944,7 +1031,12 @@ impl Core {
             let i = (start + step) % n;
             let slot = self.order[i];
             let Some(w) = self.worker(slot) else { continue };
-            if w.active() && w.accepts(kind) && w.has_capacity() && !tried.contains(&w.client_id) {
+            if w.ready()
+                && w.accepts(kind)
+                && w.has_capacity()
+                && !tried.contains(&w.client_id)
+                && io.has_room(w.conn, frame_bytes)
+            {
                 match self.cursors.get_mut(key) {
                     Some(cursor) => *cursor = i,
                     None => {
@@ -960,12 +1052,17 @@ impl Core {
         None
     }
 
+    /// Is a worker that could take the task, and has not tried it, connected? Each attempt
+    /// went to a different worker, so: more takers than attempts on takers still connected.
     fn any_untried(&self, id: TaskId) -> bool {
         let Some(task) = self.tasks.get(&id) else { return false };
-        self.order
+        let kind = task.kind.as_deref();
+        let tried_takers = task
+            .attempts
             .iter()
-            .filter_map(|&s| self.worker(s))
-            .any(|w| w.active() && w.accepts(task.kind.as_deref()) && !task.tried(w.client_id))
+            .filter(|a| self.worker_at(a.worker).is_some_and(|w| w.active() && w.accepts(kind)))
+            .count();
+        self.reach.count(kind) > tried_takers
     }
 
     /// Starts an attempt on the worker in `slot`. `false` if the frame could not be written
@@ -1119,14 +1216,15 @@ impl Core {
         self.set_status(id, Status::Pending);
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.place = Place::Ready;
-        let (seq, kind, retry, due) = (task.seq, task.kind.clone(), !task.attempts.is_empty(), task.due_mono_ms);
+        let (seq, kind, attempts, due) = (task.seq, task.kind.clone(), task.attempts.len(), task.due_mono_ms);
+        let retry = attempts > 0;
         let fragile = (retry || !task.queued) && !task.restored;
         self.ready_all.insert(seq, id);
+        if fragile {
+            self.fragile.insert(kind.as_deref(), id, attempts);
+        }
         if let Some(kind) = kind {
             self.ready_kind.entry(kind).or_default().insert(seq, id);
-        }
-        if fragile {
-            self.fragile.insert(id);
         }
         if !retry {
             self.ensure_sweep(due + self.cfg.task_ttl_ms);
@@ -1154,7 +1252,7 @@ impl Core {
                         self.ready_kind.remove(kind);
                     }
                 }
-                self.fragile.remove(&id);
+                self.fragile.remove(task.kind.as_deref(), id, task.attempts.len());
             }
             Place::Scheduled => {
                 self.scheduled.remove(&(task.due_mono_ms, task.seq));
@@ -1171,10 +1269,17 @@ impl Core {
         }
         loop {
             let Some(w) = self.worker(slot) else { return };
-            if !w.active() || !w.has_capacity() {
+            if !w.ready() || !w.has_capacity() {
                 return;
             }
             let Some(id) = self.next_ready_for(w) else { return };
+            let conn = w.conn;
+            let frame_bytes = self.tasks.get(&id).and_then(|t| t.payload.as_deref()).map_or(0, |p| p.get().len())
+                + TASK_FRAME_OVERHEAD_BYTES;
+            if !io.has_room(conn, frame_bytes) {
+                // Full: the task stays queued; `worker_drained` comes back here.
+                return;
+            }
             self.unqueue(id);
             if !self.dispatch(io, id, slot) {
                 // This worker cannot be written to; the task moves on without it.
@@ -1199,11 +1304,23 @@ impl Core {
 
     /// Waiting tasks that need a worker now (retries, and tasks submitted without `queue` or a
     /// schedule) fail once no untried worker that could take them is connected.
-    fn recheck_fragile(&mut self, io: &mut dyn Io) {
+    /// A worker that accepted `before` now accepts `after` (or left): only tasks of kinds it
+    /// no longer takes can have lost their last possible worker, and among retries only those
+    /// with at least as many attempts as takers remain.
+    fn recheck_fragile(&mut self, io: &mut dyn Io, before: &Accepts, after: &Accepts) {
         if self.fragile.is_empty() {
             return;
         }
-        let hopeless: Vec<TaskId> = self.fragile.iter().copied().filter(|&id| !self.any_untried(id)).collect();
+        let mut hopeless = Vec::new();
+        for kind in self.fragile.affected(before, after) {
+            let takers = self.reach.count(kind.as_deref());
+            if takers == 0 {
+                hopeless.extend(self.fragile.all_of(&kind));
+            } else {
+                let suspects = self.fragile.retries_with_at_least(&kind, takers);
+                hopeless.extend(suspects.into_iter().filter(|&id| !self.any_untried(id)));
+            }
+        }
         for id in hopeless {
             self.unqueue(id);
             let error = self
@@ -1256,6 +1373,7 @@ pub fn human_ms(ms: u64) -> String {
     }
 }
 
+mod reach;
 mod storage;
 #[cfg(test)]
 mod tests;

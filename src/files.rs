@@ -713,9 +713,11 @@ mod tests {
         // A blob without metadata is an upload's last step, or a crash's leftover once old.
         let orphan = blob_path(&dir, 77);
         std::fs::write(&orphan, b"x").expect("orphan");
+        // (Its mtime is a little after `now`: the clock is read again.)
+        let now = crate::timefmt::wall_ms();
         disk.scan(now);
         assert!(orphan.exists());
-        disk.scan(now + STALE_LEFTOVER_MS);
+        disk.scan(now + STALE_LEFTOVER_MS + 1_000);
         assert!(!orphan.exists());
         let _ = std::fs::remove_dir_all(dir);
     }

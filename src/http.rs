@@ -98,6 +98,8 @@ pub enum HeadError {
     Bad(String),
     /// 501: a transfer coding other than chunked.
     NotImplemented(String),
+    /// 417: an `Expect` other than `100-continue` (RFC 9110 §10.1.1).
+    ExpectationFailed(String),
 }
 
 impl HeadError {
@@ -106,6 +108,7 @@ impl HeadError {
             HeadError::TooLarge(_) => 431,
             HeadError::Bad(_) => 400,
             HeadError::NotImplemented(_) => 501,
+            HeadError::ExpectationFailed(_) => 417,
         }
     }
 }
@@ -114,7 +117,9 @@ impl fmt::Display for HeadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             HeadError::TooLarge(why) => f.write_str(why),
-            HeadError::Bad(why) | HeadError::NotImplemented(why) => f.write_str(why),
+            HeadError::Bad(why) | HeadError::NotImplemented(why) | HeadError::ExpectationFailed(why) => {
+                f.write_str(why)
+            }
         }
     }
 }
@@ -136,6 +141,36 @@ pub fn find_head_end(buf: &[u8], scanned: usize) -> Option<usize> {
         i += 1;
     }
     None
+}
+
+/// How much of a request line [`could_be_request`] looks at.
+const REQUEST_LINE_PROBE_BYTES: usize = 64;
+
+/// Whether a head still arriving can be an HTTP request at all: its first line (leading empty
+/// lines skipped, RFC 9112 §2.2) starts with a method token and a space, and holds only visible
+/// ASCII and spaces. Looks at the first 64 bytes only, so a slow client costs nothing; a TLS
+/// ClientHello or other binary on the plain port fails at its first byte, not at HEADER_TIMEOUT.
+pub fn could_be_request(buf: &[u8]) -> bool {
+    let start = buf.iter().position(|&b| b != b'\r' && b != b'\n').unwrap_or(buf.len());
+    let line = &buf[start..buf.len().min(start + REQUEST_LINE_PROBE_BYTES)];
+    let method_len = line.iter().position(|&b| !is_tchar(b)).unwrap_or(line.len());
+    let Some(&after) = line.get(method_len) else { return true };
+    if after != b' ' || method_len == 0 {
+        return false;
+    }
+    for &b in &line[method_len..] {
+        match b {
+            b'\n' => return true,
+            b' ' | b'\r' | 0x21..=0x7e => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// RFC 9110 §5.6.2 token characters.
+fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 /// Parses the complete head `buf[..head_len]` (found by [`find_head_end`]).
@@ -180,7 +215,9 @@ pub fn parse_head(buf: &[u8], head_len: usize) -> Result<Head, HeadError> {
         head_len,
     };
     let mut content_length: Option<u64> = None;
-    let mut chunked = false;
+    // Every coding of every Transfer-Encoding field, in order (`None`: no such field).
+    let mut codings: Option<Vec<&str>> = None;
+    let mut hosts = 0;
     for h in req.headers.iter() {
         let value = std::str::from_utf8(h.value)
             .map_err(|_| HeadError::Bad(format!("header {} is not valid UTF-8", h.name)))?
@@ -197,13 +234,9 @@ pub fn parse_head(buf: &[u8], head_len: usize) -> Result<Head, HeadError> {
             }
             content_length = Some(n);
         } else if name.eq_ignore_ascii_case("transfer-encoding") {
-            for coding in value.split(',').map(str::trim).filter(|c| !c.is_empty()) {
-                if coding.eq_ignore_ascii_case("chunked") && !chunked {
-                    chunked = true;
-                } else {
-                    return Err(HeadError::NotImplemented(format!("unsupported Transfer-Encoding {value:?}")));
-                }
-            }
+            codings.get_or_insert_with(Vec::new).extend(value.split(',').map(str::trim).filter(|c| !c.is_empty()));
+        } else if name.eq_ignore_ascii_case("host") {
+            hosts += 1;
         } else if name.eq_ignore_ascii_case("connection") {
             for token in value.split(',').map(str::trim) {
                 if token.eq_ignore_ascii_case("close") {
@@ -216,7 +249,7 @@ pub fn parse_head(buf: &[u8], head_len: usize) -> Result<Head, HeadError> {
             if value.eq_ignore_ascii_case("100-continue") {
                 head.expect_continue = true;
             } else {
-                return Err(HeadError::Bad(format!("unsupported Expect {value:?}")));
+                return Err(HeadError::ExpectationFailed(format!("unsupported Expect {value:?}")));
             }
         } else if name.eq_ignore_ascii_case("authorization") {
             head.authorization = Some(value.to_string());
@@ -245,6 +278,26 @@ pub fn parse_head(buf: &[u8], head_len: usize) -> Result<Head, HeadError> {
             head.range = Some(value.to_string());
         }
     }
+    if minor_version == 1 && hosts != 1 {
+        // RFC 9112 §3.2: exactly one Host field in an HTTP/1.1 request.
+        let why = if hosts == 0 { "an HTTP/1.1 request needs a Host header" } else { "more than one Host header" };
+        return Err(HeadError::Bad(why.into()));
+    }
+    // RFC 9112 §6.3: a Transfer-Encoding whose last coding is not chunked cannot be framed; a
+    // server that fell back to Content-Length would read the rest as another request.
+    let chunked = match codings {
+        None => false,
+        Some(codings) => {
+            let chunks = codings.iter().filter(|c| c.eq_ignore_ascii_case("chunked")).count();
+            if !codings.last().is_some_and(|c| c.eq_ignore_ascii_case("chunked")) || chunks > 1 {
+                return Err(HeadError::Bad("Transfer-Encoding must end with chunked, once".into()));
+            }
+            if codings.len() > 1 {
+                return Err(HeadError::NotImplemented(format!("unsupported Transfer-Encoding {codings:?}")));
+            }
+            true
+        }
+    };
     head.framing = match (chunked, content_length) {
         (true, Some(_)) => return Err(HeadError::Bad("both Content-Length and Transfer-Encoding".into())),
         (true, None) => Framing::Chunked,
@@ -271,14 +324,25 @@ enum ChunkState {
     #[default]
     Size,
     Extension,
+    /// Inside a quoted-string of an extension (`escaped`: after a backslash).
+    ExtensionQuoted {
+        escaped: bool,
+    },
     SizeLf,
     Data,
     DataCr,
     DataLf,
     TrailerStart,
     TrailerLine,
+    TrailerLineLf,
     TrailerEndLf,
     Done,
+}
+
+/// Bytes that may not appear in chunk extensions or trailers (as in a header line): controls
+/// other than tab, and DEL.
+fn is_forbidden_in_line(b: u8) -> bool {
+    (b < 0x20 && b != b'\t') || b == 0x7f
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -293,8 +357,11 @@ impl ChunkedDecoder {
         self.state == ChunkState::Done
     }
 
-    /// Decodes from `input`, appending body bytes to `out` (never beyond `max_body_bytes`).
-    /// Returns how many input bytes were consumed; stops right after the final CRLF.
+    /// Decodes from `input`, appending body bytes to `out` (never beyond `max_body_bytes`: a
+    /// chunk size that would pass it is refused as soon as its digits are read). Lines end in
+    /// CRLF only: a bare LF, a NUL, or a CR or LF inside a quoted extension is malformed, as are
+    /// obs-fold and control bytes in trailers. Returns how many input bytes were consumed;
+    /// stops right after the final CRLF.
     pub fn decode(&mut self, input: &[u8], out: &mut Vec<u8>, max_body_bytes: usize) -> Result<usize, ChunkError> {
         let mut i = 0;
         while i < input.len() && self.state != ChunkState::Done {
@@ -308,6 +375,9 @@ impl ChunkedDecoder {
                         let d = (b as char).to_digit(16).unwrap_or(0);
                         self.size = self.size * 16 + u64::from(d);
                         self.digits += 1;
+                        if self.size > max_body_bytes.saturating_sub(out.len()) as u64 {
+                            return Err(ChunkError::TooLarge);
+                        }
                         i += 1;
                     }
                     b';' | b' ' | b'\t' if self.digits > 0 => {
@@ -319,20 +389,28 @@ impl ChunkedDecoder {
                         self.state = ChunkState::SizeLf;
                         i += 1;
                     }
-                    b'\n' if self.digits > 0 => {
-                        self.end_size_line();
-                        i += 1;
-                    }
+                    b'\n' => return Err(ChunkError::Malformed("bare LF in a chunk size line")),
                     _ => return Err(ChunkError::Malformed("invalid chunk size")),
                 },
-                ChunkState::Extension => {
+                ChunkState::Extension | ChunkState::ExtensionQuoted { .. } => {
                     self.line_bytes += 1;
                     if self.line_bytes > MAX_CHUNK_LINE_BYTES {
                         return Err(ChunkError::Malformed("chunk extension too long"));
                     }
-                    if b == b'\n' {
-                        self.end_size_line();
-                    }
+                    self.state = match (self.state, b) {
+                        (ChunkState::Extension, b'\r') => ChunkState::SizeLf,
+                        (ChunkState::Extension, b'"') => ChunkState::ExtensionQuoted { escaped: false },
+                        (_, b'\r' | b'\n') => return Err(ChunkError::Malformed("bare CR or LF in a chunk extension")),
+                        (_, b) if is_forbidden_in_line(b) => {
+                            return Err(ChunkError::Malformed("control byte in a chunk extension"));
+                        }
+                        (ChunkState::ExtensionQuoted { escaped: false }, b'\\') => {
+                            ChunkState::ExtensionQuoted { escaped: true }
+                        }
+                        (ChunkState::ExtensionQuoted { escaped: false }, b'"') => ChunkState::Extension,
+                        (ChunkState::ExtensionQuoted { .. }, _) => ChunkState::ExtensionQuoted { escaped: false },
+                        (state, _) => state,
+                    };
                     i += 1;
                 }
                 ChunkState::SizeLf => {
@@ -355,11 +433,10 @@ impl ChunkedDecoder {
                     }
                 }
                 ChunkState::DataCr => {
-                    match b {
-                        b'\r' => self.state = ChunkState::DataLf,
-                        b'\n' => self.next_chunk(),
-                        _ => return Err(ChunkError::Malformed("expected CRLF after chunk data")),
+                    if b != b'\r' {
+                        return Err(ChunkError::Malformed("expected CRLF after chunk data"));
                     }
+                    self.state = ChunkState::DataLf;
                     i += 1;
                 }
                 ChunkState::DataLf => {
@@ -370,11 +447,15 @@ impl ChunkedDecoder {
                     i += 1;
                 }
                 ChunkState::TrailerStart => {
-                    match b {
-                        b'\r' => self.state = ChunkState::TrailerEndLf,
-                        b'\n' => self.state = ChunkState::Done,
-                        _ => self.state = ChunkState::TrailerLine,
-                    }
+                    self.line_bytes += 1;
+                    self.state = match b {
+                        b'\r' => ChunkState::TrailerEndLf,
+                        b' ' | b'\t' => return Err(ChunkError::Malformed("obs-fold in trailers")),
+                        b if is_forbidden_in_line(b) => {
+                            return Err(ChunkError::Malformed("bare LF or control byte in trailers"));
+                        }
+                        _ => ChunkState::TrailerLine,
+                    };
                     i += 1;
                 }
                 ChunkState::TrailerLine => {
@@ -382,9 +463,20 @@ impl ChunkedDecoder {
                     if self.line_bytes > MAX_CHUNK_LINE_BYTES {
                         return Err(ChunkError::Malformed("trailer section too long"));
                     }
-                    if b == b'\n' {
-                        self.state = ChunkState::TrailerStart;
+                    match b {
+                        b'\r' => self.state = ChunkState::TrailerLineLf,
+                        b if is_forbidden_in_line(b) => {
+                            return Err(ChunkError::Malformed("bare LF or control byte in trailers"));
+                        }
+                        _ => {}
                     }
+                    i += 1;
+                }
+                ChunkState::TrailerLineLf => {
+                    if b != b'\n' {
+                        return Err(ChunkError::Malformed("expected LF after a trailer line"));
+                    }
+                    self.state = ChunkState::TrailerStart;
                     i += 1;
                 }
                 ChunkState::TrailerEndLf => {
@@ -434,6 +526,7 @@ pub fn reason(status: u16) -> &'static str {
         409 => "Conflict",
         413 => "Content Too Large",
         416 => "Range Not Satisfiable",
+        417 => "Expectation Failed",
         426 => "Upgrade Required",
         429 => "Too Many Requests",
         431 => "Request Header Fields Too Large",
@@ -542,6 +635,7 @@ pub fn error_code(status: u16) -> &'static str {
         408 => "request_timeout",
         409 => "conflict",
         413 => "payload_too_large",
+        417 => "expectation_failed",
         426 => "upgrade_required",
         429 => "queue_full",
         431 => "header_too_large",
@@ -571,22 +665,24 @@ mod tests {
     fn heads() {
         use Framing::*;
         use Method::*;
-        check("GET / HTTP/1.1\r\n\r\n", Ok((Get, "/", Empty, true)));
+        check("GET / HTTP/1.1\r\nHost: a\r\n\r\n", Ok((Get, "/", Empty, true)));
         check("GET /tasks/x?wait=true HTTP/1.1\r\nHost: a\r\n\r\n", Ok((Get, "/tasks/x", Empty, true)));
-        check("POST /tasks HTTP/1.1\r\nContent-Length: 5\r\n\r\n", Ok((Post, "/tasks", Length(5), true)));
-        check("POST /t HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n", Ok((Post, "/t", Length(5), true)));
-        check("POST /t HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n", Ok((Post, "/t", Chunked, true)));
+        check("POST /tasks HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\n", Ok((Post, "/tasks", Length(5), true)));
+        check(
+            "POST /t HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n",
+            Ok((Post, "/t", Length(5), true)),
+        );
+        check("POST /t HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n", Ok((Post, "/t", Chunked, true)));
         check("GET / HTTP/1.0\r\n\r\n", Ok((Get, "/", Empty, false)));
-        check("GET / HTTP/1.1\r\nConnection: close\r\n\r\n", Ok((Get, "/", Empty, false)));
+        check("GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n", Ok((Get, "/", Empty, false)));
         check("GET / HTTP/1.1\nHost: lf-only\n\n", Ok((Get, "/", Empty, true)));
-        check("BREW /pot HTTP/1.1\r\n\r\n", Ok((Other, "/pot", Empty, true)));
-        check("POST /t HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", Err(400));
-        check("POST /t HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", Err(400));
-        check("POST /t HTTP/1.1\r\nContent-Length: -1\r\n\r\n", Err(400));
-        check("POST /t HTTP/1.1\r\nContent-Length: +1\r\n\r\n", Err(400));
-        check("POST /t HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n", Err(501));
-        check("POST /t HTTP/1.1\r\nExpect: 200-ok\r\n\r\n", Err(400));
-        check("GET http://x/ HTTP/1.1\r\n\r\n", Err(400));
+        check("BREW /pot HTTP/1.1\r\nHost: a\r\n\r\n", Ok((Other, "/pot", Empty, true)));
+        check("POST /t HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nHost: a\r\nContent-Length: -1\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nHost: a\r\nContent-Length: +1\r\n\r\n", Err(400));
+        check("POST /t HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: gzip, chunked\r\n\r\n", Err(501));
+        check("GET http://x/ HTTP/1.1\r\nHost: a\r\n\r\n", Err(400));
         check("GET / HTTP/2.0\r\n\r\n", Err(400));
         check("\x01\x02 / HTTP/1.1\r\n\r\n", Err(400));
         let many: String = (0..65).map(|i| format!("X-{i}: v\r\n")).collect();
@@ -596,9 +692,51 @@ mod tests {
     }
 
     #[test]
+    fn unsupported_expect_gets_400() {
+        // Issue 10 #12: RFC 9110 §10.1.1 says 417.
+        check("POST /t HTTP/1.1\r\nHost: a\r\nExpect: 200-ok\r\n\r\n", Err(417));
+        check(
+            "POST /t HTTP/1.1\r\nHost: a\r\nExpect: 100-Continue\r\n\r\n",
+            Ok((Method::Post, "/t", Framing::Empty, true)),
+        );
+    }
+
+    #[test]
+    fn empty_transfer_encoding_is_ignored() {
+        // Issue 10 #13: a Transfer-Encoding without chunked last (empty included) fell back to
+        // Content-Length framing: a TE.CL desync behind a proxy that treats "TE present" as
+        // chunked. RFC 9112 §6.3: 400.
+        for te in ["", " ", ",", " , ", "chunked, gzip", "gzip", "chunked, chunked", "identity"] {
+            let raw = format!("POST /t HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: {te}\r\nContent-Length: 13\r\n\r\n");
+            assert_eq!(parse(&raw).map_err(|e| e.status()).err(), Some(400), "TE {te:?} + CL");
+            let raw = format!("POST /t HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert_eq!(parse(&raw).map_err(|e| e.status()).err(), Some(400), "TE {te:?}");
+        }
+        // Two fields form one list: chunked must end it, once.
+        check(
+            "POST /t HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: \r\nTransfer-Encoding: chunked\r\n\r\n",
+            Ok((Method::Post, "/t", Framing::Chunked, true)),
+        );
+        check(
+            "POST /t HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+            Err(400),
+        );
+    }
+
+    #[test]
+    fn host_missing_or_repeated_on_http_1_1_is_accepted() {
+        // Issue 10 #15: RFC 9112 §3.2, exactly one Host on HTTP/1.1 (1.0 may omit it).
+        check("GET / HTTP/1.1\r\n\r\n", Err(400));
+        check("GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", Err(400));
+        check("GET / HTTP/1.1\r\nHost: a\r\nhost: a\r\n\r\n", Err(400));
+        check("GET / HTTP/1.1\r\nHOST: a\r\n\r\n", Ok((Method::Get, "/", Framing::Empty, true)));
+        check("GET / HTTP/1.0\r\nHost: a\r\n\r\n", Ok((Method::Get, "/", Framing::Empty, false)));
+    }
+
+    #[test]
     fn head_fields() {
         let h = parse(
-            "POST /tasks?a=1&wait=true HTTP/1.1\r\nAuthorization: Bearer  tok \r\nExpect: 100-continue\r\n\
+            "POST /tasks?a=1&wait=true HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer  tok \r\nExpect: 100-continue\r\n\
              X-Forwarded-For: 1.1.1.1\r\nX-Forwarded-For: 2.2.2.2\r\nIdempotency-Key: k1\r\n\r\n",
         )
         .expect("parse");
@@ -608,6 +746,32 @@ mod tests {
         assert!(h.expect_continue);
         assert_eq!(h.forwarded_for.as_deref(), Some("1.1.1.1, 2.2.2.2"));
         assert_eq!(h.idempotency_key.as_deref(), Some("k1"));
+    }
+
+    #[test]
+    fn a_first_line_that_cannot_be_http_waits_for_header_timeout() {
+        // Issue 10 #16: a TLS ClientHello (or any binary) on the plain port got 408 after
+        // HEADER_TIMEOUT; it is refused as soon as its first bytes show it is not HTTP.
+        for (raw, ok) in [
+            (&b"GET / HTTP/1.1\r\nHost: a\r\n"[..], true),
+            (b"G", true),
+            (b"", true),
+            (b"\r\nPOST /tasks HT", true),
+            (b"BREW /pot HTTP/1.1\r\n", true),
+            (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03", false),
+            (b"GET\t/ HTTP/1.1\r\n", false),
+            (b" GET / HTTP/1.1\r\n", false),
+            (b"GET /\x00 HTTP/1.1\r\n", false),
+            (b"GET /\xc3\xa9 HTTP/1.1\r\n", false),
+            (b"{\"payload\":1}", false),
+        ] {
+            assert_eq!(could_be_request(raw), ok, "{raw:?}");
+        }
+        // Past the first line (or 64 bytes of it), anything goes: the parser decides.
+        let mut long = b"GET /".to_vec();
+        long.extend_from_slice(&[b'a'; 100]);
+        long.push(0);
+        assert!(could_be_request(&long));
     }
 
     #[test]
@@ -647,7 +811,7 @@ mod tests {
         check_chunked(&[b"5\r\nhel", b"lo\r\n6\r\n world\r\n0\r\n\r\n"], 100, Ok((b"hello world", 26)));
         check_chunked(&[b"5;ext=1\r\nhello\r\n0\r\nTrailer: x\r\n\r\n"], 100, Ok((b"hello", 33)));
         check_chunked(&[b"A\r\n0123456789\r\n0\r\n\r\nGET /next"], 100, Ok((b"0123456789", 20)));
-        check_chunked(&[b"5\nhello\n0\n\n"], 100, Ok((b"hello", 11)));
+        check_chunked(&[b"5;a=\"x;y\\\"z\"\r\nhello\r\n0\r\n\r\n"], 100, Ok((b"hello", 26)));
         // Split at every byte.
         let raw = b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
         let parts: Vec<&[u8]> = raw.chunks(1).collect();
@@ -656,7 +820,43 @@ mod tests {
         check_chunked(&[b"x\r\n"], 100, Err(ChunkError::Malformed("invalid chunk size")));
         check_chunked(&[b"\r\n"], 100, Err(ChunkError::Malformed("invalid chunk size")));
         check_chunked(&[b"5\r\nhelloX"], 100, Err(ChunkError::Malformed("expected CRLF after chunk data")));
-        check_chunked(&[b"1000000000000000\r\n"], 100, Err(ChunkError::Malformed("chunk size too long")));
+        check_chunked(&[b"00000000000000005\r\n"], 100, Err(ChunkError::Malformed("chunk size too long")));
+        check_chunked(&[b"1000000000000000\r\n"], 1 << 62, Err(ChunkError::Malformed("chunk size too long")));
+    }
+
+    #[test]
+    fn bare_lf_inside_chunked_framing_is_accepted() {
+        // Issue 10 #14: chunked framing requires CRLF; NUL or a quoted CRLF in an extension,
+        // and obs-fold or NUL in trailers, are refused as they would be in a header.
+        let table: &[(&[u8], &str)] = &[
+            (b"5\nhello\r\n0\r\n\r\n", "bare LF in a chunk size line"),
+            (b"5\r\nhello\n0\r\n\r\n", "expected CRLF after chunk data"),
+            (b"5\r\nhello\r\n0\n\r\n", "bare LF in a chunk size line"),
+            (b"5\r\nhello\r\n0\r\n\n", "bare LF or control byte in trailers"),
+            (b"5;a=b\nhello\r\n0\r\n\r\n", "bare CR or LF in a chunk extension"),
+            (b"5;a=\0\r\nhello\r\n0\r\n\r\n", "control byte in a chunk extension"),
+            (b"5;a=\"x\r\ny\"\r\nhello\r\n0\r\n\r\n", "bare CR or LF in a chunk extension"),
+            (b"5\r\nhello\r\n0\r\nX: a\r\n b\r\n\r\n", "obs-fold in trailers"),
+            (b"5\r\nhello\r\n0\r\nX: a\0\r\n\r\n", "bare LF or control byte in trailers"),
+            (b"5\r\nhello\r\n0\r\nX: a\n\r\n", "bare LF or control byte in trailers"),
+            (b"5\r\nhello\r\n0\r\nX: a\rb\r\n\r\n", "expected LF after a trailer line"),
+        ];
+        for (raw, why) in table {
+            check_chunked(&[raw], 100, Err(ChunkError::Malformed(why)));
+            // Fed a byte at a time, the same verdict.
+            let parts: Vec<&[u8]> = raw.chunks(1).collect();
+            check_chunked(&parts, 100, Err(ChunkError::Malformed(why)));
+        }
+    }
+
+    #[test]
+    fn chunk_size_over_the_body_limit_waits_for_the_bytes() {
+        // Issue 10 #16: a declared chunk size over the limit is refused at its size line, not
+        // after its bytes (which a client may never send).
+        check_chunked(&[b"65\r\n"], 100, Err(ChunkError::TooLarge));
+        check_chunked(&[b"64\r\n"], 100, Err(ChunkError::Malformed("not done")));
+        check_chunked(&[b"32\r\n", &[b'a'; 50], b"\r\n33\r\n"], 100, Err(ChunkError::TooLarge));
+        check_chunked(&[b"ffffffff"], 1 << 20, Err(ChunkError::TooLarge));
     }
 
     #[test]

@@ -108,8 +108,8 @@ pub fn emit(level: Level, msg: &str, fields: &[(&str, &dyn fmt::Display)]) {
     }
 }
 
-/// Emits whatever LOG_LEVEL says: for the few lines an operator always needs (the address
-/// relay listens on, the start of a shutdown).
+/// Emits whatever LOG_LEVEL says. SPEC §2 allows one such line: `listening` (it carries the
+/// address picked for `PORT=0`). Nothing else may use it.
 pub fn emit_always(level: Level, msg: &str, fields: &[(&str, &dyn fmt::Display)]) {
     let mut line = String::with_capacity(128);
     let _ = write!(line, "ts={} level={} msg=", crate::timefmt::rfc3339_ms(crate::timefmt::wall_ms()), level.name());
@@ -119,7 +119,8 @@ pub fn emit_always(level: Level, msg: &str, fields: &[(&str, &dyn fmt::Display)]
         scratch.clear();
         let _ = write!(scratch, "{value}");
         line.push(' ');
-        line.push_str(key);
+        // `stringify!(r#type)` is "r#type": the key is the identifier without its raw prefix.
+        line.push_str(key.strip_prefix("r#").unwrap_or(key));
         line.push('=');
         push_value(&mut line, &scratch);
     }

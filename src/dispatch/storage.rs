@@ -207,6 +207,7 @@ impl Core {
             task.seq = self.take_seq();
             task.due_mono_ms = now + due.saturating_sub(wall);
             self.status_counts[Status::Pending.index()] += 1;
+            self.pending_bytes += task.payload.as_deref().map_or(0, |p| p.get().len());
             self.tasks.insert(id, task);
             if cut_short {
                 self.record(id, Rec::AttemptEnded);

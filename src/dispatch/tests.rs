@@ -8,9 +8,14 @@ struct FakeIo {
     replies: Vec<(ConnRef, u16)>,
     /// Connections whose writes fail (→ send_failed).
     broken: Vec<ConnRef>,
+    /// Connections whose output buffer is full (→ not eligible until drained).
+    full: Vec<ConnRef>,
 }
 
 impl Io for FakeIo {
+    fn has_room(&mut self, worker: ConnRef, _bytes: usize) -> bool {
+        !self.full.contains(&worker)
+    }
     fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool {
         if self.broken.contains(&worker) {
             return false;
@@ -46,6 +51,7 @@ fn core() -> Core {
             task_ttl_ms: 60_000,
             max_pending: 100,
             task_memory_bytes: 64 << 20,
+            max_pending_bytes: 1 << 20,
         },
         0,
         1_000_000,
@@ -90,6 +96,13 @@ fn result(core: &mut Core, io: &mut FakeIo, w: ConnRef, id: TaskId, done: bool) 
     core.worker_message(io, w, &msg);
 }
 
+/// Connects a worker that speaks at once (so it may be sent tasks straight away): a hello
+/// without kinds or concurrency, which is what the seed protocol's silent worker gets.
+fn join(core: &mut Core, io: &mut FakeIo, w: ConnRef, ip: &str) {
+    core.worker_connected(io, w, ip.parse().expect("ip"));
+    core.worker_message(io, w, r#"{"type":"hello"}"#);
+}
+
 fn outcomes(core: &Core, id: TaskId) -> Vec<Outcome> {
     core.task(id).expect("task").attempts.iter().filter_map(|a| a.outcome).collect()
 }
@@ -115,9 +128,12 @@ fn submit_decisions() {
         let mut io = FakeIo::default();
         let ws: Vec<ConnRef> = (0..hellos.len() as u32).map(conn).collect();
         for (w, hello) in ws.iter().zip(hellos.iter()) {
-            c.worker_connected(&mut io, *w, "127.0.0.1".parse().expect("ip"));
-            if let Some(h) = hello {
-                c.worker_message(&mut io, *w, h);
+            match hello {
+                Some(h) => {
+                    c.worker_connected(&mut io, *w, "127.0.0.1".parse().expect("ip"));
+                    c.worker_message(&mut io, *w, h);
+                }
+                None => join(&mut c, &mut io, *w, "127.0.0.1"),
             }
         }
         let got = submit(&mut c, &mut io, "{}", *kind).map(|id| ws.iter().position(|w| io.tasks_to(*w).contains(&id)));
@@ -131,7 +147,7 @@ fn round_robin_per_kind() {
     let mut io = FakeIo::default();
     let ws = [conn(0), conn(1), conn(2)];
     for w in ws {
-        c.worker_connected(&mut io, w, "127.0.0.1".parse().expect("ip"));
+        join(&mut c, &mut io, w, "127.0.0.1");
     }
     let ids: Vec<TaskId> = (0..6).map(|_| submit(&mut c, &mut io, "{}", Some("k")).expect("ok")).collect();
     for w in ws {
@@ -149,8 +165,8 @@ fn send_failed_moves_the_task_on() {
     let mut c = core();
     let mut io = FakeIo::default();
     let (a, b) = (conn(0), conn(1));
-    c.worker_connected(&mut io, a, "10.0.0.1".parse().expect("ip"));
-    c.worker_connected(&mut io, b, "10.0.0.2".parse().expect("ip"));
+    join(&mut c, &mut io, a, "10.0.0.1");
+    join(&mut c, &mut io, b, "10.0.0.2");
     io.broken.push(a);
     io.broken.push(b);
     let id = submit(&mut c, &mut io, "{}", None).expect("accepted");
@@ -176,9 +192,9 @@ fn only_the_current_attempt_finishes_a_task() {
     let mut c = core();
     let mut io = FakeIo::default();
     let (a, b) = (conn(0), conn(1));
-    c.worker_connected(&mut io, a, "10.0.0.1".parse().expect("ip"));
+    join(&mut c, &mut io, a, "10.0.0.1");
     let id = submit(&mut c, &mut io, "{}", None).expect("accepted");
-    c.worker_connected(&mut io, b, "10.0.0.2".parse().expect("ip"));
+    join(&mut c, &mut io, b, "10.0.0.2");
     // a times out; the task moves to b.
     c.now_ms = 1_000;
     let mut fired = Vec::new();
@@ -205,7 +221,7 @@ fn waiters_are_answered_once_and_forgotten_on_close() {
     let mut c = core();
     let mut io = FakeIo::default();
     let w = conn(0);
-    c.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+    join(&mut c, &mut io, w, "10.0.0.1");
     let id = submit(&mut c, &mut io, "{}", None).expect("accepted");
     let (h1, h2) = (conn(10), conn(11));
     assert!(c.wait(h1, id, true).is_none());
@@ -223,7 +239,7 @@ fn canceled_attempts_free_the_slot_and_notify_the_worker() {
     let mut c = core();
     let mut io = FakeIo::default();
     let w = conn(0);
-    c.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+    join(&mut c, &mut io, w, "10.0.0.1");
     c.worker_message(&mut io, w, r#"{"type":"hello","concurrency":1}"#);
     let first = submit(&mut c, &mut io, "1", None).expect("accepted");
     let second = submit(&mut c, &mut io, "2", None).expect("accepted");
@@ -241,3 +257,5 @@ fn human_durations() {
         assert_eq!(human_ms(ms), text);
     }
 }
+
+mod regressions;

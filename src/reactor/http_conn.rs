@@ -97,7 +97,9 @@ impl Server {
                     return true;
                 }
                 let Some(end) = http::find_head_end(&http.buf, http.scanned) else {
-                    if http.buf.len() > MAX_HEAD_BYTES {
+                    if !http::could_be_request(&http.buf) {
+                        self.respond_and_close(r, crate::api::error(400, "not an HTTP/1.x request"));
+                    } else if http.buf.len() > MAX_HEAD_BYTES {
                         self.respond_and_close(r, crate::api::error(431, "request head over 16 KiB"));
                     } else {
                         http.scanned = http.buf.len();

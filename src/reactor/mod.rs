@@ -172,6 +172,22 @@ struct Wire<'a> {
 }
 
 impl Io for Wire<'_> {
+    fn has_room(&mut self, worker: ConnRef, bytes: usize) -> bool {
+        let Some(conn) = self.conns.get_mut(worker) else { return true };
+        if conn.pending_out() + bytes <= self.max_ws_out_bytes {
+            return true;
+        }
+        // A burst within one loop turn is not a full buffer: try the socket first. (A write
+        // error says yes, so that `send_text` fails and the attempt is `send_failed`.)
+        if write_out(conn).is_err() || conn.pending_out() + bytes <= self.max_ws_out_bytes {
+            return true;
+        }
+        if let State::Ws(ws) = &mut conn.state {
+            ws.starved = true;
+        }
+        false
+    }
+
     fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool {
         let Some(conn) = self.conns.get_mut(worker) else { return false };
         let len: usize = parts.iter().map(|p| p.len()).sum();
@@ -350,6 +366,7 @@ impl Server {
                 task_ttl_ms: cfg.task_ttl_ms,
                 max_pending: cfg.max_pending,
                 task_memory_bytes: cfg.task_memory_bytes,
+                max_pending_bytes: cfg.max_pending_bytes,
             },
             0,
             crate::timefmt::wall_ms(),
@@ -769,6 +786,20 @@ impl Server {
         let total = conn.out.len();
         if write_out(conn).is_err() {
             self.close_now(r, "write error");
+            return;
+        }
+        let drained = conn.pending_out() <= self.max_ws_out_bytes / 2;
+        if let State::Ws(ws) = &mut conn.state
+            && ws.starved
+            && drained
+        {
+            // The core held tasks back for this worker: it has room again.
+            ws.starved = false;
+            {
+                let (mut wire, core) = self.wire();
+                core.worker_drained(&mut wire, r);
+            }
+            self.flush(r);
             return;
         }
         if conn.pending_out() > 0 {

@@ -68,6 +68,7 @@ impl Server {
             Fail(UploadError),
         }
         let budget_full = self.disk_bytes >= DISK_BUDGET_BYTES;
+        let body_limit = self.api.body_limit(crate::api::Route::Files) as usize;
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };
         let crate::conn::Http { buf, phase, .. } = http;
@@ -80,12 +81,15 @@ impl Server {
         let mut used_any = false;
         let step = match &mut up.chunked {
             Some((decoder, decoded)) => {
-                let fed = match decoder.decode(buf, decoded, usize::MAX) {
+                // `decoded` only holds what the parser has not taken yet: this bounds one chunk,
+                // and the parser bounds the file.
+                let fed = match decoder.decode(buf, decoded, body_limit) {
                     Ok(used) => {
                         buf.drain(..used);
                         used_any |= used > 0;
                         parse.feed(decoded, &mut to_disk)
                     }
+                    Err(http::ChunkError::TooLarge) => Err(UploadError::TooLarge),
                     Err(_) => Err(UploadError::Bad("malformed chunked body".into())),
                 };
                 match fed {

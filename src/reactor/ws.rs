@@ -20,6 +20,7 @@ impl Server {
             ctx: ws_context(leftover, self.cfg.max_message_bytes),
             last_seen_ms: now,
             next_ping_ms: now + self.cfg.ping_interval_ms,
+            starved: false,
         }));
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         conn.deadline_ms = u64::MAX;

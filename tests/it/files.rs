@@ -260,7 +260,7 @@ fn uploads_need_multipart_with_a_file_part() {
     // A chunked multipart upload, with other fields around the file, works too.
     let mut c = Client::connect(relay.addr);
     let payload = b"--b\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"c.txt\"\r\nContent-Type: text/plain\r\n\r\nchunked!\r\n--b--\r\n";
-    let mut raw = format!("POST /files HTTP/1.1\r\nAuthorization: {auth}\r\nContent-Type: multipart/form-data; boundary=b\r\nTransfer-Encoding: chunked\r\n\r\n").into_bytes();
+    let mut raw = format!("POST /files HTTP/1.1\r\nHost: relay\r\nAuthorization: {auth}\r\nContent-Type: multipart/form-data; boundary=b\r\nTransfer-Encoding: chunked\r\n\r\n").into_bytes();
     for piece in payload.chunks(7) {
         raw.extend(format!("{:x}\r\n", piece.len()).bytes());
         raw.extend_from_slice(piece);
@@ -291,8 +291,10 @@ fn a_slow_downloader_keeps_memory_flat_and_others_are_served() {
 
     let mut slow = TcpStream::connect(relay.addr).expect("connect");
     // A small receive buffer, so the kernel does not soak up the file for us.
-    slow.write_all(format!("GET /files/{id} HTTP/1.1\r\nAuthorization: Bearer {API}\r\n\r\n").as_bytes())
-        .expect("write");
+    slow.write_all(
+        format!("GET /files/{id} HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\n\r\n").as_bytes(),
+    )
+    .expect("write");
     let mut received = 0usize;
     let mut chunk = vec![0u8; 16 * 1024];
     let started = Instant::now();

@@ -67,7 +67,7 @@ fn chunked_request_body_is_decoded() {
     let body = r#"{"payload":{"n":42}}"#;
     let (a, b) = body.split_at(7);
     let raw = format!(
-        "POST /tasks?wait=true HTTP/1.1\r\nAuthorization: {}\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{a}\r\n{:x};ext=1\r\n{b}\r\n0\r\n\r\n",
+        "POST /tasks?wait=true HTTP/1.1\r\nHost: relay\r\nAuthorization: {}\r\nTransfer-Encoding: chunked\r\n\r\n{:x}\r\n{a}\r\n{:x};ext=1\r\n{b}\r\n0\r\n\r\n",
         auth(),
         a.len(),
         b.len()
@@ -80,8 +80,11 @@ fn chunked_request_body_is_decoded() {
     // Malformed chunk size → 400 and close.
     let mut c = Client::connect(relay.addr);
     c.send_raw(
-        format!("POST /tasks HTTP/1.1\r\nAuthorization: {}\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", auth())
-            .as_bytes(),
+        format!(
+            "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: {}\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+            auth()
+        )
+        .as_bytes(),
     );
     let r = c.read_response().expect("response");
     assert_eq!(r.status, 400);
@@ -95,7 +98,7 @@ fn expect_100_continue_is_answered_before_the_body() {
     let body = format!(r#"{{"payload":"{}"}}"#, "y".repeat(2000));
     c.send_raw(
         format!(
-            "POST /tasks HTTP/1.1\r\nAuthorization: {}\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+            "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: {}\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
             auth(),
             body.len()
         )
@@ -110,7 +113,7 @@ fn expect_100_continue_is_answered_before_the_body() {
     // When the head already decides (bad token), the final status comes at once, no 100.
     let mut c = Client::connect(relay.addr);
     c.send_raw(
-        b"POST /tasks HTTP/1.1\r\nAuthorization: Bearer nope\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n",
+        b"POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer nope\r\nExpect: 100-continue\r\nContent-Length: 5000\r\n\r\n",
     );
     let r = c.read_response().expect("final");
     assert_eq!(r.status, 401);
@@ -161,7 +164,7 @@ fn oversized_heads_and_bodies_are_refused() {
     let mut c = Client::connect(relay.addr);
     let chunk = "a".repeat(800);
     c.send_raw(
-        format!("POST /tasks HTTP/1.1\r\nAuthorization: {a}\r\nTransfer-Encoding: chunked\r\n\r\n320\r\n{chunk}\r\n320\r\n{chunk}\r\n0\r\n\r\n")
+        format!("POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: {a}\r\nTransfer-Encoding: chunked\r\n\r\n320\r\n{chunk}\r\n320\r\n{chunk}\r\n0\r\n\r\n")
             .as_bytes(),
     );
     assert_eq!(c.read_response().expect("response").status, 413);
@@ -311,7 +314,8 @@ fn batch_bodies_may_be_larger_than_max_message_size_up_to_max_batch_bytes() {
     // Over MAX_BATCH_BYTES: 413 from the head, without reading the body.
     let mut c = Client::connect(relay.addr);
     c.send_raw(
-        format!("POST /tasks/batch HTTP/1.1\r\nAuthorization: {a}\r\nContent-Length: 4000001\r\n\r\n").as_bytes(),
+        format!("POST /tasks/batch HTTP/1.1\r\nHost: relay\r\nAuthorization: {a}\r\nContent-Length: 4000001\r\n\r\n")
+            .as_bytes(),
     );
     let r = c.read_response().expect("answer");
     assert_eq!(r.status, 413, "{}", r.text());

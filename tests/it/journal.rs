@@ -162,7 +162,8 @@ fn kill_9_under_load_loses_no_acknowledged_task() {
     };
     for round in 0..4 {
         let mut relay = start(&dir, &[]);
-        let workers: Vec<FakeWorker> = (0..2).map(|_| FakeWorker::connect(&relay, None, Auto::Echo)).collect();
+        let workers: Vec<FakeWorker> =
+            (0..2).map(|_| FakeWorker::connect(&relay, Some(json!({"type": "hello"})), Auto::Echo)).collect();
         let stop = Arc::new(AtomicBool::new(false));
         let clients: Vec<_> = (0..4)
             .map(|c| {
@@ -203,7 +204,8 @@ fn kill_9_under_load_loses_no_acknowledged_task() {
     }
 
     let relay = start(&dir, &[]);
-    let _workers: Vec<FakeWorker> = (0..2).map(|_| FakeWorker::connect(&relay, None, Auto::Echo)).collect();
+    let _workers: Vec<FakeWorker> =
+        (0..2).map(|_| FakeWorker::connect(&relay, Some(json!({"type": "hello"})), Auto::Echo)).collect();
     let acked = acked.lock().expect("lock").clone();
     let seen = seen.lock().expect("lock").clone();
     for (id, payload) in &acked {

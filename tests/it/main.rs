@@ -8,6 +8,7 @@ mod files;
 mod http_protocol;
 mod journal;
 mod ops;
+mod regressions;
 mod tasks_api;
 mod tokens;
 mod websocket;

@@ -24,8 +24,9 @@ fn submit_without_workers_is_503_and_stores_nothing() {
 #[test]
 fn async_submit_then_get_shows_result_and_history() {
     let relay = Relay::start();
-    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
-    relay.wait_clients(1, |_| true);
+    let _w = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"it"})), Auto::Echo);
+    // Wait until its hello is read: nothing is sent to a worker before that.
+    relay.wait_clients(1, |c| c["version"] == "it");
     let r = relay.submit(r#"{"payload":{"kind":"http","n":7}}"#);
     assert_eq!(r.status, 202, "{}", r.text());
     let v = r.json();
@@ -134,8 +135,9 @@ fn get_with_wait_long_polls_until_final() {
 #[test]
 fn get_wait_times_out_with_200_and_the_current_task() {
     let relay = Relay::start_with(&[("WAIT_TIMEOUT", "300ms")]);
-    let _w = FakeWorker::connect(&relay, None, Auto::Manual);
-    relay.wait_clients(1, |_| true);
+    let _w = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"it"})), Auto::Manual);
+    // Wait until its hello is read: nothing is sent to a worker before that.
+    relay.wait_clients(1, |c| c["version"] == "it");
     let id = id_of(&relay.submit(r#"{"payload":1}"#));
     let r = relay.api("GET", &format!("/tasks/{id}?wait=true"), None);
     assert_eq!(r.status, 200);
@@ -286,8 +288,9 @@ fn idempotency_key_returns_the_first_task() {
 #[test]
 fn finished_tasks_are_forgotten_after_task_ttl() {
     let relay = Relay::start_with(&[("TASK_TTL", "300ms")]);
-    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
-    relay.wait_clients(1, |_| true);
+    let _w = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"it"})), Auto::Echo);
+    // Wait until its hello is read: nothing is sent to a worker before that.
+    relay.wait_clients(1, |c| c["version"] == "it");
     let id = id_of(&relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#)));
     assert_eq!(relay.get_task(&id)["status"], "done");
     assert!(poll_until(Duration::from_secs(3), || relay.api("GET", &format!("/tasks/{id}"), None).status == 404));
@@ -390,8 +393,8 @@ fn huge_durations_are_refused_not_overflowed() {
         assert_eq!(r.status, 400, "{body}: {}", r.text());
         assert!(r.json()["message"].as_str().is_some_and(|m| m.contains("100 years")), "{}", r.text());
     }
-    // The server is alive and well.
-    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"timeout":"876000h"}"#)).status, 200);
+    // The server is alive and well (24h is the longest timeout SPEC §4 allows).
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"timeout":"24h"}"#)).status, 200);
 }
 
 #[test]

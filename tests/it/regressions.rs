@@ -1,0 +1,298 @@
+//! Regression tests for the defects of issue 10, each named after the bug it pins. Each failed
+//! on the server as it was before its fix.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::support::*;
+
+fn id_of(r: &Resp) -> String {
+    r.json()["task_id"].as_str().expect("task_id").to_string()
+}
+
+#[test]
+fn queued_tasks_reach_a_new_worker_before_its_hello() {
+    // Issue 10 #1: the first fill happened at the upgrade, while the worker still counted as
+    // "every kind, unlimited concurrency"; the hello that follows the 101 came too late.
+    let relay = Relay::start();
+    let gpu: Vec<String> = (0..3)
+        .map(|_| {
+            let r = relay.submit(r#"{"payload":{"kind":"gpu"},"queue":true}"#);
+            assert_eq!(r.status, 202, "{}", r.text());
+            id_of(&r)
+        })
+        .collect();
+    let http: Vec<String> = (0..6)
+        .map(|_| {
+            let r = relay.submit(r#"{"payload":{"kind":"http"},"queue":true}"#);
+            assert_eq!(r.status, 202, "{}", r.text());
+            id_of(&r)
+        })
+        .collect();
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["http"],"concurrency":1})), Auto::Manual);
+    let first = w.expect_task();
+    assert_eq!(first.id, http[0], "the oldest http task goes first");
+    // Past the 1 s grace too: a worker of concurrency 1 holds one task, and no gpu task.
+    assert!(w.no_task(Duration::from_millis(1_500)), "a second task reached a worker of concurrency 1");
+    for id in &gpu {
+        let t = relay.get_task(id);
+        assert_eq!(t["status"], "pending", "{t}");
+        assert_eq!(t["attempts"], 0, "{t}");
+    }
+    w.done(&first.id, json!(1));
+    assert_eq!(w.expect_task().id, http[1], "capacity freed: the next http task");
+}
+
+#[test]
+fn a_worker_that_never_says_hello_is_served_after_one_second() {
+    let relay = Relay::start();
+    let r = relay.submit(r#"{"payload":{"kind":"x"},"queue":true}"#);
+    assert_eq!(r.status, 202);
+    let started = std::time::Instant::now();
+    let w = FakeWorker::connect(&relay, None, Auto::Manual);
+    let t = w.expect_task();
+    assert_eq!(t.id, id_of(&r));
+    assert!(started.elapsed() >= Duration::from_millis(900), "sent before the grace: {:?}", started.elapsed());
+}
+
+/// A worker on a plain blocking WebSocket that reads only when the test says so.
+pub struct RawWorker {
+    pub ws: tungstenite::WebSocket<std::net::TcpStream>,
+}
+
+impl RawWorker {
+    pub fn connect(relay: &Relay, hello: &serde_json::Value) -> RawWorker {
+        let stream = std::net::TcpStream::connect(relay.addr).expect("connect");
+        stream.set_nodelay(true).expect("nodelay");
+        let (mut ws, _) = tungstenite::client(relay.ws_url(), stream).expect("upgrade");
+        ws.get_mut().set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        ws.send(tungstenite::Message::text(hello.to_string())).expect("hello");
+        RawWorker { ws }
+    }
+
+    /// Reads until `n` task frames arrived (or the deadline passes); returns their ids.
+    pub fn read_tasks(&mut self, n: usize, within: Duration) -> Vec<String> {
+        let deadline = std::time::Instant::now() + within;
+        let mut ids = Vec::new();
+        while ids.len() < n && std::time::Instant::now() < deadline {
+            match self.ws.read() {
+                Ok(tungstenite::Message::Text(t)) => {
+                    let v: serde_json::Value = serde_json::from_str(t.as_str()).expect("JSON frame");
+                    if v["type"] == "task" {
+                        ids.push(v["task_id"].as_str().expect("task_id").to_string());
+                    }
+                }
+                Ok(_) => {}
+                Err(tungstenite::Error::Io(e))
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e) => panic!("worker connection failed: {e}"),
+            }
+        }
+        ids
+    }
+}
+
+#[test]
+fn a_full_worker_output_buffer_is_recorded_as_send_failed() {
+    // Issue 10 #3. A small MAX_MESSAGE_SIZE makes the per-worker output cap small (4 × it +
+    // 64 KiB). The only worker stops reading; once the kernel buffers and that cap are full,
+    // further tasks must wait as pending (no attempt used), and go out when it reads again.
+    let relay = Relay::start_with(&[("MAX_MESSAGE_SIZE", "2000"), ("TASK_TIMEOUT", "60s"), ("PONG_WAIT", "60s")]);
+    let mut w = RawWorker::connect(&relay, &json!({"type":"hello","version":"it"}));
+    relay.wait_clients(1, |c| c["version"] == "it");
+    let auth = format!("Bearer {API}");
+    let body = format!(r#"{{"payload":"{}"}}"#, "p".repeat(1800));
+    let one = crate::support::http::build("POST", "/tasks", &[("Authorization", &auth)], Some(body.as_bytes()));
+    let mut c = Client::connect(relay.addr);
+    let mut ids = Vec::new();
+    while relay.metric("relay_tasks_pending") == 0.0 {
+        assert_eq!(relay.metric("relay_attempts_total{outcome=\"send_failed\"}"), 0.0, "a full buffer cost an attempt");
+        assert!(ids.len() < 40_000, "the worker's buffer never filled after {} tasks", ids.len());
+        let batch: Vec<u8> = (0..200).flat_map(|_| one.clone()).collect();
+        c.send_raw(&batch);
+        for _ in 0..200 {
+            let r = c.read_response().expect("an answer");
+            assert_eq!(r.status, 202, "{}", r.text());
+            ids.push(id_of(&r));
+        }
+    }
+    // The worker reads again: every task reaches it, in order, none failed.
+    let got = w.read_tasks(ids.len(), Duration::from_secs(60));
+    assert_eq!(got.len(), ids.len(), "tasks held back for a full buffer were never sent");
+    assert_eq!(got, ids, "in submission order");
+    assert_eq!(relay.metric("relay_attempts_total{outcome=\"send_failed\"}"), 0.0);
+    assert_eq!(relay.metric("relay_tasks_total{status=\"failed\"}"), 0.0);
+    assert_eq!(relay.metric("relay_tasks_pending"), 0.0);
+}
+
+#[test]
+fn memory_is_bounded_by_counts_not_bytes() {
+    // Issue 10 #10: kind at most 128 bytes, timeout at most 24h, delay/run_at at most 366 days
+    // ahead (400 beyond), and MAX_PENDING_BYTES of waiting payload (429 queue_full beyond).
+    let relay = Relay::start_with(&[("MAX_PENDING_BYTES", "1000")]);
+    let kind = "k".repeat(512 * 1024);
+    let bodies = [
+        format!(r#"{{"payload":{{"kind":"{kind}"}},"queue":true}}"#),
+        format!(r#"{{"payload":{{"kind":"{}"}},"queue":true}}"#, "k".repeat(129)),
+        r#"{"payload":1,"queue":true,"timeout":"876000h"}"#.to_string(),
+        r#"{"payload":1,"run_at":"9999-01-01T00:00:00Z"}"#.to_string(),
+        r#"{"payload":1,"delay":"8785h"}"#.to_string(),
+    ];
+    for body in &bodies {
+        let r = relay.api("POST", "/tasks", Some(body));
+        assert_eq!((r.status, r.error()), (400, "bad_request".to_string()), "{}", &body[..body.len().min(80)]);
+    }
+    let ok = format!(r#"{{"payload":{{"kind":"{}"}},"queue":true,"timeout":"24h"}}"#, "k".repeat(128));
+    assert_eq!(relay.submit(&ok).status, 202);
+    let big = format!(r#"{{"payload":"{}","queue":true}}"#, "x".repeat(600));
+    assert_eq!(relay.submit(&big).status, 202, "about 750 bytes wait");
+    let r = relay.submit(&big);
+    assert_eq!((r.status, r.error()), (429, "queue_full".to_string()), "{}", r.text());
+}
+
+#[test]
+fn a_log_key_reads_r_hash_type() {
+    // Issue 10 #17: a Rust raw identifier leaked into a log key (`r#type=nope`).
+    let relay = Relay::start();
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello"})), Auto::Manual);
+    w.send(json!({"type":"nope"}).to_string());
+    assert!(relay.wait_log("unknown worker message type ignored", Duration::from_secs(5)), "{}", relay.log_text());
+    let log = relay.log_text();
+    let line = log.lines().find(|l| l.contains("unknown worker message type ignored")).expect("the line");
+    assert!(line.contains(" type=nope"), "{line}");
+    assert!(!log.contains("r#"), "a raw identifier in a key: {line}");
+}
+
+/// Sends `raw` on a fresh connection and returns the first response and whether the server
+/// then closed the connection.
+fn one_shot(relay: &Relay, raw: &[u8]) -> (Resp, bool) {
+    let mut c = Client::connect(relay.addr);
+    c.send_raw(raw);
+    let r = c.read_response().expect("a response");
+    let closed = c.closed_within(Duration::from_secs(5));
+    (r, closed)
+}
+
+#[test]
+fn expect_other_than_100_continue_gets_400() {
+    // Issue 10 #12.
+    let relay = Relay::start();
+    let (r, _) = one_shot(&relay, b"GET /healthz HTTP/1.1\r\nHost: relay\r\nExpect: 200-ok\r\n\r\n");
+    assert_eq!(r.status, 417, "{}", r.text());
+}
+
+#[test]
+fn an_empty_transfer_encoding_is_ignored() {
+    // Issue 10 #13: TE.CL desync — the bytes after the Content-Length body were answered as a
+    // second request (404 for /smuggled) on a connection kept open.
+    let relay = Relay::start();
+    let _w = FakeWorker::connect(&relay, Some(json!({"type":"hello"})), Auto::Echo);
+    for te in ["", ",", "gzip, chunked, gzip"] {
+        let raw = format!(
+            "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nTransfer-Encoding: {te}\r\n\
+             Content-Length: 13\r\n\r\n{{\"payload\":1}}GET /smuggled HTTP/1.1\r\nHost: relay\r\n\r\n"
+        );
+        let (r, closed) = one_shot(&relay, raw.as_bytes());
+        assert_eq!(r.status, 400, "TE {te:?}: {}", r.text());
+        assert!(closed, "TE {te:?}: the connection must close after the 400");
+    }
+    assert!(!relay.log_text().contains("/smuggled"), "the smuggled request was answered");
+}
+
+#[test]
+fn bare_lf_in_chunked_framing_is_accepted() {
+    // Issue 10 #14.
+    let relay = Relay::start();
+    let head = format!(
+        "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nTransfer-Encoding: chunked\r\n\r\n"
+    );
+    for body in [
+        &b"d\n{\"payload\":1}\r\n0\r\n\r\n"[..],
+        b"d\r\n{\"payload\":1}\n0\r\n\r\n",
+        b"d\r\n{\"payload\":1}\r\n0\n\n",
+        b"d;x=\0\r\n{\"payload\":1}\r\n0\r\n\r\n",
+        b"d;x=\"a\r\nb\"\r\n{\"payload\":1}\r\n0\r\n\r\n",
+        b"d\r\n{\"payload\":1}\r\n0\r\nX: a\r\n folded\r\n\r\n",
+        b"d\r\n{\"payload\":1}\r\n0\r\nX: a\0\r\n\r\n",
+    ] {
+        let mut raw = head.clone().into_bytes();
+        raw.extend_from_slice(body);
+        let (r, closed) = one_shot(&relay, &raw);
+        assert_eq!(r.status, 400, "{:?}: {}", String::from_utf8_lossy(body), r.text());
+        assert!(closed, "{:?}: not closed", String::from_utf8_lossy(body));
+    }
+}
+
+#[test]
+fn host_missing_or_twice_and_websocket_over_http_1_0_are_accepted() {
+    // Issue 10 #15.
+    let relay = Relay::start();
+    for raw in [&b"GET /healthz HTTP/1.1\r\n\r\n"[..], b"GET /healthz HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n"] {
+        let (r, closed) = one_shot(&relay, raw);
+        assert_eq!(r.status, 400, "{:?}", String::from_utf8_lossy(raw));
+        assert!(closed);
+    }
+    let (r, _) = one_shot(&relay, b"GET /healthz HTTP/1.0\r\n\r\n");
+    assert_eq!(r.status, 200, "HTTP/1.0 may omit Host");
+    let raw = format!(
+        "GET /ws?token={WRK} HTTP/1.0\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
+         Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
+    );
+    let (r, _) = one_shot(&relay, raw.as_bytes());
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(relay.clients()["count"], 0, "no worker came of it");
+}
+
+#[test]
+fn a_chunk_size_over_the_limit_waits_for_its_bytes_and_a_tls_hello_for_header_timeout() {
+    // Issue 10 #16: both waited for HEADER_TIMEOUT (then 408); both are answered at once.
+    let relay = Relay::start_with(&[("HEADER_TIMEOUT", "30s"), ("MAX_MESSAGE_SIZE", "1000")]);
+    let started = std::time::Instant::now();
+    let raw = format!(
+        "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nTransfer-Encoding: chunked\r\n\r\n3e9\r\n"
+    );
+    let (r, closed) = one_shot(&relay, raw.as_bytes());
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert!(closed);
+    let hello = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\x8a\x1f";
+    let (r, closed) = one_shot(&relay, hello);
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(closed);
+    assert!(started.elapsed() < Duration::from_secs(10), "answered late: {:?}", started.elapsed());
+}
+
+#[test]
+fn log_level_error_still_prints_info_lines() {
+    // Issue 10 #11: at LOG_LEVEL=error only error lines may appear, and the `listening` line
+    // (it carries the port PORT=0 picked). Exercise what logs at info, warn and debug: workers
+    // coming, saying hello, sending junk and leaving, tasks, files, bad requests, shutdown.
+    let mut relay = Relay::start_with(&[("LOG_LEVEL", "error")]);
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["a"]})), Auto::Echo);
+    relay.wait_clients(1, |c| c["kinds"] == json!(["a"]));
+    w.send("not json".to_string());
+    w.send(json!({"type":"nope"}).to_string());
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"a"}}"#)).status, 200);
+    let body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n\r\nhello\r\n--b--\r\n";
+    let auth = format!("Bearer {API}");
+    let up = request(
+        relay.addr,
+        "POST",
+        "/files",
+        &[("Authorization", &auth), ("Content-Type", "multipart/form-data; boundary=b")],
+        Some(body),
+    );
+    assert_eq!(up.status, 201, "{}", up.text());
+    let (r, _) = one_shot(&relay, b"\x16\x03\x01\x00");
+    assert_eq!(r.status, 400);
+    w.close();
+    assert!(w.wait_closed(Duration::from_secs(5)).is_some());
+    relay.signal("TERM");
+    relay.wait_exit(Duration::from_secs(10)).expect("exit");
+    let log = relay.log_text();
+    let listening = log.lines().filter(|l| l.contains("msg=listening")).count();
+    assert_eq!(listening, 1, "the listening line is printed at every level:\n{log}");
+    let chatty: Vec<&str> =
+        log.lines().filter(|l| !l.contains("level=error") && !l.contains("msg=listening")).collect();
+    assert!(chatty.is_empty(), "lines below LOG_LEVEL=error:\n{}", chatty.join("\n"));
+}
