@@ -210,6 +210,10 @@ impl Relay {
 
 impl Drop for Relay {
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The test failed: what relay said is the first thing to read.
+            eprintln!("--- relay log ({}) ---\n{}--- end of relay log ---", self.addr, self.log_text());
+        }
         if let Some(mut child) = self.child.take() {
             let _ = child.kill();
             let _ = child.wait();
