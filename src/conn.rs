@@ -33,6 +33,9 @@ pub struct Conn {
     pub in_dirty: bool,
     /// Once `out` is flushed, shut down writes and linger until the peer closes.
     pub close_after_flush: bool,
+    /// When the output last made progress (bytes written, or all of it drained): an HTTP
+    /// client whose output is stuck for IDLE_TIMEOUT is closed.
+    pub out_progress_ms: u64,
 }
 
 pub enum State {
@@ -117,6 +120,7 @@ impl Conn {
             read_more: false,
             in_dirty: false,
             close_after_flush: false,
+            out_progress_ms: 0,
         }
     }
 

@@ -13,7 +13,10 @@ impl Server {
                 Phase::Held { .. } | Phase::Download(_) => MAX_HELD_INPUT_BYTES,
                 Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES || self.disk_bytes >= DISK_BUDGET_BYTES => 0,
                 Phase::Upload(_) => UPLOAD_INPUT_BYTES,
-                _ => self.http_input_cap,
+                // Between requests: room for a head and some pipelined requests; more waits in
+                // the kernel until these are answered.
+                Phase::Idle | Phase::Head => MAX_HEAD_BYTES + MAX_HELD_INPUT_BYTES,
+                Phase::Body { .. } => self.http_input_cap,
             };
             let backlog = conn.out.len() - conn.out_pos;
             let blocked = conn.close_after_flush || backlog > MAX_HTTP_BACKLOG_BYTES || http.buf.len() >= cap;
@@ -278,6 +281,10 @@ impl Server {
         }
         conn.close_after_flush = true;
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        // A client that never reads this answer is closed once its output is stuck for
+        // IDLE_TIMEOUT (phase Idle), like any other.
+        let at = self.now_ms + self.cfg.idle_timeout_ms;
+        self.set_deadline(r, at);
     }
 
     pub(super) fn drain_closing(&mut self, r: ConnRef) {

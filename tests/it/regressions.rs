@@ -296,3 +296,80 @@ fn log_level_error_still_prints_info_lines() {
         log.lines().filter(|l| !l.contains("level=error") && !l.contains("msg=listening")).collect();
     assert!(chatty.is_empty(), "lines below LOG_LEVEL=error:\n{}", chatty.join("\n"));
 }
+
+/// A client socket with a small receive buffer, so that output backs up in relay.
+fn small_rcvbuf_stream(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(v4) = addr else { panic!("IPv4 loopback expected") };
+    // SAFETY: plain socket calls on a descriptor this function owns until it is wrapped.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket");
+        let size: libc::c_int = 4096;
+        let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&size as *const libc::c_int).cast(), len);
+        let mut sa: libc::sockaddr_in = std::mem::zeroed();
+        sa.sin_family = libc::AF_INET as libc::sa_family_t;
+        sa.sin_port = v4.port().to_be();
+        sa.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
+        let rc = libc::connect(
+            fd,
+            (&sa as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(rc, 0, "connect: {}", std::io::Error::last_os_error());
+        std::net::TcpStream::from_raw_fd(fd)
+    }
+}
+
+/// Opens `n` connections that pipeline `GET /metrics` and never read; returns them.
+pub fn never_reading_clients(relay: &Relay, n: usize) -> Vec<std::net::TcpStream> {
+    let one = crate::support::http::build("GET", "/metrics", &[], None);
+    let many: Vec<u8> = (0..4000).flat_map(|_| one.clone()).collect();
+    let streams: Vec<std::net::TcpStream> = (0..n).map(|_| small_rcvbuf_stream(relay.addr)).collect();
+    std::thread::scope(|s| {
+        for st in &streams {
+            let many = &many;
+            s.spawn(move || {
+                use std::io::Write;
+                st.set_write_timeout(Some(Duration::from_secs(2))).expect("timeout");
+                // Blocks once relay stops reading this client; the timeout ends the write.
+                let _ = (&*st).write_all(many);
+            });
+        }
+    });
+    streams
+}
+
+#[test]
+fn a_client_that_never_reads_its_responses_is_never_timed_out() {
+    // Issue 10 #2: with output pending the idle timer was pushed back forever, and each such
+    // client held 1 MiB of unwritten responses. Now: 256 KiB, and closed after IDLE_TIMEOUT
+    // without output progress.
+    let relay = Relay::start_with(&[("IDLE_TIMEOUT", "2s")]);
+    let base_rss = rss_kib(relay.pid());
+    let clients = never_reading_clients(&relay, 40);
+    assert_eq!(relay.metric("relay_connections_open"), 41.0, "40 stuck clients and this request");
+    assert!(
+        poll_until(Duration::from_secs(20), || relay.metric("relay_connections_open") == 1.0),
+        "stuck clients were never closed: {} open",
+        relay.metric("relay_connections_open")
+    );
+    let peak_kib = peak_rss_kib(relay.pid()).saturating_sub(base_rss);
+    eprintln!("40 clients that never read: relay's peak memory grew by {peak_kib} KiB");
+    // 40 × 256 KiB of output is 10 MiB (plus input and allocator slack); with the old 1 MiB
+    // it grew by about 58 MiB.
+    assert!(peak_kib < 30 * 1024, "40 clients that never read cost {peak_kib} KiB");
+    drop(clients);
+}
+
+/// Peak resident memory of a process, in KiB (VmHWM).
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM")
+}
