@@ -52,6 +52,9 @@ pub struct Http {
     pub scanned: usize,
     pub phase: Phase,
     pub requests: u64,
+    /// The peer half-closed (read returned 0): what `buf` holds is still answered, then the
+    /// connection closes.
+    pub eof: bool,
 }
 
 pub enum Phase {
@@ -114,7 +117,7 @@ impl Conn {
             client_ip: peer_ip,
             out: Vec::new(),
             out_pos: 0,
-            state: State::Http(Http { buf: Vec::new(), scanned: 0, phase: Phase::Idle, requests: 0 }),
+            state: State::Http(Http { buf: Vec::new(), scanned: 0, phase: Phase::Idle, requests: 0, eof: false }),
             deadline_ms: u64::MAX,
             timer: None,
             read_more: false,

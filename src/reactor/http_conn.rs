@@ -27,16 +27,12 @@ impl Server {
             let room = (cap - http.buf.len()).min(self.scratch.len());
             match conn.stream.read(&mut self.scratch[..room]) {
                 Ok(0) => {
-                    // The peer closed its side. An answer under way (or already queued) is
-                    // still delivered; nothing more will be read.
-                    let answering = matches!(http.phase, Phase::Held { .. } | Phase::Download(_));
-                    if answering || conn.pending_out() > 0 {
-                        conn.close_after_flush = true;
-                        conn.read_more = false;
-                        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
-                    } else {
-                        self.close_now(r, "peer closed");
-                    }
+                    // The peer closed its side (SPEC §10): everything it sent before is still
+                    // answered — the requests buffered, an upload, a held answer — then the
+                    // connection closes. Nothing more will be read.
+                    http.eof = true;
+                    conn.read_more = false;
+                    self.process_http(r);
                     return;
                 }
                 Ok(n) => {
@@ -66,11 +62,40 @@ impl Server {
     pub(super) fn process_http(&mut self, r: ConnRef) {
         for _ in 0..MAX_ITEMS_PER_TURN {
             if !self.step_http(r) {
+                self.after_half_close(r);
                 return;
             }
         }
         // A turn's worth done; the rest next turn.
         self.again.push(r);
+    }
+
+    /// After the peer half-closed: once every request it sent is answered (or can never be
+    /// complete), finish the connection.
+    fn after_half_close(&mut self, r: ConnRef) {
+        let disk_full = self.disk_bytes >= DISK_BUDGET_BYTES;
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &conn.state else { return };
+        if !http.eof || conn.close_after_flush || conn.pending_out() > MAX_HTTP_BACKLOG_BYTES {
+            return;
+        }
+        match &http.phase {
+            // The answer is under way; when it is done the buffer is looked at again.
+            Phase::Held { .. } | Phase::Download(_) => {}
+            Phase::Upload(up) if up.finishing || up.disk_bytes >= UPLOAD_WINDOW_BYTES || disk_full => {}
+            Phase::Upload(_) => {
+                self.respond_and_close(r, crate::api::error(400, "the connection was closed before the upload ended"));
+            }
+            // What is left in the buffer (if anything) can never become a whole request.
+            Phase::Idle | Phase::Head | Phase::Body { .. } => {
+                if conn.pending_out() == 0 {
+                    self.close_now(r, "peer closed");
+                } else {
+                    conn.close_after_flush = true;
+                    mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                }
+            }
+        }
     }
 
     /// One step of the HTTP state machine. `true` if it made progress and may continue.

@@ -297,6 +297,68 @@ fn log_level_error_still_prints_info_lines() {
     assert!(chatty.is_empty(), "lines below LOG_LEVEL=error:\n{}", chatty.join("\n"));
 }
 
+#[test]
+fn pipelined_requests_are_dropped_when_the_client_half_closes() {
+    // Issue 10 #4: 100 pipelined requests then shutdown(SHUT_WR): only the first turn's worth
+    // (64 steps ÷ 3) were answered. Everything received before the FIN is answered.
+    let relay = Relay::start();
+    let mut c = Client::connect(relay.addr);
+    let one = crate::support::http::build("GET", "/healthz", &[], None);
+    let all: Vec<u8> = (0..300).flat_map(|_| one.clone()).collect();
+    c.send_raw(&all);
+    c.stream.shutdown(std::net::Shutdown::Write).expect("half-close");
+    for i in 0..300 {
+        let r = c.read_response().unwrap_or_else(|| panic!("response {i} of 300 never came"));
+        assert_eq!(r.status, 200, "response {i}");
+    }
+    assert!(c.closed_within(Duration::from_secs(5)), "closed once everything was answered");
+}
+
+fn upload_bytes(file: &[u8]) -> Vec<u8> {
+    let mut body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.bin\"\r\n\r\n".to_vec();
+    body.extend_from_slice(file);
+    body.extend_from_slice(b"\r\n--b--\r\n");
+    let head = format!(
+        "POST /files HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\n\
+         Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut raw = head.into_bytes();
+    raw.extend_from_slice(&body);
+    raw
+}
+
+#[test]
+fn an_upload_followed_by_a_half_close_gets_no_answer() {
+    // Issue 10 #5: the file was kept but the client never learned its file_id.
+    let relay = Relay::start();
+    for size in [10, 3 << 20] {
+        let file: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let mut c = Client::connect(relay.addr);
+        c.send_raw(&upload_bytes(&file));
+        // A request pipelined behind the upload is answered too.
+        c.send_raw(&crate::support::http::build("GET", "/healthz", &[], None));
+        c.stream.shutdown(std::net::Shutdown::Write).expect("half-close");
+        let r = c.read_response().expect("the upload's answer");
+        assert_eq!(r.status, 201, "{}", r.text());
+        assert_eq!(r.json()["size"], size);
+        let id = r.json()["file_id"].as_str().expect("file_id").to_string();
+        assert_eq!(c.read_response().expect("the next answer").status, 200);
+        assert!(c.closed_within(Duration::from_secs(5)));
+        let auth = format!("Bearer {API}");
+        let got = request(relay.addr, "GET", &format!("/files/{id}"), &[("Authorization", &auth)], None);
+        assert_eq!(got.body, file);
+    }
+    // An upload cut short by the half-close is refused (400), not left to time out.
+    let mut raw = upload_bytes(b"0123456789");
+    raw.truncate(raw.len() - 5);
+    let mut c = Client::connect(relay.addr);
+    c.send_raw(&raw);
+    c.stream.shutdown(std::net::Shutdown::Write).expect("half-close");
+    let r = c.read_response().expect("an answer");
+    assert_eq!(r.status, 400, "{}", r.text());
+}
+
 /// A client socket with a small receive buffer, so that output backs up in relay.
 fn small_rcvbuf_stream(addr: std::net::SocketAddr) -> std::net::TcpStream {
     use std::os::fd::FromRawFd;
