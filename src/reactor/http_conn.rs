@@ -11,7 +11,11 @@ impl Server {
             // The most input the connection may buffer in its phase.
             let cap = match &http.phase {
                 Phase::Held { .. } | Phase::Download(_) => MAX_HELD_INPUT_BYTES,
-                Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES || self.disk_bytes >= DISK_BUDGET_BYTES => 0,
+                Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES => 0,
+                Phase::Upload(_) if self.disk.is_full() => {
+                    self.disk.wait(r);
+                    0
+                }
                 Phase::Upload(_) => UPLOAD_INPUT_BYTES,
                 // Between requests: room for a head and some pipelined requests; more waits in
                 // the kernel until these are answered.
@@ -73,7 +77,7 @@ impl Server {
     /// After the peer half-closed: once every request it sent is answered (or can never be
     /// complete), finish the connection.
     fn after_half_close(&mut self, r: ConnRef) {
-        let disk_full = self.disk_bytes >= DISK_BUDGET_BYTES;
+        let disk_full = self.disk.is_full();
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &conn.state else { return };
         if !http.eof || conn.close_after_flush || conn.pending_out() > MAX_HTTP_BACKLOG_BYTES {

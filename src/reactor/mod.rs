@@ -24,6 +24,7 @@ use tungstenite::protocol::frame::coding::CloseCode;
 
 use std::collections::HashMap;
 
+mod disk_budget;
 mod http_conn;
 mod transfer;
 mod ws;
@@ -295,7 +296,7 @@ pub struct Server {
     transfers: HashMap<TransferId, ConnRef>,
     next_transfer: TransferId,
     /// Upload bytes queued to the disk thread and not yet written, over all uploads.
-    disk_bytes: usize,
+    disk: disk_budget::DiskBudget,
 }
 
 impl Server {
@@ -360,7 +361,7 @@ impl Server {
             store,
             transfers: HashMap::new(),
             next_transfer: 1,
-            disk_bytes: 0,
+            disk: disk_budget::DiskBudget::new(DISK_BUDGET_BYTES),
         };
         Ok((server, waker))
     }
