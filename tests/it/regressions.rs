@@ -435,3 +435,93 @@ fn peak_rss_kib(pid: u32) -> u64 {
         .and_then(|v| v.parse().ok())
         .expect("VmHWM")
 }
+
+fn mode_of(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).expect("metadata").permissions().mode() & 0o777
+}
+
+#[test]
+fn blob_dir_is_world_readable_and_its_metadata_is_trusted_into_headers() {
+    // Issue 10 #7: BLOB_DIR was created 0755 and files 0644, and a `.json` planted by a local
+    // user came back as response headers (`Set-Cookie`).
+    let dir = std::env::temp_dir().join(format!("relay-it-private-{}", uuid::Uuid::new_v4().simple()));
+    let dir_text = dir.to_str().expect("utf-8 path").to_string();
+    let relay = Relay::start_with(&[("BLOB_DIR", dir_text.as_str())]);
+    assert_eq!(mode_of(&dir), 0o700, "BLOB_DIR mode");
+    let auth = format!("Bearer {API}");
+    let body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n\r\nhello\r\n--b--\r\n";
+    let up = request(
+        relay.addr,
+        "POST",
+        "/files",
+        &[("Authorization", &auth), ("Content-Type", "multipart/form-data; boundary=b")],
+        Some(body),
+    );
+    assert_eq!(up.status, 201, "{}", up.text());
+    let id = up.json()["file_id"].as_str().expect("file_id").to_string();
+    for ext in ["blob", "json"] {
+        assert_eq!(mode_of(&dir.join(format!("{id}.{ext}"))), 0o600, "{ext} file mode");
+    }
+    // Planted metadata whose values would become headers.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64;
+    let bad_values = [
+        ("content_type", "text/html\r\nSet-Cookie: x=1"),
+        ("sha256", "0\"\r\nSet-Cookie: x=1"),
+        ("filename", "a\r\nSet-Cookie: x=1"),
+    ];
+    for (field, value) in bad_values {
+        let planted = uuid::Uuid::new_v4().hyphenated().to_string();
+        let mut meta = json!({
+            "file_id": planted, "filename": "a.txt", "content_type": "text/plain", "size": 5,
+            "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824",
+            "created_ms": now, "expires_ms": now + 3_600_000u64,
+        });
+        meta[field] = json!(value);
+        std::fs::write(dir.join(format!("{planted}.blob")), b"hello").expect("plant blob");
+        std::fs::write(dir.join(format!("{planted}.json")), meta.to_string()).expect("plant meta");
+        let got = request(relay.addr, "GET", &format!("/files/{planted}"), &[("Authorization", &auth)], None);
+        assert!(got.header("Set-Cookie").is_none(), "{field}: a header was injected: {:?}", got.headers);
+        assert_eq!(got.status, 404, "{field}: invalid metadata is no file");
+    }
+    drop(relay);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn relay_starts_on_a_blob_dir_owned_by_another_user() {
+    // Issue 10 #7: relay must refuse to keep uploads in a directory another user owns (for
+    // example a /tmp/relay-blobs created by someone else first).
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(std::env::var("CI").is_err(), "CI runs as root: this test must run there");
+        eprintln!("SKIPPED relay_starts_on_a_blob_dir_owned_by_another_user: needs root to chown a directory");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("relay-it-foreign-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir(&dir).expect("dir");
+    let path = std::ffi::CString::new(dir.to_str().expect("utf-8")).expect("c path");
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::chown(path.as_ptr(), 65534, 65534) }, 0, "chown");
+    let mut child = std::process::Command::new(relay_bin())
+        .env_clear()
+        .envs([("API_TOKEN", "a"), ("WORKER_TOKEN", "w"), ("PORT", "0"), ("BIND", "127.0.0.1"), ("DATA_DIR", "")])
+        .env("BLOB_DIR", &dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn relay");
+    let mut code = None;
+    poll_until(Duration::from_secs(10), || {
+        code = child.try_wait().expect("wait").map(|s| s.code());
+        code.is_some()
+    });
+    if code.is_none() {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().expect("output");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(code, Some(Some(2)), "relay must refuse to start: {stderr}");
+    assert!(stderr.contains("BLOB_DIR") && stderr.contains("owned by uid 65534"), "{stderr}");
+}
