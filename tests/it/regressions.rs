@@ -34,7 +34,7 @@ fn queued_tasks_reach_a_new_worker_before_its_hello() {
     let first = w.expect_task();
     assert_eq!(first.id, http[0], "the oldest http task goes first");
     // Past the 1 s grace too: a worker of concurrency 1 holds one task, and no gpu task.
-    assert!(w.no_task(Duration::from_millis(1_500)), "a second task reached a worker of concurrency 1");
+    assert!(w.next_task(Duration::from_millis(1_500)).is_none(), "a second task reached a worker of concurrency 1");
     for id in &gpu {
         let t = relay.get_task(id);
         assert_eq!(t["status"], "pending", "{t}");
