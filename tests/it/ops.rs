@@ -252,7 +252,7 @@ fn two_signals_at_once_are_one_graceful_shutdown_and_a_later_one_forces_exit() {
     // relay has read this head when it answers 100 Continue: the request is under way.
     slow.send_raw(
         format!(
-            "POST /tasks HTTP/1.1\r\nAuthorization: Bearer {API}\r\nExpect: 100-continue\r\nContent-Length: 13\r\n\r\n"
+            "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nExpect: 100-continue\r\nContent-Length: 13\r\n\r\n"
         )
         .as_bytes(),
     );
