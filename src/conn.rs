@@ -33,6 +33,9 @@ pub struct Conn {
     pub in_dirty: bool,
     /// Once `out` is flushed, shut down writes and linger until the peer closes.
     pub close_after_flush: bool,
+    /// When the output last made progress (bytes written, or all of it drained): an HTTP
+    /// client whose output is stuck for IDLE_TIMEOUT is closed.
+    pub out_progress_ms: u64,
     /// Answers that may not leave before the journal is durable up to `lsn`: bytes from
     /// `start` in `out` on wait (in order; the sequence numbers never decrease).
     pub gates: std::collections::VecDeque<Gate>,
@@ -58,6 +61,9 @@ pub struct Http {
     pub scanned: usize,
     pub phase: Phase,
     pub requests: u64,
+    /// The peer half-closed (read returned 0): what `buf` holds is still answered, then the
+    /// connection closes.
+    pub eof: bool,
 }
 
 pub enum Phase {
@@ -122,13 +128,14 @@ impl Conn {
             client_ip: peer_ip,
             out: Vec::new(),
             out_pos: 0,
-            state: State::Http(Http { buf: Vec::new(), scanned: 0, phase: Phase::Idle, requests: 0 }),
+            state: State::Http(Http { buf: Vec::new(), scanned: 0, phase: Phase::Idle, requests: 0, eof: false }),
             deadline_ms: u64::MAX,
             timer: None,
             read_more: false,
             in_dirty: false,
             close_after_flush: false,
             gates: std::collections::VecDeque::new(),
+            out_progress_ms: 0,
         }
     }
 

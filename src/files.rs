@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender, channel};
@@ -148,6 +148,61 @@ struct Disk {
     open: HashMap<TransferId, OpenFile>,
 }
 
+/// BLOB_DIR and everything in it is relay's alone (other local users must not read uploads or
+/// plant metadata).
+const DIR_MODE: u32 = 0o700;
+const FILE_MODE: u32 = 0o600;
+
+/// Creates BLOB_DIR (mode 0700) or checks the one that exists: it must be a directory owned
+/// by the user relay runs as; group and other permissions are removed. At startup, before the
+/// loop runs; the error says what is wrong (relay then refuses to start).
+pub fn prepare_blob_dir(dir: &Path) -> Result<(), String> {
+    create_private_dir(dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let meta = fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    if !meta.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(format!(
+            "{} is owned by uid {}, not by this user (uid {me}): refusing to keep uploads there",
+            dir.display(),
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o077 != 0 {
+        fs::set_permissions(dir, fs::Permissions::from_mode(DIR_MODE))
+            .map_err(|e| format!("cannot make {} private: {e}", dir.display()))?;
+    }
+    Ok(())
+}
+
+fn create_private_dir(dir: &Path) -> io::Result<()> {
+    fs::DirBuilder::new().recursive(true).mode(DIR_MODE).create(dir)
+}
+
+/// A new file only relay may read (mode 0600), failing if it exists.
+fn create_private_file(path: &Path) -> io::Result<File> {
+    OpenOptions::new().write(true).create_new(true).mode(FILE_MODE).open(path)
+}
+
+impl FileMeta {
+    /// Metadata read from disk becomes response headers: every field must be what relay
+    /// itself would have written (a planted or damaged file must not inject a header).
+    fn is_valid(&self, id: u128) -> bool {
+        let header_safe = |s: &str| s.bytes().all(|b| (0x20..0x7f).contains(&b));
+        self.file_id == uuid_string(id)
+            && sanitize_content_type(Some(&self.content_type)) == self.content_type
+            && header_safe(&self.content_type)
+            && !self.filename.is_empty()
+            && self.filename.len() <= 255
+            && !self.filename.chars().any(|c| c.is_control() || matches!(c, '"' | '/' | '\\'))
+            && self.sha256.len() == 64
+            && self.sha256.bytes().all(|b| b.is_ascii_hexdigit())
+    }
+}
+
 /// Metadata files are small; a larger one is not ours.
 const MAX_META_BYTES: u64 = 64 * 1024;
 /// A temp file or a blob without metadata is left over from a crash only once nothing has
@@ -172,8 +227,8 @@ impl Disk {
             }
             Job::Create { t, file_id } => {
                 let tmp = self.dir.join(format!(".tmp-{}", uuid_string(file_id)));
-                let result = fs::create_dir_all(&self.dir)
-                    .and_then(|()| OpenOptions::new().write(true).create_new(true).open(&tmp))
+                let result = create_private_dir(&self.dir)
+                    .and_then(|()| create_private_file(&tmp))
                     .map(|file| {
                         self.open.insert(t, OpenFile::Upload { file, tmp, file_id, failed: None });
                     })
@@ -238,7 +293,7 @@ impl Disk {
             fs::rename(&tmp, self.blob_path(file_id)).map_err(|e| e.to_string())?;
             let json = serde_json::to_vec(&meta).map_err(|e| e.to_string())?;
             let meta_tmp = self.dir.join(format!(".tmp-{}.json", uuid_string(file_id)));
-            let mut f = File::create(&meta_tmp).map_err(|e| e.to_string())?;
+            let mut f = create_private_file(&meta_tmp).map_err(|e| e.to_string())?;
             f.write_all(&json).and_then(|()| f.sync_all()).map_err(|e| e.to_string())?;
             fs::rename(&meta_tmp, self.meta_path(file_id)).map_err(|e| e.to_string())?;
             Ok(meta)
@@ -258,7 +313,12 @@ impl Disk {
         })?;
         let mut text = Vec::new();
         file.take(MAX_META_BYTES).read_to_end(&mut text).map_err(|e| OpenError::Io(e.to_string()))?;
-        serde_json::from_slice(&text).map_err(|_| OpenError::NotFound)
+        let meta: FileMeta = serde_json::from_slice(&text).map_err(|_| OpenError::NotFound)?;
+        if !meta.is_valid(id) {
+            crate::log!(Level::Warn, "invalid file metadata ignored", file_id = uuid_string(id));
+            return Err(OpenError::NotFound);
+        }
+        Ok(meta)
     }
 
     fn open_download(&self, id: u128, now_wall_ms: u64) -> Result<(File, FileMeta), OpenError> {
@@ -278,7 +338,7 @@ impl Disk {
     }
 
     fn scan(&self, now_wall_ms: u64) -> Vec<(u128, u64)> {
-        if let Err(e) = fs::create_dir_all(&self.dir) {
+        if let Err(e) = create_private_dir(&self.dir) {
             crate::log!(Level::Error, "cannot create BLOB_DIR", dir = self.dir.display(), error = e);
             return Vec::new();
         }
@@ -680,7 +740,7 @@ mod tests {
             filename: "h.txt".into(),
             content_type: "text/plain".into(),
             size: 11,
-            sha256: "x".into(),
+            sha256: "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824".into(),
             created_ms: 1,
             expires_ms: 1_000,
         };

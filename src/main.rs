@@ -43,6 +43,10 @@ fn serve() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Err(e) = relay::files::prepare_blob_dir(&cfg.blob_dir) {
+        eprintln!("relay: invalid configuration: BLOB_DIR: {e}");
+        return ExitCode::from(2);
+    }
     relay::log::set_level(cfg.log_level);
     relay::log::start_writer();
     raise_fd_limit(cfg.max_connections);

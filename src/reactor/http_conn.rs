@@ -14,9 +14,16 @@ impl Server {
                 Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
                     MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
                 }
-                Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES || self.disk_bytes >= DISK_BUDGET_BYTES => 0,
+                Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES => 0,
+                Phase::Upload(_) if self.disk.is_full() => {
+                    self.disk.wait(r);
+                    0
+                }
                 Phase::Upload(_) => UPLOAD_INPUT_BYTES,
-                _ => self.http_input_cap,
+                // Between requests: room for a head and some pipelined requests; more waits in
+                // the kernel until these are answered.
+                Phase::Idle | Phase::Head => MAX_HEAD_BYTES + MAX_HELD_INPUT_BYTES,
+                Phase::Body { .. } => self.http_input_cap,
             };
             let backlog = conn.out.len() - conn.out_pos;
             let blocked = conn.close_after_flush || backlog > MAX_HTTP_BACKLOG_BYTES || http.buf.len() >= cap;
@@ -27,16 +34,12 @@ impl Server {
             let room = (cap - http.buf.len()).min(self.scratch.len());
             match conn.stream.read(&mut self.scratch[..room]) {
                 Ok(0) => {
-                    // The peer closed its side. An answer under way (or already queued) is
-                    // still delivered; nothing more will be read.
-                    let answering = matches!(http.phase, Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. });
-                    if answering || conn.pending_out() > 0 {
-                        conn.close_after_flush = true;
-                        conn.read_more = false;
-                        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
-                    } else {
-                        self.close_now(r, "peer closed");
-                    }
+                    // The peer closed its side (SPEC §10): everything it sent before is still
+                    // answered — the requests buffered, an upload, a held answer — then the
+                    // connection closes. Nothing more will be read.
+                    http.eof = true;
+                    conn.read_more = false;
+                    self.process_http(r);
                     return;
                 }
                 Ok(n) => {
@@ -66,11 +69,44 @@ impl Server {
     pub(super) fn process_http(&mut self, r: ConnRef) {
         for _ in 0..MAX_ITEMS_PER_TURN {
             if !self.step_http(r) {
+                self.after_half_close(r);
                 return;
             }
         }
         // A turn's worth done; the rest next turn.
         self.again.push(r);
+    }
+
+    /// After the peer half-closed: once every request it sent is answered (or can never be
+    /// complete), finish the connection.
+    fn after_half_close(&mut self, r: ConnRef) {
+        let disk_full = self.disk.is_full();
+        let journal_full = self.journal_full();
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &conn.state else { return };
+        if !http.eof || conn.close_after_flush || conn.pending_out() > MAX_HTTP_BACKLOG_BYTES {
+            return;
+        }
+        match &http.phase {
+            // The answer is under way; when it is done the buffer is looked at again.
+            Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } => {}
+            // A whole submit held back until the journal catches up (`journal_blocked`).
+            Phase::Body { head, .. }
+                if journal_full && matches!(Route::of(&head.path), Route::Tasks | Route::TasksBatch) => {}
+            Phase::Upload(up) if up.finishing || up.disk_bytes >= UPLOAD_WINDOW_BYTES || disk_full => {}
+            Phase::Upload(_) => {
+                self.respond_and_close(r, crate::api::error(400, "the connection was closed before the upload ended"));
+            }
+            // What is left in the buffer (if anything) can never become a whole request.
+            Phase::Idle | Phase::Head | Phase::Body { .. } => {
+                if conn.pending_out() == 0 {
+                    self.close_now(r, "peer closed");
+                } else {
+                    conn.close_after_flush = true;
+                    mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+                }
+            }
+        }
     }
 
     /// One step of the HTTP state machine. `true` if it made progress and may continue.
@@ -334,6 +370,10 @@ impl Server {
         }
         conn.close_after_flush = true;
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        // A client that never reads this answer is closed once its output is stuck for
+        // IDLE_TIMEOUT (phase Idle), like any other.
+        let at = self.now_ms + self.cfg.idle_timeout_ms;
+        self.set_deadline(r, at);
     }
 
     pub(super) fn drain_closing(&mut self, r: ConnRef) {

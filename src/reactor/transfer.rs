@@ -67,13 +67,17 @@ impl Server {
             Finish(Result<files::Uploaded, UploadError>),
             Fail(UploadError),
         }
-        let budget_full = self.disk_bytes >= DISK_BUDGET_BYTES;
+        let budget_full = self.disk.is_full();
         let body_limit = self.api.body_limit(crate::api::Route::Files) as usize;
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };
         let crate::conn::Http { buf, phase, .. } = http;
         let Phase::Upload(up) = phase else { return false };
-        if up.finishing || up.disk_bytes >= UPLOAD_WINDOW_BYTES || budget_full {
+        if up.finishing || up.disk_bytes >= UPLOAD_WINDOW_BYTES {
+            return false;
+        }
+        if budget_full {
+            self.disk.wait(r);
             return false;
         }
         let Some(parse) = up.parse.as_mut() else { return false };
@@ -134,7 +138,7 @@ impl Server {
         let transfer = up.transfer;
         if !to_disk.is_empty() && !matches!(step, Step::Fail(_)) {
             up.disk_bytes += to_disk.len();
-            self.disk_bytes += to_disk.len();
+            self.disk.take(to_disk.len());
             self.store.send(Job::Write { t: transfer, data: to_disk });
         }
         let step = match step {
@@ -265,7 +269,9 @@ impl Server {
                 }
                 Done::Created { result: Ok(()), .. } => {}
                 Done::Written { t, len } => {
-                    self.disk_bytes = self.disk_bytes.saturating_sub(len);
+                    // Every upload the full budget stopped may go on, not only this one.
+                    let woken = self.disk.release(len);
+                    self.again.extend(woken);
                     if let Some(r) = self.transfers.get(&t).copied()
                         && let Some(Phase::Upload(up)) = self.http_phase(r)
                     {

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use serde_json::json;
+use serde_json::{Value, json};
 
 use crate::support::*;
 
@@ -206,15 +206,16 @@ fn concurrency_is_never_exceeded_and_pending_tasks_go_in_order() {
     let relay = Relay::start();
     let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1})), Auto::Manual);
     relay.wait_clients(1, |c| c["concurrency"] == 1);
-    let ids: Vec<String> = (0..3).map(|i| id_of(&relay.submit(&format!(r#"{{"payload":{i}}}"#)))).collect();
+    let answers: Vec<Resp> = (0..3).map(|i| relay.submit(&format!(r#"{{"payload":{i}}}"#))).collect();
+    let statuses: Vec<Value> = answers.iter().map(|r| r.json()["status"].clone()).collect();
+    assert_eq!(statuses, [json!("dispatched"), json!("pending"), json!("pending")], "only one in flight");
+    let ids: Vec<String> = answers.iter().map(id_of).collect();
     let t0 = w.expect_task();
     assert_eq!(t0.id, ids[0]);
-    assert!(w.no_task(Duration::from_millis(200)), "only one in flight");
-    assert_eq!(relay.get_task(&ids[1])["status"], "pending");
     w.done(&t0.id, json!(0));
     let t1 = w.expect_task();
     assert_eq!(t1.id, ids[1], "pending tasks go in submission order");
-    assert!(w.no_task(Duration::from_millis(100)));
+    assert_eq!(relay.get_task(&ids[2])["status"], "pending", "still one in flight");
     w.fail(&t1.id, "x");
     let t2 = w.expect_task();
     assert_eq!(t2.id, ids[2]);
@@ -236,8 +237,8 @@ fn a_retry_waits_for_a_busy_untried_worker() {
     assert_eq!(tb.id, on_b);
     a.fail(&on_a, "a failed");
     // b is busy: the retry of on_a waits for b's capacity instead of failing.
-    std::thread::sleep(Duration::from_millis(150));
-    assert_eq!(relay.get_task(&on_a)["status"], "pending");
+    let t = relay.wait_task(&on_a, Duration::from_secs(5), |t| t["attempt_log"][0]["outcome"] == "failed");
+    assert_eq!(t["status"], "pending", "{t}");
     b.done(&on_b, json!("b"));
     let retried = b.expect_task();
     assert_eq!(retried.id, on_a);
@@ -257,7 +258,9 @@ fn retry_waiting_fails_when_the_last_untried_worker_leaves() {
     let ta = a.expect_task();
     let _tb = b.expect_task();
     a.fail(&ta.id, "first");
-    std::thread::sleep(Duration::from_millis(100));
+    // The retry waits for b, the one untried worker, which then leaves.
+    let t = relay.wait_task(&ta.id, Duration::from_secs(5), |t| t["attempt_log"][0]["outcome"] == "failed");
+    assert_eq!(t["status"], "pending", "{t}");
     b.drop_connection();
     let t = relay.wait_status(&ta.id, "failed", Duration::from_secs(3));
     assert_eq!(t["error"], "first");
@@ -309,7 +312,14 @@ fn a_retry_waiting_past_task_ttl_does_not_expire_in_queue() {
     // `failing` holds x, `busy` holds y.
     let (failing, busy) = if ta.id == x { (&a, &b) } else { (&b, &a) };
     failing.fail(&x, "first try failed");
-    std::thread::sleep(Duration::from_millis(1500));
+    relay.wait_task(&x, Duration::from_secs(5), |t| t["attempt_log"][0]["outcome"] == "failed");
+    // Keep the worker that failed busy too, then let a TASK_TTL pass by relay's clock: a queued
+    // task submitted after the retry began to wait (nobody has capacity for it) expires in queue.
+    let filler = id_of(&relay.submit(r#"{"payload":"filler"}"#));
+    assert_eq!(failing.expect_task().id, filler);
+    let marker = id_of(&relay.submit(r#"{"payload":"marker","queue":true}"#));
+    let expired = relay.wait_status(&marker, "failed", Duration::from_secs(5));
+    assert_eq!(expired["error"], "expired in queue");
     assert_eq!(relay.get_task(&x)["status"], "pending", "still waiting for the busy untried worker");
     busy.done(&y, json!("y"));
     let retried = busy.expect_task();

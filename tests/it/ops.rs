@@ -123,21 +123,66 @@ fn logs_are_key_value_lines_without_tokens() {
     assert!(!log.contains("guess"));
 }
 
-#[test]
-fn log_level_filters() {
-    let relay = Relay::start_with(&[("LOG_LEVEL", "WARN")]);
-    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+/// Makes relay log at each level a client can provoke: info (a worker connects), warn (a
+/// malformed worker message), debug (a request refused 401, an accepted task); then stops it
+/// (exit 0) and returns everything it logged.
+fn provoke_every_level(relay: Relay) -> String {
+    let w = FakeWorker::connect(&relay, None, Auto::Echo);
     relay.wait_clients(1, |_| true);
+    w.send("not json".to_string());
+    assert!(poll_until(Duration::from_secs(5), || relay.metric("relay_ws_messages_malformed_total") == 1.0));
+    let r = request(relay.addr, "GET", "/clients", &[("Authorization", "Bearer nope")], None);
+    assert_eq!(r.status, 401);
+    assert_eq!(relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#)).status, 200);
     let mut relay = relay;
     relay.signal("TERM");
-    relay.wait_exit(Duration::from_secs(5)).expect("exit");
-    let log = relay.log_text();
-    let chatty: Vec<&str> = log
+    assert_eq!(relay.wait_exit(Duration::from_secs(10)).and_then(|s| s.code()), Some(0));
+    relay.log_text()
+}
+
+/// The levels of the lines in `log`, except the `listening` line (printed at every level).
+fn levels_seen(log: &str) -> Vec<String> {
+    let mut levels: Vec<String> = log
         .lines()
-        .filter(|l| (l.contains("level=info") || l.contains("level=debug")) && !l.contains("msg=listening"))
+        .filter(|l| !l.contains("msg=listening"))
+        .filter_map(|l| l.split_whitespace().find_map(|kv| kv.strip_prefix("level=")).map(str::to_string))
         .collect();
-    assert!(chatty.is_empty(), "only the listening line ignores LOG_LEVEL: {chatty:?}");
-    assert!(log.contains("msg=listening"), "the bound address is always logged");
+    levels.sort();
+    levels.dedup();
+    levels
+}
+
+#[test]
+fn log_level_filters() {
+    let log = provoke_every_level(Relay::start_with(&[("LOG_LEVEL", "WARN")]));
+    assert!(log.contains("msg=listening"), "the bound address is always logged:\n{log}");
+    assert!(log.contains("level=warn msg=\"malformed worker message ignored\""), "warn lines appear at warn:\n{log}");
+    assert_eq!(levels_seen(&log), ["warn"], "only the listening line ignores LOG_LEVEL:\n{log}");
+
+    let log = provoke_every_level(Relay::start_with(&[("LOG_LEVEL", "error")]));
+    assert!(log.contains("msg=listening"), "the bound address is always logged:\n{log}");
+    assert_eq!(levels_seen(&log), Vec::<String>::new(), "nothing below error:\n{log}");
+
+    let log = provoke_every_level(Relay::start_with(&[("LOG_LEVEL", "debug")]));
+    for line in [
+        "level=debug msg=request method=Get path=/clients status=401",
+        "level=debug msg=\"task accepted\"",
+        "level=info msg=\"worker connected\"",
+        "level=warn msg=\"malformed worker message ignored\"",
+    ] {
+        assert!(log.contains(line), "{line:?} missing at debug:\n{log}");
+    }
+    assert!(!log.contains("level=trace"), "trace lines stay out at debug:\n{log}");
+}
+
+#[test]
+fn the_metric_helper_fails_on_a_missing_series() {
+    let relay = Relay::start();
+    assert_eq!(relay.metric("relay_workers_connected"), 0.0);
+    let missing = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| relay.metric("relay_no_such_series")));
+    assert!(missing.is_err(), "a missing series must fail the test, not read as 0");
+    // A prefix of a real series is not that series.
+    assert_eq!(metric_value("relay_workers_connected 3\n", "relay_workers"), None);
 }
 
 #[test]
@@ -204,9 +249,17 @@ fn two_signals_at_once_are_one_graceful_shutdown_and_a_later_one_forces_exit() {
     // signal a second later ends it at once.
     let mut relay = Relay::start_with(&[("SHUTDOWN_TIMEOUT", "30s"), ("HEADER_TIMEOUT", "30s")]);
     let mut slow = Client::connect(relay.addr);
-    slow.send_raw(b"GET /healthz HTTP/1.1\r\n");
-    std::thread::sleep(Duration::from_millis(100));
+    // relay has read this head when it answers 100 Continue: the request is under way.
+    slow.send_raw(
+        format!(
+            "POST /tasks HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\nExpect: 100-continue\r\nContent-Length: 13\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    assert_eq!(slow.read_response().expect("100 Continue").status, 100);
     relay.signal("TERM");
+    // The window for a forcing repeat counts from relay's receipt of the first signal.
+    assert!(relay.wait_log("msg=\"signal received\"", Duration::from_secs(5)), "{}", relay.log_text());
     assert!(relay.wait_exit(Duration::from_millis(1200)).is_none(), "still finishing the request under way");
     relay.signal("TERM");
     assert_eq!(relay.wait_exit(Duration::from_secs(3)).and_then(|s| s.code()), Some(1));

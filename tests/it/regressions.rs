@@ -34,7 +34,7 @@ fn queued_tasks_reach_a_new_worker_before_its_hello() {
     let first = w.expect_task();
     assert_eq!(first.id, http[0], "the oldest http task goes first");
     // Past the 1 s grace too: a worker of concurrency 1 holds one task, and no gpu task.
-    assert!(w.no_task(Duration::from_millis(1_500)), "a second task reached a worker of concurrency 1");
+    assert!(w.next_task(Duration::from_millis(1_500)).is_none(), "a second task reached a worker of concurrency 1");
     for id in &gpu {
         let t = relay.get_task(id);
         assert_eq!(t["status"], "pending", "{t}");
@@ -295,4 +295,233 @@ fn log_level_error_still_prints_info_lines() {
     let chatty: Vec<&str> =
         log.lines().filter(|l| !l.contains("level=error") && !l.contains("msg=listening")).collect();
     assert!(chatty.is_empty(), "lines below LOG_LEVEL=error:\n{}", chatty.join("\n"));
+}
+
+#[test]
+fn pipelined_requests_are_dropped_when_the_client_half_closes() {
+    // Issue 10 #4: 100 pipelined requests then shutdown(SHUT_WR): only the first turn's worth
+    // (64 steps ÷ 3) were answered. Everything received before the FIN is answered.
+    let relay = Relay::start();
+    let mut c = Client::connect(relay.addr);
+    let one = crate::support::http::build("GET", "/healthz", &[], None);
+    let all: Vec<u8> = (0..300).flat_map(|_| one.clone()).collect();
+    c.send_raw(&all);
+    c.stream.shutdown(std::net::Shutdown::Write).expect("half-close");
+    for i in 0..300 {
+        let r = c.read_response().unwrap_or_else(|| panic!("response {i} of 300 never came"));
+        assert_eq!(r.status, 200, "response {i}");
+    }
+    assert!(c.closed_within(Duration::from_secs(5)), "closed once everything was answered");
+}
+
+fn upload_bytes(file: &[u8]) -> Vec<u8> {
+    let mut body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.bin\"\r\n\r\n".to_vec();
+    body.extend_from_slice(file);
+    body.extend_from_slice(b"\r\n--b--\r\n");
+    let head = format!(
+        "POST /files HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\n\
+         Content-Type: multipart/form-data; boundary=b\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut raw = head.into_bytes();
+    raw.extend_from_slice(&body);
+    raw
+}
+
+#[test]
+fn an_upload_followed_by_a_half_close_gets_no_answer() {
+    // Issue 10 #5: the file was kept but the client never learned its file_id.
+    let relay = Relay::start();
+    for size in [10, 3 << 20] {
+        let file: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
+        let mut c = Client::connect(relay.addr);
+        c.send_raw(&upload_bytes(&file));
+        // A request pipelined behind the upload is answered too.
+        c.send_raw(&crate::support::http::build("GET", "/healthz", &[], None));
+        c.stream.shutdown(std::net::Shutdown::Write).expect("half-close");
+        let r = c.read_response().expect("the upload's answer");
+        assert_eq!(r.status, 201, "{}", r.text());
+        assert_eq!(r.json()["size"], size);
+        let id = r.json()["file_id"].as_str().expect("file_id").to_string();
+        assert_eq!(c.read_response().expect("the next answer").status, 200);
+        assert!(c.closed_within(Duration::from_secs(5)));
+        let auth = format!("Bearer {API}");
+        let got = request(relay.addr, "GET", &format!("/files/{id}"), &[("Authorization", &auth)], None);
+        assert_eq!(got.body, file);
+    }
+    // An upload cut short by the half-close is refused (400), not left to time out.
+    let mut raw = upload_bytes(b"0123456789");
+    raw.truncate(raw.len() - 5);
+    let mut c = Client::connect(relay.addr);
+    c.send_raw(&raw);
+    c.stream.shutdown(std::net::Shutdown::Write).expect("half-close");
+    let r = c.read_response().expect("an answer");
+    assert_eq!(r.status, 400, "{}", r.text());
+}
+
+/// A client socket with a small receive buffer, so that output backs up in relay.
+fn small_rcvbuf_stream(addr: std::net::SocketAddr) -> std::net::TcpStream {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(v4) = addr else { panic!("IPv4 loopback expected") };
+    // SAFETY: plain socket calls on a descriptor this function owns until it is wrapped.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0);
+        assert!(fd >= 0, "socket");
+        let size: libc::c_int = 4096;
+        let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&size as *const libc::c_int).cast(), len);
+        let mut sa: libc::sockaddr_in = std::mem::zeroed();
+        sa.sin_family = libc::AF_INET as libc::sa_family_t;
+        sa.sin_port = v4.port().to_be();
+        sa.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
+        let rc = libc::connect(
+            fd,
+            (&sa as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        assert_eq!(rc, 0, "connect: {}", std::io::Error::last_os_error());
+        std::net::TcpStream::from_raw_fd(fd)
+    }
+}
+
+/// Opens `n` connections that pipeline `GET /metrics` and never read; returns them.
+pub fn never_reading_clients(relay: &Relay, n: usize) -> Vec<std::net::TcpStream> {
+    let one = crate::support::http::build("GET", "/metrics", &[], None);
+    let many: Vec<u8> = (0..4000).flat_map(|_| one.clone()).collect();
+    let streams: Vec<std::net::TcpStream> = (0..n).map(|_| small_rcvbuf_stream(relay.addr)).collect();
+    std::thread::scope(|s| {
+        for st in &streams {
+            let many = &many;
+            s.spawn(move || {
+                use std::io::Write;
+                st.set_write_timeout(Some(Duration::from_secs(2))).expect("timeout");
+                // Blocks once relay stops reading this client; the timeout ends the write.
+                let _ = (&*st).write_all(many);
+            });
+        }
+    });
+    streams
+}
+
+#[test]
+fn a_client_that_never_reads_its_responses_is_never_timed_out() {
+    // Issue 10 #2: with output pending the idle timer was pushed back forever, and each such
+    // client held 1 MiB of unwritten responses. Now: 256 KiB, and closed after IDLE_TIMEOUT
+    // without output progress.
+    let relay = Relay::start_with(&[("IDLE_TIMEOUT", "2s")]);
+    let base_rss = rss_kib(relay.pid());
+    let clients = never_reading_clients(&relay, 40);
+    assert_eq!(relay.metric("relay_connections_open"), 41.0, "40 stuck clients and this request");
+    assert!(
+        poll_until(Duration::from_secs(20), || relay.metric("relay_connections_open") == 1.0),
+        "stuck clients were never closed: {} open",
+        relay.metric("relay_connections_open")
+    );
+    let peak_kib = peak_rss_kib(relay.pid()).saturating_sub(base_rss);
+    eprintln!("40 clients that never read: relay's peak memory grew by {peak_kib} KiB");
+    // 40 × 256 KiB of output is 10 MiB (plus input and allocator slack); with the old 1 MiB
+    // it grew by about 58 MiB.
+    assert!(peak_kib < 30 * 1024, "40 clients that never read cost {peak_kib} KiB");
+    drop(clients);
+}
+
+/// Peak resident memory of a process, in KiB (VmHWM).
+fn peak_rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .expect("VmHWM")
+}
+
+fn mode_of(path: &std::path::Path) -> u32 {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).expect("metadata").permissions().mode() & 0o777
+}
+
+#[test]
+fn blob_dir_is_world_readable_and_its_metadata_is_trusted_into_headers() {
+    // Issue 10 #7: BLOB_DIR was created 0755 and files 0644, and a `.json` planted by a local
+    // user came back as response headers (`Set-Cookie`).
+    let dir = std::env::temp_dir().join(format!("relay-it-private-{}", uuid::Uuid::new_v4().simple()));
+    let dir_text = dir.to_str().expect("utf-8 path").to_string();
+    let relay = Relay::start_with(&[("BLOB_DIR", dir_text.as_str())]);
+    assert_eq!(mode_of(&dir), 0o700, "BLOB_DIR mode");
+    let auth = format!("Bearer {API}");
+    let body = b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n\r\nhello\r\n--b--\r\n";
+    let up = request(
+        relay.addr,
+        "POST",
+        "/files",
+        &[("Authorization", &auth), ("Content-Type", "multipart/form-data; boundary=b")],
+        Some(body),
+    );
+    assert_eq!(up.status, 201, "{}", up.text());
+    let id = up.json()["file_id"].as_str().expect("file_id").to_string();
+    for ext in ["blob", "json"] {
+        assert_eq!(mode_of(&dir.join(format!("{id}.{ext}"))), 0o600, "{ext} file mode");
+    }
+    // Planted metadata whose values would become headers.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_millis() as u64;
+    let bad_values = [
+        ("content_type", "text/html\r\nSet-Cookie: x=1"),
+        ("sha256", "0\"\r\nSet-Cookie: x=1"),
+        ("filename", "a\r\nSet-Cookie: x=1"),
+    ];
+    for (field, value) in bad_values {
+        let planted = uuid::Uuid::new_v4().hyphenated().to_string();
+        let mut meta = json!({
+            "file_id": planted, "filename": "a.txt", "content_type": "text/plain", "size": 5,
+            "sha256": "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824",
+            "created_ms": now, "expires_ms": now + 3_600_000u64,
+        });
+        meta[field] = json!(value);
+        std::fs::write(dir.join(format!("{planted}.blob")), b"hello").expect("plant blob");
+        std::fs::write(dir.join(format!("{planted}.json")), meta.to_string()).expect("plant meta");
+        let got = request(relay.addr, "GET", &format!("/files/{planted}"), &[("Authorization", &auth)], None);
+        assert!(got.header("Set-Cookie").is_none(), "{field}: a header was injected: {:?}", got.headers);
+        assert_eq!(got.status, 404, "{field}: invalid metadata is no file");
+    }
+    drop(relay);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn relay_starts_on_a_blob_dir_owned_by_another_user() {
+    // Issue 10 #7: relay must refuse to keep uploads in a directory another user owns (for
+    // example a /tmp/relay-blobs created by someone else first).
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        assert!(std::env::var("CI").is_err(), "CI runs as root: this test must run there");
+        eprintln!("SKIPPED relay_starts_on_a_blob_dir_owned_by_another_user: needs root to chown a directory");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("relay-it-foreign-{}", uuid::Uuid::new_v4().simple()));
+    std::fs::create_dir(&dir).expect("dir");
+    let path = std::ffi::CString::new(dir.to_str().expect("utf-8")).expect("c path");
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::chown(path.as_ptr(), 65534, 65534) }, 0, "chown");
+    let mut child = std::process::Command::new(relay_bin())
+        .env_clear()
+        .envs([("API_TOKEN", "a"), ("WORKER_TOKEN", "w"), ("PORT", "0"), ("BIND", "127.0.0.1"), ("DATA_DIR", "")])
+        .env("BLOB_DIR", &dir)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn relay");
+    let mut code = None;
+    poll_until(Duration::from_secs(10), || {
+        code = child.try_wait().expect("wait").map(|s| s.code());
+        code.is_some()
+    });
+    if code.is_none() {
+        let _ = child.kill();
+    }
+    let out = child.wait_with_output().expect("output");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(code, Some(Some(2)), "relay must refuse to start: {stderr}");
+    assert!(stderr.contains("BLOB_DIR") && stderr.contains("owned by uid 65534"), "{stderr}");
 }

@@ -113,20 +113,17 @@ fn get_with_wait_long_polls_until_final() {
     let w = FakeWorker::connect(&relay, None, Auto::Manual);
     relay.wait_clients(1, |_| true);
     let id = id_of(&relay.submit(r#"{"payload":"x"}"#));
-    let addr = relay.addr;
-    let path = format!("/tasks/{id}?wait=true");
-    let poller = std::thread::spawn(move || {
-        let auth = format!("Bearer {API}");
-        let started = Instant::now();
-        (request(addr, "GET", &path, &[("Authorization", &auth)], None), started.elapsed())
-    });
     let task = w.expect_task();
-    std::thread::sleep(Duration::from_millis(150));
+    let auth = format!("Bearer {API}");
+    let mut poller = Client::connect(relay.addr);
+    poller.send("GET", &format!("/tasks/{id}?wait=true"), &[("Authorization", &auth)], None);
+    // relay has read the GET (and holds it) before the result exists: an answer given at once
+    // would show the task `dispatched`.
+    relay.barrier();
     w.done(&task.id, json!({"ok": true}));
-    let (r, took) = poller.join().expect("poller");
+    let r = poller.read_response().expect("the long-poll's answer");
     assert_eq!(r.status, 200);
-    assert_eq!(r.json()["status"], "done");
-    assert!(took >= Duration::from_millis(100), "it waited");
+    assert_eq!(r.json()["status"], "done", "it waited for the result: {}", r.text());
     // On a final task it answers at once, and always 200.
     let r = relay.api("GET", &format!("/tasks/{id}?wait=true"), None);
     assert_eq!((r.status, r.json()["result"]["ok"].clone()), (200, json!(true)));
@@ -260,18 +257,16 @@ fn idempotency_key_returns_the_first_task() {
     assert_eq!(id_of(&first), id_of(&second));
     let task = w.expect_task();
     assert_eq!(task.payload["n"], 1);
-    assert!(w.no_task(Duration::from_millis(200)), "the replay created nothing");
+    // The replay was answered, so relay is done with it: one task exists, not two.
+    let h2 = request(relay.addr, "GET", "/healthz", &[], None).json();
+    assert_eq!((h2["tasks"]["dispatched"].clone(), h2["tasks"]["pending"].clone()), (json!(1), json!(0)), "{h2}");
     // With wait=true the replay waits on the first task.
-    let addr = relay.addr;
-    let waiter = std::thread::spawn(move || {
-        let auth = format!("Bearer {API}");
-        let h = [("Authorization", auth.as_str()), ("Idempotency-Key", "order-17")];
-        request(addr, "POST", "/tasks?wait=true", &h, Some(br#"{"payload":3}"#))
-    });
-    std::thread::sleep(Duration::from_millis(100));
+    let mut waiter = Client::connect(relay.addr);
+    waiter.send("POST", "/tasks?wait=true", &h, Some(br#"{"payload":3}"#));
+    relay.barrier();
     w.done(&task.id, json!("first"));
-    let r = waiter.join().expect("waiter");
-    assert_eq!(r.status, 200);
+    let r = waiter.read_response().expect("the replay's answer");
+    assert_eq!(r.status, 200, "it waited for the first task's result: {}", r.text());
     assert_eq!(r.json()["task_id"], task.id.as_str());
     assert_eq!(r.json()["result"], "first");
     // A different key is a different task.
@@ -316,13 +311,23 @@ fn delayed_and_scheduled_tasks_run_when_due() {
     let started = Instant::now();
     let r = relay.submit(r#"{"payload":"later","delay":"400ms"}"#);
     assert_eq!(r.status, 202);
+    assert_eq!(r.json()["status"], "pending");
     let id = id_of(&r);
     let t = relay.get_task(&id);
     assert_eq!(t["status"], "pending");
     assert!(t["run_at"].is_string());
-    assert!(w.no_task(Duration::from_millis(250)), "not before its time");
-    relay.wait_status(&id, "done", Duration::from_secs(5));
-    assert!(started.elapsed() >= Duration::from_millis(380));
+    // Not before its time, measured here (a lower bound: a loaded machine only adds to it) and
+    // by relay's own clock (the attempt started no earlier than run_at, 400 ms after creation).
+    let arrived = w.expect_task();
+    assert!(started.elapsed() >= Duration::from_millis(390), "dispatched after {:?}", started.elapsed());
+    assert_eq!(arrived.id, id);
+    let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+    let ms = |v: &Value| relay::timefmt::parse_rfc3339_ms(v.as_str().expect("a time")).expect("RFC 3339");
+    let (created, run_at, attempt) = (ms(&t["created_at"]), ms(&t["run_at"]), ms(&t["attempt_log"][0]["started_at"]));
+    assert_eq!(run_at - created, 400, "{t}");
+    // Timers run on the monotonic clock and the times shown on the wall clock, read at
+    // slightly different moments of a turn: a few ms apart, never the 400 ms of the delay.
+    assert!(attempt + 10 >= run_at, "started before run_at: {t}");
 
     // run_at in the past is due at once.
     let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"run_at":"2001-01-01T00:00:00Z"}"#));
@@ -408,7 +413,10 @@ fn idempotency_keys_live_as_long_as_their_task_and_ignore_the_replayed_body() {
     // Delayed past TASK_TTL: the key must still name the task after a TTL has passed.
     let first = request(relay.addr, "POST", "/tasks", &h, Some(br#"{"payload":1,"delay":"3s"}"#));
     assert_eq!(first.status, 202, "the 503 did not reserve the key: {}", first.text());
-    std::thread::sleep(Duration::from_millis(1300));
+    // A TASK_TTL passes (by relay's clock): a queued task submitted after `first` expires.
+    let marker = id_of(&relay.submit(r#"{"payload":2,"queue":true}"#));
+    let expired = relay.wait_status(&marker, "failed", Duration::from_secs(5));
+    assert_eq!(expired["error"], "expired in queue");
     // The replay's body is not even parsed (its payload is not compared).
     let again = request(relay.addr, "POST", "/tasks", &h, Some(br#"{"payload":null}"#));
     assert_eq!(again.status, 202, "{}", again.text());

@@ -120,6 +120,19 @@ impl Client {
         result
     }
 
+    /// True if nothing has arrived from the server so far (neither buffered here nor waiting
+    /// in the socket). Does not block.
+    pub fn nothing_received(&mut self) -> bool {
+        if !self.buf.is_empty() {
+            return false;
+        }
+        self.stream.set_nonblocking(true).expect("nonblocking");
+        let mut one = [0u8; 1];
+        let result = matches!(self.stream.peek(&mut one), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock);
+        self.stream.set_nonblocking(false).expect("blocking");
+        result
+    }
+
     pub fn buffered(&self) -> &[u8] {
         &self.buf
     }

@@ -7,6 +7,7 @@ pub mod worker;
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,8 @@ pub struct Relay {
     child: Option<Child>,
     pub addr: SocketAddr,
     pub log: Arc<Mutex<String>>,
+    /// Set once relay's stderr reached EOF: every line it wrote is in `log`.
+    log_done: Arc<AtomicBool>,
     /// A BLOB_DIR of this relay's own, unless the test chose one (relays running side by side
     /// must not share one); removed on drop.
     own_blobs: Option<std::path::PathBuf>,
@@ -75,6 +78,8 @@ impl Relay {
         let log = Arc::new(Mutex::new(String::new()));
         let (tx, rx) = std::sync::mpsc::channel();
         let log2 = log.clone();
+        let log_done = Arc::new(AtomicBool::new(false));
+        let done2 = log_done.clone();
         std::thread::spawn(move || {
             let mut sent = false;
             for line in BufReader::new(stderr).lines() {
@@ -94,6 +99,7 @@ impl Relay {
                     sent = true;
                 }
             }
+            done2.store(true, Ordering::SeqCst);
         });
         let addr = match rx.recv_timeout(Duration::from_secs(10)) {
             Ok(addr) => addr.parse().expect("listening addr"),
@@ -102,7 +108,7 @@ impl Relay {
                 panic!("relay did not start; log:\n{}", log.lock().expect("log"));
             }
         };
-        Relay { child: Some(child), addr, log, own_blobs }
+        Relay { child: Some(child), addr, log, log_done, own_blobs }
     }
 
     pub fn pid(&self) -> u32 {
@@ -140,14 +146,19 @@ impl Relay {
 
     /// Polls the task until `status`, returning its JSON.
     pub fn wait_status(&self, id: &str, status: &str, within: Duration) -> serde_json::Value {
+        self.wait_task(id, within, |t| t["status"] == status)
+    }
+
+    /// Polls the task until `ok` holds for its JSON, returning it; fails the test at `within`.
+    pub fn wait_task(&self, id: &str, within: Duration, ok: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
         let deadline = Instant::now() + within;
         loop {
             let t = self.get_task(id);
-            if t["status"] == status {
+            if ok(&t) {
                 return t;
             }
             if Instant::now() > deadline {
-                panic!("task {id} not {status} within {within:?}: {t}");
+                panic!("task {id} never reached the expected state within {within:?}: {t}");
             }
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -172,13 +183,25 @@ impl Relay {
         request(self.addr, "GET", "/metrics", &[], None).text()
     }
 
-    /// The value of one metric line (`name{labels}` exactly), or 0.
+    /// The value of one metric line (`name{labels}` exactly). A series that is not exposed
+    /// fails the test: a missing metric is a bug, never a zero.
     pub fn metric(&self, series: &str) -> f64 {
-        self.metrics()
-            .lines()
-            .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')).map(str::to_string))
-            .map(|v| v.trim().parse().expect("metric value"))
-            .unwrap_or(0.0)
+        let text = self.metrics();
+        match metric_value(&text, series) {
+            Some(v) => v,
+            None => panic!("metric series {series:?} is not exposed by /metrics:\n{text}"),
+        }
+    }
+
+    /// Returns once relay has handled every byte this process wrote to it before the call: one
+    /// request answered on a fresh connection. A write on loopback lands in relay's receive
+    /// queue before `write` returns, epoll reports readiness in the order it arose, and relay
+    /// reads each ready socket when its event comes up, so an answer to a later connection
+    /// means the earlier bytes were read and parsed (a request that waits, such as
+    /// `wait=true`, is then held).
+    pub fn barrier(&self) {
+        let r = request(self.addr, "GET", "/healthz", &[], None);
+        assert_eq!(r.status, 200, "barrier request: {}", r.text());
     }
 
     pub fn signal(&self, sig: &str) {
@@ -198,6 +221,9 @@ impl Relay {
         loop {
             if let Ok(Some(status)) = child.try_wait() {
                 self.child = None;
+                // Its last lines may still be in the pipe: wait (bounded) for the reader's EOF.
+                let drained = poll_until(Duration::from_secs(5), || self.log_done.load(Ordering::SeqCst));
+                assert!(drained, "relay exited but its stderr never reached EOF");
                 return Some(status);
             }
             if Instant::now() > deadline {
@@ -224,15 +250,32 @@ impl Drop for Relay {
     }
 }
 
+/// The value of `series` (`name{labels}` exactly) in a Prometheus text exposition.
+pub fn metric_value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|rest| rest.strip_prefix(' ')))
+        .map(|v| v.trim().parse().unwrap_or_else(|e| panic!("metric {series}: bad value {v:?}: {e}")))
+}
+
 /// Resident memory of a process, in KiB (VmRSS).
 pub fn rss_kib(pid: u32) -> u64 {
+    proc_status_kib(pid, "VmRSS:")
+}
+
+/// The high-water mark of a process's resident memory, in KiB (VmHWM): it catches a peak
+/// however briefly it lasted, which sampling VmRSS can miss.
+pub fn peak_rss_kib(pid: u32) -> u64 {
+    proc_status_kib(pid, "VmHWM:")
+}
+
+fn proc_status_kib(pid: u32, field: &str) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("proc status");
     status
         .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .find_map(|l| l.strip_prefix(field))
         .and_then(|v| v.split_whitespace().next())
         .and_then(|v| v.parse().ok())
-        .expect("VmRSS")
+        .unwrap_or_else(|| panic!("{field} missing in /proc/{pid}/status"))
 }
 
 /// Polls `f` every 10 ms until it is true or `within` passes.

@@ -2,7 +2,7 @@
 //! fail, stay silent, answer late, answer twice, disconnect, and stop answering pings.
 
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, Sender, channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -52,6 +52,8 @@ pub struct FakeWorker {
     cancels: Receiver<String>,
     closed: Arc<AtomicBool>,
     close_code: Arc<Mutex<Option<u16>>>,
+    /// Pings read from relay (each was answered by tungstenite).
+    pings: Arc<AtomicUsize>,
     join: Option<JoinHandle<()>>,
 }
 
@@ -65,6 +67,8 @@ impl FakeWorker {
         let host = rest.split('/').next().ok_or("host")?;
         let stream = TcpStream::connect(host).map_err(|e| e.to_string())?;
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
+        // The handshake reads too: bounded, so a relay that never answers fails the test.
+        stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
         let (mut ws, _resp) = tungstenite::client(url, stream).map_err(|e| e.to_string())?;
         ws.get_mut().set_read_timeout(Some(Duration::from_millis(10))).map_err(|e| e.to_string())?;
         if let Some(h) = hello {
@@ -75,9 +79,11 @@ impl FakeWorker {
         let (cancel_tx, cancel_rx) = channel();
         let closed = Arc::new(AtomicBool::new(false));
         let close_code = Arc::new(Mutex::new(None));
-        let (c2, code2, self_tx) = (closed.clone(), close_code.clone(), cmd_tx.clone());
-        let join = std::thread::spawn(move || run(ws, auto, cmd_rx, self_tx, task_tx, cancel_tx, c2, code2));
-        Ok(FakeWorker { cmd: cmd_tx, tasks: task_rx, cancels: cancel_rx, closed, close_code, join: Some(join) })
+        let pings = Arc::new(AtomicUsize::new(0));
+        let shared = Shared { closed: closed.clone(), close_code: close_code.clone(), pings: pings.clone() };
+        let self_tx = cmd_tx.clone();
+        let join = std::thread::spawn(move || run(ws, auto, cmd_rx, self_tx, task_tx, cancel_tx, shared));
+        Ok(FakeWorker { cmd: cmd_tx, tasks: task_rx, cancels: cancel_rx, closed, close_code, pings, join: Some(join) })
     }
 
     pub fn next_task(&self, within: Duration) -> Option<TaskMsg> {
@@ -86,10 +92,6 @@ impl FakeWorker {
 
     pub fn expect_task(&self) -> TaskMsg {
         self.next_task(Duration::from_secs(5)).expect("a task within 5s")
-    }
-
-    pub fn no_task(&self, within: Duration) -> bool {
-        self.next_task(within).is_none()
     }
 
     pub fn next_cancel(&self, within: Duration) -> Option<String> {
@@ -124,6 +126,11 @@ impl FakeWorker {
         let _ = self.cmd.send(Cmd::Drop);
     }
 
+    /// How many pings relay has sent this worker so far.
+    pub fn pings(&self) -> usize {
+        self.pings.load(Ordering::SeqCst)
+    }
+
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::SeqCst)
     }
@@ -150,7 +157,13 @@ impl Drop for FakeWorker {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// What the worker thread reports back to the handle.
+struct Shared {
+    closed: Arc<AtomicBool>,
+    close_code: Arc<Mutex<Option<u16>>>,
+    pings: Arc<AtomicUsize>,
+}
+
 fn run(
     mut ws: WebSocket<TcpStream>,
     auto: Auto,
@@ -158,9 +171,9 @@ fn run(
     self_tx: Sender<Cmd>,
     tasks: Sender<TaskMsg>,
     cancels: Sender<String>,
-    closed: Arc<AtomicBool>,
-    close_code: Arc<Mutex<Option<u16>>>,
+    shared: Shared,
 ) {
+    let Shared { closed, close_code, pings } = shared;
     let mut frozen = false;
     loop {
         while let Ok(cmd) = cmds.try_recv() {
@@ -205,6 +218,9 @@ fn run(
                     }
                     _ => {}
                 }
+            }
+            Ok(Message::Ping(_)) => {
+                pings.fetch_add(1, Ordering::SeqCst);
             }
             Ok(Message::Close(frame)) => {
                 *close_code.lock().expect("code") = frame.map(|f| u16::from(f.code));

@@ -37,6 +37,7 @@ fn download(addr: SocketAddr, id: &str) -> (String, String, Vec<u8>) {
 
 #[test]
 fn file_task_downloads_hashes_and_uploads_back() {
+    crate::require_relay!();
     let relay = Relay::start();
     let worker = Worker::start(&relay.ws_url(), &[]);
     worker.wait_connected();
@@ -70,6 +71,7 @@ fn file_task_downloads_hashes_and_uploads_back() {
 /// `;` inside the quoted value.
 #[test]
 fn file_task_keeps_non_ascii_and_quoted_names() {
+    crate::require_relay!();
     let relay = Relay::start();
     let worker = Worker::start(&relay.ws_url(), &[]);
     worker.wait_connected();

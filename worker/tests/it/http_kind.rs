@@ -9,6 +9,7 @@ use crate::support::{Relay, Worker};
 
 #[test]
 fn http_task_returns_status_headers_and_json_body() {
+    crate::require_relay!();
     let target = Target::start(|req, _| {
         if req.path != "/things" {
             return Reply::new(404, &[], "no");
@@ -51,6 +52,7 @@ fn http_task_returns_status_headers_and_json_body() {
 
 #[test]
 fn non_2xx_is_done_and_bodies_are_text_or_base64() {
+    crate::require_relay!();
     let target = Target::start(|req, _| match req.path.as_str() {
         "/missing" => Reply::new(404, &[("Content-Type", "text/plain")], "not here"),
         "/binary" => Reply::new(200, &[("Content-Type", "application/octet-stream")], vec![0xff, 0x00, 0x80]),
@@ -86,6 +88,7 @@ fn non_2xx_is_done_and_bodies_are_text_or_base64() {
 /// `failed`); relay moves the task to the other worker, whose attempt is `done`.
 #[test]
 fn network_error_falls_back_to_second_worker() {
+    crate::require_relay!();
     let target = Target::start(|_, i| if i == 0 { Reply::Hangup } else { Reply::json(200, &json!({"ok": 1})) });
     let relay = Relay::start();
     let a = Worker::start(&relay.ws_url(), &[]);
@@ -108,6 +111,7 @@ fn network_error_falls_back_to_second_worker() {
 
 #[test]
 fn allow_hosts_blocks_other_hosts_and_redirects_to_them() {
+    crate::require_relay!();
     let target = Target::start(|req, _| match req.path.as_str() {
         "/to-ip" => Reply::redirect(&format!(
             "http://127.0.0.1:{}/ok",
@@ -141,6 +145,7 @@ fn allow_hosts_blocks_other_hosts_and_redirects_to_them() {
 
 #[test]
 fn redirects_are_followed_up_to_five() {
+    crate::require_relay!();
     let target = Target::start(|req, _| {
         let n: u32 = req.path.trim_start_matches("/r/").parse().unwrap_or(0);
         if n == 0 { Reply::json(200, &json!({"landed": true})) } else { Reply::redirect(&format!("/r/{}", n - 1)) }
@@ -165,6 +170,7 @@ fn redirects_are_followed_up_to_five() {
 /// HTTP_TIMEOUT bounds the whole request: a target that answers too late is a `failed` task.
 #[test]
 fn slow_target_times_out_as_failed() {
+    crate::require_relay!();
     let target = Target::start(|_, _| Reply::After(Duration::from_secs(3), Box::new(Reply::new(200, &[], "late"))));
     let relay = Relay::start();
     let worker = Worker::start(&relay.ws_url(), &[("HTTP_TIMEOUT", "300ms")]);

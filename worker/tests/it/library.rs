@@ -12,6 +12,7 @@ use crate::support::{Relay, WRK, poll_until};
 
 #[test]
 fn panicking_handler_fails_only_its_task() {
+    crate::require_relay!();
     let relay = Relay::start();
     let mut config = Config::new(&relay.ws_url(), WRK).expect("config");
     config.concurrency = 2;

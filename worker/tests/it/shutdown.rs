@@ -11,6 +11,7 @@ use crate::support::{Relay, Worker, poll_until};
 
 #[test]
 fn sigterm_lets_a_running_task_finish() {
+    crate::require_relay!();
     let target = Target::start(|_, _| {
         Reply::After(Duration::from_millis(2000), Box::new(Reply::json(200, &json!({"slow": true}))))
     });
@@ -87,9 +88,26 @@ fn raw_signal(pid: u32, sig: libc::c_int) {
 /// Two SIGTERMs back to back (GNU `timeout`, some supervisors) are one request to drain: a
 /// repeat signal forces the exit only once 1 s has passed since the first. The second pair is
 /// sent after the worker has certainly handled the first signal (its `draining` line), so the
-/// handler does see a repeat rather than one coalesced pending signal.
+/// handler does see a repeat rather than one coalesced pending signal. That needs the worker to
+/// log `draining` well within the second: on a machine too loaded for that, the premise does
+/// not hold and the scenario starts over (at most three times) rather than passing or failing
+/// on the clock.
 #[test]
 fn sigterms_back_to_back_still_drain() {
+    crate::require_relay!();
+    for attempt in 1..=3 {
+        match back_to_back_signals() {
+            Some(()) => return,
+            None => eprintln!(
+                "sigterms_back_to_back_still_drain: attempt {attempt} too slow to land the repeats within 1 s"
+            ),
+        }
+    }
+    panic!("three attempts in a row could not land the repeat signals within 1 s of the first");
+}
+
+/// One run of the scenario; `None` when the repeats came too late to test the rule.
+fn back_to_back_signals() -> Option<()> {
     let target = Target::start(|_, _| {
         Reply::After(Duration::from_millis(2000), Box::new(Reply::json(200, &json!({"slow": true}))))
     });
@@ -105,10 +123,14 @@ fn sigterms_back_to_back_still_drain() {
     raw_signal(pid, libc::SIGTERM);
     raw_signal(pid, libc::SIGTERM);
     assert!(worker.proc.wait_log("msg=draining", Duration::from_secs(5)), "{}", worker.proc.log_text());
+    if first.elapsed() >= Duration::from_millis(900) {
+        return None;
+    }
     raw_signal(pid, libc::SIGTERM);
     raw_signal(pid, libc::SIGINT);
-    let repeat_after = first.elapsed();
-    assert!(repeat_after < Duration::from_millis(900), "the repeats came {repeat_after:?} after the first signal");
+    if first.elapsed() >= Duration::from_millis(900) {
+        return None;
+    }
 
     let task = relay.wait_final(&id, Duration::from_secs(5));
     assert_eq!(task["status"], "done", "{task}; worker log:\n{}", worker.proc.log_text());
@@ -118,12 +140,14 @@ fn sigterms_back_to_back_still_drain() {
     let log = worker.proc.log_text();
     assert_eq!(worker.proc.count_log("msg=draining"), 1, "{log}");
     assert!(log.contains("msg=stopped reason=drained"), "{log}");
+    Some(())
 }
 
 /// An operator who does not want to wait: a repeat signal 1 s or more after the first ends the
 /// worker at once with exit 1, even with a task still running.
 #[test]
 fn a_repeat_signal_after_a_second_exits_at_once() {
+    crate::require_relay!();
     let target =
         Target::start(|_, _| Reply::After(Duration::from_millis(10_000), Box::new(Reply::new(200, &[], "ok"))));
     let relay = Relay::start();
@@ -136,8 +160,10 @@ fn a_repeat_signal_after_a_second_exits_at_once() {
     let pid = worker.proc.pid();
     raw_signal(pid, libc::SIGTERM);
     assert!(worker.proc.wait_log("msg=draining", Duration::from_secs(5)), "{}", worker.proc.log_text());
-    std::thread::sleep(Duration::from_millis(1200));
-    assert!(worker.proc.wait_exit(Duration::ZERO).is_none(), "still draining: {}", worker.proc.log_text());
+    // The worker logged `draining` after it took the signal: 1.2 s from here is more than 1 s
+    // from the signal by the worker's clock too. It must not end by itself meanwhile.
+    let waited = worker.proc.wait_exit(Duration::from_millis(1200));
+    assert!(waited.is_none(), "still draining: {}", worker.proc.log_text());
     raw_signal(pid, libc::SIGTERM);
     let status = worker.proc.wait_exit(Duration::from_secs(3)).expect("the repeat signal ends the worker at once");
     assert_eq!(status.code(), Some(1), "{}", worker.proc.log_text());

@@ -45,13 +45,16 @@ impl FakeRelay {
             }
         };
         stream.set_nonblocking(false).ok()?;
-        stream.set_read_timeout(Some(Duration::from_millis(20))).ok()?;
+        // The handshake gets a generous bound (a loaded machine may take a while to send the
+        // upgrade request); reads after it poll in short steps against their own deadlines.
+        stream.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
         let mut uri = String::new();
         let ws = tungstenite::accept_hdr(stream, |req: &Request, resp: Response| {
             uri = req.uri().to_string();
             Ok(resp)
         })
         .ok()?;
+        ws.get_ref().set_read_timeout(Some(Duration::from_millis(20))).ok()?;
         Some(FakeConn { ws, uri })
     }
 }

@@ -38,26 +38,63 @@ pub fn worker_bin() -> &'static str {
     env!("CARGO_BIN_EXE_relay-worker")
 }
 
-/// The `relay` binary of this workspace. Integration tests of the worker package only get
-/// their own package's binaries from Cargo, so this builds relay once per test process with the
-/// same cargo, profile, target and target directory as this test executable (a no-op when it
-/// is up to date; Cargo decides staleness), then returns its path.
-pub fn relay_bin() -> &'static Path {
-    static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(build_relay)
+/// True when the environment says this is CI (`CI` set to anything but empty, `0` or
+/// `false`; `.ci/run` exports `CI=true`). There, a test that cannot run its real subject fails.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("false"))
 }
 
-fn build_relay() -> PathBuf {
-    let exe = std::env::current_exe().expect("current_exe");
+/// A test cannot run for `reason`: in CI that is a failure; elsewhere it says loudly that it
+/// skipped (the caller then returns).
+pub fn skip_or_fail(reason: &str) {
+    let test = std::thread::current().name().unwrap_or("a worker test").to_string();
+    if in_ci() {
+        panic!("{test}: {reason} (CI is set, so this is a failure, not a skip)");
+    }
+    // Straight to the process's stderr: the test harness captures `eprintln!` of passing tests.
+    let _ = writeln!(std::io::stderr(), "\n*** SKIPPED {test}: {reason} ***\n");
+}
+
+/// Returns from the calling test unless the `relay` binary could be built (see `relay_bin`);
+/// in CI a failed build fails the test instead.
+#[macro_export]
+macro_rules! require_relay {
+    () => {
+        if let Err(why) = $crate::support::relay_build() {
+            $crate::support::skip_or_fail(&format!("the relay binary could not be built: {why}"));
+            return;
+        }
+    };
+}
+
+/// The `relay` binary of this workspace; a test calls `require_relay!()` first.
+pub fn relay_bin() -> &'static Path {
+    match relay_build() {
+        Ok(bin) => bin,
+        Err(why) => panic!("the relay binary could not be built (a test lacks `require_relay!()`): {why}"),
+    }
+}
+
+/// Integration tests of the worker package only get their own package's binaries from Cargo,
+/// so this builds relay once per test process with the same cargo, profile, target and target
+/// directory as this test executable (a no-op when it is up to date; Cargo decides staleness).
+/// A failed build is an error, never a silent fall back on an older binary.
+pub fn relay_build() -> Result<&'static Path, String> {
+    static BIN: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    BIN.get_or_init(build_relay).as_deref().map_err(String::clone)
+}
+
+fn build_relay() -> Result<PathBuf, String> {
+    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
     // <target-dir>[/<triple>]/<profile-dir>/deps/<test-exe>
-    let profile_dir = exe.parent().and_then(Path::parent).expect("test executable in <profile>/deps").to_path_buf();
+    let profile_dir = exe.parent().and_then(Path::parent).ok_or("test executable not in <profile>/deps")?.to_path_buf();
     let bin = profile_dir.join(format!("relay{}", std::env::consts::EXE_SUFFIX));
     let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
         Some("debug") => "dev".to_string(),
         Some(other) => other.to_string(),
         None => "dev".to_string(),
     };
-    let above = profile_dir.parent().expect("target dir");
+    let above = profile_dir.parent().ok_or("no target dir")?;
     // With `--target <triple>` the layout has one more level, and that level has no CACHEDIR.TAG.
     let (target_dir, triple) = if above.join("CACHEDIR.TAG").exists() || above.parent().is_none() {
         (above.to_path_buf(), None)
@@ -73,20 +110,14 @@ fn build_relay() -> PathBuf {
     if let Some(triple) = &triple {
         cmd.args(["--target", triple]);
     }
-    let out = cmd.stdin(Stdio::null()).output();
-    match out {
-        Ok(out) if out.status.success() => {}
-        Ok(out) if bin.exists() => eprintln!(
-            "warning: building relay failed; using the existing {}:\n{}",
-            bin.display(),
-            String::from_utf8_lossy(&out.stderr)
-        ),
-        Ok(out) => panic!("cannot build relay for the worker tests:\n{}", String::from_utf8_lossy(&out.stderr)),
-        Err(e) if bin.exists() => eprintln!("warning: cannot run cargo ({e}); using the existing {}", bin.display()),
-        Err(e) => panic!("cannot run cargo to build relay: {e}"),
+    let out = cmd.stdin(Stdio::null()).output().map_err(|e| format!("cannot run cargo: {e}"))?;
+    if !out.status.success() {
+        return Err(format!("cargo build -p relay failed:\n{}", String::from_utf8_lossy(&out.stderr)));
     }
-    assert!(bin.exists(), "relay binary missing at {}", bin.display());
-    bin
+    if !bin.exists() {
+        return Err(format!("cargo built relay but {} is missing", bin.display()));
+    }
+    Ok(bin)
 }
 
 // ----- processes ---------------------------------------------------------------------------
@@ -322,18 +353,35 @@ pub fn run(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, Str
     )
 }
 
-/// Python 3 for the example worker, if installed.
-pub fn python() -> Option<PathBuf> {
-    let ok = Command::new("python3").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status();
-    ok.ok().filter(|s| s.success()).map(|_| PathBuf::from("python3"))
+/// Why the Python example worker cannot run here (no `python3`, or no `websockets` module for
+/// it), if it cannot. Run with the environment `spawn_python` gives the worker.
+pub fn python_missing() -> Option<String> {
+    let mut cmd = Command::new("python3");
+    cmd.args(["-c", "import websockets"]).env_clear().stdout(Stdio::null()).stderr(Stdio::piped());
+    for (k, v) in python_env() {
+        cmd.env(k, v);
+    }
+    match cmd.output() {
+        Err(e) => Some(format!("python3 cannot be run ({e})")),
+        Ok(out) if !out.status.success() => Some(format!(
+            "python3 cannot import `websockets` (python3 -m pip install websockets): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )),
+        Ok(_) => None,
+    }
+}
+
+/// What a Python child inherits: PATH, and what pyenv shims and user site-packages need to
+/// find their installs.
+fn python_env() -> Vec<(String, String)> {
+    ["PATH", "HOME", "PYENV_ROOT", "PYENV_VERSION", "PYTHONPATH", "VIRTUAL_ENV"]
+        .iter()
+        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
+        .collect()
 }
 
 pub fn spawn_python(script: &Path, env: &[(&str, &str)]) -> Proc {
-    // pyenv shims and user site-packages find their installs through these.
-    let inherited: Vec<(String, String)> = ["HOME", "PYENV_ROOT", "PYENV_VERSION", "PYTHONPATH", "VIRTUAL_ENV"]
-        .iter()
-        .filter_map(|k| std::env::var(k).ok().map(|v| (k.to_string(), v)))
-        .collect();
+    let inherited = python_env();
     let mut all: Vec<(&str, &str)> = inherited.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
     all.extend_from_slice(env);
     all.push(("PYTHONUNBUFFERED", "1"));

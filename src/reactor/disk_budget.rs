@@ -1,0 +1,67 @@
+//! The disk budget shared by every upload: file bytes handed to the disk thread and not yet
+//! written. An upload that finds it full stops, and is remembered, so that the write that frees
+//! room wakes every upload waiting on it — not only the one whose bytes were written.
+
+use std::collections::HashSet;
+
+use crate::tasks::ConnRef;
+
+pub(super) struct DiskBudget {
+    limit_bytes: usize,
+    used_bytes: usize,
+    /// Uploads stopped because the budget was full (bounded by the connections).
+    waiting: HashSet<ConnRef>,
+}
+
+impl DiskBudget {
+    pub(super) fn new(limit_bytes: usize) -> DiskBudget {
+        DiskBudget { limit_bytes, used_bytes: 0, waiting: HashSet::new() }
+    }
+
+    pub(super) fn is_full(&self) -> bool {
+        self.used_bytes >= self.limit_bytes
+    }
+
+    pub(super) fn take(&mut self, bytes: usize) {
+        self.used_bytes += bytes;
+    }
+
+    /// `r` stopped because the budget is full: wake it when there is room.
+    pub(super) fn wait(&mut self, r: ConnRef) {
+        self.waiting.insert(r);
+    }
+
+    /// `bytes` were written. Returns the uploads to wake (every one that waited, once there
+    /// is room again).
+    pub(super) fn release(&mut self, bytes: usize) -> Vec<ConnRef> {
+        self.used_bytes = self.used_bytes.saturating_sub(bytes);
+        if self.is_full() { Vec::new() } else { self.waiting.drain().collect() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn(slot: u32) -> ConnRef {
+        ConnRef { slot, generation: 1 }
+    }
+
+    #[test]
+    fn uploads_held_back_only_by_the_disk_budget_are_never_woken() {
+        // Issue 10 #6: a write completing woke only its own upload; others stopped by the
+        // global budget waited until HEADER_TIMEOUT and got 408.
+        let mut b = DiskBudget::new(100);
+        b.take(100);
+        assert!(b.is_full());
+        for s in [2, 3, 3] {
+            b.wait(conn(s));
+        }
+        assert!(b.release(0).is_empty(), "still full: nobody to wake");
+        let mut woken = b.release(10);
+        woken.sort_by_key(|r| r.slot);
+        assert_eq!(woken, [conn(2), conn(3)], "every waiting upload, once");
+        assert!(b.release(10).is_empty(), "woken uploads are forgotten");
+        assert!(!b.is_full());
+    }
+}
