@@ -27,6 +27,8 @@ pub enum Route<'a> {
     Metrics,
     Files,
     File(&'a str),
+    /// The dashboard's files (`/ui`, `/ui/app.js`, `/ui/app.css`).
+    Ui(&'a str),
     NotFound,
 }
 
@@ -40,11 +42,14 @@ impl<'a> Route<'a> {
             "/healthz" => Route::Healthz,
             "/metrics" => Route::Metrics,
             "/files" => Route::Files,
+            "/ui" | "/ui/" => Route::Ui("index.html"),
             _ => {
                 if let Some(id) = path.strip_prefix("/tasks/").filter(|id| !id.is_empty() && !id.contains('/')) {
                     Route::Task(id)
                 } else if let Some(id) = path.strip_prefix("/files/").filter(|id| !id.is_empty() && !id.contains('/')) {
                     Route::File(id)
+                } else if let Some(name) = path.strip_prefix("/ui/").filter(|n| crate::ui::exists(n)) {
+                    Route::Ui(name)
                 } else {
                     Route::NotFound
                 }
@@ -56,8 +61,9 @@ impl<'a> Route<'a> {
     pub fn allow(self) -> &'static str {
         match self {
             Route::Ws => "GET",
-            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) => "GET, HEAD",
-            Route::Tasks | Route::TasksBatch | Route::Files => "POST",
+            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => "GET, HEAD",
+            Route::Tasks => "GET, HEAD, POST",
+            Route::TasksBatch | Route::Files => "POST",
             Route::Task(_) => "GET, HEAD, DELETE",
             Route::NotFound => "",
         }
@@ -67,10 +73,11 @@ impl<'a> Route<'a> {
         match self {
             // HEAD is GET without the body (RFC 9110), except for the WebSocket upgrade.
             Route::Ws => method == Method::Get,
-            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) => {
+            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => {
                 matches!(method, Method::Get | Method::Head)
             }
-            Route::Tasks | Route::TasksBatch | Route::Files => method == Method::Post,
+            Route::Tasks => matches!(method, Method::Get | Method::Head | Method::Post),
+            Route::TasksBatch | Route::Files => method == Method::Post,
             Route::Task(_) => matches!(method, Method::Get | Method::Head | Method::Delete),
             Route::NotFound => false,
         }
@@ -135,7 +142,7 @@ impl Api {
                 }
                 None
             }
-            Route::Healthz | Route::Metrics => None,
+            Route::Healthz | Route::Metrics | Route::Ui(_) => None,
             Route::Files | Route::File(_) => {
                 Some(self.auth.files(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?)
             }
@@ -186,8 +193,15 @@ impl Api {
                 Handled::Respond(r)
             }
             Route::Clients => Handled::Respond(Response::json(200, core.clients_json())),
+            Route::Ui(name) => Handled::Respond(crate::ui::asset(name)),
             Route::Tasks => {
                 let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
+                if head.method != Method::Post {
+                    return Handled::Respond(match crate::listing::parse_query(&head.query) {
+                        Ok(q) => Response::json(200, crate::listing::page(core, &q, identity)),
+                        Err(msg) => error(400, &msg),
+                    });
+                }
                 self.submit(core, io, conn, head, body, identity, wait)
             }
             Route::Task(id_text) => {

@@ -213,6 +213,9 @@ pub struct Core {
     idempotency: HashMap<IdempotencyKey, TaskId>,
     idempotency_expiry: VecDeque<(u64, IdempotencyKey)>,
     held: HashMap<ConnRef, Held>,
+    /// Every known task by its submission sequence number (`Task::submit_seq`), for the
+    /// listing (`GET /tasks`, newest first). Maintained where tasks are inserted and forgotten.
+    by_submission: BTreeMap<u64, TaskId>,
     next_seq: u64,
     rng: Rng,
 }
@@ -242,6 +245,7 @@ impl Core {
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
             held: HashMap::new(),
+            by_submission: BTreeMap::new(),
             next_seq: 1,
             rng: Rng::from_os(),
         }
@@ -251,6 +255,12 @@ impl Core {
 
     pub fn task(&self, id: TaskId) -> Option<&Task> {
         self.tasks.get(&id)
+    }
+
+    /// Tasks by submission, newest first, starting strictly below submission number `below`
+    /// (`u64::MAX`: from the newest). Each item is `(submit_seq, task id)`; see `listing`.
+    pub fn tasks_newest_first(&self, below: u64) -> impl Iterator<Item = (u64, TaskId)> + '_ {
+        self.by_submission.range(..below).rev().map(|(&seq, &id)| (seq, id))
     }
 
     pub fn task_count(&self, status: Status) -> usize {
@@ -396,6 +406,7 @@ impl Core {
         while self.tasks.contains_key(&id) {
             id = self.rng.uuid();
         }
+        let seq = self.take_seq();
         let task = Task {
             id,
             status: Status::Pending,
@@ -411,13 +422,15 @@ impl Core {
             attempts: Vec::new(),
             max_retries: new.max_retries.unwrap_or(self.cfg.max_retries),
             timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
-            seq: self.take_seq(),
+            seq,
+            submit_seq: seq,
             place: Place::Nowhere,
             queued: new.queue || new.run_at_wall_ms.is_some(),
             attempt_timer: None,
             waiters: Vec::new(),
         };
         self.tasks.insert(id, task);
+        self.by_submission.insert(seq, id);
         self.status_counts[Status::Pending.index()] += 1;
         crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
 
@@ -727,6 +740,7 @@ impl Core {
                 && task.status.is_final()
             {
                 self.status_counts[task.status.index()] -= 1;
+                self.by_submission.remove(&task.submit_seq);
                 self.tasks.remove(&id);
             }
         }

@@ -187,8 +187,12 @@ pub struct Task {
     pub attempts: Vec<Attempt>,
     pub max_retries: u32,
     pub timeout_ms: u64,
-    /// Position in the pending queues (due order, then submission order).
+    /// Position in the pending queues (due order, then submission order); a scheduled task
+    /// gets a new one when it falls due.
     pub seq: u64,
+    /// The submission sequence number: set once, never changed. Orders the listing (newest
+    /// first) and is what a listing cursor points at.
+    pub submit_seq: u64,
     /// Which pending queue holds the task, if any.
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
@@ -375,6 +379,7 @@ mod tests {
             max_retries: 2,
             timeout_ms: 10_000,
             seq: 0,
+            submit_seq: 0,
             place: Place::Nowhere,
             queued: false,
             attempt_timer: None,

@@ -6,6 +6,7 @@ mod support;
 mod dispatch;
 mod files;
 mod http_protocol;
+mod listing;
 mod ops;
 mod tasks_api;
 mod tokens;
