@@ -382,9 +382,10 @@ function renderTimeline(t) {
     if (a.error !== undefined) li.appendChild(el('div', 'why', a.error));
     const bar = svg('svg', { viewBox: '0 0 ' + W + ' 8', preserveAspectRatio: 'none' });
     bar.appendChild(svg('rect', { x: 0, y: 0, width: W, height: 8, class: 'track' }));
-    const x = Math.max(0, ((Date.parse(a.started_at) - t0) / span) * W);
-    const w = Math.max(2, ((ends[i] - Date.parse(a.started_at)) / span) * W);
-    bar.appendChild(svg('rect', { x: x.toFixed(1), y: 0, width: Math.min(w, W - x).toFixed(1), height: 8, class: 'bar' }));
+    // Position and length on the task's time line; at least a few pixels so a fast attempt shows.
+    const x = Math.min(W - 4, Math.max(0, ((Date.parse(a.started_at) - t0) / span) * W));
+    const w = Math.max(4, Math.min(W - x, ((ends[i] - Date.parse(a.started_at)) / span) * W));
+    bar.appendChild(svg('rect', { x: x.toFixed(1), y: 0, width: w.toFixed(1), height: 8, class: 'bar' }));
     li.appendChild(bar);
     ol.appendChild(li);
   });

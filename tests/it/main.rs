@@ -3,6 +3,7 @@
 
 mod support;
 
+mod browser;
 mod dispatch;
 mod files;
 mod http_protocol;
