@@ -179,7 +179,16 @@ impl Api {
         connections_open: usize,
     ) -> Handled {
         let route = Route::of(&head.path);
-        let wait = matches!(head.query_param("wait"), Some("true" | "1"));
+        let wait = match head.query_param("wait") {
+            None | Some("false" | "0") => false,
+            Some("true" | "1") => true,
+            // A misspelt value must not quietly turn a blocking call into a non-blocking one.
+            Some(other) if matches!(route, Route::Tasks | Route::Task(_)) => {
+                let msg = format!("invalid wait {:?} (true, false, 1 or 0)", percent_decode(other));
+                return Handled::Respond(error(400, &msg));
+            }
+            Some(_) => false,
+        };
         match route {
             Route::Ws => match upgrade(head) {
                 Ok(accept_key) => Handled::Upgrade { accept_key },
