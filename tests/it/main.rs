@@ -8,6 +8,7 @@ mod dispatch;
 mod files;
 mod http_protocol;
 mod listing;
+mod openapi;
 mod ops;
 mod tasks_api;
 mod tokens;
