@@ -159,6 +159,9 @@ function niceMax(v) {
 function drawChart() {
   const chart = $('chart');
   clear(chart);
+  // Drawn in the element's own pixels, so the labels are not stretched.
+  const W = Math.max(300, Math.round(chart.clientWidth || 600));
+  chart.setAttribute('viewBox', '0 0 ' + W + ' ' + H);
   const r = rates();
   const max = niceMax(Math.max(1, ...r.map((x) => Math.max(x.done, x.failed))));
   for (const f of [0, 0.5, 1]) {
@@ -168,8 +171,14 @@ function drawChart() {
     label.textContent = (max * f).toLocaleString() + '/s';
     chart.appendChild(label);
   }
-  const step = W / CHART_POINTS;
+  // The time axis spans what has been seen (one minute at least, five at most), so a page
+  // opened a moment ago already shows a useful picture.
+  const span = Math.max(30, r.length);
+  const step = W / span;
   const offset = W - r.length * step;
+  const since = svg('text', { x: W - 4, y: H - 2, class: 'axis-label', 'text-anchor': 'end' });
+  since.textContent = 'last ' + Math.round((span * POLL_MS) / 1000) + ' s';
+  chart.appendChild(since);
   for (const key of ['done', 'failed']) {
     const pts = r.map((x, i) => (offset + (i + 1) * step).toFixed(1) + ',' + (H - 12 - (x[key] / max) * (H - 24)).toFixed(1));
     if (pts.length) chart.appendChild(svg('polyline', { points: pts.join(' '), class: key }));
