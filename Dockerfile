@@ -7,6 +7,9 @@
 # The build stage runs the same command as README "Quickstart" (static-pie, LTO, stripped);
 # the final image holds the two binaries, an empty /data owned by the unprivileged user, and
 # nothing else: no shell, no libc, no CA store (the worker compiles the web PKI roots in).
+# Randomness comes from /dev/urandom (a static glibc binary cannot look up getrandom(2) at run
+# time), which every container runtime provides. Checked without a Docker engine by running the
+# binaries in an empty chroot holding only them, /data and /dev/{null,random,urandom}.
 
 FROM rust:1-bookworm AS build
 WORKDIR /src
