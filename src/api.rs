@@ -15,6 +15,8 @@ use crate::tasks::{ConnRef, TaskId, parse_id, push_uuid};
 
 /// Longest accepted `Idempotency-Key`.
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
+/// Longest accepted `payload.kind` (SPEC §4): kinds become routing keys and log values.
+pub const MAX_KIND_BYTES: usize = 128;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route<'a> {
@@ -438,6 +440,9 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
     } else {
         None
     };
+    if kind.as_deref().is_some_and(|k| k.len() > MAX_KIND_BYTES) {
+        return Err(format!("payload.kind is longer than {MAX_KIND_BYTES} bytes"));
+    }
     let run_at_wall_ms = match (raw.delay, raw.run_at) {
         (Some(_), Some(_)) => return Err("give either delay or run_at, not both".into()),
         (Some(delay), None) => {
@@ -526,6 +531,10 @@ mod tests {
         check_submit("not json", Err("invalid JSON"));
         check_submit(r#"{"payload":{"kind":5}}"#, Err("payload.kind must be a string"));
         check_submit(r#"{"payload":{"kind":null}}"#, Err("payload.kind must be a string"));
+        let longest = format!(r#"{{"payload":{{"kind":"{}"}}}}"#, "k".repeat(MAX_KIND_BYTES));
+        check_submit(&longest, Ok((Some(&"k".repeat(MAX_KIND_BYTES)), None, false)));
+        let over = format!(r#"{{"payload":{{"kind":"{}é"}}}}"#, "k".repeat(MAX_KIND_BYTES - 1));
+        check_submit(&over, Err("longer than 128 bytes"));
         check_submit(r#"{"payload":1,"delay":"1s","run_at":"2030-01-01T00:00:00Z"}"#, Err("not both"));
         check_submit(r#"{"payload":1,"delay":"soon"}"#, Err("invalid delay"));
         check_submit(r#"{"payload":1,"run_at":"tomorrow"}"#, Err("invalid run_at"));

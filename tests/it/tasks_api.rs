@@ -429,3 +429,13 @@ fn a_misspelt_wait_value_is_400_not_silently_ignored() {
     let r = relay.api("GET", "/healthz", None).json();
     assert_eq!(r["tasks"]["pending"], 1, "the refused submits stored nothing");
 }
+
+/// Found by schemathesis (also issue 10 #10): a `payload.kind` over 128 bytes was accepted.
+#[test]
+fn a_kind_over_128_bytes_is_400_not_accepted() {
+    let relay = Relay::start();
+    let r = relay.submit(&format!(r#"{{"payload":{{"kind":"{}"}},"queue":true}}"#, "k".repeat(129)));
+    assert_eq!((r.status, r.error().as_str()), (400, "bad_request"), "{}", r.text());
+    let r = relay.submit(&format!(r#"{{"payload":{{"kind":"{}"}},"queue":true}}"#, "k".repeat(128)));
+    assert_eq!(r.status, 202, "{}", r.text());
+}
