@@ -33,6 +33,8 @@ pub enum Route<'a> {
     Metrics,
     Files,
     File(&'a str),
+    /// The dashboard's files (`/ui`, `/ui/app.js`, `/ui/app.css`).
+    Ui(&'a str),
     NotFound,
 }
 
@@ -46,11 +48,14 @@ impl<'a> Route<'a> {
             "/healthz" => Route::Healthz,
             "/metrics" => Route::Metrics,
             "/files" => Route::Files,
+            "/ui" | "/ui/" => Route::Ui("index.html"),
             _ => {
                 if let Some(id) = path.strip_prefix("/tasks/").filter(|id| !id.is_empty() && !id.contains('/')) {
                     Route::Task(id)
                 } else if let Some(id) = path.strip_prefix("/files/").filter(|id| !id.is_empty() && !id.contains('/')) {
                     Route::File(id)
+                } else if let Some(name) = path.strip_prefix("/ui/").filter(|n| crate::ui::exists(n)) {
+                    Route::Ui(name)
                 } else {
                     Route::NotFound
                 }
@@ -62,8 +67,9 @@ impl<'a> Route<'a> {
     pub fn allow(self) -> &'static str {
         match self {
             Route::Ws => "GET",
-            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) => "GET, HEAD",
-            Route::Tasks | Route::TasksBatch | Route::Files => "POST",
+            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => "GET, HEAD",
+            Route::Tasks => "GET, HEAD, POST",
+            Route::TasksBatch | Route::Files => "POST",
             Route::Task(_) => "GET, HEAD, DELETE",
             Route::NotFound => "",
         }
@@ -73,10 +79,11 @@ impl<'a> Route<'a> {
         match self {
             // HEAD is GET without the body (RFC 9110), except for the WebSocket upgrade.
             Route::Ws => method == Method::Get,
-            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) => {
+            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => {
                 matches!(method, Method::Get | Method::Head)
             }
-            Route::Tasks | Route::TasksBatch | Route::Files => method == Method::Post,
+            Route::Tasks => matches!(method, Method::Get | Method::Head | Method::Post),
+            Route::TasksBatch | Route::Files => method == Method::Post,
             Route::Task(_) => matches!(method, Method::Get | Method::Head | Method::Delete),
             Route::NotFound => false,
         }
@@ -141,7 +148,7 @@ impl Api {
                 }
                 None
             }
-            Route::Healthz | Route::Metrics => None,
+            Route::Healthz | Route::Metrics | Route::Ui(_) => None,
             Route::Files | Route::File(_) => {
                 Some(self.auth.files(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?)
             }
@@ -180,7 +187,16 @@ impl Api {
         connections_open: usize,
     ) -> Handled {
         let route = Route::of(&head.path);
-        let wait = matches!(head.query_param("wait"), Some("true" | "1"));
+        let wait = match head.query_param("wait") {
+            None | Some("false" | "0") => false,
+            Some("true" | "1") => true,
+            // A misspelt value must not quietly turn a blocking call into a non-blocking one.
+            Some(other) if matches!(route, Route::Tasks | Route::Task(_)) => {
+                let msg = format!("invalid wait {:?} (true, false, 1 or 0)", percent_decode(other));
+                return Handled::Respond(error(400, &msg));
+            }
+            Some(_) => false,
+        };
         match route {
             Route::Ws => match upgrade(head) {
                 Ok(accept_key) => Handled::Upgrade { accept_key },
@@ -194,8 +210,23 @@ impl Api {
                 Handled::Respond(r)
             }
             Route::Clients => Handled::Respond(Response::json(200, core.clients_json())),
+            Route::Ui(name) => Handled::Respond(crate::ui::asset(name)),
             Route::Tasks => {
                 let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
+                if head.method != Method::Post {
+                    let q = match crate::listing::parse_query(&head.query) {
+                        Ok(q) => q,
+                        Err(msg) => return Handled::Respond(error(400, &msg)),
+                    };
+                    let plan = crate::listing::plan(core, &q, identity);
+                    if plan.evicted.is_empty() {
+                        let mut r = Response::json(200, crate::listing::render(&plan.pieces, plan.next));
+                        r.lsn = plan.lsn;
+                        return Handled::Respond(r);
+                    }
+                    core.read_page(io, conn, plan, q.kind, identity);
+                    return Handled::Held;
+                }
                 self.submit(core, io, conn, head, body, identity, wait)
             }
             Route::Task(id_text) => {
@@ -570,6 +601,9 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
     } else {
         None
     };
+    if kind.as_deref().is_some_and(|k| k.len() > MAX_KIND_BYTES) {
+        return Err(format!("payload.kind is longer than {MAX_KIND_BYTES} bytes"));
+    }
     let run_at_wall_ms = match (raw.delay, raw.run_at) {
         (Some(_), Some(_)) => return Err("give either delay or run_at, not both".into()),
         (Some(delay), None) => {
@@ -665,6 +699,10 @@ mod tests {
         check_submit("not json", Err("invalid JSON"));
         check_submit(r#"{"payload":{"kind":5}}"#, Err("payload.kind must be a string"));
         check_submit(r#"{"payload":{"kind":null}}"#, Err("payload.kind must be a string"));
+        let longest = format!(r#"{{"payload":{{"kind":"{}"}}}}"#, "k".repeat(MAX_KIND_BYTES));
+        check_submit(&longest, Ok((Some(&"k".repeat(MAX_KIND_BYTES)), None, false)));
+        let over = format!(r#"{{"payload":{{"kind":"{}é"}}}}"#, "k".repeat(MAX_KIND_BYTES - 1));
+        check_submit(&over, Err("longer than 128 bytes"));
         check_submit(r#"{"payload":1,"delay":"1s","run_at":"2030-01-01T00:00:00Z"}"#, Err("not both"));
         check_submit(r#"{"payload":1,"delay":"soon"}"#, Err("invalid delay"));
         check_submit(r#"{"payload":1,"run_at":"tomorrow"}"#, Err("invalid run_at"));

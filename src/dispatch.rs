@@ -127,6 +127,19 @@ pub enum ReadFor {
     PostWait,
     /// `DELETE`: the task is final already, 409.
     Cancel,
+    /// One task of a listing page (`GET /tasks`): `page` names it, `index` is its place.
+    Page { page: u64, index: usize },
+}
+
+/// A listing page waiting for tasks read back from the journal.
+struct PendingPage {
+    conn: ConnRef,
+    pieces: Vec<Option<String>>,
+    missing: usize,
+    next: Option<u64>,
+    lsn: u64,
+    /// The page's `kind` filter, checked exactly once a task is read back.
+    kind: Option<String>,
 }
 
 struct PendingRead {
@@ -293,6 +306,9 @@ pub struct Core {
     idempotency: HashMap<IdempotencyKey, TaskId>,
     idempotency_expiry: VecDeque<(u64, IdempotencyKey)>,
     held: HashMap<ConnRef, Held>,
+    /// Every known task by its submission sequence number (`Task::submit_seq`), for the
+    /// listing (`GET /tasks`, newest first). Maintained where tasks are inserted and forgotten.
+    by_submission: BTreeMap<u64, TaskId>,
     next_seq: u64,
     rng: Rng,
     pub storage: Storage,
@@ -303,6 +319,7 @@ pub struct Core {
     /// Index into `finished` of the oldest task that may still be in memory.
     evict_next: usize,
     reads: HashMap<u64, PendingRead>,
+    pages: HashMap<u64, PendingPage>,
     next_read: u64,
     /// Compaction: the stale segment being cleared and the next task-table shard to scan.
     compacting: Option<(u32, usize)>,
@@ -338,6 +355,7 @@ impl Core {
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
             held: HashMap::new(),
+            by_submission: BTreeMap::new(),
             next_seq: 1,
             rng: Rng::from_os(),
             storage: Storage::Memory,
@@ -345,6 +363,7 @@ impl Core {
             finished_mem: 0,
             evict_next: 0,
             reads: HashMap::new(),
+            pages: HashMap::new(),
             next_read: 1,
             compacting: None,
             compacted_upto: 0,
@@ -356,6 +375,12 @@ impl Core {
 
     pub fn task(&self, id: TaskId) -> Option<&Task> {
         self.tasks.get(&id)
+    }
+
+    /// Tasks by submission, newest first, starting strictly below submission number `below`
+    /// (`u64::MAX`: from the newest). Each item is `(submit_seq, task id)`; see `listing`.
+    pub fn tasks_newest_first(&self, below: u64) -> impl Iterator<Item = (u64, TaskId)> + '_ {
+        self.by_submission.range(..below).rev().map(|(&seq, &id)| (seq, id))
     }
 
     pub fn task_count(&self, status: Status) -> usize {
@@ -544,6 +569,7 @@ impl Core {
         };
         self.tasks.insert(id, task);
         self.record(id, Rec::Whole);
+        self.by_submission.insert(seq, id);
         self.status_counts[Status::Pending.index()] += 1;
         self.pending_bytes += new.payload.get().len();
         crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
@@ -1186,10 +1212,12 @@ impl Core {
             self.status_counts[task.status.index()] -= 1;
             self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
             let stored = task.stored;
+            self.by_submission.remove(&task.submit_seq);
             self.tasks.remove(&id);
             stored
         } else if let Some(e) = self.evicted.remove(&id) {
             self.status_counts[e.status.index()] -= 1;
+            self.by_submission.remove(&e.submit_seq);
             Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] }
         } else {
             return;

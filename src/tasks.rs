@@ -193,8 +193,12 @@ pub struct Task {
     pub attempts: Vec<Attempt>,
     pub max_retries: u32,
     pub timeout_ms: u64,
-    /// Position in the pending queues (due order, then submission order).
+    /// Position in the pending queues (due order, then submission order); a scheduled task
+    /// gets a new one when it falls due.
     pub seq: u64,
+    /// The submission sequence number: set once, never changed. Orders the listing (newest
+    /// first), is what a listing cursor points at, and breaks ties in due order after a restart.
+    pub submit_seq: u64,
     /// Which pending queue holds the task, if any.
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
@@ -206,8 +210,6 @@ pub struct Task {
     /// Read back from the journal at start: it waits for a worker however long it takes
     /// (it was accepted), like a `queue: true` task, retries included.
     pub restored: bool,
-    /// Submission order, never changed (listing order; ties in due order after a restart).
-    pub submit_seq: u64,
     /// (token identity, `Idempotency-Key`) it was submitted with: a key lives with its task.
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
     /// Where the storage backend keeps the task; `stored.lsn` is the newest record about it,
@@ -446,12 +448,12 @@ mod tests {
             max_retries: 2,
             timeout_ms: 10_000,
             seq: 0,
+            submit_seq: 0,
             place: Place::Nowhere,
             queued: false,
             attempt_timer: None,
             waiters: Vec::new(),
             restored: false,
-            submit_seq: 0,
             idempotency: None,
             stored: Stored::default(),
         }

@@ -77,6 +77,7 @@ impl Core {
                 }
                 Storage::Memory => {
                     self.status_counts[task.status.index()] -= 1;
+                    self.by_submission.remove(&task.submit_seq);
                     if !self.logged_forgetting {
                         self.logged_forgetting = true;
                         crate::log!(
@@ -145,6 +146,7 @@ impl Core {
             if let Some(key) = light.idempotency {
                 self.remember_key(*key, id, forget_wall - wall);
             }
+            self.by_submission.insert(light.evicted.submit_seq, id);
             self.evicted.insert(id, light.evicted);
             finished.push((light.finished_wall_ms, id));
             restored += 1;
@@ -153,6 +155,7 @@ impl Core {
         for mut task in tasks {
             self.next_seq = self.next_seq.max(task.submit_seq);
             let id = task.id;
+            self.by_submission.insert(task.submit_seq, id);
             task.created_mono_ms = now.saturating_sub(wall.saturating_sub(task.created_wall_ms));
             if task.status.is_final() {
                 let finished_wall = task.finished_wall_ms.unwrap_or(task.created_wall_ms);
@@ -248,6 +251,47 @@ impl Core {
         true
     }
 
+    /// Completes a listing page whose `plan` reached tasks that left memory: they are read back
+    /// (reader thread), and the page is answered through [`Io::reply`] once all are in.
+    pub fn read_page(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        plan: crate::listing::Plan,
+        kind: Option<String>,
+        identity: &Identity,
+    ) {
+        let page = self.next_read;
+        self.next_read += 1;
+        let missing = plan.evicted.len();
+        self.pages
+            .insert(page, PendingPage { conn, pieces: plan.pieces, missing, next: plan.next, lsn: plan.lsn, kind });
+        for (index, id) in plan.evicted {
+            if !self.read_evicted(conn, id, ReadFor::Page { page, index }, identity) {
+                // (Not expected: the plan was made this very turn.) Left out of the page.
+                self.finish_piece(io, page, index, None);
+            }
+        }
+    }
+
+    /// One task of a page came back (`None`: left out); the page is answered when it is whole.
+    fn finish_piece(&mut self, io: &mut dyn Io, page: u64, index: usize, json: Option<String>) {
+        let Some(p) = self.pages.get_mut(&page) else { return };
+        if let Some(slot) = p.pieces.get_mut(index) {
+            *slot = json;
+        }
+        p.missing = p.missing.saturating_sub(1);
+        if p.missing > 0 {
+            return;
+        }
+        if let Some(p) = self.pages.remove(&page) {
+            let mut r = Response::json(200, crate::listing::render(&p.pieces, p.next));
+            r.lsn = p.lsn;
+            self.metrics.http_request(200);
+            io.reply(p.conn, r);
+        }
+    }
+
     /// The reader thread answered: the waiting request gets the task (or 404 if it went).
     pub fn on_read_done(&mut self, io: &mut dyn Io, done: ReadDone) {
         let Some(pending) = self.reads.remove(&done.token) else { return };
@@ -258,6 +302,20 @@ impl Core {
             },
             _ => None,
         });
+        if let ReadFor::Page { page, index } = pending.purpose {
+            let wanted = self.pages.get(&page).map(|p| p.kind.clone());
+            let json = task.filter(|t| {
+                pending.identity.allows_kind(t.kind.as_deref())
+                    && wanted.as_ref().is_some_and(|k| k.as_deref().is_none_or(|k| t.kind.as_deref() == Some(k)))
+            });
+            let json = json.map(|t| {
+                let mut s = String::new();
+                t.write_json(&mut s);
+                s
+            });
+            self.finish_piece(io, page, index, json);
+            return;
+        }
         let response = match task {
             Some(task) if pending.identity.allows_kind(task.kind.as_deref()) => match pending.purpose {
                 ReadFor::Get => task_response(&task, false),
@@ -267,6 +325,7 @@ impl Core {
                     r.status = 409;
                     r
                 }
+                ReadFor::Page { .. } => return,
             },
             Some(_) => Response::error(404, "not_found", "no such task"),
             None if self.evicted.contains_key(&pending.id) => {

@@ -128,6 +128,10 @@ impl Server {
                             Step::Finish(Ok(files::Uploaded::default()))
                         } else if used > 0 {
                             Step::Progress
+                        } else if avail as u64 == up.body_left {
+                            // The whole body is here and the parser wants more: no more can
+                            // come, so the multipart is malformed (answered now, not at 408).
+                            Step::Finish(Ok(files::Uploaded::default()))
                         } else {
                             Step::Wait
                         }

@@ -373,3 +373,22 @@ fn uploads_and_slow_downloads_keep_memory_flat_and_others_are_served() {
     let mut next = Vec::new();
     assert_eq!(read_head(&mut slow, &mut next).0, 200);
 }
+
+/// Found by schemathesis: a complete body whose part never ends its headers made the upload
+/// wait for bytes that could not come, and the client got 408 after HEADER_TIMEOUT.
+#[test]
+fn a_complete_upload_body_with_an_unfinished_multipart_is_400_at_once_not_408() {
+    let blobs = TempDir::new("unfinished");
+    let relay = start(&blobs, &[("HEADER_TIMEOUT", "10s")]);
+    let auth = format!("Bearer {API}");
+    let ct = ("Content-Type", "multipart/form-data; boundary=b");
+    for body in
+        [&b"--b\r\n54492723313104969007104--b--\r\n"[..], b"--b\r\nContent-Disposition: form-data; name=\"file\""]
+    {
+        let started = Instant::now();
+        let r = request(relay.addr, "POST", "/files", &[("Authorization", &auth), ct], Some(body));
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert!(started.elapsed() < Duration::from_secs(5), "answered at once, not at HEADER_TIMEOUT");
+    }
+    assert!(poll_until(Duration::from_secs(5), || blobs.names().is_empty()), "nothing kept: {:?}", blobs.names());
+}

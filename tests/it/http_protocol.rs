@@ -179,7 +179,7 @@ fn errors_are_json_with_the_right_codes() {
 
     let r = request(relay.addr, "PUT", "/tasks", &[], None);
     assert_eq!(r.status, 405);
-    assert_eq!(r.header("Allow"), Some("POST"));
+    assert_eq!(r.header("Allow"), Some("GET, HEAD, POST"));
     let r = request(relay.addr, "GET", "/tasks/batch", &[], None);
     assert_eq!((r.status, r.header("Allow")), (405, Some("POST")));
     let r = request(relay.addr, "POST", "/tasks/0b9d2f7e-8f7e-4a63-9a1c-2d4c6f1e0a11", &[], None);

@@ -641,3 +641,44 @@ fn a_failed_journal_write_is_fatal() {
     assert!(relay.log_text().contains("journal write failed"), "{}", relay.log_text());
     assert!(acked < 64 && acked * 16 * 1024 <= 256 * 1024, "acknowledged {acked} tasks of 16 KiB on a 256 KiB disk");
 }
+
+#[test]
+fn the_listing_finds_finished_tasks_that_left_memory() {
+    let dir = DataDir::new("list");
+    let relay = start(&dir, &[("TASK_MEMORY", "8192")]);
+    let worker = FakeWorker::connect(&relay, Some(json!({"type": "hello", "kinds": ["even", "odd"]})), Auto::Echo);
+    let mut done = Vec::new();
+    for i in 0..60 {
+        let kind = if i % 2 == 0 { "even" } else { "odd" };
+        let r = relay.api("POST", "/tasks?wait=true", Some(&json!({"payload": {"kind": kind, "i": i}}).to_string()));
+        assert_eq!(r.status, 200);
+        done.push(r.json());
+    }
+    let pending = queued(&relay, json!({"kind": "later", "i": "last"}));
+    assert!(
+        poll_until(Duration::from_secs(5), || metric_value(&relay, "relay_tasks_on_disk").is_some_and(|n| n > 20.0))
+    );
+    // Everything, newest first, in pages of 7: memory and disk mixed.
+    let mut listed = Vec::new();
+    let mut cursor = String::new();
+    loop {
+        let r = relay.api("GET", &format!("/tasks?limit=7{cursor}"), None);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let page = r.json();
+        listed.extend(page["tasks"].as_array().cloned().expect("tasks"));
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = format!("&cursor={c}"),
+            None => break,
+        }
+    }
+    let mut expected: Vec<Value> = done.iter().rev().cloned().collect();
+    expected.insert(0, relay.get_task(&pending));
+    assert_eq!(listed, expected, "every task once, newest first, as GET shows it");
+    // Filters apply to tasks read back too.
+    let evens = relay.api("GET", "/tasks?status=done&kind=even&limit=1000", None).json();
+    let evens = evens["tasks"].as_array().cloned().expect("tasks");
+    assert_eq!(evens.len(), 30);
+    assert!(evens.iter().all(|t| t["kind"] == "even" && t["status"] == "done"));
+    assert_eq!(evens.last(), done.first());
+    drop(worker);
+}

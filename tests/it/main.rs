@@ -3,10 +3,13 @@
 
 mod support;
 
+mod browser;
 mod dispatch;
 mod files;
 mod http_protocol;
 mod journal;
+mod listing;
+mod openapi;
 mod ops;
 mod regressions;
 mod tasks_api;

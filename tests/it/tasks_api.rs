@@ -422,3 +422,31 @@ fn idempotency_keys_live_as_long_as_their_task_and_ignore_the_replayed_body() {
     assert_eq!(again.status, 202, "{}", again.text());
     assert_eq!(id_of(&again), id_of(&first));
 }
+
+/// Found by schemathesis: `wait=yes` (or any value but true/1) was silently taken as "don't
+/// wait", so a caller expecting the final task got a 202 instead.
+#[test]
+fn a_misspelt_wait_value_is_400_not_silently_ignored() {
+    let relay = Relay::start();
+    let id = relay.submit(r#"{"payload":1,"queue":true}"#).json()["task_id"].as_str().expect("id").to_string();
+    for path in ["/tasks?wait=yes".to_string(), format!("/tasks/{id}?wait=AAA"), "/tasks?wait=".into()] {
+        let method = if path == format!("/tasks/{id}?wait=AAA") { "GET" } else { "POST" };
+        let r = relay.api(method, &path, Some(r#"{"payload":1,"queue":true}"#).filter(|_| method == "POST"));
+        assert_eq!((r.status, r.error().as_str()), (400, "bad_request"), "{method} {path}: {}", r.text());
+    }
+    assert_eq!(relay.api("GET", &format!("/tasks/{id}?wait=false"), None).status, 200);
+    assert_eq!(relay.api("GET", "/healthz?wait=whatever", None).status, 200, "other routes ignore it");
+    assert_eq!(relay.get_task(&id)["status"], "pending");
+    let r = relay.api("GET", "/healthz", None).json();
+    assert_eq!(r["tasks"]["pending"], 1, "the refused submits stored nothing");
+}
+
+/// Found by schemathesis (also issue 10 #10): a `payload.kind` over 128 bytes was accepted.
+#[test]
+fn a_kind_over_128_bytes_is_400_not_accepted() {
+    let relay = Relay::start();
+    let r = relay.submit(&format!(r#"{{"payload":{{"kind":"{}"}},"queue":true}}"#, "k".repeat(129)));
+    assert_eq!((r.status, r.error().as_str()), (400, "bad_request"), "{}", r.text());
+    let r = relay.submit(&format!(r#"{{"payload":{{"kind":"{}"}},"queue":true}}"#, "k".repeat(128)));
+    assert_eq!(r.status, 202, "{}", r.text());
+}

@@ -366,3 +366,25 @@ fn cli_output_and_exit_codes() {
     assert_eq!(code, Some(2));
     assert!(err.contains("TOKEN_SECRET") && !err.contains("too-short"), "names the variable, not the value: {err}");
 }
+
+#[test]
+fn scoped_tokens_list_only_their_kinds() {
+    let store = Store::new("list");
+    let relay = store.start_relay();
+    let t = store.create("http-only", "http", "1h");
+    let http = id_of(&relay.submit(r#"{"payload":{"kind":"http"},"queue":true}"#));
+    let _file = id_of(&relay.submit(r#"{"payload":{"kind":"file"},"queue":true}"#));
+    let _none = id_of(&relay.submit(r#"{"payload":{"x":1},"queue":true}"#));
+    let ids = |r: &Resp| -> Vec<String> {
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["tasks"]
+            .as_array()
+            .expect("tasks")
+            .iter()
+            .map(|t| t["task_id"].as_str().expect("id").to_string())
+            .collect()
+    };
+    assert_eq!(ids(&call(&relay, "GET", "/tasks", &t.token, None)), [http]);
+    assert_eq!(ids(&call(&relay, "GET", "/tasks?kind=file", &t.token, None)), Vec::<String>::new());
+    assert_eq!(ids(&call(&relay, "GET", "/tasks", API, None)).len(), 3, "root lists every kind");
+}

@@ -1,0 +1,144 @@
+//! The dashboard in a real browser: Debian's Chromium driven by playwright-core
+//! (`tests/browser/dashboard.mjs`) against the real relay with two scripted workers. Needs
+//! `/usr/bin/chromium`, `node` and `npm ci` in `tests/browser`; `.ci/run` installs them. With
+//! `CI=true` a missing tool fails the test; otherwise it is skipped, loudly.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::support::*;
+
+const CHROMIUM: &str = "/usr/bin/chromium";
+
+/// True when CI says every external tool must be there.
+pub fn tools_required() -> bool {
+    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
+}
+
+/// `Err(why)` when a tool is missing: a failure under CI, a loud skip elsewhere.
+pub fn skip_or_fail(test: &str, why: &str) {
+    if tools_required() {
+        panic!("{test}: {why} (CI=true: required; .ci/run installs it)");
+    }
+    eprintln!("\n*** SKIPPED {test}: {why} (set CI=true to make this a failure) ***\n");
+}
+
+fn browser_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser")
+}
+
+pub fn artifacts_dir() -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target"));
+    target.join("test-artifacts")
+}
+
+fn missing_browser_tools() -> Option<String> {
+    if !Path::new(CHROMIUM).exists() {
+        return Some(format!("{CHROMIUM} is not installed (apt-get install chromium)"));
+    }
+    if Command::new("node").arg("--version").stdout(Stdio::null()).status().map_or(true, |s| !s.success()) {
+        return Some("node is not installed".into());
+    }
+    if !browser_dir().join("node_modules/playwright-core/package.json").exists() {
+        return Some("tests/browser/node_modules is missing (npm ci --prefix tests/browser)".into());
+    }
+    None
+}
+
+#[test]
+fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
+    let name = "browser::dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload";
+    if let Some(why) = missing_browser_tools() {
+        return skip_or_fail(name, &why);
+    }
+    let relay = Relay::start_with(&[("TASK_TIMEOUT", "5s")]);
+    let hello = |v: &str| Some(json!({"type": "hello", "concurrency": 8, "version": v}));
+    let flaky =
+        FakeWorker::connect(&relay, hello("scripted-flaky/1"), Auto::Fail("upstream refused the connection".into()));
+    let good = FakeWorker::connect(&relay, hello("scripted-echo/1"), Auto::Echo);
+    relay.wait_clients(2, |c| c["version"].is_string());
+    let workers: Vec<String> = relay.clients()["clients"]
+        .as_array()
+        .expect("clients")
+        .iter()
+        .map(|c| c["client_id"].as_str().expect("client_id").to_string())
+        .collect();
+
+    // Round-robin alternates: one of two consecutive tasks starts on the flaky worker.
+    let mut fallback = None;
+    for _ in 0..4 {
+        let r = relay.submit(r#"{"payload":{"kind":"fetch","spec":{"url":"https://example.invalid/"}}}"#);
+        assert_eq!(r.status, 202, "{}", r.text());
+        let id = r.json()["task_id"].as_str().expect("task_id").to_string();
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        if t["attempts"] == 2 {
+            fallback = Some(id);
+            break;
+        }
+    }
+    let fallback = fallback.expect("a task that failed on its first worker and was done on the second");
+    let hostile = json!({"payload": {
+        "kind": "<img src=x onerror=window.__xss=1>",
+        "note": "<script>window.__xss=2</script><img src=x onerror=\"window.__xss=3;alert(3)\">",
+    }});
+    let r = relay.submit(&hostile.to_string());
+    assert_eq!(r.status, 202, "{}", r.text());
+    let xss = r.json()["task_id"].as_str().expect("task_id").to_string();
+    relay.wait_status(&xss, "done", Duration::from_secs(5));
+    let r = relay.submit(r#"{"payload":{"kind":"report"},"delay":"1h"}"#);
+    let delayed = r.json()["task_id"].as_str().expect("task_id").to_string();
+
+    let artifacts = artifacts_dir();
+    std::fs::create_dir_all(&artifacts).expect("artifacts dir");
+    let user_data = std::env::temp_dir().join(format!("relay-chromium-{}", uuid::Uuid::new_v4().simple()));
+    let out = std::fs::File::create(artifacts.join("browser.log")).expect("log file");
+    let err = out.try_clone().expect("log file");
+    let mut node = Command::new("node")
+        .arg("dashboard.mjs")
+        .current_dir(browser_dir())
+        .env("RELAY_URL", format!("http://{}", relay.addr))
+        .env("API_TOKEN", API)
+        .env("WORKERS", workers.join(","))
+        .env("FALLBACK_TASK", &fallback)
+        .env("XSS_TASK", &xss)
+        .env("DELAYED_TASK", &delayed)
+        .env("ARTIFACTS", &artifacts)
+        .env("USER_DATA_DIR", &user_data)
+        .stdin(Stdio::null())
+        .stdout(out)
+        .stderr(err)
+        .spawn()
+        .expect("spawn node");
+
+    // Traffic for the live chart while the browser looks (bounded by the deadline).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut n = 0u32;
+    let status = loop {
+        if let Some(status) = node.try_wait().expect("wait node") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = node.kill();
+            let _ = node.wait();
+            break None;
+        }
+        // Some with no retry, so the flaky worker fails a few for good.
+        let retries = if n.is_multiple_of(3) { 0 } else { 2 };
+        relay.submit(&format!(r#"{{"payload":{{"kind":"load","n":{n}}},"max_retries":{retries}}}"#));
+        n += 1;
+        std::thread::sleep(Duration::from_millis(150));
+    };
+    let _ = std::fs::remove_dir_all(&user_data);
+    let log = std::fs::read_to_string(artifacts.join("browser.log")).unwrap_or_default();
+    eprintln!("{log}");
+    assert!(status.is_some(), "the browser test did not finish within 120 s");
+    assert!(status.is_some_and(|s| s.success()), "the browser test failed (artefacts in {})", artifacts.display());
+    assert!(artifacts.join("dashboard.png").exists(), "screenshot written");
+    eprintln!("screenshots: {}", artifacts.display());
+    drop((flaky, good));
+}
