@@ -70,7 +70,13 @@ fn serve() -> ExitCode {
         version = env!("CARGO_PKG_VERSION"),
         max_connections = cfg.max_connections
     );
-    if let Some(dir) = &cfg.data_dir {
+    if let Some(db) = &cfg.database {
+        relay::log!(
+            Level::Warn,
+            "DATABASE_URL is set but cluster mode is not wired into the server yet: running as a single node",
+            database = db
+        );
+    } else if let Some(dir) = &cfg.data_dir {
         relay::log!(
             Level::Info,
             "tasks are kept in memory only: the journal in DATA_DIR is not implemented yet",

@@ -718,7 +718,7 @@ mod tests {
 
     fn cli(store: &Path, line: &str, now_ms: u64) -> (Result<(), CliError>, String) {
         let mut out = String::new();
-        let cfg = || Ok(TokenConfig { secret: Some(SECRET.into()), store: store.to_path_buf() });
+        let cfg = || Ok(TokenConfig { secret: Some(SECRET.into()), store: store.to_path_buf(), database: None });
         let r = run(&args(line), cfg, now_ms, &mut out);
         (r, out)
     }
@@ -857,7 +857,7 @@ mod tests {
         assert!(out.contains("relay token create"));
 
         let mut out = String::new();
-        let none = || Ok(TokenConfig { secret: None, store: store.clone() });
+        let none = || Ok(TokenConfig { secret: None, store: store.clone(), database: None });
         let r = run(&args("list"), none, NOW_MS, &mut out);
         assert_eq!(r.map_err(|e| e.exit_code()), Err(2), "no TOKEN_SECRET");
         let long_name = format!("--name {} --kinds http --ttl 1h", "n".repeat(MAX_NAME_BYTES + 1));

@@ -1,0 +1,7 @@
+//! Cluster mode (SPEC §11, docs/cluster.md): several relay nodes sharing one PostgreSQL
+//! database. This folder owns everything that speaks to PostgreSQL; nothing here touches the
+//! event loop's sockets, and the loop never waits on anything here.
+//!
+//! - `url`: `DATABASE_URL` → connection parameters (pure).
+
+pub mod url;
