@@ -7,6 +7,7 @@ mod dispatch;
 mod files;
 mod http_protocol;
 mod ops;
+mod pg_cluster;
 mod tasks_api;
 mod tokens;
 mod websocket;
