@@ -3,5 +3,7 @@
 //! event loop's sockets, and the loop never waits on anything here.
 //!
 //! - `url`: `DATABASE_URL` → connection parameters (pure).
+//! - `wire`: a blocking PostgreSQL client with pipelining (helper threads and the CLI only).
 
 pub mod url;
+pub mod wire;

@@ -257,6 +257,13 @@ impl Pg {
         String::from_utf8_lossy(&out.stdout).trim().to_string()
     }
 
+    /// Replaces `pg_hba.conf` and reloads the server (SIGHUP). The reload is asynchronous:
+    /// callers poll for its effect.
+    pub fn set_hba(&self, content: &str) {
+        std::fs::write(self.data.join("pg_hba.conf"), content).expect("write pg_hba.conf");
+        self.signal(libc::SIGHUP);
+    }
+
     fn signal(&self, sig: i32) {
         if let Some(pid) = self.pid() {
             // SAFETY: kill(2) on the PID of a child we spawned and have not reaped.
