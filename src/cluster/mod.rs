@@ -4,6 +4,10 @@
 //!
 //! - `url`: `DATABASE_URL` → connection parameters (pure).
 //! - `wire`: a blocking PostgreSQL client with pipelining (helper threads and the CLI only).
+//! - `schema`: the tables, and migrations run at start under an advisory lock.
+//! - `sql`: every statement the cluster runs, with builders for their parameters.
 
+pub mod schema;
+pub mod sql;
 pub mod url;
 pub mod wire;

@@ -432,19 +432,12 @@ impl Conn {
             };
             let formats = stmt.params.iter().map(|p| i16::from(matches!(p, Param::Bytes(_))));
             let result_format = [i16::from(stmt.binary_results)];
-            frontend::bind(
-                "",
-                &name,
-                formats,
-                stmt.params.iter(),
-                encode,
-                result_format,
-                &mut self.wbuf,
-            )
-            .map_err(|e| match e {
-                frontend::BindError::Conversion(e) => protocol(format!("parameter: {e}")),
-                frontend::BindError::Serialization(e) => PgError::Io(e),
-            })?;
+            frontend::bind("", &name, formats, stmt.params.iter(), encode, result_format, &mut self.wbuf).map_err(
+                |e| match e {
+                    frontend::BindError::Conversion(e) => protocol(format!("parameter: {e}")),
+                    frontend::BindError::Serialization(e) => PgError::Io(e),
+                },
+            )?;
             frontend::execute("", 0, &mut self.wbuf)?;
         }
         frontend::sync(&mut self.wbuf);

@@ -182,3 +182,282 @@ fn pg_wire_a_dead_server_is_an_error_not_a_hang() {
     assert!(Conn::connect(&parse_url(&pg.url_tcp()).expect("url"), Timeouts::default()).is_err());
     assert!(started.elapsed() < Duration::from_secs(5), "errors come promptly: {:?}", started.elapsed());
 }
+
+// ---------------------------------------------------------------------------------------------
+// Schema migrations (src/cluster/schema.rs).
+
+use relay::cluster::schema;
+
+#[test]
+fn pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together() {
+    let Some(pg) = Pg::start("pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together") else { return };
+    let url = pg.url();
+    let starters: Vec<_> = (0..4)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || schema::migrate(&mut connect(&url)).expect("migrate"))
+        })
+        .collect();
+    let results: Vec<schema::Migrated> = starters.into_iter().map(|t| t.join().expect("thread")).collect();
+    let latest = schema::latest_version();
+    assert_eq!(results.iter().filter(|m| m.from == 0).count(), 1, "exactly one node applied v1: {results:?}");
+    assert!(results.iter().all(|m| m.to == latest));
+    assert_eq!(pg.psql("select string_agg(version::text, ',') from relay_schema"), latest.to_string());
+
+    let mut c = connect(&url);
+    assert_eq!(schema::migrate(&mut c).expect("again"), schema::Migrated { from: latest, to: latest });
+    // A later build adds a version: only that one runs.
+    let mut next = schema::MIGRATIONS.to_vec();
+    next.push((latest + 1, "a test column", "ALTER TABLE relay_nodes ADD COLUMN test_col int"));
+    assert_eq!(schema::migrate_to(&mut c, &next).expect("upgrade"), schema::Migrated { from: latest, to: latest + 1 });
+    assert_eq!(pg.psql("select count(*) from relay_schema"), (latest + 1).to_string());
+    // An older build refuses a newer schema, and leaves it alone.
+    let err = schema::migrate(&mut c).expect_err("newer schema");
+    assert!(err.to_string().contains("newer than this relay knows"), "{err}");
+    // A failing migration leaves nothing behind (one transaction).
+    let mut bad = next.clone();
+    bad.push((latest + 2, "broken", "CREATE TABLE half_done (x int); SELECT no_such_function()"));
+    assert!(schema::migrate_to(&mut c, &bad).is_err());
+    assert_eq!(pg.psql("select count(*) from pg_tables where tablename = 'half_done'"), "0");
+    assert_eq!(pg.psql("select max(version) from relay_schema"), (latest + 1).to_string());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The statements of docs/cluster.md (src/cluster/sql.rs).
+
+use relay::cluster::sql;
+
+const NODE_A: &str = "00000000-0000-4000-8000-00000000000a";
+const NODE_B: &str = "00000000-0000-4000-8000-00000000000b";
+
+fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
+    sql::NewTask {
+        id: id.to_string(),
+        kind: kind.map(String::from),
+        payload: format!(r#"{{"kind":"{}","n":"{id}"}}"#, kind.unwrap_or("")),
+        queue: true,
+        timeout_ms: None,
+        max_retries: None,
+        created_ms: 1_000,
+        run_at_ms: 1_000,
+        idem_owner: key.map(|_| "root".to_string()),
+        idem_key: key.map(String::from),
+    }
+}
+
+fn uuid_n(n: u32) -> String {
+    format!("00000000-0000-4000-8000-{n:012x}")
+}
+
+fn migrated(pg: &Pg) -> Conn {
+    let mut c = connect(&pg.url());
+    schema::migrate(&mut c).expect("migrate");
+    c
+}
+
+fn heartbeat(c: &mut Conn, node: &str, name: &str) {
+    c.pipeline(&[Stmt::new(sql::HEARTBEAT, vec![node.into(), name.into(), 0i64.into(), "test".into()])])
+        .expect("heartbeat");
+}
+
+#[test]
+fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
+    let Some(pg) = Pg::start("pg_sql_claim_with_skip_locked_hands_each_task_to_one_node") else { return };
+    let mut c = migrated(&pg);
+    let tasks: Vec<sql::NewTask> = (0..2000).map(|i| new_task(&uuid_n(i), Some("http"), None)).collect();
+    let out = c.pipeline(&[sql::insert_tasks(&tasks)]).expect("submit");
+    assert_eq!(out[0].rows.len(), 2000);
+    assert_eq!(pg.psql("select count(*) from relay_pending"), "2000");
+
+    // A claim held open in a transaction: others skip its rows instead of waiting for them.
+    let mut holder = connect(&pg.url());
+    holder.simple("BEGIN").expect("begin");
+    let held = holder.pipeline(&[sql::claim(NODE_A, &["http"], false, &[&uuid_n(9000)], 10, 2_000)]).expect("claim");
+    assert_eq!(held[0].rows.len(), 10);
+
+    let claimers: Vec<_> = (0..4)
+        .map(|n| {
+            let url = pg.url();
+            std::thread::spawn(move || {
+                let mut c = connect(&url);
+                let node = uuid_n(100 + n);
+                let mut mine = Vec::new();
+                loop {
+                    let started = Instant::now();
+                    let out =
+                        c.pipeline(&[sql::claim(&node, &["http"], false, &[&uuid_n(9001)], 25, 2_000)]).expect("claim");
+                    assert!(started.elapsed() < Duration::from_secs(2), "a claim never waits on locked rows");
+                    if out[0].rows.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(out[0].rows.iter().map(|r| r.text(0).expect("id").to_string()));
+                }
+            })
+        })
+        .collect();
+    let mut all: Vec<String> = claimers.into_iter().flat_map(|t| t.join().expect("claimer")).collect();
+    assert_eq!(all.len(), 1990, "everything but the 10 held rows");
+    holder.simple("COMMIT").expect("commit");
+    all.extend(held[0].rows.iter().map(|r| r.text(0).expect("id").to_string()));
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), 2000, "no task claimed twice");
+    assert_eq!(pg.psql("select count(*) from relay_tasks where status = 'dispatched' and attempt = 1"), "2000");
+
+    // Kinds, due times and the tried list filter the claim.
+    let mut t = new_task(&uuid_n(5000), Some("file"), None);
+    t.run_at_ms = 50_000;
+    c.pipeline(&[sql::insert_tasks(&[t, new_task(&uuid_n(5001), None, None)])]).expect("submit");
+    let claim = |c: &mut Conn, kinds: &[&str], any: bool, now: u64| {
+        c.pipeline(&[sql::claim(NODE_A, kinds, any, &[&uuid_n(9002)], 10, now)]).expect("claim")[0].rows.len()
+    };
+    assert_eq!(claim(&mut c, &["http"], false, 60_000), 0, "no http task left");
+    assert_eq!(claim(&mut c, &["file"], false, 40_000), 0, "not due yet");
+    assert_eq!(claim(&mut c, &["file"], false, 60_000), 1);
+    assert_eq!(claim(&mut c, &["file"], false, 60_000), 0, "a task without kind needs a worker without kinds");
+    assert_eq!(claim(&mut c, &[], true, 60_000), 1);
+}
+
+/// Claims one task for `node` and records its attempt on `client`.
+fn claim_and_start(c: &mut Conn, node: &str, name: &str, client: &str) -> (String, u32) {
+    let out = c.pipeline(&[sql::claim(node, &["http"], false, &[client], 1, 10_000)]).expect("claim");
+    let row = out[0].rows.first().expect("a task to claim");
+    let (id, attempt) = (row.text(0).expect("id").to_string(), row.i64(1).expect("attempt") as u32);
+    let started = sql::Started {
+        id: id.clone(),
+        attempt,
+        client_id: client.to_string(),
+        client_ip: "127.0.0.1".into(),
+        started_ms: 5_000,
+    };
+    let out = c.pipeline(&[sql::attempt_started(node, name, &[started])]).expect("started");
+    assert_eq!(out[0].rows.len(), 1);
+    (id, attempt)
+}
+
+fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, client: &str) -> sql::Ended {
+    sql::Ended {
+        id: id.to_string(),
+        attempt,
+        outcome,
+        error: (outcome != "done").then(|| format!("{outcome} on {client}")),
+        ended_ms: 6_000,
+        duration_ms: 1_000,
+        status,
+        result: (status == "done").then(|| r#"{"ok":true}"#.to_string()),
+        final_error: (status == "failed").then(|| format!("{outcome} on {client}")),
+        client_id: client.to_string(),
+        client_ip: "127.0.0.1".into(),
+    }
+}
+
+fn task_row(c: &mut Conn, id: &str) -> (String, u32, serde_json::Value) {
+    let out = c.pipeline(&[Stmt::new(sql::GET_TASK, vec![id.into()])]).expect("get");
+    let row = &out[0].rows[0];
+    let log: serde_json::Value = serde_json::from_str(row.text(12).expect("log")).expect("json");
+    (row.text(1).expect("status").to_string(), row.i64(11).expect("attempt") as u32, log)
+}
+
+#[test]
+fn pg_sql_fenced_completion_refuses_a_stale_node() {
+    let Some(pg) = Pg::start("pg_sql_fenced_completion_refuses_a_stale_node") else { return };
+    let mut c = migrated(&pg);
+    let id = uuid_n(1);
+    c.pipeline(&[sql::insert_tasks(&[new_task(&id, Some("http"), None)])]).expect("submit");
+    heartbeat(&mut c, NODE_A, "node-a");
+    heartbeat(&mut c, NODE_B, "node-b");
+    let (wa, wb) = (uuid_n(0xa1), uuid_n(0xb1));
+    let (got, attempt) = claim_and_start(&mut c, NODE_A, "node-a", &wa);
+    assert_eq!((got.as_str(), attempt), (id.as_str(), 1));
+
+    // Node A goes silent past its lease; B's reaper gives the task back, naming A.
+    c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
+        .expect("age A");
+    let out = c.pipeline(&[sql::reap_dead_nodes(6_000, 2, 7_000)]).expect("reap");
+    assert_eq!(out[0].rows.len(), 1);
+    let (status, _, log) = task_row(&mut c, &id);
+    assert_eq!(status, "pending");
+    assert_eq!(log[0]["outcome"], "disconnect");
+    assert!(log[0]["error"].as_str().is_some_and(|e| e.contains("node-a")), "{log}");
+
+    // B claims it for a worker A's attempt did not use: attempt 2.
+    let out = c.pipeline(&[sql::claim(NODE_B, &["http"], false, &[&wa], 1, 10_000)]).expect("claim");
+    assert!(out[0].rows.is_empty(), "the only idle worker already tried it");
+    let (_, attempt2) = claim_and_start(&mut c, NODE_B, "node-b", &wb);
+    assert_eq!(attempt2, 2);
+
+    // A comes back with its late answer: refused by the WHERE (node and attempt).
+    let stale = c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&id, 1, "done", "done", &wa)])]).expect("stale");
+    assert!(stale[0].rows.is_empty(), "a stale node's write matches nothing");
+    let wrong_attempt = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 1, "done", "done", &wb)])]).expect("x");
+    assert!(wrong_attempt[0].rows.is_empty(), "an earlier attempt's answer matches nothing");
+    let ok = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &wb)])]).expect("done");
+    assert_eq!(ok[0].rows.len(), 1);
+    let dup = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &wb)])]).expect("dup");
+    assert!(dup[0].rows.is_empty(), "a duplicate matches nothing");
+
+    let (status, attempts, log) = task_row(&mut c, &id);
+    assert_eq!((status.as_str(), attempts), ("done", 2));
+    assert_eq!(log.as_array().map(Vec::len), Some(2));
+    assert_eq!((log[1]["node"].as_str(), log[1]["outcome"].as_str()), (Some("node-b"), Some("done")));
+    assert_eq!(log[0]["node"], "node-a");
+}
+
+#[test]
+fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
+    let Some(pg) = Pg::start("pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences") else { return };
+    let mut c = migrated(&pg);
+    let id = uuid_n(2);
+    c.pipeline(&[sql::insert_tasks(&[new_task(&id, Some("http"), None)])]).expect("submit");
+    let (w1, w2) = (uuid_n(0x11), uuid_n(0x22));
+    claim_and_start(&mut c, NODE_A, "a", &w1);
+    let out = c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&id, 1, "failed", "pending", &w1)])]).expect("fail");
+    assert_eq!(out[0].rows[0].text(1), Some("pending"), "back to pending for a retry");
+    assert_eq!(pg.psql(&format!("select tried::text from relay_pending where task_id = '{id}'")), format!("{{{w1}}}"));
+    let none = c.pipeline(&[sql::claim(NODE_B, &["http"], false, &[&w1], 1, 10_000)]).expect("claim");
+    assert!(none[0].rows.is_empty(), "not to the worker that failed it");
+    let (_, attempt) = claim_and_start(&mut c, NODE_B, "b", &w2);
+    assert_eq!(attempt, 2);
+
+    // Cancel from a third node: the owner is named (to send `cancel` to its worker) and its
+    // later answer is fenced.
+    let out = c.pipeline(&[Stmt::new(sql::CANCEL, vec![id.as_str().into(), 8_000i64.into()])]).expect("cancel");
+    assert_eq!(out[0].rows[0].text(0), Some(NODE_B));
+    let again = c.pipeline(&[Stmt::new(sql::CANCEL, vec![id.as_str().into(), 8_000i64.into()])]).expect("cancel");
+    assert!(again[0].rows.is_empty(), "already final");
+    let late = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &w2)])]).expect("late");
+    assert!(late[0].rows.is_empty());
+    let (status, _, log) = task_row(&mut c, &id);
+    assert_eq!(status, "canceled");
+    assert_eq!(log[1]["outcome"], "canceled");
+}
+
+#[test]
+fn pg_sql_idempotency_keys_expiry_and_retention() {
+    let Some(pg) = Pg::start("pg_sql_idempotency_keys_expiry_and_retention") else { return };
+    let mut c = migrated(&pg);
+    let first = new_task(&uuid_n(1), Some("http"), Some("k1"));
+    let repeat = new_task(&uuid_n(2), Some("http"), Some("k1"));
+    let out = c
+        .pipeline(&[
+            sql::insert_tasks(&[first]),
+            sql::insert_tasks(&[repeat, new_task(&uuid_n(3), Some("http"), Some("k2"))]),
+            Stmt::new(sql::IDEMPOTENT_LOOKUP, vec![sql::array([Some("root")]).into(), sql::array([Some("k1")]).into()]),
+        ])
+        .expect("submit");
+    assert_eq!(out[1].rows.len(), 1, "the repeat created nothing");
+    assert_eq!(out[1].rows[0].text(0), Some(uuid_n(3).as_str()));
+    assert_eq!(out[2].rows[0].text(2), Some(uuid_n(1).as_str()), "the key names the first task");
+    assert_eq!(pg.psql("select count(*) from relay_pending"), "2");
+
+    // Pending past TASK_TTL after due: failed `expired in queue`.
+    let out = c.pipeline(&[sql::expire_in_queue(1_000 + 3_600_001, 3_600_000)]).expect("expire");
+    assert_eq!(out[0].affected, 2);
+    assert_eq!(pg.psql("select count(*) from relay_tasks where error = 'expired in queue'"), "2");
+    // Finished past TASK_TTL: deleted, and the key is free again.
+    let now = 1_000 + 3_600_001 + 3_600_001;
+    let out = c.pipeline(&[sql::retention(now, 3_600_000)]).expect("retention");
+    assert_eq!(out[0].affected, 2);
+    let out = c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(4), Some("http"), Some("k2"))])]).expect("reuse");
+    assert_eq!(out[0].rows.len(), 1, "a key lives as long as its task");
+}
