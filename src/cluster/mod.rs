@@ -6,7 +6,9 @@
 //! - `wire`: a blocking PostgreSQL client with pipelining (helper threads and the CLI only).
 //! - `schema`: the tables, and migrations run at start under an advisory lock.
 //! - `sql`: every statement the cluster runs, with builders for their parameters.
+//! - `db`: the database threads and the loop's non-blocking handle on them.
 
+pub mod db;
 pub mod schema;
 pub mod sql;
 pub mod url;

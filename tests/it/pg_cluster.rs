@@ -223,12 +223,140 @@ fn pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The statements of docs/cluster.md (src/cluster/sql.rs).
+// The database thread (src/cluster/db.rs).
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use relay::cluster::db::{Db, DbConfig, Failure, Health, Reply, Request, SendError};
 use relay::cluster::sql;
+
+fn db_config(pg: &Pg, node: &str) -> DbConfig {
+    let mut cfg = DbConfig::new(parse_url(&pg.url()).expect("url"), node.to_string(), 1_000, 3_600_000, 2);
+    cfg.backoff_min_ms = 50;
+    cfg.backoff_max_ms = 300;
+    cfg.heartbeat_interval_ms = 200;
+    cfg.io_timeout_ms = 2_000;
+    cfg
+}
+
+fn start_db(cfg: DbConfig) -> (Db, Arc<AtomicUsize>) {
+    let wakes = Arc::new(AtomicUsize::new(0));
+    let w = wakes.clone();
+    let db = Db::start(
+        cfg,
+        Arc::new(move || {
+            w.fetch_add(1, Ordering::SeqCst);
+        }),
+    )
+    .expect("start db");
+    (db, wakes)
+}
+
+fn wait_health(db: &Db, h: Health, within: Duration) {
+    assert!(crate::support::poll_until(within, || db.health() == h), "database never became {h:?}");
+}
+
+/// Waits for the reply tagged `tag`.
+fn reply(db: &Db, tag: u64) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut got = Vec::new();
+    loop {
+        db.take_replies(&mut got);
+        if let Some(i) = got.iter().position(|r| r.tag == tag) {
+            return got.swap_remove(i);
+        }
+        assert!(Instant::now() < deadline, "no reply {tag}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
 
 const NODE_A: &str = "00000000-0000-4000-8000-00000000000a";
 const NODE_B: &str = "00000000-0000-4000-8000-00000000000b";
+
+#[test]
+fn pg_db_thread_answers_through_the_queue_and_wakes_the_loop() {
+    let Some(pg) = Pg::start("pg_db_thread_answers_through_the_queue_and_wakes_the_loop") else { return };
+    let (db, wakes) = start_db(db_config(&pg, NODE_A));
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    assert_eq!(pg.psql(&format!("select count(*) from relay_nodes where node_id = '{NODE_A}'")), "1", "heartbeat");
+
+    let before = wakes.load(Ordering::SeqCst);
+    let task = new_task("11111111-1111-4111-8111-111111111111", Some("http"), None);
+    db.send(Request { tag: 7, stmts: vec![sql::insert_tasks(&[task])] }).expect("send");
+    let r = reply(&db, 7);
+    let rows = r.result.expect("inserted");
+    assert_eq!(rows[0].rows.len(), 1);
+    assert!(wakes.load(Ordering::SeqCst) > before, "the reply woke the loop");
+
+    // A refused transaction is reported as such; the connection goes on.
+    db.send(Request { tag: 8, stmts: vec![Stmt::new("select 1/0", vec![])] }).expect("send");
+    assert!(matches!(reply(&db, 8).result, Err(Failure::Refused(_))));
+    assert_eq!(db.health(), Health::Ok);
+}
+
+#[test]
+fn pg_db_notify_is_debounced_and_listen_raises_one_flag() {
+    let Some(pg) = Pg::start("pg_db_notify_is_debounced_and_listen_raises_one_flag") else { return };
+    let mut watcher = connect(&pg.url());
+    watcher.simple("listen relay_pending").expect("listen");
+    let (db, _) = start_db(db_config(&pg, NODE_A));
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    // The listener thread raises every flag once when it connects; wait for that, then clear.
+    assert!(crate::support::poll_until(Duration::from_secs(5), || !db.take_notified().is_empty()));
+
+    for _ in 0..1000 {
+        db.notify(sql::CHANNEL_PENDING);
+    }
+    db.send(Request { tag: 1, stmts: vec![Stmt::new("select 1", vec![])] }).expect("send");
+    reply(&db, 1).result.expect("ok");
+    let first = watcher.wait_notification(Duration::from_secs(5)).expect("wait");
+    assert_eq!(first.map(|n| n.channel), Some("relay_pending".to_string()));
+    assert_eq!(watcher.wait_notification(Duration::from_millis(300)).expect("wait"), None, "one NOTIFY, not 1000");
+
+    let flagged =
+        crate::support::poll_until(Duration::from_secs(5), || db.take_notified() == vec![sql::CHANNEL_PENDING]);
+    assert!(flagged, "the node's own listener saw relay_pending");
+    // A notification from elsewhere (another node) raises the flag too.
+    watcher.simple("notify relay_cancel, 'x'").expect("notify");
+    assert!(crate::support::poll_until(Duration::from_secs(5), || db.take_notified() == vec![sql::CHANNEL_CANCEL]));
+}
+
+#[test]
+fn pg_db_outage_fails_fast_and_reconnects_when_the_database_returns() {
+    let Some(mut pg) = Pg::start("pg_db_outage_fails_fast_and_reconnects_when_the_database_returns") else { return };
+    let (db, wakes) = start_db(db_config(&pg, NODE_A));
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+
+    pg.stop();
+    let before = wakes.load(Ordering::SeqCst);
+    wait_health(&db, Health::Unreachable, Duration::from_secs(5));
+    assert!(wakes.load(Ordering::SeqCst) > before, "the loop was woken to see the change");
+    let started = Instant::now();
+    let refused = db.send(Request { tag: 1, stmts: vec![Stmt::new("select 1", vec![])] });
+    assert!(matches!(refused, Err(SendError::Unreachable(_))), "{refused:?}");
+    assert!(started.elapsed() < Duration::from_millis(50), "refused at once");
+
+    pg.start_again();
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    db.send(Request { tag: 2, stmts: vec![Stmt::new("select 1", vec![])] }).expect("send");
+    reply(&db, 2).result.expect("served again");
+}
+
+#[test]
+fn pg_db_unreachable_at_start_refuses_and_keeps_trying() {
+    let Some(mut pg) = Pg::start("pg_db_unreachable_at_start_refuses_and_keeps_trying") else { return };
+    pg.stop();
+    let (db, _) = start_db(db_config(&pg, NODE_A));
+    assert_eq!(db.health(), Health::Unreachable);
+    assert!(matches!(db.send(Request { tag: 1, stmts: vec![] }), Err(SendError::Unreachable(_))));
+    pg.start_again();
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    assert_eq!(pg.psql("select count(*) from relay_schema"), schema::latest_version().to_string(), "migrated");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The statements of docs/cluster.md (src/cluster/sql.rs).
 
 fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
     sql::NewTask {
