@@ -7,9 +7,11 @@
 //! - `schema`: the tables, and migrations run at start under an advisory lock.
 //! - `sql`: every statement the cluster runs, with builders for their parameters.
 //! - `db`: the database threads and the loop's non-blocking handle on them.
+//! - `tokens`: the scoped-token registry in the database (`relay token` with DATABASE_URL).
 
 pub mod db;
 pub mod schema;
 pub mod sql;
+pub mod tokens;
 pub mod url;
 pub mod wire;

@@ -430,7 +430,8 @@ pub const UPSERT_WORKERS: &str = "INSERT INTO relay_workers
 pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = ANY($1::uuid[])";
 
 /// /clients: every worker of every live node ($1 lease_ms), with its node's name.
-pub const LIST_WORKERS: &str = "SELECT w.client_id::text, w.ip, w.connected_ms, w.kinds::text[], w.concurrency,
+pub const LIST_WORKERS: &str =
+    "SELECT w.client_id::text, w.ip, w.connected_ms, array_to_json(w.kinds)::text, w.concurrency,
             w.in_flight, w.active, w.version, n.name
      FROM relay_workers w JOIN relay_nodes n ON n.node_id = w.node_id
      WHERE n.heartbeat_ms > relay_now_ms() - $1::int8
@@ -451,7 +452,7 @@ pub const COUNTS: &str = "SELECT status, sum(n)::int8 FROM relay_counters GROUP 
 pub const TOKEN_INSERT: &str = "INSERT INTO relay_tokens (jti, name, kinds, created_ms, expires_ms)
      VALUES ($1::text, $2::text, $3::text[], $4::int8, $5::int8)";
 
-pub const TOKEN_LIST: &str = "SELECT jti, name, kinds::text[], created_ms, expires_ms, revoked_ms
+pub const TOKEN_LIST: &str = "SELECT jti, name, array_to_json(kinds)::text, created_ms, expires_ms, revoked_ms
      FROM relay_tokens ORDER BY created_ms, jti";
 
 /// $1 jti, $2 now_ms → (revoked_ms, whether it was revoked just now); no row: unknown jti.

@@ -589,3 +589,84 @@ fn pg_sql_idempotency_keys_expiry_and_retention() {
     let out = c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(4), Some("http"), Some("k2"))])]).expect("reuse");
     assert_eq!(out[0].rows.len(), 1, "a key lives as long as its task");
 }
+
+// ---------------------------------------------------------------------------------------------
+// `relay token ...` with DATABASE_URL (src/cluster/tokens.rs).
+
+const TOKEN_SECRET: &str = "integration-test-secret-0123456789abcdef";
+
+fn token_cli(url: &str, store: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let mut full = vec!["token"];
+    full.extend_from_slice(args);
+    crate::support::run_relay_env(
+        &full,
+        &[("TOKEN_SECRET", TOKEN_SECRET), ("DATABASE_URL", url), ("TOKEN_STORE", store)],
+    )
+}
+
+#[test]
+fn pg_token_cli_manages_the_registry_in_the_database() {
+    let Some(mut pg) = Pg::start("pg_token_cli_manages_the_registry_in_the_database") else { return };
+    let url = pg.url();
+    let store = pg.data.parent().expect("root").join("tokens.json");
+    let store = store.to_str().expect("utf-8");
+    let cli = |args: &[&str]| token_cli(&url, store, args);
+
+    let (code, out, err) = cli(&["create", "--name", "billing", "--kinds", "http,file", "--ttl", "1h"]);
+    assert_eq!(code, Some(0), "{err}");
+    let field = |out: &str, key: &str| {
+        out.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(": ").map(String::from)).expect(key)
+    };
+    let (jti, token) = (field(&out, "jti"), field(&out, "token"));
+    assert_eq!((field(&out, "name").as_str(), field(&out, "kinds").as_str()), ("billing", "http,file"));
+    let (code, out, _) = cli(&["create", "--name", "ops", "--kinds", "http", "--ttl", "2h", "--json"]);
+    assert_eq!(code, Some(0));
+    let created: serde_json::Value = serde_json::from_str(&out).expect("create --json");
+    let keys: Vec<&str> = created.as_object().expect("object").keys().map(String::as_str).collect();
+    assert_eq!(keys.len(), 5, "{created}");
+    for key in ["jti", "name", "kinds", "expires", "token"] {
+        assert!(created.get(key).is_some(), "{key} in {created}");
+    }
+
+    let (code, out, _) = cli(&["list"]);
+    assert_eq!(code, Some(0));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(lines[0].starts_with("JTI") && lines[0].contains("STATUS") && lines[0].contains("EXPIRES"), "{out}");
+    assert!(lines[1].starts_with(&jti) && lines[1].contains(" active "), "{out}");
+
+    let (code, out, _) = cli(&["revoke", &jti]);
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with(&format!("revoked: {jti}")), "{out}");
+    let (code, out, _) = cli(&["revoke", &jti]);
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with("already revoked"), "{out}");
+    let (code, _, err) = cli(&["revoke", "no-such-jti"]);
+    assert_eq!(code, Some(1), "unknown jti: {err}");
+
+    let (code, out, _) = cli(&["list", "--json"]);
+    assert_eq!(code, Some(0));
+    let list: serde_json::Value = serde_json::from_str(&out).expect("list --json");
+    let first = &list[0];
+    assert_eq!((first["jti"].as_str(), first["status"].as_str()), (Some(jti.as_str()), Some("revoked")));
+    assert_eq!(first["kinds"], serde_json::json!(["http", "file"]));
+    assert!(first["revoked_at"].is_string() && first["created_at"].is_string() && first["expires_at"].is_string());
+    assert_eq!(list[1]["status"], "active");
+    assert!(list[1].get("revoked_at").is_none());
+
+    // The database holds no token material, and the file registry was never used.
+    let dump = pg.psql("select string_agg(t::text, ' ') from relay_tokens t");
+    assert!(dump.contains(&jti) && !dump.contains(&token), "{dump}");
+    assert!(!std::path::Path::new(store).exists());
+
+    // Database down: a prompt failure (exit 1), not a hang.
+    pg.stop();
+    let started = Instant::now();
+    let (code, _, err) = cli(&["list"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("database"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let (code, _, err) = token_cli("mysql://h/db", store, &["list"]);
+    assert_eq!(code, Some(2), "another scheme is a configuration error: {err}");
+    assert!(err.contains("DATABASE_URL"), "{err}");
+}
