@@ -385,6 +385,35 @@ pub fn reap_dead_nodes(lease_ms: u64, max_retries: u32, now_ms: i64) -> Stmt {
     Stmt::new(REAP_DEAD_NODES, vec![(lease_ms as i64).into(), i64::from(max_retries).into(), now_ms.into()])
 }
 
+/// Waiting tasks that no live worker can take any more (SPEC §5): plain tasks (`queue` false)
+/// and retries (`tried` not empty) for which no active worker of a live node ($1 lease_ms) takes
+/// the kind without having tried it. They fail: a retry with its last attempt's error, a plain
+/// task with `no connected worker can take this task any more`. $2 now_ms. Run after workers
+/// leave (a `relay_workers` delete) and by housekeeping.
+pub const FAIL_UNPLACEABLE: &str = "WITH live AS (
+       SELECT w.client_id, w.kinds FROM relay_workers w JOIN relay_nodes n ON n.node_id = w.node_id
+       WHERE n.heartbeat_ms > relay_now_ms() - $1::int8 AND w.active
+     ), f AS (
+       DELETE FROM relay_pending p WHERE p.task_id IN (
+         SELECT q.task_id FROM relay_pending q
+         WHERE (NOT q.queue OR cardinality(q.tried) > 0) AND q.due_ms <= $2::int8
+           AND NOT EXISTS (SELECT 1 FROM live
+                           WHERE (live.kinds IS NULL OR q.kind = ANY(live.kinds))
+                             AND NOT (live.client_id = ANY(q.tried)))
+         LIMIT 1000 FOR UPDATE SKIP LOCKED)
+       RETURNING p.task_id, cardinality(p.tried) > 0 AS retried
+     )
+     UPDATE relay_tasks t SET status = 'failed', finished_ms = $2::int8,
+       error = CASE WHEN f.retried
+                    THEN coalesce(t.attempt_log -> (t.attempt - 1) ->> 'error', 'no untried worker can take this task')
+                    ELSE 'no connected worker can take this task any more' END
+     FROM f WHERE t.id = f.task_id AND t.status = 'pending'
+     RETURNING t.id::text, t.error";
+
+pub fn fail_unplaceable(lease_ms: u64, now_ms: i64) -> Stmt {
+    Stmt::new(FAIL_UNPLACEABLE, vec![(lease_ms as i64).into(), now_ms.into()])
+}
+
 /// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms.
 pub const EXPIRE_IN_QUEUE: &str = "WITH e AS (
        DELETE FROM relay_pending p

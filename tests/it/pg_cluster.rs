@@ -670,3 +670,87 @@ fn pg_token_cli_manages_the_registry_in_the_database() {
     assert_eq!(code, Some(2), "another scheme is a configuration error: {err}");
     assert!(err.contains("DATABASE_URL"), "{err}");
 }
+
+/// Figures for docs/cluster.md (not a check; run with `--ignored --nocapture`): the cost of
+/// 1000 task inserts as 1000 round trips, as one pipeline, and as one array statement.
+#[test]
+#[ignore]
+fn pg_bench_round_trips_pipelines_and_arrays() {
+    let Some(pg) = Pg::start("pg_bench_round_trips_pipelines_and_arrays") else { return };
+    let mut c = migrated(&pg);
+    let mut n = 0u32;
+    let mut batch = |count: u32| -> Vec<sql::NewTask> {
+        (0..count)
+            .map(|_| {
+                n += 1;
+                new_task(&uuid_n(n), Some("http"), None)
+            })
+            .collect()
+    };
+    for round in 0..2 {
+        let tasks = batch(1000);
+        let started = Instant::now();
+        for t in &tasks {
+            c.pipeline(&[sql::insert_tasks(std::slice::from_ref(t))]).expect("insert");
+        }
+        let one_by_one = started.elapsed();
+        let tasks = batch(1000);
+        let stmts: Vec<Stmt> = tasks.iter().map(|t| sql::insert_tasks(std::slice::from_ref(t))).collect();
+        let started = Instant::now();
+        c.pipeline(&stmts).expect("pipeline");
+        let pipelined = started.elapsed();
+        let tasks = batch(1000);
+        let started = Instant::now();
+        c.pipeline(&[sql::insert_tasks(&tasks)]).expect("array");
+        let array = started.elapsed();
+        eprintln!(
+            "round {round}: 1000 inserts: {one_by_one:?} as 1000 transactions, {pipelined:?} as one pipelined \
+             transaction of 1000 statements, {array:?} as one array statement"
+        );
+    }
+}
+
+#[test]
+fn pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them() {
+    let Some(pg) = Pg::start("pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them") else { return };
+    let mut c = migrated(&pg);
+    heartbeat(&mut c, NODE_A, "a");
+    let (w1, w2) = (uuid_n(0x11), uuid_n(0x22));
+    let worker = |client: &str, kinds: Option<&str>| {
+        format!(
+            "insert into relay_workers values ('{client}', '{NODE_A}', '127.0.0.1', 0, {}, 4, 0, true, 'v')",
+            kinds.map_or("NULL".to_string(), |k| format!("'{{{k}}}'"))
+        )
+    };
+    c.simple(&worker(&w1, Some("http"))).expect("w1");
+    let mut plain = new_task(&uuid_n(1), Some("http"), None);
+    plain.queue = false;
+    let mut plain_file = new_task(&uuid_n(2), Some("file"), None);
+    plain_file.queue = false;
+    let queued_file = new_task(&uuid_n(3), Some("file"), None);
+    c.pipeline(&[sql::insert_tasks(&[plain, plain_file, queued_file, new_task(&uuid_n(4), Some("http"), None)])])
+        .expect("submit");
+    // Task 1 (claimed first) fails on w1 and waits as a retry.
+    claim_and_start(&mut c, NODE_A, "a", &w1);
+    c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&uuid_n(1), 1, "failed", "pending", &w1)])]).expect("retry");
+
+    let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
+    let mut failed: Vec<(String, String)> = out[0]
+        .rows
+        .iter()
+        .map(|r| (r.text(0).unwrap_or("").to_string(), r.text(1).unwrap_or("").to_string()))
+        .collect();
+    failed.sort();
+    assert_eq!(
+        failed,
+        vec![
+            (uuid_n(1), format!("failed on {w1}")),
+            (uuid_n(2), "no connected worker can take this task any more".to_string())
+        ],
+        "the retry nobody untried can take, and the plain file task; the queued one waits"
+    );
+    // A second worker (any kind) makes the rest placeable.
+    c.simple(&worker(&w2, None)).expect("w2");
+    let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
+    assert!(out[0].rows.is_empty());
+}
