@@ -311,6 +311,7 @@ fn wait_down(shared: &Shared, rx: &Receiver<Request>, until: Instant) -> bool {
 fn connect(cfg: &DbConfig) -> Result<Conn, PgError> {
     let mut conn = Conn::connect(&cfg.params, Timeouts { io_ms: cfg.io_timeout_ms })?;
     let m = schema::migrate(&mut conn)?;
+    conn.pipeline(&[Stmt::new(sql::SET_NODE, vec![cfg.node_id.clone().into()])])?;
     if m.from != m.to {
         crate::log!(Level::Info, "database schema migrated", from = m.from, to = m.to);
     }
@@ -456,6 +457,9 @@ fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> 
     let mut jobs: Vec<(&str, Vec<Stmt>)> = Vec::new();
     if reap {
         jobs.push(("reap", vec![sql::reap_dead_nodes(cfg.lease_ms, cfg.max_retries, now_ms), notify_pending()]));
+        // Under the same grace rule: after a database restart the UNLOGGED worker registry is
+        // empty until every node wrote its workers again.
+        jobs.push(("unplaceable", vec![sql::fail_unplaceable(cfg.lease_ms, now_ms)]));
     }
     jobs.push(("expire", vec![sql::expire_in_queue(now_ms, cfg.task_ttl_ms)]));
     jobs.push(("retention", vec![sql::retention(now_ms, cfg.task_ttl_ms)]));

@@ -73,15 +73,49 @@ CREATE TABLE relay_pending (
 CREATE INDEX relay_pending_due ON relay_pending (due_ms, seq);
 CREATE INDEX relay_pending_kind_due ON relay_pending (kind, due_ms, seq);
 
--- Task counts for /healthz without counting rows: each node adds its transitions' deltas to
--- its own rows in the same transaction (no contention between nodes); the sum over all rows,
--- dead nodes' included, is the cluster-wide count.
+-- Task counts for /healthz without counting rows: statement-level triggers on relay_tasks add
+-- each statement's net change per status to the row of the node that ran it (the session's
+-- `relay.node_id`; the zero UUID for other sessions), so nodes never contend for one counter
+-- row. Every path is counted, the housekeeping and an operator's hand edits included; the sum
+-- over all rows, dead nodes' included, is the cluster-wide count.
 CREATE TABLE relay_counters (
     node_id       uuid NOT NULL,
     status        text NOT NULL,
     n             int8 NOT NULL,
     PRIMARY KEY (node_id, status)
 );
+CREATE FUNCTION relay_counter_node() RETURNS uuid LANGUAGE sql STABLE AS $$
+    SELECT coalesce(nullif(current_setting('relay.node_id', true), ''),
+                    '00000000-0000-0000-0000-000000000000')::uuid $$;
+CREATE FUNCTION relay_count_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_counters (node_id, status, n)
+    SELECT relay_counter_node(), status, count(*) FROM new_rows GROUP BY status
+    ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n;
+    RETURN NULL;
+END $$;
+CREATE FUNCTION relay_count_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_counters (node_id, status, n)
+    SELECT relay_counter_node(), status, sum(d) FROM (
+        SELECT status, 1 AS d FROM new_rows UNION ALL SELECT status, -1 FROM old_rows) x
+    GROUP BY status HAVING sum(d) <> 0
+    ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n;
+    RETURN NULL;
+END $$;
+CREATE FUNCTION relay_count_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_counters (node_id, status, n)
+    SELECT relay_counter_node(), status, -count(*) FROM old_rows GROUP BY status
+    ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER relay_tasks_count_insert AFTER INSERT ON relay_tasks
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_count_insert();
+CREATE TRIGGER relay_tasks_count_update AFTER UPDATE ON relay_tasks
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_count_update();
+CREATE TRIGGER relay_tasks_count_delete AFTER DELETE ON relay_tasks
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_count_delete();
 
 -- Node heartbeats. UNLOGGED: rewritten every second, worthless after a database crash (the
 -- table is then empty until each node's next heartbeat; see the reaper's grace rule).

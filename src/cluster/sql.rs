@@ -57,6 +57,9 @@ fn arr_opt<'a>(items: impl IntoIterator<Item = Option<&'a str>>) -> Param {
 // ---------------------------------------------------------------------------------------------
 // Nodes.
 
+/// Tags the session with its node, for the counters' triggers. $1 node id.
+pub const SET_NODE: &str = "SELECT set_config('relay.node_id', $1::text, false)";
+
 /// $1 node id, $2 name, $3 started_ms, $4 version. Every `heartbeat_interval` (1 s).
 pub const HEARTBEAT: &str = "INSERT INTO relay_nodes (node_id, name, started_ms, heartbeat_ms, version)
      VALUES ($1::uuid, $2::text, $3::int8, relay_now_ms(), $4::text)
@@ -466,13 +469,7 @@ pub const LIST_WORKERS: &str =
      WHERE n.heartbeat_ms > relay_now_ms() - $1::int8
      ORDER BY w.connected_ms, w.client_id";
 
-/// Adds this node's ($1) deltas per status ($2 statuses, $3 deltas) in the same transaction
-/// as the transitions that caused them.
-pub const COUNT_DELTAS: &str = "INSERT INTO relay_counters (node_id, status, n)
-     SELECT $1::uuid, d.status, d.n FROM unnest($2::text[], $3::int8[]) AS d(status, n)
-     ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n";
-
-/// Cluster-wide task counts for /healthz (cached ≤ 1 s on each node).
+/// Cluster-wide task counts for /healthz (kept by triggers; cached ≤ 1 s on each node).
 pub const COUNTS: &str = "SELECT status, sum(n)::int8 FROM relay_counters GROUP BY status";
 
 // ---------------------------------------------------------------------------------------------

@@ -328,8 +328,8 @@ fn pg_db_outage_fails_fast_and_reconnects_when_the_database_returns() {
     let (db, wakes) = start_db(db_config(&pg, NODE_A));
     wait_health(&db, Health::Ok, Duration::from_secs(10));
 
-    pg.stop();
     let before = wakes.load(Ordering::SeqCst);
+    pg.stop();
     wait_health(&db, Health::Unreachable, Duration::from_secs(5));
     assert!(wakes.load(Ordering::SeqCst) > before, "the loop was woken to see the change");
     let started = Instant::now();
@@ -383,6 +383,20 @@ fn migrated(pg: &Pg) -> Conn {
     c
 }
 
+/// The counters the triggers keep must equal a count of the rows.
+fn assert_counts_match(pg: &Pg) {
+    let counted = pg.psql(
+        "select coalesce(string_agg(status || '=' || n, ',' order by status), '') from
+           (select status, sum(n) as n from relay_counters group by status having sum(n) <> 0) x",
+    );
+    let actual = pg.psql(
+        "select coalesce(string_agg(status || '=' || c, ',' order by status), '') from
+           (select status, count(*) as c from relay_tasks group by status) y",
+    );
+    assert_eq!(counted, actual, "relay_counters vs the rows");
+    assert!(!actual.is_empty(), "there is something to count");
+}
+
 fn heartbeat(c: &mut Conn, node: &str, name: &str) {
     c.pipeline(&[Stmt::new(sql::HEARTBEAT, vec![node.into(), name.into(), 0i64.into(), "test".into()])])
         .expect("heartbeat");
@@ -398,7 +412,10 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     assert_eq!(pg.psql("select count(*) from relay_pending"), "2000");
 
     // A claim held open in a transaction: others skip its rows instead of waiting for them.
+    // Each claimer is a node: its session is tagged, as the database thread does, so the
+    // counters' triggers write the node's own rows and nodes never wait for each other.
     let mut holder = connect(&pg.url());
+    holder.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
     holder.simple("BEGIN").expect("begin");
     let held = holder.pipeline(&[sql::claim(NODE_A, &["http"], false, &[&uuid_n(9000)], 10, 2_000)]).expect("claim");
     assert_eq!(held[0].rows.len(), 10);
@@ -409,6 +426,7 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
             std::thread::spawn(move || {
                 let mut c = connect(&url);
                 let node = uuid_n(100 + n);
+                c.pipeline(&[Stmt::new(sql::SET_NODE, vec![node.as_str().into()])]).expect("tag");
                 let mut mine = Vec::new();
                 loop {
                     let started = Instant::now();
@@ -444,6 +462,7 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     assert_eq!(claim(&mut c, &["file"], false, 60_000), 1);
     assert_eq!(claim(&mut c, &["file"], false, 60_000), 0, "a task without kind needs a worker without kinds");
     assert_eq!(claim(&mut c, &[], true, 60_000), 1);
+    assert_counts_match(&pg);
 }
 
 /// Claims one task for `node` and records its attempt on `client`.
@@ -529,6 +548,7 @@ fn pg_sql_fenced_completion_refuses_a_stale_node() {
     assert_eq!(log.as_array().map(Vec::len), Some(2));
     assert_eq!((log[1]["node"].as_str(), log[1]["outcome"].as_str()), (Some("node-b"), Some("done")));
     assert_eq!(log[0]["node"], "node-a");
+    assert_counts_match(&pg);
 }
 
 #[test]
@@ -558,6 +578,7 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
     let (status, _, log) = task_row(&mut c, &id);
     assert_eq!(status, "canceled");
     assert_eq!(log[1]["outcome"], "canceled");
+    assert_counts_match(&pg);
 }
 
 #[test]
@@ -588,6 +609,18 @@ fn pg_sql_idempotency_keys_expiry_and_retention() {
     assert_eq!(out[0].affected, 2);
     let out = c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(4), Some("http"), Some("k2"))])]).expect("reuse");
     assert_eq!(out[0].rows.len(), 1, "a key lives as long as its task");
+    assert_counts_match(&pg);
+    // The node's session tags its changes: the counter rows are its own.
+    c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
+    c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(5), Some("http"), None)])]).expect("submit");
+    assert_eq!(
+        pg.psql(&format!("select n from relay_counters where node_id = '{NODE_A}' and status = 'pending'")),
+        "1"
+    );
+    let out = c.pipeline(&[Stmt::new(sql::COUNTS, vec![])]).expect("counts");
+    let pending = out[0].rows.iter().find(|r| r.text(0) == Some("pending")).and_then(|r| r.i64(1));
+    assert_eq!(pending, Some(2));
+    assert_counts_match(&pg);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -753,4 +786,5 @@ fn pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them() {
     c.simple(&worker(&w2, None)).expect("w2");
     let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
     assert!(out[0].rows.is_empty());
+    assert_counts_match(&pg);
 }
