@@ -529,9 +529,58 @@ pub const FILE_EXPIRE: &str = "WITH f AS (
      )
      DELETE FROM relay_file_chunks c USING f WHERE c.file_id = f.file_id";
 
+/// Every statement, by name: docs/cluster.md shows each (a test checks it does).
+pub const ALL: &[(&str, &str)] = &[
+    ("NOTIFY", NOTIFY),
+    ("SET_NODE", SET_NODE),
+    ("HEARTBEAT", HEARTBEAT),
+    ("LIVE_NODES", LIVE_NODES),
+    ("INSERT_TASKS", INSERT_TASKS),
+    ("IDEMPOTENT_LOOKUP", IDEMPOTENT_LOOKUP),
+    ("PENDING_TOTALS", PENDING_TOTALS),
+    ("CLAIM", CLAIM),
+    ("ATTEMPT_STARTED", ATTEMPT_STARTED),
+    ("UNCLAIM", UNCLAIM),
+    ("ATTEMPT_ENDED", ATTEMPT_ENDED),
+    ("GET_TASK", GET_TASK),
+    ("FINISHED_AMONG", FINISHED_AMONG),
+    ("LIST_TASKS", LIST_TASKS),
+    ("CANCEL", CANCEL),
+    ("REAP_DEAD_NODES", REAP_DEAD_NODES),
+    ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
+    ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),
+    ("RETENTION", RETENTION),
+    ("UPSERT_WORKERS", UPSERT_WORKERS),
+    ("DELETE_WORKERS", DELETE_WORKERS),
+    ("LIST_WORKERS", LIST_WORKERS),
+    ("COUNTS", COUNTS),
+    ("TOKEN_INSERT", TOKEN_INSERT),
+    ("TOKEN_LIST", TOKEN_LIST),
+    ("TOKEN_REVOKE", TOKEN_REVOKE),
+    ("TOKEN_CHANGES", TOKEN_CHANGES),
+    ("FILE_BEGIN", FILE_BEGIN),
+    ("FILE_CHUNK", FILE_CHUNK),
+    ("FILE_COMPLETE", FILE_COMPLETE),
+    ("FILE_META", FILE_META),
+    ("FILE_READ_CHUNK", FILE_READ_CHUNK),
+    ("FILE_EXPIRE", FILE_EXPIRE),
+];
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn squash(text: &str) -> String {
+        text.split_whitespace().collect::<Vec<_>>().join(" ")
+    }
+
+    #[test]
+    fn docs_show_every_statement_as_it_is() {
+        let doc = squash(include_str!("../../docs/cluster.md"));
+        for (name, sql) in ALL {
+            assert!(doc.contains(&squash(sql)), "docs/cluster.md lacks the current text of {name}");
+        }
+    }
 
     #[test]
     fn array_literals() {
