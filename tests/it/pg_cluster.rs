@@ -344,6 +344,33 @@ fn pg_db_outage_fails_fast_and_reconnects_when_the_database_returns() {
 }
 
 #[test]
+fn pg_db_full_queue_is_busy_and_a_broken_transaction_is_lost() {
+    let Some(mut pg) = Pg::start("pg_db_full_queue_is_busy_and_a_broken_transaction_is_lost") else { return };
+    let mut cfg = db_config(&pg, NODE_A);
+    cfg.max_queued_requests = 1;
+    let (db, _) = start_db(cfg);
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    let sleep = |tag| Request { tag, stmts: vec![Stmt::new("select pg_sleep(0.5)", vec![])] };
+    // One runs, one waits in the channel; the others are refused at once.
+    let busy = (1..=4).filter(|tag| matches!(db.send(sleep(*tag)), Err(SendError::Busy(_)))).count();
+    assert!(busy >= 2, "{busy} of 4 refused as busy");
+    reply(&db, 1).result.expect("the first ran");
+
+    // A transaction the server ends midway: Lost (it may or may not have committed).
+    let tag = 100;
+    db.send(Request { tag, stmts: vec![Stmt::new("select pg_sleep(5)", vec![])] }).expect("send");
+    let running = crate::support::poll_until(Duration::from_secs(5), || {
+        pg.psql("select count(*) from pg_stat_activity where query = 'select pg_sleep(5)' and state = 'active'") == "1"
+    });
+    assert!(running, "the transaction is under way");
+    pg.stop();
+    match reply(&db, tag).result {
+        Err(Failure::Lost(_)) => {}
+        other => panic!("expected Lost, got {other:?}"),
+    }
+}
+
+#[test]
 fn pg_db_unreachable_at_start_refuses_and_keeps_trying() {
     let Some(mut pg) = Pg::start("pg_db_unreachable_at_start_refuses_and_keeps_trying") else { return };
     pg.stop();
@@ -787,4 +814,108 @@ fn pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them() {
     let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
     assert!(out[0].rows.is_empty());
     assert_counts_match(&pg);
+}
+
+#[test]
+fn pg_sql_every_statement_prepares_against_the_schema() {
+    let Some(pg) = Pg::start("pg_sql_every_statement_prepares_against_the_schema") else { return };
+    let mut c = migrated(&pg);
+    for (i, (name, text)) in sql::ALL.iter().enumerate() {
+        c.simple(&format!("PREPARE s{i} AS {text}")).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
+
+#[test]
+fn pg_sql_files_workers_and_token_changes() {
+    let Some(pg) = Pg::start("pg_sql_files_workers_and_token_changes") else { return };
+    let mut c = migrated(&pg);
+    // A file in three chunks, byte for byte through binary parameters and results.
+    let file = uuid_n(0xf);
+    let bytes: Vec<u8> = (0..600_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let mut stmts = vec![Stmt::new(
+        sql::FILE_BEGIN,
+        vec![
+            file.as_str().into(),
+            "a.bin".into(),
+            "application/octet-stream".into(),
+            262_144i64.into(),
+            1_000i64.into(),
+            9_000i64.into(),
+        ],
+    )];
+    for (n, chunk) in bytes.chunks(262_144).enumerate() {
+        stmts.push(Stmt::new(
+            sql::FILE_CHUNK,
+            vec![file.as_str().into(), (n as i64).into(), Param::Bytes(chunk.to_vec())],
+        ));
+    }
+    c.pipeline(&stmts).expect("upload");
+    let meta = |c: &mut Conn| {
+        c.pipeline(&[Stmt::new(sql::FILE_META, vec![file.as_str().into(), 2_000i64.into()])]).expect("meta")
+    };
+    assert!(meta(&mut c)[0].rows.is_empty(), "not visible before it is complete");
+    c.pipeline(&[Stmt::new(sql::FILE_COMPLETE, vec![file.as_str().into(), 600_000i64.into(), "abc".into()])])
+        .expect("complete");
+    assert_eq!(meta(&mut c)[0].rows[0].i64(2), Some(600_000));
+    let mut back = Vec::new();
+    for n in 0..3i64 {
+        let stmt =
+            Stmt { sql: sql::FILE_READ_CHUNK, params: vec![file.as_str().into(), n.into()], binary_results: true };
+        back.extend_from_slice(c.pipeline(&[stmt]).expect("read")[0].rows[0].bytes(0).expect("chunk"));
+    }
+    assert!(back == bytes, "the file comes back byte for byte");
+    let out = c.pipeline(&[Stmt::new(sql::FILE_EXPIRE, vec![9_000i64.into()])]).expect("expire");
+    assert_eq!(out[0].affected, 3, "its chunks go with it");
+    assert!(meta(&mut c)[0].rows.is_empty());
+
+    // Workers of live nodes only, with their node's name.
+    heartbeat(&mut c, NODE_A, "node-a");
+    let upsert = Stmt::new(
+        sql::UPSERT_WORKERS,
+        vec![
+            NODE_A.into(),
+            sql::array([Some(uuid_n(1).as_str()), Some(uuid_n(2).as_str())]).into(),
+            sql::array([Some("10.0.0.1"), Some("10.0.0.2")]).into(),
+            sql::array([Some("5"), Some("6")]).into(),
+            sql::array([Some(r#"["http","file"]"#), None]).into(),
+            sql::array([Some("16"), None]).into(),
+            sql::array([Some("0"), Some("3")]).into(),
+            sql::array([Some("t"), Some("f")]).into(),
+            sql::array([Some("w/1"), None]).into(),
+        ],
+    );
+    c.pipeline(&[upsert]).expect("upsert");
+    let out = c.pipeline(&[Stmt::new(sql::LIST_WORKERS, vec![6_000i64.into()])]).expect("list");
+    let rows = &out[0].rows;
+    assert_eq!(rows.len(), 2);
+    assert_eq!((rows[0].text(3), rows[0].text(8)), (Some(r#"["http","file"]"#), Some("node-a")));
+    assert_eq!((rows[1].text(3), rows[1].bool(6)), (None, Some(false)), "no kinds: takes every kind");
+    c.pipeline(&[Stmt::new(sql::DELETE_WORKERS, vec![sql::array([Some(uuid_n(2).as_str())]).into()])]).expect("delete");
+    c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
+        .expect("age");
+    let out = c.pipeline(&[Stmt::new(sql::LIST_WORKERS, vec![6_000i64.into()])]).expect("list");
+    assert!(out[0].rows.is_empty(), "a dead node's workers are not listed");
+
+    // Token changes: a node's cache refresh sees creates and revokes in order.
+    let create = |jti: &str| {
+        Stmt::new(
+            sql::TOKEN_INSERT,
+            vec![jti.into(), "n".into(), sql::array([Some("http")]).into(), 1i64.into(), 9_999_999_999_999i64.into()],
+        )
+    };
+    c.pipeline(&[create("j1"), create("j2")]).expect("tokens");
+    let changes = |c: &mut Conn, after: i64| -> Vec<(String, bool, i64)> {
+        let out = c.pipeline(&[Stmt::new(sql::TOKEN_CHANGES, vec![after.into()])]).expect("changes");
+        out[0]
+            .rows
+            .iter()
+            .map(|r| (r.text(0).unwrap_or("").to_string(), r.bool(1) == Some(true), r.i64(2).unwrap_or(0)))
+            .collect()
+    };
+    let seen = changes(&mut c, 0);
+    assert_eq!(seen.iter().map(|s| (s.0.as_str(), s.1)).collect::<Vec<_>>(), vec![("j1", false), ("j2", false)]);
+    let high = seen.iter().map(|s| s.2).max().unwrap_or(0);
+    assert!(changes(&mut c, high).is_empty());
+    c.pipeline(&[Stmt::new(sql::TOKEN_REVOKE, vec!["j1".into(), 5i64.into()])]).expect("revoke");
+    assert_eq!(changes(&mut c, high).iter().map(|s| (s.0.as_str(), s.1)).collect::<Vec<_>>(), vec![("j1", true)]);
 }
