@@ -713,9 +713,11 @@ mod tests {
         // A blob without metadata is an upload's last step, or a crash's leftover once old.
         let orphan = blob_path(&dir, 77);
         std::fs::write(&orphan, b"x").expect("orphan");
-        disk.scan(now);
+        // Its age counts from its mtime, which is later than `now`: read the clock again.
+        let written = crate::timefmt::wall_ms();
+        disk.scan(written);
         assert!(orphan.exists());
-        disk.scan(now + STALE_LEFTOVER_MS);
+        disk.scan(written + STALE_LEFTOVER_MS);
         assert!(!orphan.exists());
         let _ = std::fs::remove_dir_all(dir);
     }
