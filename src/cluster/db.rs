@@ -353,6 +353,9 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
         // Heartbeat before declaring health, so this node is alive in the table first.
         if let Err(e) = conn.pipeline(&[heartbeat(&cfg, started_ms)]) {
             crate::log!(Level::Warn, "database heartbeat failed", error = &e);
+            if !wait_down(&shared, &rx, Instant::now() + Duration::from_millis(backoff.next_ms(random_u64()))) {
+                return;
+            }
             continue;
         }
         backoff.reset();
@@ -495,7 +498,9 @@ fn listener(cfg: DbConfig, shared: Arc<Shared>) {
             }
         };
         let script: String = cfg.listen.iter().map(|c| format!("LISTEN \"{c}\";")).collect();
-        if conn.simple(&script).is_err() {
+        if let Err(e) = conn.simple(&script) {
+            crate::log!(Level::Warn, "database LISTEN failed", error = &e);
+            sleep_unless_stopped(&shared, backoff.next_ms(random_u64()));
             continue;
         }
         backoff.reset();
