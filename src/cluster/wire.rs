@@ -258,6 +258,9 @@ pub struct Conn {
     /// SQL text → name of the prepared statement on this connection.
     prepared: HashMap<&'static str, String>,
     next_name: u64,
+    /// Statements prepared by a pipeline that failed: closed at the start of the next one, so
+    /// a statement that keeps failing does not pile up prepared copies on the server.
+    to_close: Vec<String>,
     notifications: VecDeque<Notification>,
     backend_pid: i32,
     pub timeouts: Timeouts,
@@ -305,6 +308,7 @@ impl Conn {
             wbuf: BytesMut::with_capacity(16 * 1024),
             prepared: HashMap::new(),
             next_name: 0,
+            to_close: Vec::new(),
             notifications: VecDeque::new(),
             backend_pid: 0,
             timeouts,
@@ -415,6 +419,10 @@ impl Conn {
     /// rolls all of them back and is returned (the server skips the rest).
     pub fn pipeline(&mut self, stmts: &[Stmt]) -> Result<Vec<Rows>, PgError> {
         let deadline = self.deadline();
+        // Closing a statement that does not exist is not an error.
+        for name in std::mem::take(&mut self.to_close) {
+            frontend::close(b'S', &name, &mut self.wbuf)?;
+        }
         let mut fresh: Vec<&'static str> = Vec::new();
         for stmt in stmts {
             let name = match self.prepared.get(stmt.sql) {
@@ -446,7 +454,7 @@ impl Conn {
         let mut error = None;
         let result = self.flush_and_read(deadline, |msg| {
             match msg {
-                Message::ParseComplete | Message::BindComplete | Message::NoData => {}
+                Message::ParseComplete | Message::BindComplete | Message::NoData | Message::CloseComplete => {}
                 Message::DataRow(body) => current.rows.push(row(body)?),
                 Message::CommandComplete(body) => {
                     current.affected = affected(&body);
@@ -464,7 +472,9 @@ impl Conn {
         if result.is_err() || error.is_some() {
             // Whether those Parses succeeded is unknown: prepare them again next time.
             for sql in fresh {
-                self.prepared.remove(sql);
+                if let Some(name) = self.prepared.remove(sql) {
+                    self.to_close.push(name);
+                }
             }
         }
         result?;
@@ -637,7 +647,8 @@ impl Conn {
     /// Reads what the socket has. EOF is an error: the server never closes first in a session.
     fn fill(&mut self) -> Result<(), PgError> {
         let mut chunk = [0u8; 64 * 1024];
-        loop {
+        // At most 1 MiB a call: the caller parses (and frees) between calls.
+        for _ in 0..16 {
             match self.stream.read(&mut chunk) {
                 Ok(0) => {
                     return Err(PgError::Io(io::Error::new(
@@ -656,6 +667,7 @@ impl Conn {
                 Err(e) => return Err(PgError::Io(e)),
             }
         }
+        Ok(())
     }
 }
 

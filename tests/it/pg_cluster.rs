@@ -107,6 +107,12 @@ fn pg_wire_a_failed_pipeline_is_rolled_back_whole_and_the_connection_survives() 
     let bad = c.pipeline(&[Stmt::new("select nonsense from nowhere", vec![])]).expect_err("bad sql");
     assert_eq!(bad.code(), Some("42P01"));
     c.pipeline(&[Stmt::new(ins, vec!["a".into()])]).expect("usable after errors");
+    // A statement that keeps failing is prepared afresh each time, and its old copy closed.
+    for _ in 0..10 {
+        c.pipeline(&[Stmt::new(ins, vec!["a".into()])]).expect_err("duplicate");
+    }
+    let n = c.pipeline(&[Stmt::new("select count(*) from pg_prepared_statements", vec![])]).expect("count");
+    assert!(n[0].rows[0].i64(0).is_some_and(|n| n <= 4), "prepared statements pile up: {:?}", n[0].rows[0].i64(0));
 }
 
 #[test]
