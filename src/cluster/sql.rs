@@ -141,87 +141,77 @@ pub const PENDING_TOTALS: &str = "SELECT count(*), coalesce(sum(payload_bytes), 
 // ---------------------------------------------------------------------------------------------
 // Claim and dispatch.
 
-/// Claims up to $5 due tasks for this node ($1) that one of its idle workers may take: kind in
-/// $2 (kinds of idle workers with declared kinds) or any kind when $3 (an idle worker without
-/// kinds), not tried by every idle worker in $4, due by $6. The claim removes the pending row,
-/// marks the task dispatched to this node and opens attempt `attempt` (fencing number). Rows
-/// locked by another node's claim are skipped, never waited for.
+/// Claims up to $6 due tasks for one idle worker of this node and opens their attempt on it:
+/// the worker ($3 client id, $4 IP) takes kinds $5 (NULL: every kind, tasks without a kind
+/// included) and must not have tried the task. The pending row goes, the task becomes
+/// dispatched to this node ($1, shown as $2 in the attempt_log), its attempt number (the
+/// fencing number) grows by one, the worker joins `tried`, and the attempt_log gains the entry
+/// (started at $8). $7 now_ms (due time). Rows locked by another claim are skipped, never
+/// waited for. A node sends one such statement per worker with free slots (limit = its free
+/// slots, in round-robin order), all in its turn transaction; a later statement of the same
+/// transaction does not see the tasks an earlier one took.
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
-       WHERE due_ms <= $6::int8 AND (kind = ANY($2::text[]) OR $3::bool) AND NOT (tried @> $4::uuid[])
+       WHERE due_ms <= $7::int8 AND ($5::text[] IS NULL OR kind = ANY($5::text[]))
+         AND NOT ($3::uuid = ANY(tried))
        ORDER BY due_ms, seq
-       LIMIT $5::int4
+       LIMIT $6::int4
        FOR UPDATE SKIP LOCKED
      ), d AS (
        DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id
      )
-     UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
+     UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1,
+       tried = t.tried || $3::uuid,
+       attempt_log = t.attempt_log || jsonb_build_array(jsonb_build_object(
+         'num', t.attempt + 1, 'client_id', $3::uuid, 'client_ip', $4::text, 'node', $2::text,
+         'started_ms', $8::int8))
      FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.tried::text[], t.timeout_ms, t.max_retries, t.queue, t.seq";
+     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq";
 
-pub fn claim(node: &str, kinds: &[&str], any_kind: bool, idle_clients: &[&str], limit: u32, now_ms: u64) -> Stmt {
+/// One idle worker to claim for.
+#[derive(Debug, Clone)]
+pub struct ClaimFor<'a> {
+    pub client_id: &'a str,
+    pub client_ip: &'a str,
+    /// `None`: the worker declared no kinds and takes every task.
+    pub kinds: Option<&'a [&'a str]>,
+    pub free_slots: u32,
+}
+
+pub fn claim(node: &str, node_name: &str, w: &ClaimFor<'_>, now_ms: u64) -> Stmt {
     Stmt::new(
         CLAIM,
         vec![
             node.into(),
-            arr(kinds.iter().copied()),
-            (if any_kind { "t" } else { "f" }).into(),
-            arr(idle_clients.iter().copied()),
-            i64::from(limit).into(),
+            node_name.into(),
+            w.client_id.into(),
+            w.client_ip.into(),
+            w.kinds.map_or(Param::Null, |k| arr(k.iter().copied())),
+            i64::from(w.free_slots).into(),
+            (now_ms as i64).into(),
             (now_ms as i64).into(),
         ],
     )
 }
 
-/// One attempt handed to a worker (after a claim, with the worker the core chose).
-#[derive(Debug, Clone)]
-pub struct Started {
-    pub id: String,
-    pub attempt: u32,
-    pub client_id: String,
-    pub client_ip: String,
-    pub started_ms: u64,
-}
-
-/// Writes the attempt_log entry of a claimed attempt, and adds the worker to `tried`. Fenced by
-/// node ($1) and attempt. $2 is the node name shown in the attempt_log.
-pub const ATTEMPT_STARTED: &str = "UPDATE relay_tasks t SET
-       tried = t.tried || a.client_id,
-       attempt_log = t.attempt_log || jsonb_build_array(jsonb_build_object(
-         'num', a.attempt, 'client_id', a.client_id, 'client_ip', a.client_ip, 'node', $2::text,
-         'started_ms', a.started_ms))
-     FROM unnest($3::uuid[], $4::int4[], $5::uuid[], $6::text[], $7::int8[])
-       AS a(id, attempt, client_id, client_ip, started_ms)
-     WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
-     RETURNING t.id::text";
-
-pub fn attempt_started(node: &str, node_name: &str, started: &[Started]) -> Stmt {
-    let attempts: Vec<String> = started.iter().map(|s| s.attempt.to_string()).collect();
-    let times: Vec<String> = started.iter().map(|s| s.started_ms.to_string()).collect();
-    Stmt::new(
-        ATTEMPT_STARTED,
-        vec![
-            node.into(),
-            node_name.into(),
-            arr(started.iter().map(|s| s.id.as_str())),
-            arr(attempts.iter().map(String::as_str)),
-            arr(started.iter().map(|s| s.client_id.as_str())),
-            arr(started.iter().map(|s| s.client_ip.as_str())),
-            arr(times.iter().map(String::as_str)),
-        ],
-    )
-}
-
-/// Gives back claimed tasks the node could not place after all (its worker left meanwhile):
-/// pending again, the attempt number returned. Fenced like every attempt write.
+/// Gives back claimed tasks the node could not send after all (the worker left before the
+/// claim's answer arrived): pending again, with the attempt, its log entry and the worker's
+/// place in `tried` taken back. Fenced like every attempt write. $1 node, $2 ids, $3 attempts.
 pub const UNCLAIM: &str = "WITH u AS (
-       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1
+       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1,
+         attempt_log = t.attempt_log - (t.attempt - 1),
+         tried = t.tried[1:cardinality(t.tried) - 1]
        FROM unnest($2::uuid[], $3::int4[]) AS a(id, attempt)
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
      )
      INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
      SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u RETURNING task_id::text";
+
+pub fn unclaim(node: &str, claimed: &[(&str, u32)]) -> Stmt {
+    let attempts: Vec<String> = claimed.iter().map(|c| c.1.to_string()).collect();
+    Stmt::new(UNCLAIM, vec![node.into(), arr(claimed.iter().map(|c| c.0)), arr(attempts.iter().map(String::as_str))])
+}
 
 // ---------------------------------------------------------------------------------------------
 // Attempt outcomes.
@@ -539,7 +529,6 @@ pub const ALL: &[(&str, &str)] = &[
     ("IDEMPOTENT_LOOKUP", IDEMPOTENT_LOOKUP),
     ("PENDING_TOTALS", PENDING_TOTALS),
     ("CLAIM", CLAIM),
-    ("ATTEMPT_STARTED", ATTEMPT_STARTED),
     ("UNCLAIM", UNCLAIM),
     ("ATTEMPT_ENDED", ATTEMPT_ENDED),
     ("GET_TASK", GET_TASK),

@@ -450,7 +450,9 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     let mut holder = connect(&pg.url());
     holder.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
     holder.simple("BEGIN").expect("begin");
-    let held = holder.pipeline(&[sql::claim(NODE_A, &["http"], false, &[&uuid_n(9000)], 10, 2_000)]).expect("claim");
+    let held = holder
+        .pipeline(&[sql::claim(NODE_A, "a", &for_worker(&uuid_n(9000), Some(&["http"]), 10), 2_000)])
+        .expect("claim");
     assert_eq!(held[0].rows.len(), 10);
 
     let claimers: Vec<_> = (0..4)
@@ -463,8 +465,9 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
                 let mut mine = Vec::new();
                 loop {
                     let started = Instant::now();
-                    let out =
-                        c.pipeline(&[sql::claim(&node, &["http"], false, &[&uuid_n(9001)], 25, 2_000)]).expect("claim");
+                    let out = c
+                        .pipeline(&[sql::claim(&node, "n", &for_worker(&uuid_n(9001), Some(&["http"]), 25), 2_000)])
+                        .expect("claim");
                     assert!(started.elapsed() < Duration::from_secs(2), "a claim never waits on locked rows");
                     if out[0].rows.is_empty() {
                         return mine;
@@ -487,32 +490,27 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     let mut t = new_task(&uuid_n(5000), Some("file"), None);
     t.run_at_ms = 50_000;
     c.pipeline(&[sql::insert_tasks(&[t, new_task(&uuid_n(5001), None, None)])]).expect("submit");
-    let claim = |c: &mut Conn, kinds: &[&str], any: bool, now: u64| {
-        c.pipeline(&[sql::claim(NODE_A, kinds, any, &[&uuid_n(9002)], 10, now)]).expect("claim")[0].rows.len()
+    let claim = |c: &mut Conn, kinds: Option<&[&str]>, now: u64| {
+        c.pipeline(&[sql::claim(NODE_A, "a", &for_worker(&uuid_n(9002), kinds, 10), now)]).expect("claim")[0].rows.len()
     };
-    assert_eq!(claim(&mut c, &["http"], false, 60_000), 0, "no http task left");
-    assert_eq!(claim(&mut c, &["file"], false, 40_000), 0, "not due yet");
-    assert_eq!(claim(&mut c, &["file"], false, 60_000), 1);
-    assert_eq!(claim(&mut c, &["file"], false, 60_000), 0, "a task without kind needs a worker without kinds");
-    assert_eq!(claim(&mut c, &[], true, 60_000), 1);
+    assert_eq!(claim(&mut c, Some(&["http"]), 60_000), 0, "no http task left");
+    assert_eq!(claim(&mut c, Some(&["file"]), 40_000), 0, "not due yet");
+    assert_eq!(claim(&mut c, Some(&["file"]), 60_000), 1);
+    assert_eq!(claim(&mut c, Some(&["file"]), 60_000), 0, "a task without kind needs a worker without kinds");
+    assert_eq!(claim(&mut c, None, 60_000), 1);
     assert_counts_match(&pg);
 }
 
-/// Claims one task for `node` and records its attempt on `client`.
+/// An idle worker of kind http (or `kinds`) with `slots` free.
+fn for_worker<'a>(client: &'a str, kinds: Option<&'a [&'a str]>, slots: u32) -> sql::ClaimFor<'a> {
+    sql::ClaimFor { client_id: client, client_ip: "127.0.0.1", kinds, free_slots: slots }
+}
+
+/// Claims one http task for `client`, a worker of `node`: the attempt opens on it.
 fn claim_and_start(c: &mut Conn, node: &str, name: &str, client: &str) -> (String, u32) {
-    let out = c.pipeline(&[sql::claim(node, &["http"], false, &[client], 1, 10_000)]).expect("claim");
+    let out = c.pipeline(&[sql::claim(node, name, &for_worker(client, Some(&["http"]), 1), 10_000)]).expect("claim");
     let row = out[0].rows.first().expect("a task to claim");
-    let (id, attempt) = (row.text(0).expect("id").to_string(), row.i64(1).expect("attempt") as u32);
-    let started = sql::Started {
-        id: id.clone(),
-        attempt,
-        client_id: client.to_string(),
-        client_ip: "127.0.0.1".into(),
-        started_ms: 5_000,
-    };
-    let out = c.pipeline(&[sql::attempt_started(node, name, &[started])]).expect("started");
-    assert_eq!(out[0].rows.len(), 1);
-    (id, attempt)
+    (row.text(0).expect("id").to_string(), row.i64(1).expect("attempt") as u32)
 }
 
 fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, client: &str) -> sql::Ended {
@@ -561,7 +559,7 @@ fn pg_sql_fenced_completion_refuses_a_stale_node() {
     assert!(log[0]["error"].as_str().is_some_and(|e| e.contains("node-a")), "{log}");
 
     // B claims it for a worker A's attempt did not use: attempt 2.
-    let out = c.pipeline(&[sql::claim(NODE_B, &["http"], false, &[&wa], 1, 10_000)]).expect("claim");
+    let out = c.pipeline(&[sql::claim(NODE_B, "node-b", &for_worker(&wa, Some(&["http"]), 1), 10_000)]).expect("claim");
     assert!(out[0].rows.is_empty(), "the only idle worker already tried it");
     let (_, attempt2) = claim_and_start(&mut c, NODE_B, "node-b", &wb);
     assert_eq!(attempt2, 2);
@@ -595,7 +593,7 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
     let out = c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&id, 1, "failed", "pending", &w1)])]).expect("fail");
     assert_eq!(out[0].rows[0].text(1), Some("pending"), "back to pending for a retry");
     assert_eq!(pg.psql(&format!("select tried::text from relay_pending where task_id = '{id}'")), format!("{{{w1}}}"));
-    let none = c.pipeline(&[sql::claim(NODE_B, &["http"], false, &[&w1], 1, 10_000)]).expect("claim");
+    let none = c.pipeline(&[sql::claim(NODE_B, "b", &for_worker(&w1, Some(&["http"]), 1), 10_000)]).expect("claim");
     assert!(none[0].rows.is_empty(), "not to the worker that failed it");
     let (_, attempt) = claim_and_start(&mut c, NODE_B, "b", &w2);
     assert_eq!(attempt, 2);
@@ -611,6 +609,20 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
     let (status, _, log) = task_row(&mut c, &id);
     assert_eq!(status, "canceled");
     assert_eq!(log[1]["outcome"], "canceled");
+
+    // A claim whose worker left before the task was sent is given back whole.
+    let other = uuid_n(3);
+    c.pipeline(&[sql::insert_tasks(&[new_task(&other, Some("http"), None)])]).expect("submit");
+    let (got, attempt) = claim_and_start(&mut c, NODE_A, "a", &w1);
+    assert_eq!((got.as_str(), attempt), (other.as_str(), 1));
+    let stale = c.pipeline(&[sql::unclaim(NODE_B, &[(&other, 1)])]).expect("unclaim");
+    assert!(stale[0].rows.is_empty(), "only the owner may give it back");
+    let back = c.pipeline(&[sql::unclaim(NODE_A, &[(&other, 1)])]).expect("unclaim");
+    assert_eq!(back[0].rows.len(), 1);
+    let (status, attempts, log) = task_row(&mut c, &other);
+    assert_eq!((status.as_str(), attempts, log), ("pending", 0, serde_json::json!([])));
+    let (_, attempt) = claim_and_start(&mut c, NODE_A, "a", &w1);
+    assert_eq!(attempt, 1, "the same worker may take it: it never had it");
     assert_counts_match(&pg);
 }
 
@@ -924,4 +936,65 @@ fn pg_sql_files_workers_and_token_changes() {
     assert!(changes(&mut c, high).is_empty());
     c.pipeline(&[Stmt::new(sql::TOKEN_REVOKE, vec!["j1".into(), 5i64.into()])]).expect("revoke");
     assert_eq!(changes(&mut c, high).iter().map(|s| (s.0.as_str(), s.1)).collect::<Vec<_>>(), vec![("j1", true)]);
+}
+
+/// CPU time (user + system) of a process, in milliseconds, from /proc.
+fn cpu_ms(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let ticks: u64 = fields.get(11..13).map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
+    ticks * 10 // USER_HZ = 100
+}
+
+/// Figures for docs/cluster.md (not a check; `--ignored --nocapture`): one node's turn
+/// transactions, each carrying a batch's submits, the attempt ends of the batch claimed in the
+/// turn before, and the claim (which opens the attempts), on a durable server (fsync on). Reports tasks/s,
+/// transactions per task and the database backend's CPU per task.
+#[test]
+#[ignore]
+fn pg_bench_turn_transactions() {
+    let opts = crate::support::pg::PgOptions { durable: true };
+    let Some(pg) = Pg::start_with("pg_bench_turn_transactions", opts) else { return };
+    let mut c = migrated(&pg);
+    c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
+    heartbeat(&mut c, NODE_A, "a");
+    let backend = c.backend_pid() as u32;
+    let worker = uuid_n(0xabc);
+    let mut next = 0u32;
+    for batch in [1usize, 8, 64] {
+        let turns = (4000 / batch).max(50);
+        let mut claimed: Vec<(String, u32)> = Vec::new();
+        let (cpu0, t0) = (cpu_ms(backend), Instant::now());
+        let mut done = 0usize;
+        for _ in 0..turns {
+            let tasks: Vec<sql::NewTask> = (0..batch)
+                .map(|_| {
+                    next += 1;
+                    new_task(&uuid_n(next), Some("http"), None)
+                })
+                .collect();
+            let ends: Vec<sql::Ended> = claimed.iter().map(|(id, a)| ended(id, *a, "done", "done", &worker)).collect();
+            done += ends.len();
+            let out = c
+                .pipeline(&[
+                    sql::insert_tasks(&tasks),
+                    sql::attempt_ended(NODE_A, &ends),
+                    sql::claim(NODE_A, "a", &for_worker(&worker, Some(&["http"]), batch as u32), 10_000),
+                ])
+                .expect("turn");
+            claimed = out[2]
+                .rows
+                .iter()
+                .map(|r| (r.text(0).unwrap_or("").to_string(), r.i64(1).unwrap_or(0) as u32))
+                .collect();
+        }
+        let (secs, cpu) = (t0.elapsed().as_secs_f64(), cpu_ms(backend) - cpu0);
+        eprintln!(
+            "batch {batch:>2}: {turns} turn transactions, {done} tasks done: {:.0} tasks/s, {:.3} transactions/task, \
+             backend CPU {:.0} µs/task",
+            done as f64 / secs,
+            turns as f64 / done.max(1) as f64,
+            cpu as f64 * 1000.0 / done.max(1) as f64
+        );
+    }
 }
