@@ -5,6 +5,7 @@ use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
+use crate::cluster::url::DbParams;
 use crate::log::Level;
 use crate::proxy::TrustedProxies;
 
@@ -40,6 +41,8 @@ pub struct Config {
     pub shutdown_timeout_ms: u64,
     pub log_level: Level,
     pub trusted_proxies: TrustedProxies,
+    /// `DATABASE_URL`: cluster mode on PostgreSQL (SPEC §11); `None` = single node.
+    pub database: Option<DbParams>,
 }
 
 /// A configuration error: which variable, what value, and why. Shown on stderr, exit code 2.
@@ -96,6 +99,11 @@ pub const VARS: &[(&str, &str, &str)] = &[
     ("SHUTDOWN_TIMEOUT", "5s", "grace period on SIGTERM/SIGINT"),
     ("LOG_LEVEL", "info", "error, warn, info, debug or trace"),
     ("TRUSTED_PROXIES", "-", "IPs/CIDRs whose X-Forwarded-For / X-Real-IP is believed"),
+    (
+        "DATABASE_URL",
+        "-",
+        "postgres://user:pw@host:port/db (or ?host=/socket/dir): cluster mode; replaces DATA_DIR and TOKEN_STORE",
+    ),
 ];
 
 impl Config {
@@ -124,6 +132,7 @@ impl Config {
             Some(v) => Some(PathBuf::from(v)),
         };
         let tokens = TokenConfig::from_lookup(&get)?;
+        let database = tokens.database.clone();
         let log_level = match var("LOG_LEVEL") {
             None => Level::Info,
             Some(v) => Level::parse(&v).ok_or_else(|| ConfigError {
@@ -223,6 +232,7 @@ impl Config {
             shutdown_timeout_ms: duration("SHUTDOWN_TIMEOUT", 5_000)?,
             log_level,
             trusted_proxies,
+            database,
         })
     }
 }
@@ -233,6 +243,8 @@ pub struct TokenConfig {
     /// `None` when `TOKEN_SECRET` is unset or empty (scoped tokens disabled).
     pub secret: Option<String>,
     pub store: PathBuf,
+    /// `DATABASE_URL`: the registry is the database's `relay_tokens` table instead of `store`.
+    pub database: Option<DbParams>,
 }
 
 /// Shortest `TOKEN_SECRET` accepted: HS256 wants a key of at least the hash's 32 bytes.
@@ -257,8 +269,19 @@ impl TokenConfig {
             });
         }
         let store = PathBuf::from(var("TOKEN_STORE").unwrap_or_else(|| "relay-tokens.json".into()));
-        Ok(TokenConfig { secret, store })
+        let database = database_from(var("DATABASE_URL"))?;
+        Ok(TokenConfig { secret, store, database })
     }
+}
+
+/// `DATABASE_URL`, parsed. The value shown in an error has its password masked.
+fn database_from(value: Option<String>) -> Result<Option<DbParams>, ConfigError> {
+    let Some(url) = value else { return Ok(None) };
+    crate::cluster::url::parse(&url).map(Some).map_err(|reason| ConfigError {
+        var: "DATABASE_URL",
+        value: crate::cluster::url::redact(&url),
+        reason,
+    })
 }
 
 fn as_usize(n: u64) -> usize {
@@ -421,6 +444,8 @@ mod tests {
             ("TOKEN_SECRET", "short"),
             ("TRUSTED_PROXIES", "10.0.0.0/99"),
             ("PONG_WAIT", "2s"),
+            ("DATABASE_URL", "mysql://h/db"),
+            ("DATABASE_URL", "postgres://h/db?sslmode=require"),
         ];
         for (var, value) in table {
             let mut vars = base.to_vec();
@@ -432,5 +457,23 @@ mod tests {
             .expect("valid");
         assert_eq!(c.log_level, Level::Debug);
         assert!(c.data_dir.is_none());
+        assert!(c.database.is_none(), "no DATABASE_URL: single node");
+    }
+
+    #[test]
+    fn database_url() {
+        let base = [("WORKER_TOKEN", "w"), ("API_TOKEN", "a")];
+        for url in ["postgres://u:pw@db:5433/relay", "postgresql:///relay?host=/run/pg"] {
+            let mut vars = base.to_vec();
+            vars.push(("DATABASE_URL", url));
+            let c = from(&vars).expect(url);
+            assert!(c.database.is_some(), "{url}");
+        }
+        let mut vars = base.to_vec();
+        vars.push(("DATABASE_URL", "mysql://u:secretpw@h/db"));
+        let err = from(&vars).expect_err("other scheme");
+        assert_eq!(err.var, "DATABASE_URL");
+        assert!(!err.to_string().contains("secretpw"), "the password is masked: {err}");
+        assert!(help_text().contains("DATABASE_URL"));
     }
 }

@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod auth;
+pub mod cluster;
 pub mod config;
 pub mod conn;
 pub mod dispatch;

@@ -87,6 +87,13 @@ fn serve() -> ExitCode {
         version = env!("CARGO_PKG_VERSION"),
         max_connections = cfg.max_connections
     );
+    if let Some(db) = &cfg.database {
+        relay::log!(
+            Level::Warn,
+            "DATABASE_URL is set but cluster mode is not wired into the server yet: running as a single node",
+            database = db
+        );
+    }
     let result = server.run();
     let code = match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,6 +11,7 @@ mod journal;
 mod listing;
 mod openapi;
 mod ops;
+mod pg_cluster;
 mod regressions;
 mod tasks_api;
 mod tokens;

@@ -37,6 +37,7 @@ fn help_and_version() {
         "SHUTDOWN_TIMEOUT",
         "LOG_LEVEL",
         "TRUSTED_PROXIES",
+        "DATABASE_URL",
     ] {
         assert!(out.contains(var), "--help lacks {var}");
     }
@@ -66,6 +67,8 @@ fn invalid_configuration_exits_2_naming_the_variable() {
         ("HEADER_TIMEOUT", "18446744073709551615ms"),
         ("PONG_WAIT", "1s"),
         ("TASK_TTL", "1000000h"),
+        ("DATABASE_URL", "mysql://u:pw@h/db"),
+        ("DATABASE_URL", "postgres://h/db?sslmode=verify-full"),
     ];
     for (var, value) in table {
         let mut env = BASE.to_vec();

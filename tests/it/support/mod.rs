@@ -2,6 +2,7 @@
 //! over plain sockets, and connect fake workers over real WebSockets.
 
 pub mod http;
+pub mod pg;
 pub mod worker;
 
 use std::io::{BufRead, BufReader};

@@ -1,0 +1,563 @@
+//! The database thread and its API to the event loop. The loop never waits on PostgreSQL: it
+//! hands a [`Request`] (statements that form one transaction) to a bounded channel and goes
+//! on; the thread runs it and queues a [`Reply`], then wakes the loop through the one mio
+//! `Waker` (the `wake` callback). While the database is unreachable, [`Db::send`] refuses at
+//! once, so the API can answer 503 promptly.
+//!
+//! Two helper threads, each with its own connection:
+//! - `relay-db`: requests, the node heartbeat, and the housekeeping statements (lease reaper,
+//!   expiry, retention: `sql`); connects with exponential backoff and full jitter; runs the
+//!   schema migrations on every connect (cheap when up to date: one lock, one read).
+//! - `relay-db-listen`: `LISTEN`s on the configured channels and raises a flag per channel; the
+//!   loop takes the flags (coalesced: a thousand NOTIFYs between two turns are one flag).
+//!
+//! Notifications are sent debounced: [`Db::notify`] only sets a flag; the next transaction the
+//! thread runs carries one `pg_notify` per flagged channel (delivered at its COMMIT), or a
+//! statement of its own when no request comes soon. Never one per task.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use super::schema;
+use super::sql;
+use super::url::DbParams;
+use super::wire::{Conn, Param, PgError, Rows, Stmt, Timeouts};
+use crate::log::Level;
+
+/// Most channels one node listens on (one bit each).
+pub const MAX_CHANNELS: usize = 64;
+
+/// Settings of the database threads.
+#[derive(Debug, Clone)]
+pub struct DbConfig {
+    pub params: DbParams,
+    /// This process's node id (a fresh UUID per start) and its name in logs and /clients.
+    pub node_id: String,
+    pub node_name: String,
+    /// Requests waiting for the thread; beyond it [`Db::send`] answers `Busy`.
+    pub max_queued_requests: usize,
+    pub heartbeat_interval_ms: u64,
+    /// A node silent this long is dead (SPEC §11: at most PONG_WAIT + 5 s).
+    pub lease_ms: u64,
+    /// How often the reaper, queue expiry and retention run (each node; they skip locked rows).
+    pub housekeeping_interval_ms: u64,
+    pub task_ttl_ms: u64,
+    pub max_retries: u32,
+    pub backoff_min_ms: u64,
+    pub backoff_max_ms: u64,
+    pub io_timeout_ms: u64,
+    /// Channels to LISTEN on; [`Db::take_notified`] reports them by index.
+    pub listen: Vec<&'static str>,
+    /// Run housekeeping (tests of the API alone turn it off).
+    pub housekeeping: bool,
+}
+
+impl DbConfig {
+    /// Defaults for a node; `lease_ms` from PONG_WAIT per SPEC §11.
+    pub fn new(params: DbParams, node_id: String, pong_wait_ms: u64, task_ttl_ms: u64, max_retries: u32) -> DbConfig {
+        DbConfig {
+            params,
+            node_name: node_id.clone(),
+            node_id,
+            max_queued_requests: 1024,
+            heartbeat_interval_ms: 1_000,
+            lease_ms: pong_wait_ms + 5_000,
+            housekeeping_interval_ms: 1_000,
+            task_ttl_ms,
+            max_retries,
+            backoff_min_ms: 100,
+            backoff_max_ms: 5_000,
+            io_timeout_ms: 10_000,
+            listen: vec![sql::CHANNEL_PENDING, sql::CHANNEL_CANCEL, sql::CHANNEL_TOKENS, sql::CHANNEL_FINISHED],
+            housekeeping: true,
+        }
+    }
+}
+
+/// Whether the database can be used now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    Ok,
+    Unreachable,
+}
+
+impl Health {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Ok => "ok",
+            Health::Unreachable => "unreachable",
+        }
+    }
+}
+
+/// One transaction's worth of work, tagged by the loop to match its reply.
+#[derive(Debug)]
+pub struct Request {
+    pub tag: u64,
+    pub stmts: Vec<Stmt>,
+}
+
+/// Why a request has no result.
+#[derive(Debug)]
+pub enum Failure {
+    /// Never sent: the database was unreachable. Nothing happened.
+    Unreachable,
+    /// Sent, and the connection broke before the answer: it may or may not have committed.
+    /// (A submit is then answered 503; its retry with the same Idempotency-Key is safe.)
+    Lost(String),
+    /// The database refused it; the transaction was rolled back.
+    Refused(PgError),
+}
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Unreachable => f.write_str("database unreachable"),
+            Failure::Lost(e) => write!(f, "connection lost during the transaction: {e}"),
+            Failure::Refused(e) => write!(f, "refused: {e}"),
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct Reply {
+    pub tag: u64,
+    pub result: Result<Vec<Rows>, Failure>,
+}
+
+/// Why [`Db::send`] refused a request (it is handed back).
+#[derive(Debug)]
+pub enum SendError {
+    Unreachable(Request),
+    Busy(Request),
+    Stopped(Request),
+}
+
+/// State shared by the loop and the threads.
+struct Shared {
+    health: AtomicU8,
+    replies: Mutex<VecDeque<Reply>>,
+    /// Bit i: a NOTIFY arrived on `listen[i]`.
+    notified: AtomicU64,
+    /// Bit i: send one NOTIFY on `listen[i]` soon.
+    to_notify: AtomicU64,
+    stop: AtomicBool,
+    wake: Arc<dyn Fn() + Send + Sync>,
+}
+
+impl Shared {
+    fn set_health(&self, h: Health) -> bool {
+        let v = match h {
+            Health::Ok => 1,
+            Health::Unreachable => 0,
+        };
+        self.health.swap(v, Ordering::SeqCst) != v
+    }
+}
+
+/// The loop's handle on the database threads.
+pub struct Db {
+    requests: Option<SyncSender<Request>>,
+    shared: Arc<Shared>,
+    listen: Vec<&'static str>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Db {
+    /// Starts both threads. The database is `Unreachable` until the first connection (and
+    /// migration) succeeds.
+    pub fn start(cfg: DbConfig, wake: Arc<dyn Fn() + Send + Sync>) -> io::Result<Db> {
+        assert!(cfg.listen.len() <= MAX_CHANNELS, "at most {MAX_CHANNELS} channels");
+        let (tx, rx) = sync_channel::<Request>(cfg.max_queued_requests.max(1));
+        let shared = Arc::new(Shared {
+            health: AtomicU8::new(0),
+            replies: Mutex::new(VecDeque::new()),
+            notified: AtomicU64::new(0),
+            to_notify: AtomicU64::new(0),
+            stop: AtomicBool::new(false),
+            wake,
+        });
+        let listen = cfg.listen.clone();
+        let mut threads = Vec::new();
+        let (s, c) = (shared.clone(), cfg.clone());
+        threads.push(std::thread::Builder::new().name("relay-db".into()).spawn(move || worker(c, s, rx))?);
+        if !cfg.listen.is_empty() {
+            let s = shared.clone();
+            threads.push(std::thread::Builder::new().name("relay-db-listen".into()).spawn(move || listener(cfg, s))?);
+        }
+        Ok(Db { requests: Some(tx), shared, listen, threads })
+    }
+
+    pub fn health(&self) -> Health {
+        if self.shared.health.load(Ordering::SeqCst) == 1 { Health::Ok } else { Health::Unreachable }
+    }
+
+    /// Queues a transaction. Refused at once while the database is unreachable or the queue is
+    /// full; never blocks.
+    pub fn send(&self, req: Request) -> Result<(), SendError> {
+        let Some(tx) = &self.requests else { return Err(SendError::Stopped(req)) };
+        if self.health() == Health::Unreachable {
+            return Err(SendError::Unreachable(req));
+        }
+        match tx.try_send(req) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(req)) => Err(SendError::Busy(req)),
+            Err(TrySendError::Disconnected(req)) => Err(SendError::Stopped(req)),
+        }
+    }
+
+    /// Moves every reply that arrived into `out`.
+    pub fn take_replies(&self, out: &mut Vec<Reply>) {
+        let mut q = self.shared.replies.lock().unwrap_or_else(|e| e.into_inner());
+        out.extend(q.drain(..));
+    }
+
+    /// The channels (as indexes into the configured `listen` list) notified since the last
+    /// call. After a reconnect of the listener every channel is reported once, since some
+    /// notifications may have been missed.
+    pub fn take_notified(&self) -> Vec<&'static str> {
+        let bits = self.shared.notified.swap(0, Ordering::SeqCst);
+        self.listen.iter().enumerate().filter(|(i, _)| bits & (1 << i) != 0).map(|(_, c)| *c).collect()
+    }
+
+    /// Asks for one NOTIFY on `channel` soon (debounced: many calls, one NOTIFY). The channel
+    /// must be one of the configured `listen` channels.
+    pub fn notify(&self, channel: &str) {
+        if let Some(i) = self.listen.iter().position(|c| *c == channel) {
+            self.shared.to_notify.fetch_or(1 << i, Ordering::SeqCst);
+        }
+    }
+
+    /// Stops both threads and waits for them (at most one I/O timeout).
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.requests = None;
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Db {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Exponential backoff with full jitter: the next delay is uniform in [d/2, d], d doubling
+/// from `min` to `max`.
+#[derive(Debug)]
+pub struct Backoff {
+    min_ms: u64,
+    max_ms: u64,
+    current_ms: u64,
+}
+
+impl Backoff {
+    pub fn new(min_ms: u64, max_ms: u64) -> Backoff {
+        Backoff { min_ms: min_ms.max(1), max_ms: max_ms.max(min_ms.max(1)), current_ms: min_ms.max(1) }
+    }
+
+    /// The next delay, given a random number.
+    pub fn next_ms(&mut self, random: u64) -> u64 {
+        let d = self.current_ms;
+        self.current_ms = (self.current_ms.saturating_mul(2)).min(self.max_ms);
+        d / 2 + random % (d / 2 + 1)
+    }
+
+    pub fn reset(&mut self) {
+        self.current_ms = self.min_ms;
+    }
+}
+
+fn random_u64() -> u64 {
+    uuid::Uuid::new_v4().as_u64_pair().0
+}
+
+fn push_reply(shared: &Shared, reply: Reply) {
+    shared.replies.lock().unwrap_or_else(|e| e.into_inner()).push_back(reply);
+    (shared.wake)();
+}
+
+/// Waits for the next connection attempt, answering requests `Unreachable` meanwhile.
+/// Returns false when asked to stop.
+fn wait_down(shared: &Shared, rx: &Receiver<Request>, until: Instant) -> bool {
+    loop {
+        if shared.stop.load(Ordering::SeqCst) {
+            return false;
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return true;
+        }
+        match rx.recv_timeout(left.min(Duration::from_millis(200))) {
+            Ok(req) => push_reply(shared, Reply { tag: req.tag, result: Err(Failure::Unreachable) }),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return false,
+        }
+    }
+}
+
+fn connect(cfg: &DbConfig) -> Result<Conn, PgError> {
+    let mut conn = Conn::connect(&cfg.params, Timeouts { io_ms: cfg.io_timeout_ms })?;
+    let m = schema::migrate(&mut conn)?;
+    conn.pipeline(&[Stmt::new(sql::SET_NODE, vec![cfg.node_id.clone().into()])])?;
+    if m.from != m.to {
+        crate::log!(Level::Info, "database schema migrated", from = m.from, to = m.to);
+    }
+    Ok(conn)
+}
+
+/// The `relay-db` thread.
+fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
+    let mut backoff = Backoff::new(cfg.backoff_min_ms, cfg.backoff_max_ms);
+    let started_ms = crate::timefmt::wall_ms() as i64;
+    let mut logged_down = false;
+    'connect: loop {
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let mut conn = match connect(&cfg) {
+            Ok(c) => c,
+            Err(e) => {
+                let delay = backoff.next_ms(random_u64());
+                if !logged_down {
+                    crate::log!(
+                        Level::Warn,
+                        "database unreachable",
+                        database = &cfg.params,
+                        error = &e,
+                        retry_ms = delay
+                    );
+                    logged_down = true;
+                } else {
+                    crate::log!(Level::Debug, "database still unreachable", error = &e, retry_ms = delay);
+                }
+                if !wait_down(&shared, &rx, Instant::now() + Duration::from_millis(delay)) {
+                    return;
+                }
+                continue;
+            }
+        };
+        let connected_at = Instant::now();
+        // Heartbeat before declaring health, so this node is alive in the table first.
+        if let Err(e) = conn.pipeline(&[heartbeat(&cfg, started_ms)]) {
+            crate::log!(Level::Warn, "database heartbeat failed", error = &e);
+            if !wait_down(&shared, &rx, Instant::now() + Duration::from_millis(backoff.next_ms(random_u64()))) {
+                return;
+            }
+            continue;
+        }
+        backoff.reset();
+        logged_down = false;
+        crate::log!(Level::Info, "database connected", database = &cfg.params, node = &cfg.node_name);
+        if shared.set_health(Health::Ok) {
+            (shared.wake)();
+        }
+        let mut next_heartbeat = Instant::now() + Duration::from_millis(cfg.heartbeat_interval_ms);
+        let mut next_housekeeping = Instant::now() + Duration::from_millis(cfg.housekeeping_interval_ms);
+        loop {
+            if shared.stop.load(Ordering::SeqCst) {
+                conn.close();
+                return;
+            }
+            let now = Instant::now();
+            let due = next_heartbeat.min(next_housekeeping);
+            let wait = due.saturating_duration_since(now).min(Duration::from_millis(100));
+            let broken = match rx.recv_timeout(wait) {
+                Ok(req) => run_request(&cfg, &shared, &mut conn, req),
+                Err(RecvTimeoutError::Timeout) => flush_notifies(&cfg, &shared, &mut conn),
+                Err(RecvTimeoutError::Disconnected) => {
+                    conn.close();
+                    return;
+                }
+            };
+            let mut broken = broken;
+            if broken.is_none() && Instant::now() >= next_heartbeat {
+                next_heartbeat = Instant::now() + Duration::from_millis(cfg.heartbeat_interval_ms);
+                broken = conn.pipeline(&[heartbeat(&cfg, started_ms)]).err().filter(PgError::is_fatal);
+            }
+            if broken.is_none() && cfg.housekeeping && Instant::now() >= next_housekeeping {
+                next_housekeeping = Instant::now() + Duration::from_millis(cfg.housekeeping_interval_ms);
+                // The reaper waits one lease after this node (re)connected: after a database
+                // restart the UNLOGGED heartbeats are gone until every live node beat again.
+                let reap = connected_at.elapsed() >= Duration::from_millis(cfg.lease_ms);
+                broken = housekeeping(&cfg, &mut conn, reap);
+            }
+            if let Some(e) = broken {
+                crate::log!(Level::Warn, "database connection lost", error = &e);
+                if shared.set_health(Health::Unreachable) {
+                    (shared.wake)();
+                }
+                continue 'connect;
+            }
+        }
+    }
+}
+
+fn heartbeat(cfg: &DbConfig, started_ms: i64) -> Stmt {
+    Stmt::new(
+        sql::HEARTBEAT,
+        vec![
+            cfg.node_id.clone().into(),
+            cfg.node_name.clone().into(),
+            started_ms.into(),
+            env!("CARGO_PKG_VERSION").into(),
+        ],
+    )
+}
+
+/// The pending NOTIFYs as statements (clearing their flags).
+fn take_notify_stmts(cfg: &DbConfig, shared: &Shared) -> Vec<Stmt> {
+    let bits = shared.to_notify.swap(0, Ordering::SeqCst);
+    cfg.listen
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| bits & (1 << i) != 0)
+        .map(|(_, c)| Stmt::new(sql::NOTIFY, vec![Param::from(*c)]))
+        .collect()
+}
+
+/// Runs one request; returns the error when the connection broke.
+fn run_request(cfg: &DbConfig, shared: &Shared, conn: &mut Conn, req: Request) -> Option<PgError> {
+    let n = req.stmts.len();
+    let mut stmts = req.stmts;
+    stmts.extend(take_notify_stmts(cfg, shared));
+    let (result, broken) = match conn.pipeline(&stmts) {
+        Ok(mut rows) => {
+            rows.truncate(n);
+            (Ok(rows), None)
+        }
+        Err(e) if e.is_fatal() => (Err(Failure::Lost(e.to_string())), Some(e)),
+        Err(e) => (Err(Failure::Refused(e)), None),
+    };
+    push_reply(shared, Reply { tag: req.tag, result });
+    broken
+}
+
+fn flush_notifies(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<PgError> {
+    let stmts = take_notify_stmts(cfg, shared);
+    if stmts.is_empty() {
+        return None;
+    }
+    conn.pipeline(&stmts).err().filter(PgError::is_fatal)
+}
+
+/// Reaper (when `reap`), queue expiry and retention, each its own transaction. Only a broken
+/// connection is returned; a refused statement is logged.
+fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> {
+    let now_ms = crate::timefmt::wall_ms() as i64;
+    let mut jobs: Vec<(&str, Vec<Stmt>)> = Vec::new();
+    if reap {
+        jobs.push(("reap", vec![sql::reap_dead_nodes(cfg.lease_ms, cfg.max_retries, now_ms), notify_pending()]));
+        // Under the same grace rule: after a database restart the UNLOGGED worker registry is
+        // empty until every node wrote its workers again.
+        jobs.push(("unplaceable", vec![sql::fail_unplaceable(cfg.lease_ms, now_ms)]));
+    }
+    jobs.push(("expire", vec![sql::expire_in_queue(now_ms, cfg.task_ttl_ms)]));
+    jobs.push(("retention", vec![sql::retention(now_ms, cfg.task_ttl_ms)]));
+    for (what, stmts) in jobs {
+        match conn.pipeline(&stmts) {
+            Ok(rows) => {
+                let n = rows.first().map_or(0, |r| r.affected);
+                if n > 0 {
+                    crate::log!(Level::Debug, "database housekeeping", job = what, rows = n);
+                }
+            }
+            Err(e) if e.is_fatal() => return Some(e),
+            Err(e) => crate::log!(Level::Error, "database housekeeping failed", job = what, error = &e),
+        }
+    }
+    None
+}
+
+fn notify_pending() -> Stmt {
+    Stmt::new(sql::NOTIFY, vec![Param::from(sql::CHANNEL_PENDING)])
+}
+
+/// The `relay-db-listen` thread.
+fn listener(cfg: DbConfig, shared: Arc<Shared>) {
+    let mut backoff = Backoff::new(cfg.backoff_min_ms, cfg.backoff_max_ms);
+    let all: u64 = if cfg.listen.len() >= 64 { u64::MAX } else { (1u64 << cfg.listen.len()) - 1 };
+    while !shared.stop.load(Ordering::SeqCst) {
+        let mut conn = match Conn::connect(&cfg.params, Timeouts { io_ms: cfg.io_timeout_ms }) {
+            Ok(c) => c,
+            Err(_) => {
+                sleep_unless_stopped(&shared, backoff.next_ms(random_u64()));
+                continue;
+            }
+        };
+        let script: String = cfg.listen.iter().map(|c| format!("LISTEN \"{c}\";")).collect();
+        if let Err(e) = conn.simple(&script) {
+            crate::log!(Level::Warn, "database LISTEN failed", error = &e);
+            sleep_unless_stopped(&shared, backoff.next_ms(random_u64()));
+            continue;
+        }
+        backoff.reset();
+        // Anything may have been missed while this thread was not listening.
+        shared.notified.fetch_or(all, Ordering::SeqCst);
+        (shared.wake)();
+        loop {
+            if shared.stop.load(Ordering::SeqCst) {
+                conn.close();
+                return;
+            }
+            match conn.wait_notification(Duration::from_millis(250)) {
+                Ok(Some(n)) => {
+                    let mut bits = 0u64;
+                    if let Some(i) = cfg.listen.iter().position(|c| *c == n.channel) {
+                        bits |= 1 << i;
+                    }
+                    // Take whatever else is already here, so one wake covers a burst.
+                    while let Ok(Some(more)) = conn.wait_notification(Duration::ZERO) {
+                        if let Some(i) = cfg.listen.iter().position(|c| *c == more.channel) {
+                            bits |= 1 << i;
+                        }
+                    }
+                    if bits != 0 && shared.notified.fetch_or(bits, Ordering::SeqCst) & bits != bits {
+                        (shared.wake)();
+                    }
+                }
+                Ok(None) => {}
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+fn sleep_unless_stopped(shared: &Shared, ms: u64) {
+    let until = Instant::now() + Duration::from_millis(ms);
+    while !shared.stop.load(Ordering::SeqCst) && Instant::now() < until {
+        std::thread::sleep(until.saturating_duration_since(Instant::now()).min(Duration::from_millis(50)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_with_jitter_up_to_the_cap() {
+        let mut b = Backoff::new(100, 1_000);
+        let table: &[(u64, u64)] = &[(0, 50), (100, 200), (0, 200), (0, 400), (0, 500), (7, 507)];
+        for (random, expected) in table {
+            assert_eq!(b.next_ms(*random), *expected);
+        }
+        for r in 0..1000u64 {
+            let d = b.next_ms(r * 7919);
+            assert!((500..=1_000).contains(&d), "{d}");
+        }
+        b.reset();
+        assert_eq!(b.next_ms(0), 50);
+    }
+}

@@ -1,0 +1,237 @@
+//! The database schema and its versioned migrations.
+//!
+//! [`migrate`] runs at every start, on every node: one transaction that first takes
+//! `pg_advisory_xact_lock(MIGRATION_LOCK)`, so nodes starting together apply each migration
+//! exactly once (the others wait, then find it recorded in `relay_schema`). A database whose
+//! schema is newer than this build knows is refused rather than used.
+//!
+//! Times are Unix milliseconds in `int8` columns ending in `_ms`, like the rest of relay; the
+//! database's own clock (`relay_now_ms()`) is used only for node leases, so clock skew between
+//! nodes cannot kill a live node. docs/cluster.md explains each table.
+
+use super::wire::{Conn, PgError};
+
+/// The advisory lock key of migrations ("relay" in ASCII).
+pub const MIGRATION_LOCK: i64 = 0x72_65_6c_61_79;
+
+/// `(version, description, SQL)`, in order. A migration is never edited once released: add one.
+pub const MIGRATIONS: &[(i32, &str, &str)] = &[(1, "tasks, pending, nodes, workers, tokens, files", V1)];
+
+/// The newest version this build knows.
+pub fn latest_version() -> i32 {
+    MIGRATIONS.last().map_or(0, |m| m.0)
+}
+
+const V1: &str = r#"
+CREATE FUNCTION relay_now_ms() RETURNS int8 LANGUAGE sql STABLE
+    AS $$ SELECT (extract(epoch FROM now()) * 1000)::int8 $$;
+
+-- Every task from submit until TASK_TTL after it finished. The row is the task's one source of
+-- truth; `attempt` and `owner_node` fence every write of an attempt's outcome.
+CREATE TABLE relay_tasks (
+    id            uuid PRIMARY KEY,
+    seq           int8 GENERATED ALWAYS AS IDENTITY,   -- submission order, cluster-wide
+    status        text NOT NULL CHECK (status IN ('pending', 'dispatched', 'done', 'failed', 'canceled')),
+    kind          text,                                -- payload.kind; NULL when none
+    payload       text NOT NULL,                       -- the payload's JSON text, as received
+    queue         boolean NOT NULL,                    -- waits for a worker instead of failing
+    timeout_ms    int8,                                -- per-task TASK_TIMEOUT override
+    max_retries   int4,                                -- per-task MAX_RETRIES override
+    created_ms    int8 NOT NULL,
+    run_at_ms     int8 NOT NULL,                       -- due time (= created_ms unless scheduled)
+    finished_ms   int8,                                -- set once final
+    attempt       int4 NOT NULL DEFAULT 0,             -- attempts started; the fencing number
+    owner_node    uuid,                                -- node running attempt `attempt`; NULL unless dispatched
+    tried         uuid[] NOT NULL DEFAULT '{}',        -- client ids of every worker that was sent it
+    attempt_log   jsonb NOT NULL DEFAULT '[]',         -- SPEC §4 attempt_log entries, plus "node"
+    result        text,                                -- worker data JSON text, when done
+    error         text,                                -- final error, when failed
+    client_id     uuid,                                -- worker that finished it (or last tried)
+    client_ip     text,
+    idem_owner    text,                                -- token identity: 'root' or the JWT jti
+    idem_key      text                                 -- Idempotency-Key
+) WITH (fillfactor = 80, autovacuum_vacuum_scale_factor = 0.02, autovacuum_analyze_scale_factor = 0.02);
+CREATE UNIQUE INDEX relay_tasks_idem ON relay_tasks (idem_owner, idem_key) WHERE idem_key IS NOT NULL;
+CREATE INDEX relay_tasks_list ON relay_tasks (created_ms DESC, seq DESC);
+CREATE INDEX relay_tasks_list_status ON relay_tasks (status, created_ms DESC, seq DESC);
+CREATE INDEX relay_tasks_list_kind ON relay_tasks (kind, created_ms DESC, seq DESC);
+CREATE INDEX relay_tasks_finished ON relay_tasks (finished_ms) WHERE finished_ms IS NOT NULL;
+CREATE INDEX relay_tasks_owner ON relay_tasks (owner_node) WHERE status = 'dispatched';
+
+-- The small hot table of tasks waiting for a worker: inserted on submit and on retry, deleted
+-- by the claim (FOR UPDATE SKIP LOCKED). Never updated, so it stays small and vacuum-cheap.
+CREATE TABLE relay_pending (
+    task_id        uuid PRIMARY KEY,
+    due_ms         int8 NOT NULL,
+    seq            int8 NOT NULL,
+    kind           text,
+    queue          boolean NOT NULL,
+    tried          uuid[] NOT NULL DEFAULT '{}',       -- client ids of workers already tried
+    payload_bytes  int4 NOT NULL                       -- for MAX_PENDING_BYTES
+) WITH (autovacuum_vacuum_scale_factor = 0, autovacuum_vacuum_threshold = 2000,
+        autovacuum_vacuum_insert_scale_factor = 0, autovacuum_vacuum_insert_threshold = 20000);
+CREATE INDEX relay_pending_due ON relay_pending (due_ms, seq);
+CREATE INDEX relay_pending_kind_due ON relay_pending (kind, due_ms, seq);
+
+-- Task counts for /healthz without counting rows: statement-level triggers on relay_tasks add
+-- each statement's net change per status to the row of the node that ran it (the session's
+-- `relay.node_id`; the zero UUID for other sessions), so nodes never contend for one counter
+-- row. Every path is counted, the housekeeping and an operator's hand edits included; the sum
+-- over all rows, dead nodes' included, is the cluster-wide count.
+CREATE TABLE relay_counters (
+    node_id       uuid NOT NULL,
+    status        text NOT NULL,
+    n             int8 NOT NULL,
+    PRIMARY KEY (node_id, status)
+);
+CREATE FUNCTION relay_counter_node() RETURNS uuid LANGUAGE sql STABLE AS $$
+    SELECT coalesce(nullif(current_setting('relay.node_id', true), ''),
+                    '00000000-0000-0000-0000-000000000000')::uuid $$;
+CREATE FUNCTION relay_count_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_counters (node_id, status, n)
+    SELECT relay_counter_node(), status, count(*) FROM new_rows GROUP BY status
+    ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n;
+    RETURN NULL;
+END $$;
+CREATE FUNCTION relay_count_update() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_counters (node_id, status, n)
+    SELECT relay_counter_node(), status, sum(d) FROM (
+        SELECT status, 1 AS d FROM new_rows UNION ALL SELECT status, -1 FROM old_rows) x
+    GROUP BY status HAVING sum(d) <> 0
+    ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n;
+    RETURN NULL;
+END $$;
+CREATE FUNCTION relay_count_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_counters (node_id, status, n)
+    SELECT relay_counter_node(), status, -count(*) FROM old_rows GROUP BY status
+    ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER relay_tasks_count_insert AFTER INSERT ON relay_tasks
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_count_insert();
+CREATE TRIGGER relay_tasks_count_update AFTER UPDATE ON relay_tasks
+    REFERENCING OLD TABLE AS old_rows NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_count_update();
+CREATE TRIGGER relay_tasks_count_delete AFTER DELETE ON relay_tasks
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_count_delete();
+
+-- Node heartbeats. UNLOGGED: rewritten every second, worthless after a database crash (the
+-- table is then empty until each node's next heartbeat; see the reaper's grace rule).
+CREATE UNLOGGED TABLE relay_nodes (
+    node_id       uuid PRIMARY KEY,
+    name          text NOT NULL,
+    started_ms    int8 NOT NULL,
+    heartbeat_ms  int8 NOT NULL,                       -- database clock (relay_now_ms())
+    version       text NOT NULL
+);
+
+-- The workers of every node, for /clients. UNLOGGED for the same reason; each node rewrites
+-- its own rows, and a dead node's rows go with it.
+CREATE UNLOGGED TABLE relay_workers (
+    client_id     uuid PRIMARY KEY,
+    node_id       uuid NOT NULL,
+    ip            text NOT NULL,
+    connected_ms  int8 NOT NULL,
+    kinds         text[],                              -- NULL: takes every kind
+    concurrency   int4,                                -- NULL: unlimited (no hello)
+    in_flight     int4 NOT NULL,
+    active        boolean NOT NULL,
+    version       text
+);
+CREATE INDEX relay_workers_node ON relay_workers (node_id);
+
+-- The scoped-token registry (SPEC §6): no token material, only what identifies a token.
+-- `changed` grows on every insert and revoke, so nodes refresh their cache incrementally.
+CREATE SEQUENCE relay_tokens_changed;
+CREATE TABLE relay_tokens (
+    jti           text PRIMARY KEY,
+    name          text NOT NULL,
+    kinds         text[] NOT NULL,
+    created_ms    int8 NOT NULL,
+    expires_ms    int8 NOT NULL,
+    revoked_ms    int8,
+    changed       int8 NOT NULL DEFAULT nextval('relay_tokens_changed')
+);
+CREATE INDEX relay_tokens_changed_idx ON relay_tokens (changed);
+
+-- Uploaded files, readable through every node: metadata, then the bytes in chunks.
+CREATE TABLE relay_files (
+    file_id       uuid PRIMARY KEY,
+    filename      text NOT NULL,
+    content_type  text NOT NULL,
+    size          int8 NOT NULL DEFAULT 0,
+    sha256        text,                                -- set when complete
+    chunk_bytes   int4 NOT NULL,
+    created_ms    int8 NOT NULL,
+    expires_ms    int8 NOT NULL,
+    complete      boolean NOT NULL DEFAULT false
+);
+CREATE INDEX relay_files_expires ON relay_files (expires_ms);
+CREATE TABLE relay_file_chunks (
+    file_id       uuid NOT NULL,
+    n             int4 NOT NULL,
+    data          bytea NOT NULL,
+    PRIMARY KEY (file_id, n)
+);
+-- Files are often compressed already: store chunks out of line without trying to compress.
+ALTER TABLE relay_file_chunks ALTER COLUMN data SET STORAGE EXTERNAL;
+"#;
+
+/// What [`migrate`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Migrated {
+    /// The version found before.
+    pub from: i32,
+    /// The version now.
+    pub to: i32,
+}
+
+/// Brings the schema to [`latest_version`] in one transaction under the migration lock.
+pub fn migrate(conn: &mut Conn) -> Result<Migrated, PgError> {
+    migrate_to(conn, MIGRATIONS)
+}
+
+/// [`migrate`] with an explicit list (tests add versions to see the upgrade path).
+pub fn migrate_to(conn: &mut Conn, migrations: &[(i32, &str, &str)]) -> Result<Migrated, PgError> {
+    conn.simple(&format!(
+        "BEGIN; SELECT pg_advisory_xact_lock({MIGRATION_LOCK});
+         CREATE TABLE IF NOT EXISTS relay_schema (
+             version     int4 PRIMARY KEY,
+             description text NOT NULL,
+             applied_at  timestamptz NOT NULL DEFAULT now()
+         );"
+    ))
+    .inspect_err(|_| rollback(conn))?;
+    let result = (|| {
+        let found = conn.simple("SELECT coalesce(max(version), 0) FROM relay_schema")?;
+        let from = found.first().and_then(|r| r.rows.first()).and_then(|r| r.i64(0)).unwrap_or(0) as i32;
+        let newest = migrations.last().map_or(0, |m| m.0);
+        if from > newest {
+            return Err(PgError::Db {
+                code: "relay".into(),
+                message: format!(
+                    "the database schema is version {from}, newer than this relay knows ({newest}): upgrade relay"
+                ),
+            });
+        }
+        for (version, description, sql) in migrations.iter().filter(|m| m.0 > from) {
+            conn.simple(sql)?;
+            let description = description.replace('\'', "''");
+            conn.simple(&format!(
+                "INSERT INTO relay_schema (version, description) VALUES ({version}, '{description}')"
+            ))?;
+        }
+        conn.simple("COMMIT")?;
+        Ok(Migrated { from, to: newest.max(from) })
+    })();
+    if result.is_err() {
+        rollback(conn);
+    }
+    result
+}
+
+fn rollback(conn: &mut Conn) {
+    let _ = conn.simple("ROLLBACK");
+}

@@ -1,0 +1,1000 @@
+//! Cluster mode on PostgreSQL (SPEC §11): the private-server harness, the wire client, the
+//! database thread, the schema and the statements of docs/cluster.md, each against a
+//! PostgreSQL server of the test's own (`support::pg`).
+
+use std::time::{Duration, Instant};
+
+use crate::support::pg::Pg;
+
+#[test]
+fn pg_harness_starts_a_private_server_and_stops_it_by_pid() {
+    let Some(mut pg) = Pg::start("pg_harness_starts_a_private_server_and_stops_it_by_pid") else { return };
+    assert_eq!(pg.psql("select 40 + 2"), "42");
+    assert_eq!(pg.psql("show fsync"), "off", "tests run with fsync off by default");
+    let pid = pg.pid().expect("running");
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    let root = pg.data.parent().expect("root").to_path_buf();
+
+    // Stop and start again on the same data: what was committed is there.
+    pg.psql("create table t (x int); insert into t values (7)");
+    pg.stop();
+    assert!(pg.pid().is_none());
+    pg.start_again();
+    assert_eq!(pg.psql("select x from t"), "7");
+
+    let started = Instant::now();
+    drop(pg);
+    assert!(started.elapsed() < Duration::from_secs(5), "fast shutdown");
+    let gone =
+        crate::support::poll_until(Duration::from_secs(5), || !std::path::Path::new(&format!("/proc/{pid}")).exists());
+    assert!(gone, "the postmaster {pid} is gone after drop");
+    assert!(!root.exists(), "the data directory is removed");
+}
+
+#[test]
+fn pg_harness_durable_option_turns_fsync_on() {
+    let opts = crate::support::pg::PgOptions { durable: true };
+    let Some(mut pg) = Pg::start_with("pg_harness_durable_option_turns_fsync_on", opts) else { return };
+    assert_eq!(pg.psql("show fsync"), "on");
+    assert_eq!(pg.psql("show synchronous_commit"), "on");
+    assert!(pg.url().contains(pg.socket_dir.to_str().expect("utf-8")) && pg.url_tcp().contains("127.0.0.1"));
+    // A crash (kill -9 of the postmaster) loses nothing committed.
+    pg.psql("create table t (x int); insert into t values (9)");
+    pg.kill();
+    pg.start_again();
+    assert_eq!(pg.psql("select x from t"), "9");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The wire client (src/cluster/wire.rs).
+
+use relay::cluster::url::parse as parse_url;
+use relay::cluster::wire::{Conn, Param, PgError, Stmt, Timeouts};
+
+fn connect(url: &str) -> Conn {
+    let params = parse_url(url).expect("url");
+    Conn::connect(&params, Timeouts::default()).expect("connect")
+}
+
+#[test]
+fn pg_wire_simple_and_pipelined_statements_over_socket_and_tcp() {
+    let Some(pg) = Pg::start("pg_wire_simple_and_pipelined_statements_over_socket_and_tcp") else { return };
+    for url in [pg.url(), pg.url_tcp()] {
+        let mut c = connect(&url);
+        let out = c.simple("create temp table t (n int, s text, b bytea); select 1, 'x'").expect("script");
+        assert_eq!(out.len(), 2, "one result per statement");
+        assert_eq!((out[1].rows[0].i64(0), out[1].rows[0].text(1)), (Some(1), Some("x")));
+
+        let ins = "insert into t values ($1::int, $2::text, $3::bytea)";
+        let blob: Vec<u8> = (0..=255u8).collect();
+        let stmts = vec![
+            Stmt::new(ins, vec![Param::from(1i64), Param::from("a ' quote"), Param::Bytes(blob.clone())]),
+            Stmt::new(ins, vec![Param::from(2i64), Param::Null, Param::Null]),
+            Stmt::new("select n, s, s is null from t order by n", vec![]),
+            Stmt { sql: "select b from t where n = $1::int", params: vec![Param::from(1i64)], binary_results: true },
+        ];
+        let out = c.pipeline(&stmts).expect("pipeline");
+        assert_eq!(out[0].affected, 1);
+        let rows = &out[2].rows;
+        assert_eq!(rows.len(), 2);
+        assert_eq!((rows[0].text(1), rows[1].text(1), rows[1].bool(2)), (Some("a ' quote"), None, Some(true)));
+        assert_eq!(out[3].rows[0].bytes(0), Some(&blob[..]), "bytea in and out in binary, byte for byte");
+        // The same statements again reuse their prepared names.
+        let out = c.pipeline(&stmts[2..3]).expect("again");
+        assert_eq!(out[0].rows.len(), 2);
+    }
+}
+
+#[test]
+fn pg_wire_a_failed_pipeline_is_rolled_back_whole_and_the_connection_survives() {
+    let Some(pg) = Pg::start("pg_wire_a_failed_pipeline_is_rolled_back_whole_and_the_connection_survives") else {
+        return;
+    };
+    let mut c = connect(&pg.url());
+    c.simple("create table u (k text primary key)").expect("table");
+    let ins = "insert into u values ($1::text)";
+    let err = c
+        .pipeline(&[
+            Stmt::new(ins, vec!["a".into()]),
+            Stmt::new(ins, vec!["b".into()]),
+            Stmt::new(ins, vec!["a".into()]),
+        ])
+        .expect_err("duplicate key");
+    assert_eq!(err.code(), Some("23505"), "{err}");
+    assert!(!err.is_fatal());
+    let n = c.pipeline(&[Stmt::new("select count(*) from u", vec![])]).expect("count");
+    assert_eq!(n[0].rows[0].i64(0), Some(0), "nothing of the failed pipeline stayed");
+    let bad = c.pipeline(&[Stmt::new("select nonsense from nowhere", vec![])]).expect_err("bad sql");
+    assert_eq!(bad.code(), Some("42P01"));
+    c.pipeline(&[Stmt::new(ins, vec!["a".into()])]).expect("usable after errors");
+    // A statement that keeps failing is prepared afresh each time, and its old copy closed.
+    for _ in 0..10 {
+        c.pipeline(&[Stmt::new(ins, vec!["a".into()])]).expect_err("duplicate");
+    }
+    let n = c.pipeline(&[Stmt::new("select count(*) from pg_prepared_statements", vec![])]).expect("count");
+    assert!(n[0].rows[0].i64(0).is_some_and(|n| n <= 4), "prepared statements pile up: {:?}", n[0].rows[0].i64(0));
+}
+
+#[test]
+fn pg_wire_a_large_pipeline_does_not_deadlock() {
+    let Some(pg) = Pg::start("pg_wire_a_large_pipeline_does_not_deadlock") else { return };
+    let mut c = connect(&pg.url_tcp());
+    // Far more than the socket buffers on both sides hold: the server writes results while we
+    // are still writing statements.
+    let stmts: Vec<Stmt> =
+        (0..20_000i64).map(|i| Stmt::new("select $1::int8, repeat('x', 500)", vec![i.into()])).collect();
+    let started = Instant::now();
+    let out = c.pipeline(&stmts).expect("pipeline");
+    assert_eq!(out.len(), 20_000);
+    assert_eq!(out[19_999].rows[0].i64(0), Some(19_999));
+    eprintln!("20000 statements in one pipeline: {:?}", started.elapsed());
+}
+
+#[test]
+fn pg_wire_password_logins_scram_and_md5() {
+    let Some(pg) = Pg::start("pg_wire_password_logins_scram_and_md5") else { return };
+    pg.psql(
+        "set password_encryption = 'scram-sha-256'; create role s login password 'p@ss word';
+         set password_encryption = 'md5'; create role m login password 'md5pw';",
+    );
+    pg.set_hba(
+        "local all postgres trust\n\
+         host all s 127.0.0.1/32 scram-sha-256\n\
+         host all m 127.0.0.1/32 md5\n\
+         host all all 127.0.0.1/32 reject\n",
+    );
+    let port = pg.port;
+    let url = |user: &str, pw: &str| format!("postgres://{user}:{pw}@127.0.0.1:{port}/postgres");
+    let login = |u: &str| Conn::connect(&parse_url(u).expect("url"), Timeouts::default());
+    // The reload is asynchronous: wait until the reject line is in force.
+    let reloaded = crate::support::poll_until(Duration::from_secs(5), || {
+        login(&format!("postgres://postgres@127.0.0.1:{port}/postgres")).is_err()
+    });
+    assert!(reloaded, "pg_hba.conf reloaded");
+    let mut c = login(&url("s", "p%40ss%20word")).expect("scram login");
+    assert_eq!(c.simple("select current_user").expect("q")[0].rows[0].text(0), Some("s"));
+    let mut c = login(&url("m", "md5pw")).expect("md5 login");
+    assert_eq!(c.simple("select current_user").expect("q")[0].rows[0].text(0), Some("m"));
+    assert!(matches!(login(&url("s", "wrong")), Err(PgError::Db { .. })), "a wrong password is refused");
+    assert!(login(&format!("postgres://s@127.0.0.1:{port}/postgres")).is_err(), "no password given");
+}
+
+#[test]
+fn pg_wire_notifications_arrive_while_idle_and_between_calls() {
+    let Some(pg) = Pg::start("pg_wire_notifications_arrive_while_idle_and_between_calls") else { return };
+    let mut listener = connect(&pg.url());
+    listener.simple("listen relay_pending").expect("listen");
+    let mut other = connect(&pg.url());
+    assert_eq!(listener.wait_notification(Duration::from_millis(50)).expect("idle"), None);
+    other.pipeline(&[Stmt::new("select pg_notify('relay_pending', $1::text)", vec!["n1".into()])]).expect("notify");
+    let n = listener.wait_notification(Duration::from_secs(5)).expect("wait").expect("a notification");
+    assert_eq!((n.channel.as_str(), n.payload.as_str()), ("relay_pending", "n1"));
+    // One that arrives around a query (before it, or during it) is kept for later.
+    other.simple("notify relay_pending, 'n2'").expect("notify");
+    listener.simple("select 1").expect("query");
+    let n = listener.wait_notification(Duration::from_secs(5)).expect("wait").expect("kept");
+    assert_eq!(n.payload, "n2");
+}
+
+#[test]
+fn pg_wire_a_dead_server_is_an_error_not_a_hang() {
+    let Some(mut pg) = Pg::start("pg_wire_a_dead_server_is_an_error_not_a_hang") else { return };
+    let mut c = connect(&pg.url_tcp());
+    c.simple("select 1").expect("alive");
+    pg.stop();
+    let started = Instant::now();
+    let err = c.simple("select 1").expect_err("the server is gone");
+    assert!(err.is_fatal(), "{err}");
+    assert!(Conn::connect(&parse_url(&pg.url_tcp()).expect("url"), Timeouts::default()).is_err());
+    assert!(started.elapsed() < Duration::from_secs(5), "errors come promptly: {:?}", started.elapsed());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Schema migrations (src/cluster/schema.rs).
+
+use relay::cluster::schema;
+
+#[test]
+fn pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together() {
+    let Some(pg) = Pg::start("pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together") else { return };
+    let url = pg.url();
+    let starters: Vec<_> = (0..4)
+        .map(|_| {
+            let url = url.clone();
+            std::thread::spawn(move || schema::migrate(&mut connect(&url)).expect("migrate"))
+        })
+        .collect();
+    let results: Vec<schema::Migrated> = starters.into_iter().map(|t| t.join().expect("thread")).collect();
+    let latest = schema::latest_version();
+    assert_eq!(results.iter().filter(|m| m.from == 0).count(), 1, "exactly one node applied v1: {results:?}");
+    assert!(results.iter().all(|m| m.to == latest));
+    assert_eq!(pg.psql("select string_agg(version::text, ',') from relay_schema"), latest.to_string());
+
+    let mut c = connect(&url);
+    assert_eq!(schema::migrate(&mut c).expect("again"), schema::Migrated { from: latest, to: latest });
+    // A later build adds a version: only that one runs.
+    let mut next = schema::MIGRATIONS.to_vec();
+    next.push((latest + 1, "a test column", "ALTER TABLE relay_nodes ADD COLUMN test_col int"));
+    assert_eq!(schema::migrate_to(&mut c, &next).expect("upgrade"), schema::Migrated { from: latest, to: latest + 1 });
+    assert_eq!(pg.psql("select count(*) from relay_schema"), (latest + 1).to_string());
+    // An older build refuses a newer schema, and leaves it alone.
+    let err = schema::migrate(&mut c).expect_err("newer schema");
+    assert!(err.to_string().contains("newer than this relay knows"), "{err}");
+    // A failing migration leaves nothing behind (one transaction).
+    let mut bad = next.clone();
+    bad.push((latest + 2, "broken", "CREATE TABLE half_done (x int); SELECT no_such_function()"));
+    assert!(schema::migrate_to(&mut c, &bad).is_err());
+    assert_eq!(pg.psql("select count(*) from pg_tables where tablename = 'half_done'"), "0");
+    assert_eq!(pg.psql("select max(version) from relay_schema"), (latest + 1).to_string());
+}
+
+// ---------------------------------------------------------------------------------------------
+// The database thread (src/cluster/db.rs).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use relay::cluster::db::{Db, DbConfig, Failure, Health, Reply, Request, SendError};
+use relay::cluster::sql;
+
+fn db_config(pg: &Pg, node: &str) -> DbConfig {
+    let mut cfg = DbConfig::new(parse_url(&pg.url()).expect("url"), node.to_string(), 1_000, 3_600_000, 2);
+    cfg.backoff_min_ms = 50;
+    cfg.backoff_max_ms = 300;
+    cfg.heartbeat_interval_ms = 200;
+    cfg.io_timeout_ms = 2_000;
+    cfg
+}
+
+fn start_db(cfg: DbConfig) -> (Db, Arc<AtomicUsize>) {
+    let wakes = Arc::new(AtomicUsize::new(0));
+    let w = wakes.clone();
+    let db = Db::start(
+        cfg,
+        Arc::new(move || {
+            w.fetch_add(1, Ordering::SeqCst);
+        }),
+    )
+    .expect("start db");
+    (db, wakes)
+}
+
+fn wait_health(db: &Db, h: Health, within: Duration) {
+    assert!(crate::support::poll_until(within, || db.health() == h), "database never became {h:?}");
+}
+
+/// Waits for the reply tagged `tag`.
+fn reply(db: &Db, tag: u64) -> Reply {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut got = Vec::new();
+    loop {
+        db.take_replies(&mut got);
+        if let Some(i) = got.iter().position(|r| r.tag == tag) {
+            return got.swap_remove(i);
+        }
+        assert!(Instant::now() < deadline, "no reply {tag}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+const NODE_A: &str = "00000000-0000-4000-8000-00000000000a";
+const NODE_B: &str = "00000000-0000-4000-8000-00000000000b";
+
+#[test]
+fn pg_db_thread_answers_through_the_queue_and_wakes_the_loop() {
+    let Some(pg) = Pg::start("pg_db_thread_answers_through_the_queue_and_wakes_the_loop") else { return };
+    let (db, wakes) = start_db(db_config(&pg, NODE_A));
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    assert_eq!(pg.psql(&format!("select count(*) from relay_nodes where node_id = '{NODE_A}'")), "1", "heartbeat");
+
+    let before = wakes.load(Ordering::SeqCst);
+    let task = new_task("11111111-1111-4111-8111-111111111111", Some("http"), None);
+    db.send(Request { tag: 7, stmts: vec![sql::insert_tasks(&[task])] }).expect("send");
+    let r = reply(&db, 7);
+    let rows = r.result.expect("inserted");
+    assert_eq!(rows[0].rows.len(), 1);
+    assert!(wakes.load(Ordering::SeqCst) > before, "the reply woke the loop");
+
+    // A refused transaction is reported as such; the connection goes on.
+    db.send(Request { tag: 8, stmts: vec![Stmt::new("select 1/0", vec![])] }).expect("send");
+    assert!(matches!(reply(&db, 8).result, Err(Failure::Refused(_))));
+    assert_eq!(db.health(), Health::Ok);
+}
+
+#[test]
+fn pg_db_notify_is_debounced_and_listen_raises_one_flag() {
+    let Some(pg) = Pg::start("pg_db_notify_is_debounced_and_listen_raises_one_flag") else { return };
+    let mut watcher = connect(&pg.url());
+    watcher.simple("listen relay_pending").expect("listen");
+    let (db, _) = start_db(db_config(&pg, NODE_A));
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    // The listener thread raises every flag once when it connects; wait for that, then clear.
+    assert!(crate::support::poll_until(Duration::from_secs(5), || !db.take_notified().is_empty()));
+
+    for _ in 0..1000 {
+        db.notify(sql::CHANNEL_PENDING);
+    }
+    db.send(Request { tag: 1, stmts: vec![Stmt::new("select 1", vec![])] }).expect("send");
+    reply(&db, 1).result.expect("ok");
+    let first = watcher.wait_notification(Duration::from_secs(5)).expect("wait");
+    assert_eq!(first.map(|n| n.channel), Some("relay_pending".to_string()));
+    assert_eq!(watcher.wait_notification(Duration::from_millis(300)).expect("wait"), None, "one NOTIFY, not 1000");
+
+    let flagged =
+        crate::support::poll_until(Duration::from_secs(5), || db.take_notified() == vec![sql::CHANNEL_PENDING]);
+    assert!(flagged, "the node's own listener saw relay_pending");
+    // A notification from elsewhere (another node) raises the flag too.
+    watcher.simple("notify relay_cancel, 'x'").expect("notify");
+    assert!(crate::support::poll_until(Duration::from_secs(5), || db.take_notified() == vec![sql::CHANNEL_CANCEL]));
+}
+
+#[test]
+fn pg_db_outage_fails_fast_and_reconnects_when_the_database_returns() {
+    let Some(mut pg) = Pg::start("pg_db_outage_fails_fast_and_reconnects_when_the_database_returns") else { return };
+    let (db, wakes) = start_db(db_config(&pg, NODE_A));
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+
+    let before = wakes.load(Ordering::SeqCst);
+    pg.stop();
+    wait_health(&db, Health::Unreachable, Duration::from_secs(5));
+    assert!(wakes.load(Ordering::SeqCst) > before, "the loop was woken to see the change");
+    let started = Instant::now();
+    let refused = db.send(Request { tag: 1, stmts: vec![Stmt::new("select 1", vec![])] });
+    assert!(matches!(refused, Err(SendError::Unreachable(_))), "{refused:?}");
+    assert!(started.elapsed() < Duration::from_millis(50), "refused at once");
+
+    pg.start_again();
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    db.send(Request { tag: 2, stmts: vec![Stmt::new("select 1", vec![])] }).expect("send");
+    reply(&db, 2).result.expect("served again");
+}
+
+#[test]
+fn pg_db_full_queue_is_busy_and_a_broken_transaction_is_lost() {
+    let Some(mut pg) = Pg::start("pg_db_full_queue_is_busy_and_a_broken_transaction_is_lost") else { return };
+    let mut cfg = db_config(&pg, NODE_A);
+    cfg.max_queued_requests = 1;
+    let (db, _) = start_db(cfg);
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    let sleep = |tag| Request { tag, stmts: vec![Stmt::new("select pg_sleep(0.5)", vec![])] };
+    // One runs, one waits in the channel; the others are refused at once.
+    let busy = (1..=4).filter(|tag| matches!(db.send(sleep(*tag)), Err(SendError::Busy(_)))).count();
+    assert!(busy >= 2, "{busy} of 4 refused as busy");
+    reply(&db, 1).result.expect("the first ran");
+
+    // A transaction the server ends midway: Lost (it may or may not have committed).
+    let tag = 100;
+    db.send(Request { tag, stmts: vec![Stmt::new("select pg_sleep(5)", vec![])] }).expect("send");
+    let running = crate::support::poll_until(Duration::from_secs(5), || {
+        pg.psql("select count(*) from pg_stat_activity where query = 'select pg_sleep(5)' and state = 'active'") == "1"
+    });
+    assert!(running, "the transaction is under way");
+    pg.stop();
+    match reply(&db, tag).result {
+        Err(Failure::Lost(_)) => {}
+        other => panic!("expected Lost, got {other:?}"),
+    }
+}
+
+#[test]
+fn pg_db_unreachable_at_start_refuses_and_keeps_trying() {
+    let Some(mut pg) = Pg::start("pg_db_unreachable_at_start_refuses_and_keeps_trying") else { return };
+    pg.stop();
+    let (db, _) = start_db(db_config(&pg, NODE_A));
+    assert_eq!(db.health(), Health::Unreachable);
+    assert!(matches!(db.send(Request { tag: 1, stmts: vec![] }), Err(SendError::Unreachable(_))));
+    pg.start_again();
+    wait_health(&db, Health::Ok, Duration::from_secs(10));
+    assert_eq!(pg.psql("select count(*) from relay_schema"), schema::latest_version().to_string(), "migrated");
+}
+
+// ---------------------------------------------------------------------------------------------
+// The statements of docs/cluster.md (src/cluster/sql.rs).
+
+fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
+    sql::NewTask {
+        id: id.to_string(),
+        kind: kind.map(String::from),
+        payload: format!(r#"{{"kind":"{}","n":"{id}"}}"#, kind.unwrap_or("")),
+        queue: true,
+        timeout_ms: None,
+        max_retries: None,
+        created_ms: 1_000,
+        run_at_ms: 1_000,
+        idem_owner: key.map(|_| "root".to_string()),
+        idem_key: key.map(String::from),
+    }
+}
+
+fn uuid_n(n: u32) -> String {
+    format!("00000000-0000-4000-8000-{n:012x}")
+}
+
+fn migrated(pg: &Pg) -> Conn {
+    let mut c = connect(&pg.url());
+    schema::migrate(&mut c).expect("migrate");
+    c
+}
+
+/// The counters the triggers keep must equal a count of the rows.
+fn assert_counts_match(pg: &Pg) {
+    let counted = pg.psql(
+        "select coalesce(string_agg(status || '=' || n, ',' order by status), '') from
+           (select status, sum(n) as n from relay_counters group by status having sum(n) <> 0) x",
+    );
+    let actual = pg.psql(
+        "select coalesce(string_agg(status || '=' || c, ',' order by status), '') from
+           (select status, count(*) as c from relay_tasks group by status) y",
+    );
+    assert_eq!(counted, actual, "relay_counters vs the rows");
+    assert!(!actual.is_empty(), "there is something to count");
+}
+
+fn heartbeat(c: &mut Conn, node: &str, name: &str) {
+    c.pipeline(&[Stmt::new(sql::HEARTBEAT, vec![node.into(), name.into(), 0i64.into(), "test".into()])])
+        .expect("heartbeat");
+}
+
+#[test]
+fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
+    let Some(pg) = Pg::start("pg_sql_claim_with_skip_locked_hands_each_task_to_one_node") else { return };
+    let mut c = migrated(&pg);
+    let tasks: Vec<sql::NewTask> = (0..2000).map(|i| new_task(&uuid_n(i), Some("http"), None)).collect();
+    let out = c.pipeline(&[sql::insert_tasks(&tasks)]).expect("submit");
+    assert_eq!(out[0].rows.len(), 2000);
+    assert_eq!(pg.psql("select count(*) from relay_pending"), "2000");
+
+    // A claim held open in a transaction: others skip its rows instead of waiting for them.
+    // Each claimer is a node: its session is tagged, as the database thread does, so the
+    // counters' triggers write the node's own rows and nodes never wait for each other.
+    let mut holder = connect(&pg.url());
+    holder.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
+    holder.simple("BEGIN").expect("begin");
+    let held = holder
+        .pipeline(&[sql::claim(NODE_A, "a", &for_worker(&uuid_n(9000), Some(&["http"]), 10), 2_000)])
+        .expect("claim");
+    assert_eq!(held[0].rows.len(), 10);
+
+    let claimers: Vec<_> = (0..4)
+        .map(|n| {
+            let url = pg.url();
+            std::thread::spawn(move || {
+                let mut c = connect(&url);
+                let node = uuid_n(100 + n);
+                c.pipeline(&[Stmt::new(sql::SET_NODE, vec![node.as_str().into()])]).expect("tag");
+                let mut mine = Vec::new();
+                loop {
+                    let started = Instant::now();
+                    let out = c
+                        .pipeline(&[sql::claim(&node, "n", &for_worker(&uuid_n(9001), Some(&["http"]), 25), 2_000)])
+                        .expect("claim");
+                    assert!(started.elapsed() < Duration::from_secs(2), "a claim never waits on locked rows");
+                    if out[0].rows.is_empty() {
+                        return mine;
+                    }
+                    mine.extend(out[0].rows.iter().map(|r| r.text(0).expect("id").to_string()));
+                }
+            })
+        })
+        .collect();
+    let mut all: Vec<String> = claimers.into_iter().flat_map(|t| t.join().expect("claimer")).collect();
+    assert_eq!(all.len(), 1990, "everything but the 10 held rows");
+    holder.simple("COMMIT").expect("commit");
+    all.extend(held[0].rows.iter().map(|r| r.text(0).expect("id").to_string()));
+    all.sort();
+    all.dedup();
+    assert_eq!(all.len(), 2000, "no task claimed twice");
+    assert_eq!(pg.psql("select count(*) from relay_tasks where status = 'dispatched' and attempt = 1"), "2000");
+
+    // Kinds, due times and the tried list filter the claim.
+    let mut t = new_task(&uuid_n(5000), Some("file"), None);
+    t.run_at_ms = 50_000;
+    c.pipeline(&[sql::insert_tasks(&[t, new_task(&uuid_n(5001), None, None)])]).expect("submit");
+    let claim = |c: &mut Conn, kinds: Option<&[&str]>, now: u64| {
+        c.pipeline(&[sql::claim(NODE_A, "a", &for_worker(&uuid_n(9002), kinds, 10), now)]).expect("claim")[0].rows.len()
+    };
+    assert_eq!(claim(&mut c, Some(&["http"]), 60_000), 0, "no http task left");
+    assert_eq!(claim(&mut c, Some(&["file"]), 40_000), 0, "not due yet");
+    assert_eq!(claim(&mut c, Some(&["file"]), 60_000), 1);
+    assert_eq!(claim(&mut c, Some(&["file"]), 60_000), 0, "a task without kind needs a worker without kinds");
+    assert_eq!(claim(&mut c, None, 60_000), 1);
+    assert_counts_match(&pg);
+}
+
+/// An idle worker of kind http (or `kinds`) with `slots` free.
+fn for_worker<'a>(client: &'a str, kinds: Option<&'a [&'a str]>, slots: u32) -> sql::ClaimFor<'a> {
+    sql::ClaimFor { client_id: client, client_ip: "127.0.0.1", kinds, free_slots: slots }
+}
+
+/// Claims one http task for `client`, a worker of `node`: the attempt opens on it.
+fn claim_and_start(c: &mut Conn, node: &str, name: &str, client: &str) -> (String, u32) {
+    let out = c.pipeline(&[sql::claim(node, name, &for_worker(client, Some(&["http"]), 1), 10_000)]).expect("claim");
+    let row = out[0].rows.first().expect("a task to claim");
+    (row.text(0).expect("id").to_string(), row.i64(1).expect("attempt") as u32)
+}
+
+fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, client: &str) -> sql::Ended {
+    sql::Ended {
+        id: id.to_string(),
+        attempt,
+        outcome,
+        error: (outcome != "done").then(|| format!("{outcome} on {client}")),
+        ended_ms: 6_000,
+        duration_ms: 1_000,
+        status,
+        result: (status == "done").then(|| r#"{"ok":true}"#.to_string()),
+        final_error: (status == "failed").then(|| format!("{outcome} on {client}")),
+        client_id: client.to_string(),
+        client_ip: "127.0.0.1".into(),
+    }
+}
+
+fn task_row(c: &mut Conn, id: &str) -> (String, u32, serde_json::Value) {
+    let out = c.pipeline(&[Stmt::new(sql::GET_TASK, vec![id.into()])]).expect("get");
+    let row = &out[0].rows[0];
+    let log: serde_json::Value = serde_json::from_str(row.text(12).expect("log")).expect("json");
+    (row.text(1).expect("status").to_string(), row.i64(11).expect("attempt") as u32, log)
+}
+
+#[test]
+fn pg_sql_fenced_completion_refuses_a_stale_node() {
+    let Some(pg) = Pg::start("pg_sql_fenced_completion_refuses_a_stale_node") else { return };
+    let mut c = migrated(&pg);
+    let id = uuid_n(1);
+    c.pipeline(&[sql::insert_tasks(&[new_task(&id, Some("http"), None)])]).expect("submit");
+    heartbeat(&mut c, NODE_A, "node-a");
+    heartbeat(&mut c, NODE_B, "node-b");
+    let (wa, wb) = (uuid_n(0xa1), uuid_n(0xb1));
+    let (got, attempt) = claim_and_start(&mut c, NODE_A, "node-a", &wa);
+    assert_eq!((got.as_str(), attempt), (id.as_str(), 1));
+
+    // Node A goes silent past its lease; B's reaper gives the task back, naming A.
+    c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
+        .expect("age A");
+    let out = c.pipeline(&[sql::reap_dead_nodes(6_000, 2, 7_000)]).expect("reap");
+    assert_eq!(out[0].rows.len(), 1);
+    let (status, _, log) = task_row(&mut c, &id);
+    assert_eq!(status, "pending");
+    assert_eq!(log[0]["outcome"], "disconnect");
+    assert!(log[0]["error"].as_str().is_some_and(|e| e.contains("node-a")), "{log}");
+
+    // B claims it for a worker A's attempt did not use: attempt 2.
+    let out = c.pipeline(&[sql::claim(NODE_B, "node-b", &for_worker(&wa, Some(&["http"]), 1), 10_000)]).expect("claim");
+    assert!(out[0].rows.is_empty(), "the only idle worker already tried it");
+    let (_, attempt2) = claim_and_start(&mut c, NODE_B, "node-b", &wb);
+    assert_eq!(attempt2, 2);
+
+    // A comes back with its late answer: refused by the WHERE (node and attempt).
+    let stale = c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&id, 1, "done", "done", &wa)])]).expect("stale");
+    assert!(stale[0].rows.is_empty(), "a stale node's write matches nothing");
+    let wrong_attempt = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 1, "done", "done", &wb)])]).expect("x");
+    assert!(wrong_attempt[0].rows.is_empty(), "an earlier attempt's answer matches nothing");
+    let ok = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &wb)])]).expect("done");
+    assert_eq!(ok[0].rows.len(), 1);
+    let dup = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &wb)])]).expect("dup");
+    assert!(dup[0].rows.is_empty(), "a duplicate matches nothing");
+
+    let (status, attempts, log) = task_row(&mut c, &id);
+    assert_eq!((status.as_str(), attempts), ("done", 2));
+    assert_eq!(log.as_array().map(Vec::len), Some(2));
+    assert_eq!((log[1]["node"].as_str(), log[1]["outcome"].as_str()), (Some("node-b"), Some("done")));
+    assert_eq!(log[0]["node"], "node-a");
+    assert_counts_match(&pg);
+}
+
+#[test]
+fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
+    let Some(pg) = Pg::start("pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences") else { return };
+    let mut c = migrated(&pg);
+    let id = uuid_n(2);
+    c.pipeline(&[sql::insert_tasks(&[new_task(&id, Some("http"), None)])]).expect("submit");
+    let (w1, w2) = (uuid_n(0x11), uuid_n(0x22));
+    claim_and_start(&mut c, NODE_A, "a", &w1);
+    let out = c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&id, 1, "failed", "pending", &w1)])]).expect("fail");
+    assert_eq!(out[0].rows[0].text(1), Some("pending"), "back to pending for a retry");
+    assert_eq!(pg.psql(&format!("select tried::text from relay_pending where task_id = '{id}'")), format!("{{{w1}}}"));
+    let none = c.pipeline(&[sql::claim(NODE_B, "b", &for_worker(&w1, Some(&["http"]), 1), 10_000)]).expect("claim");
+    assert!(none[0].rows.is_empty(), "not to the worker that failed it");
+    let (_, attempt) = claim_and_start(&mut c, NODE_B, "b", &w2);
+    assert_eq!(attempt, 2);
+
+    // Cancel from a third node: the owner is named (to send `cancel` to its worker) and its
+    // later answer is fenced.
+    let out = c.pipeline(&[Stmt::new(sql::CANCEL, vec![id.as_str().into(), 8_000i64.into()])]).expect("cancel");
+    assert_eq!(out[0].rows[0].text(0), Some(NODE_B));
+    let again = c.pipeline(&[Stmt::new(sql::CANCEL, vec![id.as_str().into(), 8_000i64.into()])]).expect("cancel");
+    assert!(again[0].rows.is_empty(), "already final");
+    let late = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &w2)])]).expect("late");
+    assert!(late[0].rows.is_empty());
+    let (status, _, log) = task_row(&mut c, &id);
+    assert_eq!(status, "canceled");
+    assert_eq!(log[1]["outcome"], "canceled");
+
+    // A claim whose worker left before the task was sent is given back whole.
+    let other = uuid_n(3);
+    c.pipeline(&[sql::insert_tasks(&[new_task(&other, Some("http"), None)])]).expect("submit");
+    let (got, attempt) = claim_and_start(&mut c, NODE_A, "a", &w1);
+    assert_eq!((got.as_str(), attempt), (other.as_str(), 1));
+    let stale = c.pipeline(&[sql::unclaim(NODE_B, &[(&other, 1)])]).expect("unclaim");
+    assert!(stale[0].rows.is_empty(), "only the owner may give it back");
+    let back = c.pipeline(&[sql::unclaim(NODE_A, &[(&other, 1)])]).expect("unclaim");
+    assert_eq!(back[0].rows.len(), 1);
+    let (status, attempts, log) = task_row(&mut c, &other);
+    assert_eq!((status.as_str(), attempts, log), ("pending", 0, serde_json::json!([])));
+    let (_, attempt) = claim_and_start(&mut c, NODE_A, "a", &w1);
+    assert_eq!(attempt, 1, "the same worker may take it: it never had it");
+    assert_counts_match(&pg);
+}
+
+#[test]
+fn pg_sql_idempotency_keys_expiry_and_retention() {
+    let Some(pg) = Pg::start("pg_sql_idempotency_keys_expiry_and_retention") else { return };
+    let mut c = migrated(&pg);
+    let first = new_task(&uuid_n(1), Some("http"), Some("k1"));
+    let repeat = new_task(&uuid_n(2), Some("http"), Some("k1"));
+    let out = c
+        .pipeline(&[
+            sql::insert_tasks(&[first]),
+            sql::insert_tasks(&[repeat, new_task(&uuid_n(3), Some("http"), Some("k2"))]),
+            Stmt::new(sql::IDEMPOTENT_LOOKUP, vec![sql::array([Some("root")]).into(), sql::array([Some("k1")]).into()]),
+        ])
+        .expect("submit");
+    assert_eq!(out[1].rows.len(), 1, "the repeat created nothing");
+    assert_eq!(out[1].rows[0].text(0), Some(uuid_n(3).as_str()));
+    assert_eq!(out[2].rows[0].text(2), Some(uuid_n(1).as_str()), "the key names the first task");
+    assert_eq!(pg.psql("select count(*) from relay_pending"), "2");
+
+    // Pending past TASK_TTL after due: failed `expired in queue`.
+    let out = c.pipeline(&[sql::expire_in_queue(1_000 + 3_600_001, 3_600_000)]).expect("expire");
+    assert_eq!(out[0].affected, 2);
+    assert_eq!(pg.psql("select count(*) from relay_tasks where error = 'expired in queue'"), "2");
+    // Finished past TASK_TTL: deleted, and the key is free again.
+    let now = 1_000 + 3_600_001 + 3_600_001;
+    let out = c.pipeline(&[sql::retention(now, 3_600_000)]).expect("retention");
+    assert_eq!(out[0].affected, 2);
+    let out = c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(4), Some("http"), Some("k2"))])]).expect("reuse");
+    assert_eq!(out[0].rows.len(), 1, "a key lives as long as its task");
+    assert_counts_match(&pg);
+    // The node's session tags its changes: the counter rows are its own.
+    c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
+    c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(5), Some("http"), None)])]).expect("submit");
+    assert_eq!(
+        pg.psql(&format!("select n from relay_counters where node_id = '{NODE_A}' and status = 'pending'")),
+        "1"
+    );
+    let out = c.pipeline(&[Stmt::new(sql::COUNTS, vec![])]).expect("counts");
+    let pending = out[0].rows.iter().find(|r| r.text(0) == Some("pending")).and_then(|r| r.i64(1));
+    assert_eq!(pending, Some(2));
+    assert_counts_match(&pg);
+}
+
+// ---------------------------------------------------------------------------------------------
+// `relay token ...` with DATABASE_URL (src/cluster/tokens.rs).
+
+const TOKEN_SECRET: &str = "integration-test-secret-0123456789abcdef";
+
+fn token_cli(url: &str, store: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let mut full = vec!["token"];
+    full.extend_from_slice(args);
+    crate::support::run_relay_env(
+        &full,
+        &[("TOKEN_SECRET", TOKEN_SECRET), ("DATABASE_URL", url), ("TOKEN_STORE", store)],
+    )
+}
+
+#[test]
+fn pg_token_cli_manages_the_registry_in_the_database() {
+    let Some(mut pg) = Pg::start("pg_token_cli_manages_the_registry_in_the_database") else { return };
+    let url = pg.url();
+    let store = pg.data.parent().expect("root").join("tokens.json");
+    let store = store.to_str().expect("utf-8");
+    let cli = |args: &[&str]| token_cli(&url, store, args);
+
+    let (code, out, err) = cli(&["create", "--name", "billing", "--kinds", "http,file", "--ttl", "1h"]);
+    assert_eq!(code, Some(0), "{err}");
+    let field = |out: &str, key: &str| {
+        out.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(": ").map(String::from)).expect(key)
+    };
+    let (jti, token) = (field(&out, "jti"), field(&out, "token"));
+    assert_eq!((field(&out, "name").as_str(), field(&out, "kinds").as_str()), ("billing", "http,file"));
+    let (code, out, _) = cli(&["create", "--name", "ops", "--kinds", "http", "--ttl", "2h", "--json"]);
+    assert_eq!(code, Some(0));
+    let created: serde_json::Value = serde_json::from_str(&out).expect("create --json");
+    let keys: Vec<&str> = created.as_object().expect("object").keys().map(String::as_str).collect();
+    assert_eq!(keys.len(), 5, "{created}");
+    for key in ["jti", "name", "kinds", "expires", "token"] {
+        assert!(created.get(key).is_some(), "{key} in {created}");
+    }
+
+    let (code, out, _) = cli(&["list"]);
+    assert_eq!(code, Some(0));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines.len(), 3, "{out}");
+    assert!(lines[0].starts_with("JTI") && lines[0].contains("STATUS") && lines[0].contains("EXPIRES"), "{out}");
+    assert!(lines[1].starts_with(&jti) && lines[1].contains(" active "), "{out}");
+
+    let (code, out, _) = cli(&["revoke", &jti]);
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with(&format!("revoked: {jti}")), "{out}");
+    let (code, out, _) = cli(&["revoke", &jti]);
+    assert_eq!(code, Some(0));
+    assert!(out.starts_with("already revoked"), "{out}");
+    let (code, _, err) = cli(&["revoke", "no-such-jti"]);
+    assert_eq!(code, Some(1), "unknown jti: {err}");
+
+    let (code, out, _) = cli(&["list", "--json"]);
+    assert_eq!(code, Some(0));
+    let list: serde_json::Value = serde_json::from_str(&out).expect("list --json");
+    let first = &list[0];
+    assert_eq!((first["jti"].as_str(), first["status"].as_str()), (Some(jti.as_str()), Some("revoked")));
+    assert_eq!(first["kinds"], serde_json::json!(["http", "file"]));
+    assert!(first["revoked_at"].is_string() && first["created_at"].is_string() && first["expires_at"].is_string());
+    assert_eq!(list[1]["status"], "active");
+    assert!(list[1].get("revoked_at").is_none());
+
+    // The database holds no token material, and the file registry was never used.
+    let dump = pg.psql("select string_agg(t::text, ' ') from relay_tokens t");
+    assert!(dump.contains(&jti) && !dump.contains(&token), "{dump}");
+    assert!(!std::path::Path::new(store).exists());
+
+    // Database down: a prompt failure (exit 1), not a hang.
+    pg.stop();
+    let started = Instant::now();
+    let (code, _, err) = cli(&["list"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("database"), "{err}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    let (code, _, err) = token_cli("mysql://h/db", store, &["list"]);
+    assert_eq!(code, Some(2), "another scheme is a configuration error: {err}");
+    assert!(err.contains("DATABASE_URL"), "{err}");
+}
+
+/// Figures for docs/cluster.md (not a check; run with `--ignored --nocapture`): the cost of
+/// 1000 task inserts as 1000 round trips, as one pipeline, and as one array statement.
+#[test]
+#[ignore]
+fn pg_bench_round_trips_pipelines_and_arrays() {
+    let Some(pg) = Pg::start("pg_bench_round_trips_pipelines_and_arrays") else { return };
+    let mut c = migrated(&pg);
+    let mut n = 0u32;
+    let mut batch = |count: u32| -> Vec<sql::NewTask> {
+        (0..count)
+            .map(|_| {
+                n += 1;
+                new_task(&uuid_n(n), Some("http"), None)
+            })
+            .collect()
+    };
+    for round in 0..2 {
+        let tasks = batch(1000);
+        let started = Instant::now();
+        for t in &tasks {
+            c.pipeline(&[sql::insert_tasks(std::slice::from_ref(t))]).expect("insert");
+        }
+        let one_by_one = started.elapsed();
+        let tasks = batch(1000);
+        let stmts: Vec<Stmt> = tasks.iter().map(|t| sql::insert_tasks(std::slice::from_ref(t))).collect();
+        let started = Instant::now();
+        c.pipeline(&stmts).expect("pipeline");
+        let pipelined = started.elapsed();
+        let tasks = batch(1000);
+        let started = Instant::now();
+        c.pipeline(&[sql::insert_tasks(&tasks)]).expect("array");
+        let array = started.elapsed();
+        eprintln!(
+            "round {round}: 1000 inserts: {one_by_one:?} as 1000 transactions, {pipelined:?} as one pipelined \
+             transaction of 1000 statements, {array:?} as one array statement"
+        );
+    }
+}
+
+#[test]
+fn pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them() {
+    let Some(pg) = Pg::start("pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them") else { return };
+    let mut c = migrated(&pg);
+    heartbeat(&mut c, NODE_A, "a");
+    let (w1, w2) = (uuid_n(0x11), uuid_n(0x22));
+    let worker = |client: &str, kinds: Option<&str>| {
+        format!(
+            "insert into relay_workers values ('{client}', '{NODE_A}', '127.0.0.1', 0, {}, 4, 0, true, 'v')",
+            kinds.map_or("NULL".to_string(), |k| format!("'{{{k}}}'"))
+        )
+    };
+    c.simple(&worker(&w1, Some("http"))).expect("w1");
+    let mut plain = new_task(&uuid_n(1), Some("http"), None);
+    plain.queue = false;
+    let mut plain_file = new_task(&uuid_n(2), Some("file"), None);
+    plain_file.queue = false;
+    let queued_file = new_task(&uuid_n(3), Some("file"), None);
+    c.pipeline(&[sql::insert_tasks(&[plain, plain_file, queued_file, new_task(&uuid_n(4), Some("http"), None)])])
+        .expect("submit");
+    // Task 1 (claimed first) fails on w1 and waits as a retry.
+    claim_and_start(&mut c, NODE_A, "a", &w1);
+    c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&uuid_n(1), 1, "failed", "pending", &w1)])]).expect("retry");
+
+    let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
+    let mut failed: Vec<(String, String)> = out[0]
+        .rows
+        .iter()
+        .map(|r| (r.text(0).unwrap_or("").to_string(), r.text(1).unwrap_or("").to_string()))
+        .collect();
+    failed.sort();
+    assert_eq!(
+        failed,
+        vec![
+            (uuid_n(1), format!("failed on {w1}")),
+            (uuid_n(2), "no connected worker can take this task any more".to_string())
+        ],
+        "the retry nobody untried can take, and the plain file task; the queued one waits"
+    );
+    // A second worker (any kind) makes the rest placeable.
+    c.simple(&worker(&w2, None)).expect("w2");
+    let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
+    assert!(out[0].rows.is_empty());
+    assert_counts_match(&pg);
+}
+
+#[test]
+fn pg_sql_every_statement_prepares_against_the_schema() {
+    let Some(pg) = Pg::start("pg_sql_every_statement_prepares_against_the_schema") else { return };
+    let mut c = migrated(&pg);
+    for (i, (name, text)) in sql::ALL.iter().enumerate() {
+        c.simple(&format!("PREPARE s{i} AS {text}")).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+}
+
+#[test]
+fn pg_sql_files_workers_and_token_changes() {
+    let Some(pg) = Pg::start("pg_sql_files_workers_and_token_changes") else { return };
+    let mut c = migrated(&pg);
+    // A file in three chunks, byte for byte through binary parameters and results.
+    let file = uuid_n(0xf);
+    let bytes: Vec<u8> = (0..600_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let mut stmts = vec![Stmt::new(
+        sql::FILE_BEGIN,
+        vec![
+            file.as_str().into(),
+            "a.bin".into(),
+            "application/octet-stream".into(),
+            262_144i64.into(),
+            1_000i64.into(),
+            9_000i64.into(),
+        ],
+    )];
+    for (n, chunk) in bytes.chunks(262_144).enumerate() {
+        stmts.push(Stmt::new(
+            sql::FILE_CHUNK,
+            vec![file.as_str().into(), (n as i64).into(), Param::Bytes(chunk.to_vec())],
+        ));
+    }
+    c.pipeline(&stmts).expect("upload");
+    let meta = |c: &mut Conn| {
+        c.pipeline(&[Stmt::new(sql::FILE_META, vec![file.as_str().into(), 2_000i64.into()])]).expect("meta")
+    };
+    assert!(meta(&mut c)[0].rows.is_empty(), "not visible before it is complete");
+    c.pipeline(&[Stmt::new(sql::FILE_COMPLETE, vec![file.as_str().into(), 600_000i64.into(), "abc".into()])])
+        .expect("complete");
+    assert_eq!(meta(&mut c)[0].rows[0].i64(2), Some(600_000));
+    let mut back = Vec::new();
+    for n in 0..3i64 {
+        let stmt =
+            Stmt { sql: sql::FILE_READ_CHUNK, params: vec![file.as_str().into(), n.into()], binary_results: true };
+        back.extend_from_slice(c.pipeline(&[stmt]).expect("read")[0].rows[0].bytes(0).expect("chunk"));
+    }
+    assert!(back == bytes, "the file comes back byte for byte");
+    let out = c.pipeline(&[Stmt::new(sql::FILE_EXPIRE, vec![9_000i64.into()])]).expect("expire");
+    assert_eq!(out[0].affected, 3, "its chunks go with it");
+    assert!(meta(&mut c)[0].rows.is_empty());
+
+    // Workers of live nodes only, with their node's name.
+    heartbeat(&mut c, NODE_A, "node-a");
+    let upsert = Stmt::new(
+        sql::UPSERT_WORKERS,
+        vec![
+            NODE_A.into(),
+            sql::array([Some(uuid_n(1).as_str()), Some(uuid_n(2).as_str())]).into(),
+            sql::array([Some("10.0.0.1"), Some("10.0.0.2")]).into(),
+            sql::array([Some("5"), Some("6")]).into(),
+            sql::array([Some(r#"["http","file"]"#), None]).into(),
+            sql::array([Some("16"), None]).into(),
+            sql::array([Some("0"), Some("3")]).into(),
+            sql::array([Some("t"), Some("f")]).into(),
+            sql::array([Some("w/1"), None]).into(),
+        ],
+    );
+    c.pipeline(&[upsert]).expect("upsert");
+    let out = c.pipeline(&[Stmt::new(sql::LIST_WORKERS, vec![6_000i64.into()])]).expect("list");
+    let rows = &out[0].rows;
+    assert_eq!(rows.len(), 2);
+    assert_eq!((rows[0].text(3), rows[0].text(8)), (Some(r#"["http","file"]"#), Some("node-a")));
+    assert_eq!((rows[1].text(3), rows[1].bool(6)), (None, Some(false)), "no kinds: takes every kind");
+    c.pipeline(&[Stmt::new(sql::DELETE_WORKERS, vec![sql::array([Some(uuid_n(2).as_str())]).into()])]).expect("delete");
+    c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
+        .expect("age");
+    let out = c.pipeline(&[Stmt::new(sql::LIST_WORKERS, vec![6_000i64.into()])]).expect("list");
+    assert!(out[0].rows.is_empty(), "a dead node's workers are not listed");
+
+    // Token changes: a node's cache refresh sees creates and revokes in order.
+    let create = |jti: &str| {
+        Stmt::new(
+            sql::TOKEN_INSERT,
+            vec![jti.into(), "n".into(), sql::array([Some("http")]).into(), 1i64.into(), 9_999_999_999_999i64.into()],
+        )
+    };
+    c.pipeline(&[create("j1"), create("j2")]).expect("tokens");
+    let changes = |c: &mut Conn, after: i64| -> Vec<(String, bool, i64)> {
+        let out = c.pipeline(&[Stmt::new(sql::TOKEN_CHANGES, vec![after.into()])]).expect("changes");
+        out[0]
+            .rows
+            .iter()
+            .map(|r| (r.text(0).unwrap_or("").to_string(), r.bool(1) == Some(true), r.i64(2).unwrap_or(0)))
+            .collect()
+    };
+    let seen = changes(&mut c, 0);
+    assert_eq!(seen.iter().map(|s| (s.0.as_str(), s.1)).collect::<Vec<_>>(), vec![("j1", false), ("j2", false)]);
+    let high = seen.iter().map(|s| s.2).max().unwrap_or(0);
+    assert!(changes(&mut c, high).is_empty());
+    c.pipeline(&[Stmt::new(sql::TOKEN_REVOKE, vec!["j1".into(), 5i64.into()])]).expect("revoke");
+    assert_eq!(changes(&mut c, high).iter().map(|s| (s.0.as_str(), s.1)).collect::<Vec<_>>(), vec![("j1", true)]);
+}
+
+/// CPU time (user + system) of a process, in milliseconds, from /proc.
+fn cpu_ms(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let fields: Vec<&str> = stat.rsplit(')').next().unwrap_or("").split_whitespace().collect();
+    let ticks: u64 = fields.get(11..13).map_or(0, |f| f.iter().filter_map(|v| v.parse::<u64>().ok()).sum());
+    ticks * 10 // USER_HZ = 100
+}
+
+/// Figures for docs/cluster.md (not a check; `--ignored --nocapture`): one node's turn
+/// transactions, each carrying a batch's submits, the attempt ends of the batch claimed in the
+/// turn before, and the claim (which opens the attempts), on a durable server (fsync on). Reports tasks/s,
+/// transactions per task and the database backend's CPU per task.
+#[test]
+#[ignore]
+fn pg_bench_turn_transactions() {
+    let opts = crate::support::pg::PgOptions { durable: true };
+    let Some(pg) = Pg::start_with("pg_bench_turn_transactions", opts) else { return };
+    let mut c = migrated(&pg);
+    c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
+    heartbeat(&mut c, NODE_A, "a");
+    let backend = c.backend_pid() as u32;
+    let worker = uuid_n(0xabc);
+    let mut next = 0u32;
+    for batch in [1usize, 8, 64] {
+        let turns = (4000 / batch).max(50);
+        let mut claimed: Vec<(String, u32)> = Vec::new();
+        let (cpu0, t0) = (cpu_ms(backend), Instant::now());
+        let mut done = 0usize;
+        for _ in 0..turns {
+            let tasks: Vec<sql::NewTask> = (0..batch)
+                .map(|_| {
+                    next += 1;
+                    new_task(&uuid_n(next), Some("http"), None)
+                })
+                .collect();
+            let ends: Vec<sql::Ended> = claimed.iter().map(|(id, a)| ended(id, *a, "done", "done", &worker)).collect();
+            done += ends.len();
+            let out = c
+                .pipeline(&[
+                    sql::insert_tasks(&tasks),
+                    sql::attempt_ended(NODE_A, &ends),
+                    sql::claim(NODE_A, "a", &for_worker(&worker, Some(&["http"]), batch as u32), 10_000),
+                ])
+                .expect("turn");
+            claimed = out[2]
+                .rows
+                .iter()
+                .map(|r| (r.text(0).unwrap_or("").to_string(), r.i64(1).unwrap_or(0) as u32))
+                .collect();
+        }
+        let (secs, cpu) = (t0.elapsed().as_secs_f64(), cpu_ms(backend) - cpu0);
+        eprintln!(
+            "batch {batch:>2}: {turns} turn transactions, {done} tasks done: {:.0} tasks/s, {:.3} transactions/task, \
+             backend CPU {:.0} µs/task",
+            done as f64 / secs,
+            turns as f64 / done.max(1) as f64,
+            cpu as f64 * 1000.0 / done.max(1) as f64
+        );
+    }
+}
