@@ -9,7 +9,7 @@ use serde_json::json;
 use crate::support::fake_relay::FakeRelay;
 use crate::support::target::{Reply, Target};
 use crate::support::tls_proxy::TlsProxy;
-use crate::support::{Relay, WRK, Worker};
+use crate::support::{Relay, WRK, Worker, poll_until};
 
 #[test]
 fn hello_announces_kinds_concurrency_and_version_and_token_is_sent() {
@@ -81,7 +81,9 @@ fn restarted_relay_is_reconnected() {
     assert!(worker.proc.wait_log("msg=disconnected", Duration::from_secs(5)), "{}", worker.proc.log_text());
     let relay = Relay::start_on(port);
     relay.wait_clients(1, Duration::from_secs(10), |c| c["active"] == true);
-    assert_eq!(worker.proc.count_log("msg=connected"), 2, "{}", worker.proc.log_text());
+    // (relay may list the worker a moment before its own log line reaches us.)
+    let twice = poll_until(Duration::from_secs(5), || worker.proc.count_log("msg=connected") == 2);
+    assert!(twice, "{}", worker.proc.log_text());
 
     let target = Target::start(|_, _| Reply::json(200, &json!({"again": true})));
     let task = relay.run_task(json!({"kind": "http", "spec": {"url": target.url("/")}}));
