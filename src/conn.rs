@@ -64,6 +64,8 @@ pub struct Http {
     /// The peer half-closed (read returned 0): what `buf` holds is still answered, then the
     /// connection closes.
     pub eof: bool,
+    /// Bytes of the shared batch budget this connection holds for a `POST /tasks/batch` body.
+    pub batch_reserved: usize,
 }
 
 pub enum Phase {
@@ -128,7 +130,14 @@ impl Conn {
             client_ip: peer_ip,
             out: Vec::new(),
             out_pos: 0,
-            state: State::Http(Http { buf: Vec::new(), scanned: 0, phase: Phase::Idle, requests: 0, eof: false }),
+            state: State::Http(Http {
+                buf: Vec::new(),
+                scanned: 0,
+                phase: Phase::Idle,
+                requests: 0,
+                eof: false,
+                batch_reserved: 0,
+            }),
             deadline_ms: u64::MAX,
             timer: None,
             read_more: false,

@@ -12,7 +12,27 @@ impl Server {
             let cap = match &http.phase {
                 Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } => MAX_HELD_INPUT_BYTES,
                 Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
-                    MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
+                    // A batch body may be MAX_BATCH_BYTES, but only a few are buffered at once.
+                    if http.batch_reserved == 0 {
+                        let want = match head.framing {
+                            Framing::Length(n) => (n as usize).max(1),
+                            _ => self.cfg.max_batch_bytes,
+                        };
+                        if self.batches.try_take(want) {
+                            http.batch_reserved = want;
+                        } else if self.batches.wait(r) {
+                            crate::log!(
+                                Level::Debug,
+                                "batch body waits for room in the batch budget",
+                                client_ip = conn.client_ip
+                            );
+                        }
+                    }
+                    if http.batch_reserved > 0 {
+                        MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
+                    } else {
+                        self.http_input_cap
+                    }
                 }
                 Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES => 0,
                 Phase::Upload(_) if self.disk.is_full() => {
@@ -244,6 +264,9 @@ impl Server {
                 if Route::of(&head.path) == Route::TasksBatch
                     && let Some(identity) = identity
                 {
+                    // The body is parsed into the batch: the buffered bytes are free again.
+                    self.release_batch(r);
+                    let Some(State::Http(http)) = self.conns.get_mut(r).map(|c| &mut c.state) else { return false };
                     match self.api.batch_start(body, identity) {
                         Ok(batch) => {
                             http.phase = Phase::Batch { batch, keep_alive: head.keep_alive };
@@ -256,6 +279,17 @@ impl Server {
                 self.complete_request(r, &head, identity.as_ref(), &body);
                 true
             }
+        }
+    }
+
+    /// Gives back the batch budget a connection holds; wakes those waiting for it.
+    pub(super) fn release_batch(&mut self, r: ConnRef) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &mut conn.state else { return };
+        let held = std::mem::take(&mut http.batch_reserved);
+        if held > 0 {
+            let woken = self.batches.release(held);
+            self.again.extend(woken);
         }
     }
 
@@ -360,6 +394,7 @@ impl Server {
     }
 
     pub(super) fn respond_and_close(&mut self, r: ConnRef, response: Response) {
+        self.release_batch(r);
         let Some(conn) = self.conns.get_mut(r) else { return };
         self.core.metrics.http_request(response.status);
         write_response(&mut conn.out, response, true, false);

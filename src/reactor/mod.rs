@@ -74,6 +74,8 @@ const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
 /// A download asks for more only when its unwritten output is at most this.
 const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
 
+/// Batch bodies of MAX_BATCH_BYTES buffered at once; further batches wait to be read.
+const BATCH_BODIES_AT_ONCE: usize = 4;
 /// Journal bytes not yet durable beyond which new submits wait for the disk.
 const JOURNAL_BACKLOG_BYTES: u64 = 64 << 20;
 
@@ -350,6 +352,8 @@ pub struct Server {
     next_transfer: TransferId,
     /// Upload bytes queued to the disk thread and not yet written, over all uploads.
     disk: disk_budget::DiskBudget,
+    /// Batch bodies buffered at once (`POST /tasks/batch`), over every connection.
+    batches: disk_budget::DiskBudget,
     /// Connections with answers held back for the journal (`Conn::gates`).
     gated: Vec<ConnRef>,
     /// The journal's durable sequence number when `gated` was last looked at.
@@ -431,6 +435,7 @@ impl Server {
         core.wheel.arm(BLOB_SWEEP_MS, Timer::BlobSweep);
         let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
         let cfg_max_body = cfg.max_message_bytes;
+        let cfg_max_batch = cfg.max_batch_bytes;
         let server = Server {
             poll,
             listener: Some(listener),
@@ -454,6 +459,7 @@ impl Server {
             transfers: HashMap::new(),
             next_transfer: 1,
             disk: disk_budget::DiskBudget::new(DISK_BUDGET_BYTES),
+            batches: disk_budget::DiskBudget::new(cfg_max_batch.saturating_mul(BATCH_BODIES_AT_ONCE)),
             gated: Vec::new(),
             durable_seen: 0,
             journal_blocked: Vec::new(),
@@ -853,6 +859,7 @@ impl Server {
     // ----- closing ---------------------------------------------------------------------------
 
     fn close_now(&mut self, r: ConnRef, why: &str) {
+        self.release_batch(r);
         let Some(mut conn) = self.conns.remove(r) else { return };
         if let State::Http(http) = &conn.state {
             self.end_transfer(&http.phase);

@@ -682,3 +682,41 @@ fn the_listing_finds_finished_tasks_that_left_memory() {
     assert_eq!(evens.last(), done.first());
     drop(worker);
 }
+
+#[test]
+fn batch_bodies_beyond_the_shared_budget_wait_and_are_all_answered() {
+    // At most four MAX_BATCH_BYTES bodies are buffered at once; a fifth and sixth wait for room
+    // and are read once one of the first four is answered.
+    let relay = Relay::start_with(&[("MAX_BATCH_BYTES", "1500000"), ("HEADER_TIMEOUT", "20s")]);
+    let mut body = String::from("{\"tasks\":[");
+    while body.len() < 1_400_000 {
+        body.push_str("{\"payload\":{\"pad\":\"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\"}},");
+    }
+    body.push_str("{\"payload\":1}]}");
+    let auth = format!("Bearer {API}");
+    let mut clients: Vec<Client> = (0..6).map(|_| Client::connect(relay.addr)).collect();
+    // Every head and most of every body first, then the rest of each.
+    let (first, rest) = body.as_bytes().split_at(1_300_000);
+    for c in &mut clients {
+        let head = format!(
+            "POST /tasks/batch HTTP/1.1\r\nHost: relay\r\nAuthorization: {auth}\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        c.send_raw(head.as_bytes());
+    }
+    let writers: Vec<_> = clients
+        .into_iter()
+        .map(|mut c| {
+            let (first, rest) = (first.to_vec(), rest.to_vec());
+            std::thread::spawn(move || {
+                c.send_raw(&first);
+                c.send_raw(&rest);
+                c.read_response().expect("an answer").status
+            })
+        })
+        .collect();
+    for w in writers {
+        assert_eq!(w.join().expect("client"), 202);
+    }
+    assert!(relay.log_text().contains("batch body waits for room"), "the fifth and sixth bodies should have waited");
+}
