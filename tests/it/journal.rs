@@ -694,29 +694,36 @@ fn batch_bodies_beyond_the_shared_budget_wait_and_are_all_answered() {
     }
     body.push_str("{\"payload\":1}]}");
     let auth = format!("Bearer {API}");
-    let mut clients: Vec<Client> = (0..6).map(|_| Client::connect(relay.addr)).collect();
-    // Every head and most of every body first, then the rest of each.
     let (first, rest) = body.as_bytes().split_at(1_300_000);
-    for c in &mut clients {
-        let head = format!(
-            "POST /tasks/batch HTTP/1.1\r\nHost: relay\r\nAuthorization: {auth}\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        c.send_raw(head.as_bytes());
-    }
-    let writers: Vec<_> = clients
-        .into_iter()
-        .map(|mut c| {
-            let (first, rest) = (first.to_vec(), rest.to_vec());
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = Arc::new(Mutex::new(go_rx));
+    let writers: Vec<_> = (0..6)
+        .map(|_| {
+            let mut c = Client::connect(relay.addr);
+            let head = format!(
+                "POST /tasks/batch HTTP/1.1\r\nHost: relay\r\nAuthorization: {auth}\r\nContent-Length: {}\r\n\r\n",
+                body.len()
+            );
+            let (first, rest, go) = (first.to_vec(), rest.to_vec(), go_rx.clone());
             std::thread::spawn(move || {
+                c.send_raw(head.as_bytes());
                 c.send_raw(&first);
+                // Every body stays incomplete until the test has seen two of them wait.
+                go.lock().expect("lock").recv().expect("go");
                 c.send_raw(&rest);
                 c.read_response().expect("an answer").status
             })
         })
         .collect();
+    assert!(
+        relay.wait_log("batch body waits for room", Duration::from_secs(10)),
+        "the fifth and sixth bodies should wait: {}",
+        relay.log_text()
+    );
+    for _ in 0..6 {
+        go_tx.send(()).expect("go");
+    }
     for w in writers {
         assert_eq!(w.join().expect("client"), 202);
     }
-    assert!(relay.log_text().contains("batch body waits for room"), "the fifth and sixth bodies should have waited");
 }
