@@ -29,7 +29,7 @@ mod http_conn;
 mod transfer;
 mod ws;
 
-use crate::api::{Api, Handled, Route};
+use crate::api::{Api, Handled, Refused, Route};
 use crate::auth::Identity;
 use crate::config::Config;
 use crate::conn::{Conn, Download, Phase, State, Upload, Ws, WsIo, ws_context};
@@ -297,6 +297,8 @@ pub struct Server {
     next_transfer: TransferId,
     /// Upload bytes queued to the disk thread and not yet written, over all uploads.
     disk: disk_budget::DiskBudget,
+    /// Connections whose request waits for the token registry to be re-read.
+    auth_waiters: Vec<ConnRef>,
 }
 
 impl Server {
@@ -336,6 +338,10 @@ impl Server {
             }),
         )?;
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
+        let registry_waker = waker.clone();
+        api.auth.start_registry_loader(Arc::new(move || {
+            let _ = registry_waker.wake();
+        }))?;
         core.wheel.arm(BLOB_SWEEP_MS, Timer::BlobSweep);
         let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
         let cfg_max_body = cfg.max_message_bytes;
@@ -362,6 +368,7 @@ impl Server {
             transfers: HashMap::new(),
             next_transfer: 1,
             disk: disk_budget::DiskBudget::new(DISK_BUDGET_BYTES),
+            auth_waiters: Vec::new(),
         };
         Ok((server, waker))
     }
@@ -411,7 +418,12 @@ impl Server {
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_pending = true,
-                    WAKER => self.on_disk_done(),
+                    WAKER => {
+                        self.on_disk_done();
+                        if self.api.auth.poll_registry() {
+                            self.resume_auth_waiters();
+                        }
+                    }
                     t => {
                         let r = conn_ref(t);
                         if event.is_readable() || event.is_read_closed() || event.is_error() {
@@ -566,7 +578,7 @@ impl Server {
                         self.set_deadline(r, stalled_at);
                     }
                 }
-                Phase::Head | Phase::Body { .. } => {
+                Phase::Head | Phase::AuthWait(_) | Phase::Body { .. } => {
                     crate::log!(Level::Debug, "request timeout", client_ip = conn.client_ip);
                     self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
                 }
