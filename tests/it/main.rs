@@ -5,6 +5,7 @@ mod support;
 
 mod dispatch;
 mod files;
+mod hostile;
 mod http_protocol;
 mod ops;
 mod regressions;
