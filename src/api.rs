@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::auth::{Auth, Identity};
+use crate::auth::{Auth, Identity, RegistryLoading};
 use crate::config::parse_duration_ms;
 use crate::dispatch::{CancelResult, Core, Io, NewTask, ReadFor, SubmitError};
 use crate::http::{Head, Method, Response, error_code};
@@ -90,6 +90,27 @@ impl<'a> Route<'a> {
     }
 }
 
+/// Why [`Api::precheck`] did not let a request through.
+#[derive(Debug)]
+pub enum Refused {
+    /// The final answer, sent without reading the body.
+    Answer(Response),
+    /// The token registry is being re-read off the loop: check the head again once it is in.
+    RegistryLoading,
+}
+
+impl From<Response> for Refused {
+    fn from(r: Response) -> Refused {
+        Refused::Answer(r)
+    }
+}
+
+impl From<RegistryLoading> for Refused {
+    fn from(_: RegistryLoading) -> Refused {
+        Refused::RegistryLoading
+    }
+}
+
 /// What the reactor should do with a request.
 #[derive(Debug)]
 pub enum Handled {
@@ -131,44 +152,45 @@ impl Api {
     /// final answer (sent without reading the body). `wall_ms` is the wall clock, for JWT `exp`.
     /// `Err` is the final answer (sent without reading the body); `Ok` carries who is asking
     /// (`None` on routes that need no token, and on `/ws`, whose token is not an identity).
-    pub fn precheck(&self, head: &Head, wall_ms: u64) -> Result<Option<Identity>, Response> {
+    pub fn precheck(&self, head: &Head, wall_ms: u64) -> Result<Option<Identity>, Refused> {
         let route = Route::of(&head.path);
         if route == Route::NotFound {
-            return Err(error(404, &format!("no such endpoint: {}", head.path)));
+            return Err(error(404, &format!("no such endpoint: {}", head.path)).into());
         }
         if !route.allows(head.method) {
             let msg = format!("{} accepts {}", head.path, route.allow());
-            return Err(error(405, &msg).with_header("Allow", route.allow()));
+            return Err(error(405, &msg).with_header("Allow", route.allow()).into());
         }
         let identity = match route {
             Route::Ws => {
                 let token = head.query_param("token").map(percent_decode);
                 if !self.auth.worker(token.as_deref()) {
-                    return Err(error(401, "missing or invalid worker token (use /ws?token=...)"));
+                    return Err(error(401, "missing or invalid worker token (use /ws?token=...)").into());
                 }
                 None
             }
             Route::Healthz | Route::Metrics | Route::Ui(_) => None,
             Route::Files | Route::File(_) => {
-                Some(self.auth.files(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?)
+                Some(self.auth.files(head.bearer_token(), wall_ms)?.ok_or_else(unauthorized)?)
             }
-            Route::Clients => match self.auth.task_api(head.bearer_token(), wall_ms) {
-                None => return Err(unauthorized()),
+            Route::Clients => match self.auth.task_api(head.bearer_token(), wall_ms)? {
+                None => return Err(unauthorized().into()),
                 Some(Identity::Root) => Some(Identity::Root),
-                Some(_) => return Err(error(403, "/clients needs the root API token")),
+                Some(_) => return Err(error(403, "/clients needs the root API token").into()),
             },
-            _ => Some(self.auth.task_api(head.bearer_token(), wall_ms).ok_or_else(unauthorized)?),
+            _ => Some(self.auth.task_api(head.bearer_token(), wall_ms)?.ok_or_else(unauthorized)?),
         };
         if route == Route::TasksBatch && head.idempotency_key.is_some() {
             return Err(error(
                 400,
                 "Idempotency-Key is not supported on POST /tasks/batch (give each task its own submit)",
-            ));
+            )
+            .into());
         }
         if let crate::http::Framing::Length(n) = head.framing {
             let limit = self.body_limit(route);
             if n > limit {
-                return Err(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")));
+                return Err(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")).into());
             }
         }
         Ok(identity)

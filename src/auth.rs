@@ -49,6 +49,14 @@ impl Identity {
     }
 }
 
+/// The token registry changed and its new version is being read off the loop: the request
+/// must ask again once it is loaded ([`Auth::poll_registry`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegistryLoading;
+
+/// Who is asking (`None`: nobody the endpoint accepts), or "ask again shortly".
+pub type Checked = Result<Option<Identity>, RegistryLoading>;
+
 pub struct Auth {
     api_digest: [u8; 32],
     worker_digest: [u8; 32],
@@ -97,30 +105,46 @@ impl Auth {
         self
     }
 
+    /// From now on a changed registry is read on a helper thread; `wake` tells the loop to
+    /// call [`Auth::poll_registry`].
+    pub fn start_registry_loader(&self, wake: std::sync::Arc<dyn Fn() + Send + Sync>) -> std::io::Result<()> {
+        match &self.scoped {
+            Some(scoped) => scoped.registry.borrow_mut().start_loader(wake),
+            None => Ok(()),
+        }
+    }
+
+    /// Installs a registry version the helper thread read. `true` if requests waiting on it
+    /// may ask again.
+    pub fn poll_registry(&self) -> bool {
+        self.scoped.as_ref().is_some_and(|s| s.registry.borrow_mut().poll_loaded())
+    }
+
     /// The task API: the root token or a scoped JWT, checked at wall time `wall_ms`.
-    pub fn task_api(&self, bearer: Option<&str>, wall_ms: u64) -> Option<Identity> {
-        let bearer = bearer?;
+    pub fn task_api(&self, bearer: Option<&str>, wall_ms: u64) -> Checked {
+        let Some(bearer) = bearer else { return Ok(None) };
         if ct_eq(&digest(bearer), &self.api_digest) {
-            return Some(Identity::Root);
+            return Ok(Some(Identity::Root));
         }
         self.scoped(bearer, wall_ms)
     }
 
     /// A scoped JWT: signature, alg and `exp` (`jwt`), then the registry (known, not revoked).
-    fn scoped(&self, bearer: &str, wall_ms: u64) -> Option<Identity> {
-        let scoped = self.scoped.as_ref()?;
+    fn scoped(&self, bearer: &str, wall_ms: u64) -> Checked {
+        let Some(scoped) = self.scoped.as_ref() else { return Ok(None) };
         let claims = match jwt::verify(&scoped.secret, bearer, wall_ms) {
             Ok(claims) => claims,
             Err(e) => {
                 crate::log!(Level::Debug, "bearer token refused", reason = e);
-                return None;
+                return Ok(None);
             }
         };
-        match scoped.registry.borrow_mut().lookup(&claims.jti) {
-            Lookup::Active => Some(Identity::Scoped { jti: claims.jti, kinds: claims.kinds }),
+        match scoped.registry.borrow_mut().check(&claims.jti) {
+            Lookup::Active => Ok(Some(Identity::Scoped { jti: claims.jti, kinds: claims.kinds })),
+            Lookup::Pending => Err(RegistryLoading),
             refused => {
                 crate::log!(Level::Debug, "scoped token refused", reason = refused.as_str(), jti = claims.jti);
-                None
+                Ok(None)
             }
         }
     }
@@ -133,13 +157,13 @@ impl Auth {
     }
 
     /// `/files`: the API token, a scoped JWT, or the worker token.
-    pub fn files(&self, bearer: Option<&str>, wall_ms: u64) -> Option<Identity> {
-        let bearer = bearer?;
+    pub fn files(&self, bearer: Option<&str>, wall_ms: u64) -> Checked {
+        let Some(bearer) = bearer else { return Ok(None) };
         let d = digest(bearer);
         if ct_eq(&d, &self.api_digest) {
-            Some(Identity::Root)
+            Ok(Some(Identity::Root))
         } else if ct_eq(&d, &self.worker_digest) {
-            Some(Identity::Worker)
+            Ok(Some(Identity::Worker))
         } else {
             self.scoped(bearer, wall_ms)
         }
@@ -155,22 +179,26 @@ mod tests {
     #[test]
     fn roles_are_separate() {
         let auth = Auth::new("api", "wrk");
-        assert_eq!(auth.task_api(Some("api"), NOW_MS), Some(Identity::Root));
-        assert_eq!(auth.task_api(Some("wrk"), NOW_MS), None);
-        assert_eq!(auth.task_api(Some("ap"), NOW_MS), None);
-        assert_eq!(auth.task_api(None, NOW_MS), None);
+        assert_eq!(auth.task_api(Some("api"), NOW_MS), Ok(Some(Identity::Root)));
+        assert_eq!(auth.task_api(Some("wrk"), NOW_MS), Ok(None));
+        assert_eq!(auth.task_api(Some("ap"), NOW_MS), Ok(None));
+        assert_eq!(auth.task_api(None, NOW_MS), Ok(None));
         assert!(auth.worker(Some("wrk")));
         assert!(!auth.worker(Some("api")));
-        assert_eq!(auth.files(Some("wrk"), NOW_MS), Some(Identity::Worker));
-        assert_eq!(auth.files(Some("api"), NOW_MS), Some(Identity::Root));
+        assert_eq!(auth.files(Some("wrk"), NOW_MS), Ok(Some(Identity::Worker)));
+        assert_eq!(auth.files(Some("api"), NOW_MS), Ok(Some(Identity::Root)));
         let shared = Auth::new("one", "one");
         assert!(shared.worker(Some("one")));
-        assert_eq!(shared.task_api(Some("one"), NOW_MS), Some(Identity::Root));
+        assert_eq!(shared.task_api(Some("one"), NOW_MS), Ok(Some(Identity::Root)));
     }
 
     /// What each endpoint makes of one bearer: (task API, /files, /ws).
     fn check(auth: &Auth, bearer: &str, expected: (Option<Identity>, Option<Identity>, bool)) {
-        let got = (auth.task_api(Some(bearer), NOW_MS), auth.files(Some(bearer), NOW_MS), auth.worker(Some(bearer)));
+        let got = (
+            auth.task_api(Some(bearer), NOW_MS).expect("no loader: never pending"),
+            auth.files(Some(bearer), NOW_MS).expect("no loader: never pending"),
+            auth.worker(Some(bearer)),
+        );
         assert_eq!(got, expected, "bearer {:?}", &bearer[..bearer.len().min(20)]);
     }
 

@@ -73,6 +73,9 @@ pub enum Phase {
     Idle,
     /// Some bytes of a head have arrived.
     Head,
+    /// The head is parsed, and its token waits for the registry's new version to be read
+    /// (off the loop); the request is checked again once it is in.
+    AuthWait(Box<Head>),
     /// The head is parsed (and passed its checks as `identity`); the body is arriving.
     Body { head: Box<Head>, identity: Option<Identity>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
     /// The core holds the response (`wait=true`); `keep_alive` is the request's.

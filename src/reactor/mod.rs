@@ -29,7 +29,7 @@ mod http_conn;
 mod transfer;
 mod ws;
 
-use crate::api::{Api, Handled, Route};
+use crate::api::{Api, Handled, Refused, Route};
 use crate::auth::Identity;
 use crate::config::Config;
 use crate::conn::{Conn, Download, Phase, State, Upload, Ws, WsIo, ws_context};
@@ -360,6 +360,8 @@ pub struct Server {
     durable_seen: u64,
     /// Connections whose next submit waits because too many journal bytes are not yet durable.
     journal_blocked: Vec<ConnRef>,
+    /// Connections whose request waits for the token registry to be re-read.
+    auth_waiters: Vec<ConnRef>,
 }
 
 impl Server {
@@ -432,6 +434,10 @@ impl Server {
             // Restored records (attempts a restart cut short) go out with the first turn.
             core.end_turn();
         }
+        let registry_waker = waker.clone();
+        api.auth.start_registry_loader(Arc::new(move || {
+            let _ = registry_waker.wake();
+        }))?;
         core.wheel.arm(BLOB_SWEEP_MS, Timer::BlobSweep);
         let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
         let cfg_max_body = cfg.max_message_bytes;
@@ -463,6 +469,7 @@ impl Server {
             gated: Vec::new(),
             durable_seen: 0,
             journal_blocked: Vec::new(),
+            auth_waiters: Vec::new(),
         };
         Ok((server, waker))
     }
@@ -517,6 +524,9 @@ impl Server {
                     WAKER => {
                         self.on_disk_done();
                         self.on_journal()?;
+                        if self.api.auth.poll_registry() {
+                            self.resume_auth_waiters();
+                        }
                     }
                     t => {
                         let r = conn_ref(t);
@@ -721,7 +731,7 @@ impl Server {
                         self.set_deadline(r, stalled_at);
                     }
                 }
-                Phase::Head | Phase::Body { .. } => {
+                Phase::Head | Phase::AuthWait(_) | Phase::Body { .. } => {
                     crate::log!(Level::Debug, "request timeout", client_ip = conn.client_ip);
                     self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
                 }

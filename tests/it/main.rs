@@ -6,6 +6,7 @@ mod support;
 mod browser;
 mod dispatch;
 mod files;
+mod hostile;
 mod http_protocol;
 mod journal;
 mod listing;
