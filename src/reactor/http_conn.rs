@@ -10,7 +10,9 @@ impl Server {
             let State::Http(http) = &mut conn.state else { return };
             // The most input the connection may buffer in its phase.
             let cap = match &http.phase {
-                Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } | Phase::AuthWait(_) => MAX_HELD_INPUT_BYTES,
+                Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } | Phase::AuthWait(_) => {
+                    MAX_HELD_INPUT_BYTES
+                }
                 Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
                     // A batch body may be MAX_BATCH_BYTES, but only a few are buffered at once.
                     if http.batch_reserved == 0 {
