@@ -248,6 +248,7 @@ fn close_code(s: &mut TcpStream) -> Option<u16> {
             buf.drain(..start + len);
         }
         match s.read(&mut chunk) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Ok(0) | Err(_) => return None,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
@@ -284,7 +285,13 @@ fn a_worker_that_floods_pings_starves_nobody() {
                 match reader.read(&mut sink) {
                     Ok(0) => return,
                     Ok(_) => {}
-                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock
+                                | std::io::ErrorKind::TimedOut
+                                | std::io::ErrorKind::Interrupted
+                        ) => {}
                     Err(_) => return,
                 }
             }
