@@ -26,6 +26,16 @@ fn raise_fd_limit(needed: u64) {
     }
 }
 
+/// Raises the flag when dropped: helper threads of a `thread::scope` stop even when the test's
+/// own thread panics (the scope would otherwise wait for them forever).
+pub struct StopOnDrop<'a>(pub &'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
 /// `n` request latencies of `GET /healthz`, each on a fresh connection.
 fn healthz_latencies(addr: SocketAddr, n: usize) -> Vec<Duration> {
     (0..n)
@@ -68,13 +78,12 @@ fn a_thousand_slowloris_connections_do_not_slow_normal_clients() {
                 std::thread::sleep(Duration::from_millis(200));
             }
         });
+        let _stop = StopOnDrop(&stop);
         assert!(
             poll_until(Duration::from_secs(20), || relay.metric("relay_connections_open") >= 1_000.0),
             "the crowd never got in"
         );
-        let loaded = p99(healthz_latencies(relay.addr, 300));
-        stop.store(true, Ordering::Relaxed);
-        loaded
+        p99(healthz_latencies(relay.addr, 300))
     });
     assert!(relay.metric("relay_connections_open") >= 1_000.0, "the slowloris crowd is still connected");
     eprintln!("GET /healthz p99: {unloaded:?} alone, {loaded:?} beside 1,000 slowloris connections");
@@ -239,6 +248,7 @@ fn close_code(s: &mut TcpStream) -> Option<u16> {
             buf.drain(..start + len);
         }
         match s.read(&mut chunk) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
             Ok(0) | Err(_) => return None,
             Ok(n) => buf.extend_from_slice(&chunk[..n]),
         }
@@ -250,19 +260,42 @@ fn close_code(s: &mut TcpStream) -> Option<u16> {
 fn a_worker_that_floods_pings_starves_nobody() {
     let relay = Relay::start_with(&[("MAX_MESSAGE_SIZE", "4096"), ("LOG_LEVEL", "info")]);
     let mut flood = raw_worker(&relay);
+    // It takes no task (else, after the hello grace, it would be sent some and never answer).
+    flood.write_all(&frame(true, 0x1, br#"{"type":"hello","kinds":[]}"#)).expect("hello");
     let good = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"good"})), Auto::Echo);
-    relay.wait_clients(2, |_| true);
+    relay.wait_clients(2, |c| c["version"] == "good" || c["kinds"] == json!([]));
+    let clients = relay.clients();
+    let good_id = clients["clients"]
+        .as_array()
+        .expect("clients")
+        .iter()
+        .find(|c| c["version"] == "good")
+        .map(|c| c["client_id"].clone())
+        .expect("the good worker");
     // The flooder reads what it is sent (so its pongs drain) and pings as fast as it can.
     let stop = AtomicBool::new(false);
     let baseline = rss_kib(relay.pid());
     std::thread::scope(|s| {
         let mut reader = flood.try_clone().expect("clone");
+        let stop = &stop;
         s.spawn(move || {
             let mut sink = [0u8; 65536];
             reader.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
-            while reader.read(&mut sink).map(|n| n > 0).unwrap_or(true) {}
+            while !stop.load(Ordering::Relaxed) {
+                match reader.read(&mut sink) {
+                    Ok(0) => return,
+                    Ok(_) => {}
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock
+                                | std::io::ErrorKind::TimedOut
+                                | std::io::ErrorKind::Interrupted
+                        ) => {}
+                    Err(_) => return,
+                }
+            }
         });
-        let stop = &stop;
         let writer = &mut flood;
         s.spawn(move || {
             let burst: Vec<u8> = (0..1_000).flat_map(|_| frame(true, 0x9, b"ping")).collect();
@@ -271,13 +304,14 @@ fn a_worker_that_floods_pings_starves_nobody() {
                 let _ = writer.write_all(&burst);
             }
         });
+        let _stop = StopOnDrop(stop);
         let started = Instant::now();
         for i in 0..50 {
             let r = relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{i}}}"#)));
             assert_eq!(r.status, 200, "{}", r.text());
+            assert_eq!(r.json()["client_id"], good_id, "only the good worker takes tasks");
         }
         let took = started.elapsed();
-        stop.store(true, Ordering::Relaxed);
         assert!(took < Duration::from_secs(10), "50 tasks beside a ping flood took {took:?}");
     });
     let growth = rss_kib(relay.pid()).saturating_sub(baseline);

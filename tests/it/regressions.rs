@@ -85,7 +85,10 @@ impl RawWorker {
                 }
                 Ok(_) => {}
                 Err(tungstenite::Error::Io(e))
-                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+                    ) => {}
                 Err(e) => panic!("worker connection failed: {e}"),
             }
         }
@@ -580,12 +583,13 @@ fn the_token_registry_is_re_read_on_the_loop() {
             }
             worst
         });
+        let _stop = crate::hostile::StopOnDrop(&stop);
         for i in 1..=5 {
             replace(i);
             let r = request(relay.addr, "POST", "/tasks", &[("Authorization", &auth)], Some(body));
             assert_eq!(r.status, 202, "the token is accepted once the new version is read: {}", r.text());
         }
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        drop(_stop);
         prober.join().expect("prober")
     });
     eprintln!("worst /healthz while the registry was re-read 5 times: {worst:?}");

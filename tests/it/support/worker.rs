@@ -227,7 +227,10 @@ fn run(
             }
             Ok(_) => {}
             Err(tungstenite::Error::Io(e))
-                if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {}
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+                ) => {}
             Err(_) => {
                 closed.store(true, Ordering::SeqCst);
                 return;
