@@ -323,8 +323,8 @@ fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
 }
 
 /// Checks the WebSocket handshake headers (the token was checked by `precheck`) and returns
-/// the `Sec-WebSocket-Accept` value.
-fn upgrade(head: &Head) -> Result<String, Response> {
+/// the `Sec-WebSocket-Accept` value. Public for the `ws_upgrade` fuzz target.
+pub fn upgrade(head: &Head) -> Result<String, Response> {
     if !head.upgrade_websocket || !head.connection_upgrade {
         return Err(error(426, "/ws needs a WebSocket upgrade (Connection: Upgrade, Upgrade: websocket)")
             .with_header("Upgrade", "websocket"));
@@ -341,7 +341,7 @@ fn upgrade(head: &Head) -> Result<String, Response> {
 }
 
 /// The key is base64 of 16 bytes: 22 characters and `==`.
-fn valid_ws_key(key: &str) -> bool {
+pub fn valid_ws_key(key: &str) -> bool {
     key.len() == 24
         && key.ends_with("==")
         && key[..22].bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')
