@@ -521,8 +521,8 @@ fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
 }
 
 /// Checks the WebSocket handshake headers (the token was checked by `precheck`) and returns
-/// the `Sec-WebSocket-Accept` value.
-fn upgrade(head: &Head) -> Result<String, Response> {
+/// the `Sec-WebSocket-Accept` value. Public for the `ws_upgrade` fuzz target.
+pub fn upgrade(head: &Head) -> Result<String, Response> {
     if head.minor_version == 0 {
         // RFC 6455 §4.1: the opening handshake is an HTTP/1.1 request.
         return Err(error(400, "a WebSocket upgrade needs HTTP/1.1"));
@@ -543,7 +543,7 @@ fn upgrade(head: &Head) -> Result<String, Response> {
 }
 
 /// The key is base64 of 16 bytes: 22 characters and `==`.
-fn valid_ws_key(key: &str) -> bool {
+pub fn valid_ws_key(key: &str) -> bool {
     key.len() == 24
         && key.ends_with("==")
         && key[..22].bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')
