@@ -997,3 +997,30 @@ impl Drop for Population {
         self.stop();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap(targets: &[&str]) -> Snapshot {
+        Snapshot { fds: targets.len(), targets: targets.iter().map(|t| t.to_string()).collect(), rss_kib: 0 }
+    }
+
+    #[test]
+    fn new_fds_is_a_multiset_difference() {
+        let start = snap(&["/dev/null", "socket", "socket"]);
+        assert_eq!(new_fds(&start, &snap(&["/dev/null", "socket", "socket"])), Vec::<String>::new());
+        assert_eq!(new_fds(&start, &snap(&["/dev/null", "socket", "socket", "socket"])), ["socket"]);
+        assert_eq!(new_fds(&start, &snap(&["socket", "/tmp/b/x.blob"])), ["/tmp/b/x.blob"]);
+    }
+
+    #[test]
+    fn metric_lines() {
+        let text =
+            "# TYPE relay_tasks_total counter\nrelay_tasks_total{status=\"done\"} 12\nrelay_connections_open 9\n";
+        assert_eq!(metric(text, "relay_tasks_total{status=\"done\"}"), Some(12.0));
+        assert_eq!(metric(text, "relay_connections_open"), Some(9.0));
+        assert_eq!(metric(text, "relay_connections"), None);
+        assert_eq!(metric(text, "relay_tasks_total{status=\"failed\"}"), None);
+    }
+}
