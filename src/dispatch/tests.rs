@@ -259,3 +259,4 @@ fn human_durations() {
 }
 
 mod regressions;
+mod restarts;
