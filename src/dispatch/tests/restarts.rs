@@ -97,3 +97,19 @@ fn a_second_restart_makes_the_attempt_the_first_cut_short_use_up_a_retry() {
     assert_eq!(t.status, Status::Dispatched, "retried, not failed: {:?}", t.attempts);
     assert_eq!(t.attempts.len(), 3);
 }
+
+#[test]
+fn a_task_forgotten_at_a_restart_stays_in_the_listing_index() {
+    // `restore` put every task it read into the submission index before it checked whether
+    // TASK_TTL had run out while relay was down; those entries were never removed.
+    let dir = DataDir::new("listing");
+    let mut c = start(&dir, 1_000_000);
+    let mut io = FakeIo::default();
+    join(&mut c, &mut io, conn(0), "10.0.0.1");
+    let id = queued(&mut c, &mut io, None);
+    result(&mut c, &mut io, conn(0), id, true);
+    c.end_turn();
+    let c = restart(c, &dir, TTL_MS + 1);
+    assert!(c.task(id).is_none(), "forgotten");
+    assert_eq!(c.tasks_newest_first(u64::MAX).count(), 0, "and not listed");
+}
