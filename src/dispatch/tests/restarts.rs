@@ -113,3 +113,25 @@ fn a_task_forgotten_at_a_restart_stays_in_the_listing_index() {
     assert!(c.task(id).is_none(), "forgotten");
     assert_eq!(c.tasks_newest_first(u64::MAX).count(), 0, "and not listed");
 }
+
+#[test]
+fn a_canceled_task_comes_back_pending_once_its_forget_record_is_deleted() {
+    // The journal deleted any segment nothing pinned, also in the middle of the log. Here the
+    // segment with the canceled task's Forget record went while an older one (kept by another
+    // waiting task) still held its submit record: the next replay found it pending again.
+    let dir = DataDir::new("resurrect");
+    let mut c = start(&dir, 1_000_000);
+    let mut io = FakeIo::default();
+    let stays = queued(&mut c, &mut io, None);
+    let canceled = queued(&mut c, &mut io, None);
+    let mut c = restart(c, &dir, 0);
+    assert_eq!(c.cancel(&mut io, canceled), CancelResult::Canceled);
+    c.end_turn();
+    // Forgotten while down (its Forget record goes to a new segment), then two more starts.
+    let c = restart(c, &dir, TTL_MS + 1);
+    let c = restart(c, &dir, 0);
+    let c = restart(c, &dir, 0);
+    assert!(c.task(canceled).is_none(), "a forgotten task stays forgotten: {:?}", c.task(canceled).map(|t| t.status));
+    assert_eq!(c.task(stays).map(|t| t.status), Some(Status::Pending));
+    assert_eq!(c.task_count(Status::Pending), 1);
+}
