@@ -23,8 +23,10 @@ use std::net::IpAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-use relay::dispatch::{CancelResult, Core, CoreConfig, Io, NewTask, Storage, SubmitError};
+use relay::auth::Identity;
+use relay::dispatch::{CancelResult, Core, CoreConfig, Io, NewTask, ReadFor, Storage, SubmitError};
 use relay::http::Response;
 use relay::journal::Journal;
 use relay::journal::codec::RESTART_ERROR;
@@ -131,6 +133,11 @@ pub enum Op {
         t: u8,
         post: bool,
     },
+    /// `GET /tasks/{id}` of a finished task that left memory (`TASK_MEMORY`): read back from
+    /// the journal by its reader thread.
+    Read {
+        t: u8,
+    },
     /// A waiting HTTP client goes away.
     CloseWait {
         c: u8,
@@ -228,14 +235,16 @@ fn choose<T: Copy>(s: &mut dyn Source, items: &[T]) -> T {
 pub fn config_from(s: &mut dyn Source) -> ModelConfig {
     let a = s.byte();
     let b = s.byte();
+    let journal = a.is_multiple_of(3);
     ModelConfig {
-        journal: a.is_multiple_of(3),
+        journal,
         small_segments: a & 0x10 != 0,
         max_retries: u32::from((a >> 2) % 4),
         task_ttl_ms: if a & 0x20 != 0 { 4_000 } else { 12_000 },
         max_pending: choose(s, &[3, 8, 1_000]),
         max_pending_bytes: if b.is_multiple_of(4) { 250 } else { 1 << 20 },
-        task_memory_bytes: if b & 0x10 != 0 { 3_000 } else { 64 << 20 },
+        // Small more often with a journal: finished tasks then leave memory and are read back.
+        task_memory_bytes: if b & 0x10 != 0 || (journal && b & 0x20 != 0) { 3_000 } else { 64 << 20 },
     }
 }
 
@@ -294,7 +303,8 @@ pub fn op_from(s: &mut dyn Source, journal: bool) -> Op {
         45..=64 => Op::Answer { w, t: s.byte(), done: !s.byte().is_multiple_of(3) },
         65..=68 => Op::Stray { w, t: s.byte(), done: s.byte().is_multiple_of(2) },
         69..=72 => Op::Cancel { t: s.byte() },
-        73..=77 => Op::Wait { t: s.byte(), post: w.is_multiple_of(2) },
+        73..=75 => Op::Wait { t: s.byte(), post: w.is_multiple_of(2) },
+        76..=77 => Op::Read { t: s.byte() },
         78 => Op::CloseWait { c: w },
         79..=91 => {
             Op::Advance { ms: choose(s, &[1, 7, 100, 200, 500, 999, 1_000, 1_001, 2_000, 2_500, 3_000, 5_000, 13_000]) }
@@ -526,10 +536,11 @@ pub enum Seen {
     WaitsForCapacity,
     BufferFull,
     FellDue,
+    ReadBack,
 }
 
 impl Seen {
-    pub const ALL: [Seen; 29] = [
+    pub const ALL: [Seen; 30] = [
         Seen::Dispatch,
         Seen::SendFailed,
         Seen::Timeout,
@@ -559,6 +570,7 @@ impl Seen {
         Seen::WaitsForCapacity,
         Seen::BufferFull,
         Seen::FellDue,
+        Seen::ReadBack,
     ];
 }
 
@@ -1062,6 +1074,7 @@ impl Harness {
             Op::Stray { w, t, done } => self.result(*w, *t, *done, true),
             Op::Cancel { t } => self.cancel(*t)?,
             Op::Wait { t, post } => self.wait(*t, *post)?,
+            Op::Read { t } => self.read(*t)?,
             Op::CloseWait { c } => self.close_wait(*c),
             Op::Full { w, full } => self.full(*w, *full),
             Op::Break { w } => {
@@ -1090,9 +1103,27 @@ impl Harness {
             }
         }
         self.take_snapshots();
-        self.core.end_turn();
+        self.end_turn()?;
         self.observe_evictions()?;
         self.check()
+    }
+
+    /// The end of a loop turn. When finished tasks are over TASK_MEMORY, the reactor turns again
+    /// once the journal thread reports the records on disk (they leave memory only then): so
+    /// here too, within a deadline.
+    fn end_turn(&mut self) -> Result<(), Failure> {
+        self.core.end_turn();
+        if self.core.journal().is_none() || self.core.finished_mem_bytes() <= self.cfg.task_memory_bytes {
+            return Ok(());
+        }
+        let lsn = self.core.journal().map_or(0, Journal::lsn);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.core.durable_lsn() < lsn {
+            ensure!(Instant::now() < deadline, "journal", "records up to {lsn} never became durable");
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        self.core.end_turn();
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -1384,8 +1415,11 @@ impl Harness {
 
     fn wait(&mut self, t: u8, post: bool) -> Result<(), Failure> {
         let Some(i) = self.pick_task(t) else { return Ok(()) };
-        if self.tasks[i].gone != Gone::Live {
-            return Ok(()); // the API answers those from the journal, or 404
+        match self.tasks[i].gone {
+            Gone::Live => {}
+            // Final: the API answers it at once, from the journal.
+            Gone::Evicted => return self.read_back(i),
+            _ => return Ok(()),
         }
         self.next_wait_conn += 1;
         let conn = ConnRef { slot: 1_000 + self.next_wait_conn, generation: 1 };
@@ -1398,6 +1432,50 @@ impl Harness {
         } else {
             ensure!(got.is_none(), "wait", "wait on {status:?} task {i} answered at once");
             self.waiters.push(MWaiter { conn, task: i, post, deadline: self.now + WAIT_TIMEOUT_MS });
+        }
+        Ok(())
+    }
+
+    /// `GET /tasks/{id}` of one of the tasks that left memory.
+    fn read(&mut self, t: u8) -> Result<(), Failure> {
+        let evicted: Vec<usize> = (0..self.tasks.len()).filter(|&i| self.tasks[i].gone == Gone::Evicted).collect();
+        match evicted.get(t as usize % evicted.len().max(1)) {
+            Some(&i) => self.read_back(i),
+            None => Ok(()),
+        }
+    }
+
+    /// Task `i` left memory: the answer is read back from the journal, and it is the task's
+    /// final JSON, byte for byte.
+    fn read_back(&mut self, i: usize) -> Result<(), Failure> {
+        self.next_wait_conn += 1;
+        let conn = ConnRef { slot: 1_000 + self.next_wait_conn, generation: 1 };
+        let id = self.tasks[i].id;
+        ensure!(
+            self.core.read_evicted(conn, id, ReadFor::Get, &Identity::Root),
+            "read",
+            "task {i} left memory but cannot be read back"
+        );
+        // The reader thread answers and would wake the loop; wait for that, with a deadline.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let done = loop {
+            if let Some(done) = self.core.journal().and_then(|j| j.try_read_done()) {
+                break done;
+            }
+            ensure!(Instant::now() < deadline, "read", "the journal's reader never answered for task {i}");
+            std::thread::sleep(Duration::from_micros(200));
+        };
+        self.core.on_read_done(&mut self.io, done);
+        let Some(pos) = self.io.events.iter().position(|e| matches!(e, Event::Reply { conn: c, .. } if *c == conn))
+        else {
+            return Err(Failure { step: 0, check: "read", detail: format!("no answer for task {i} read back") });
+        };
+        if let Event::Reply { status, body, .. } = self.io.events.remove(pos) {
+            let body = String::from_utf8_lossy(&body);
+            ensure!(status == 200, "read", "task {i} read back: {status} {body}");
+            let snapshot = self.tasks[i].snapshot.as_deref().unwrap_or_default();
+            ensure!(body == snapshot, "final", "task {i} read back changed:\n  was {snapshot}\n  now {body}");
+            self.stats.add(Seen::ReadBack);
         }
         Ok(())
     }
@@ -1919,24 +1997,27 @@ pub fn check_seed(seed: u64, len: usize, stats: &mut Stats) {
 
 // ----- cargo test --------------------------------------------------------------------------------
 
-/// Operations per generated sequence.
+/// Operations per generated sequence (`MODEL_OPS` to change it).
 #[cfg(test)]
-const SEQUENCE_OPS: usize = 60;
+fn sequence_ops() -> usize {
+    std::env::var("MODEL_OPS").ok().and_then(|s| s.parse().ok()).unwrap_or(60)
+}
 
 /// Seeds `[from, from + count)`; `MODEL_SEQUENCES` scales every range (e.g. 10 for ten times as
-/// many), `MODEL_SEED` runs that one seed alone. Returns what the sequences reached.
+/// many), `MODEL_SEED` runs that one seed alone (with the same `MODEL_OPS` it failed with).
+/// Returns what the sequences reached.
 #[cfg(test)]
 fn check_seeds(from: u64, count: u64) -> Option<Stats> {
     let mut stats = Stats::default();
     if let Some(seed) = std::env::var("MODEL_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
         if (from..from + count).contains(&seed) {
-            check_seed(seed, SEQUENCE_OPS, &mut stats);
+            check_seed(seed, sequence_ops(), &mut stats);
         }
         return None;
     }
     let scale = std::env::var("MODEL_SEQUENCES").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(1).max(1);
     for seed in from * scale..(from + count) * scale {
-        check_seed(seed, SEQUENCE_OPS, &mut stats);
+        check_seed(seed, sequence_ops(), &mut stats);
     }
     Some(stats)
 }
