@@ -45,14 +45,17 @@ fn start(dir: &DataDir, wall_ms: u64) -> Core {
     core
 }
 
-/// relay stops (every record on disk) and starts again `downtime_ms` later.
-fn restart(core: Core, dir: &DataDir, downtime_ms: u64) -> Core {
-    let wall = core.wall_ms + downtime_ms;
-    let mut core = core;
+/// relay stops: every record on disk, the journal's writer done (before the directory goes).
+fn stop(mut core: Core) {
     if let Storage::Journal(mut j) = std::mem::replace(&mut core.storage, Storage::Memory) {
         j.stop();
     }
-    drop(core);
+}
+
+/// relay stops and starts again `downtime_ms` later.
+fn restart(core: Core, dir: &DataDir, downtime_ms: u64) -> Core {
+    let wall = core.wall_ms + downtime_ms;
+    stop(core);
     start(dir, wall)
 }
 
@@ -96,6 +99,7 @@ fn a_second_restart_makes_the_attempt_the_first_cut_short_use_up_a_retry() {
     let t = c.task(id).expect("task");
     assert_eq!(t.status, Status::Dispatched, "retried, not failed: {:?}", t.attempts);
     assert_eq!(t.attempts.len(), 3);
+    stop(c);
 }
 
 #[test]
@@ -112,6 +116,7 @@ fn a_task_forgotten_at_a_restart_stays_in_the_listing_index() {
     let c = restart(c, &dir, TTL_MS + 1);
     assert!(c.task(id).is_none(), "forgotten");
     assert_eq!(c.tasks_newest_first(u64::MAX).count(), 0, "and not listed");
+    stop(c);
 }
 
 #[test]
@@ -134,4 +139,5 @@ fn a_canceled_task_comes_back_pending_once_its_forget_record_is_deleted() {
     assert!(c.task(canceled).is_none(), "a forgotten task stays forgotten: {:?}", c.task(canceled).map(|t| t.status));
     assert_eq!(c.task(stays).map(|t| t.status), Some(Status::Pending));
     assert_eq!(c.task_count(Status::Pending), 1);
+    stop(c);
 }
