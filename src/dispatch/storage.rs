@@ -154,8 +154,7 @@ impl Core {
         let mut unfinished = Vec::new();
         for mut task in tasks {
             self.next_seq = self.next_seq.max(task.submit_seq);
-            let id = task.id;
-            self.by_submission.insert(task.submit_seq, id);
+            let (id, submit_seq) = (task.id, task.submit_seq);
             task.created_mono_ms = now.saturating_sub(wall.saturating_sub(task.created_wall_ms));
             if task.status.is_final() {
                 let finished_wall = task.finished_wall_ms.unwrap_or(task.created_wall_ms);
@@ -179,6 +178,8 @@ impl Core {
                 }
                 unfinished.push(task);
             }
+            // (Not before: a task whose TASK_TTL ran out while relay was down is not listed.)
+            self.by_submission.insert(submit_seq, id);
             restored += 1;
         }
         finished.sort_unstable();

@@ -258,4 +258,6 @@ fn human_durations() {
     }
 }
 
+mod model;
 mod regressions;
+mod restarts;

@@ -165,11 +165,7 @@ impl Journal {
             records_written: 0,
             records_skipped_at_start: replayed.skipped,
         };
-        let unpinned: Vec<u32> =
-            journal.segments.iter().filter(|(n, s)| s.pins == 0 && **n != head).map(|(n, _)| *n).collect();
-        for n in unpinned {
-            journal.drop_segment(n);
-        }
+        journal.drop_unpinned_prefix();
         Ok((journal, replayed))
     }
 
@@ -245,10 +241,8 @@ impl Journal {
         let now = self.now_ms as i64;
         if let Some(seg) = self.segments.get_mut(&old) {
             seg.closed_ms = Some(now);
-            if seg.pins == 0 {
-                self.drop_segment(old);
-            }
         }
+        self.drop_unpinned_prefix();
     }
 
     fn pin(&mut self, seg: u32) {
@@ -260,7 +254,20 @@ impl Journal {
     fn unpin(&mut self, seg: u32) {
         let Some(s) = self.segments.get_mut(&seg) else { return };
         s.pins = s.pins.saturating_sub(1);
-        if s.pins == 0 && seg != self.head {
+        self.drop_unpinned_prefix();
+    }
+
+    /// Deletes the oldest segments while nothing needs them. Only ever a prefix of the log: a
+    /// record is superseded only by later ones (the task's newer state, its `Forget`), so
+    /// deleting a segment while an older one stays could bring that older one's stale records
+    /// back at the next replay — a finished or forgotten task pending again. Segments in the
+    /// middle that nothing needs wait for the ones before them (compaction empties those
+    /// within TASK_TTL).
+    fn drop_unpinned_prefix(&mut self) {
+        while let Some((&seg, s)) = self.segments.first_key_value() {
+            if seg == self.head || s.pins > 0 {
+                break;
+            }
             self.drop_segment(seg);
         }
     }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use super::codec::{self, FrameAt, HEADER_BYTES, Record};
 use crate::log::Level;
-use crate::tasks::{Evicted, Loc, Status, Stored, Task, TaskId, kind_hash};
+use crate::tasks::{Evicted, Loc, Outcome, Status, Stored, Task, TaskId, kind_hash};
 
 /// A finished task that did not fit in `TASK_MEMORY`: only where to find it is kept.
 pub struct Light {
@@ -137,6 +137,10 @@ impl State {
                 a.outcome = outcome;
                 a.duration_ms = duration_ms;
                 a.error = error;
+                // As when the whole task is read back: an attempt a restart cut short does not
+                // use up a retry, however many restarts later.
+                a.restarted =
+                    a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(codec::RESTART_ERROR);
                 task.status = Status::Pending;
                 task.stored.lsn = seq;
                 entry.overflow |= !pin(&mut task.stored, loc.seg);
