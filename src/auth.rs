@@ -11,6 +11,7 @@
 
 use std::cell::RefCell;
 use std::path::Path;
+use std::rc::Rc;
 
 use sha2::{Digest, Sha256};
 
@@ -60,8 +61,24 @@ pub struct Auth {
 
 struct Scoped {
     secret: Vec<u8>,
-    /// The reactor is single-threaded; the view caches the registry between requests.
-    registry: RefCell<RegistryView>,
+    registry: Registry,
+}
+
+enum Registry {
+    /// `TOKEN_STORE`. The reactor is single-threaded; the view caches the file between requests.
+    File(RefCell<RegistryView>),
+    /// Cluster mode: the node's cache of the database's `relay_tokens`, which the node's turn
+    /// transactions refresh (refused as `Unavailable` once older than 1 s: fail closed).
+    Db(Rc<RefCell<crate::cluster::tokens::TokenCache>>),
+}
+
+impl Registry {
+    fn lookup(&self, jti: &str, wall_ms: u64) -> Lookup {
+        match self {
+            Registry::File(view) => view.borrow_mut().lookup(jti),
+            Registry::Db(cache) => cache.borrow().lookup(jti, wall_ms),
+        }
+    }
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -92,9 +109,28 @@ impl Auth {
         self.scoped = secret.map(|secret| {
             let mut registry = RegistryView::new(store);
             registry.refresh(); // logs the registry's state at startup
-            Scoped { secret: secret.as_bytes().to_vec(), registry: RefCell::new(registry) }
+            Scoped { secret: secret.as_bytes().to_vec(), registry: Registry::File(RefCell::new(registry)) }
         });
         self
+    }
+
+    /// Cluster mode: scoped JWTs are looked up in `cache`, the node's view of the database's
+    /// registry (its refreshes are stamped with the wall clock).
+    pub fn with_db_tokens(
+        mut self,
+        secret: Option<&str>,
+        cache: Rc<RefCell<crate::cluster::tokens::TokenCache>>,
+    ) -> Auth {
+        self.scoped = secret.map(|secret| Scoped { secret: secret.as_bytes().to_vec(), registry: Registry::Db(cache) });
+        self
+    }
+
+    /// The registry cannot be trusted now (cluster mode: the cache is more than 1 s old, the
+    /// database unreachable): a scoped JWT is then refused with 503, not 401.
+    pub fn registry_unavailable(&self, wall_ms: u64) -> bool {
+        self.scoped.as_ref().is_some_and(|s| {
+            matches!(s.registry, Registry::Db(_)) && s.registry.lookup("", wall_ms) == Lookup::Unavailable
+        })
     }
 
     /// The task API: the root token or a scoped JWT, checked at wall time `wall_ms`.
@@ -116,7 +152,7 @@ impl Auth {
                 return None;
             }
         };
-        match scoped.registry.borrow_mut().lookup(&claims.jti) {
+        match scoped.registry.lookup(&claims.jti, wall_ms) {
             Lookup::Active => Some(Identity::Scoped { jti: claims.jti, kinds: claims.kinds }),
             refused => {
                 crate::log!(Level::Debug, "scoped token refused", reason = refused.as_str(), jti = claims.jti);

@@ -56,6 +56,8 @@ pub struct DbConfig {
     pub listen: Vec<&'static str>,
     /// Run housekeeping (tests of the API alone turn it off).
     pub housekeeping: bool,
+    /// Housekeeping also deletes expired files (`FILE_EXPIRE`).
+    pub files_housekeeping: bool,
 }
 
 impl DbConfig {
@@ -76,6 +78,7 @@ impl DbConfig {
             io_timeout_ms: 10_000,
             listen: vec![sql::CHANNEL_PENDING, sql::CHANNEL_CANCEL, sql::CHANNEL_TOKENS, sql::CHANNEL_FINISHED],
             housekeeping: true,
+            files_housekeeping: true,
         }
     }
 }
@@ -457,21 +460,37 @@ fn flush_notifies(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<Pg
 /// connection is returned; a refused statement is logged.
 fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> {
     let now_ms = crate::timefmt::wall_ms() as i64;
-    let mut jobs: Vec<(&str, Vec<Stmt>)> = Vec::new();
+    // (job, statement, channels to notify when it changed rows: tasks went back to pending, or
+    // became final and may have waiters on any node)
+    let mut jobs: Vec<(&str, Stmt, &[&str])> = Vec::new();
     if reap {
-        jobs.push(("reap", vec![sql::reap_dead_nodes(cfg.lease_ms, cfg.max_retries, now_ms), notify_pending()]));
+        let reap = sql::reap_dead_nodes(cfg.lease_ms, cfg.max_retries, now_ms);
+        jobs.push(("reap", reap, &[sql::CHANNEL_PENDING, sql::CHANNEL_FINISHED]));
         // Under the same grace rule: after a database restart the UNLOGGED worker registry is
         // empty until every node wrote its workers again.
-        jobs.push(("unplaceable", vec![sql::fail_unplaceable(cfg.lease_ms, now_ms)]));
+        jobs.push(("unplaceable", sql::fail_unplaceable(cfg.lease_ms, now_ms), &[sql::CHANNEL_FINISHED]));
     }
-    jobs.push(("expire", vec![sql::expire_in_queue(now_ms, cfg.task_ttl_ms)]));
-    jobs.push(("retention", vec![sql::retention(now_ms, cfg.task_ttl_ms)]));
-    for (what, stmts) in jobs {
-        match conn.pipeline(&stmts) {
+    jobs.push(("expire", sql::expire_in_queue(now_ms, cfg.task_ttl_ms), &[sql::CHANNEL_FINISHED]));
+    jobs.push(("retention", sql::retention(now_ms, cfg.task_ttl_ms), &[]));
+    if cfg.files_housekeeping {
+        jobs.push(("files", Stmt::new(sql::FILE_EXPIRE, vec![now_ms.into()]), &[]));
+    }
+    for (what, stmt, channels) in jobs {
+        let mut stmts = vec![stmt];
+        stmts.extend(channels.iter().map(|c| Stmt::new(sql::NOTIFY, vec![Param::from(*c)])));
+        // The statement alone first; only when it changed rows do its notifications follow (an
+        // idle cluster is not woken every second for nothing).
+        match conn.pipeline(&stmts[..1]) {
             Ok(rows) => {
                 let n = rows.first().map_or(0, |r| r.affected);
                 if n > 0 {
                     crate::log!(Level::Debug, "database housekeeping", job = what, rows = n);
+                    if stmts.len() > 1
+                        && let Err(e) = conn.pipeline(&stmts[1..])
+                        && e.is_fatal()
+                    {
+                        return Some(e);
+                    }
                 }
             }
             Err(e) if e.is_fatal() => return Some(e),
@@ -479,10 +498,6 @@ fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> 
         }
     }
     None
-}
-
-fn notify_pending() -> Stmt {
-    Stmt::new(sql::NOTIFY, vec![Param::from(sql::CHANNEL_PENDING)])
 }
 
 /// The `relay-db-listen` thread.

@@ -166,7 +166,8 @@ pub const CLAIM: &str = "WITH c AS (
          'num', t.attempt + 1, 'client_id', $3::uuid, 'client_ip', $4::text, 'node', $2::text,
          'started_ms', $8::int8))
      FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq";
+     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq, t.tried::text,
+       t.created_ms";
 
 /// One idle worker to claim for.
 #[derive(Debug, Clone)]
@@ -207,6 +208,20 @@ pub const UNCLAIM: &str = "WITH u AS (
      )
      INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
      SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u RETURNING task_id::text";
+
+/// After a transaction that claimed was lost (the connection broke: it may have committed),
+/// every task the database says this node ($1) runs but the node does not know ($2: the ids
+/// it runs) goes back to pending as [`UNCLAIM`] does: the node never sent it.
+pub const RELEASE_ORPHANS: &str = "WITH u AS (
+       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1,
+         attempt_log = t.attempt_log - (t.attempt - 1),
+         tried = t.tried[1:cardinality(t.tried) - 1]
+       WHERE t.owner_node = $1::uuid AND t.status = 'dispatched' AND NOT (t.id = ANY($2::uuid[]))
+       RETURNING t.id, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
+     )
+     INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
+     SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u
+     ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 pub fn unclaim(node: &str, claimed: &[(&str, u32)]) -> Stmt {
     let attempts: Vec<String> = claimed.iter().map(|c| c.1.to_string()).collect();
@@ -298,14 +313,25 @@ pub const GET_TASK: &str = "SELECT id::text, status, kind, payload, created_ms, 
             client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
      FROM relay_tasks WHERE id = $1::uuid";
 
-/// $1 task ids → the final ones among them (wait=true waiters poll this after a
-/// `relay_finished` notification or their slow poll).
-pub const FINISHED_AMONG: &str = "SELECT id::text, status FROM relay_tasks
-     WHERE id = ANY($1::uuid[]) AND status IN ('done', 'failed', 'canceled')";
+/// $1 task ids → those tasks, with [`GET_TASK`]'s columns: every read of a turn in one statement.
+pub const GET_TASKS: &str = "SELECT id::text, status, kind, payload, created_ms, run_at_ms, finished_ms, result, error,
+            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
+     FROM relay_tasks WHERE id = ANY($1::uuid[])";
+
+/// $1 task ids → the final ones among them, with [`GET_TASK`]'s columns (wait=true waiters ask
+/// after a `relay_finished` notification, after their own node ended attempts, and every
+/// second; the owner of canceled tasks asks after a `relay_cancel` notification).
+pub const FINISHED_AMONG: &str =
+    "SELECT id::text, status, kind, payload, created_ms, run_at_ms, finished_ms, result, error,
+            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
+     FROM relay_tasks WHERE id = ANY($1::uuid[]) AND status IN ('done', 'failed', 'canceled')";
 
 /// Listing, newest first: $1 status or NULL, $2 kind or NULL, $3 kinds allowed (NULL = all,
-/// for the root token), $4/$5 cursor (created_ms, seq) or NULL, $6 limit + 1.
-pub const LIST_TASKS: &str = "SELECT id::text, status, kind, created_ms, seq FROM relay_tasks
+/// for the root token), $4/$5 cursor (created_ms, seq) or NULL, $6 limit + 1. Columns: those
+/// of [`GET_TASK`], then `seq`.
+pub const LIST_TASKS: &str =
+    "SELECT id::text, status, kind, payload, created_ms, run_at_ms, finished_ms, result, error,
+            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text, seq FROM relay_tasks
      WHERE ($1::text IS NULL OR status = $1::text)
        AND ($2::text IS NULL OR kind = $2::text)
        AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
@@ -315,12 +341,14 @@ pub const LIST_TASKS: &str = "SELECT id::text, status, kind, created_ms, seq FRO
 // ---------------------------------------------------------------------------------------------
 // Cancel.
 
-/// $1 task id, $2 now_ms: cancels a pending or dispatched task; returns the node that was
-/// running it (NULL if pending), so that node is told through `relay_cancel` to send `cancel`
-/// to its worker. No row: unknown or already final.
+/// $1 task id, $2 now_ms, $3 kinds the caller may cancel (NULL: all, the root token): cancels a
+/// pending or dispatched task; returns the node that was running it (NULL if pending), so that
+/// node is told through `relay_cancel` to send `cancel` to its worker. No row: unknown, already
+/// final, or of a kind the caller may not touch.
 pub const CANCEL: &str = "WITH old AS (
        SELECT id, status, owner_node, attempt FROM relay_tasks
-       WHERE id = $1::uuid AND status IN ('pending', 'dispatched') FOR UPDATE
+       WHERE id = $1::uuid AND status IN ('pending', 'dispatched')
+         AND ($3::text[] IS NULL OR kind = ANY($3::text[])) FOR UPDATE
      ), dp AS (
        DELETE FROM relay_pending p USING old WHERE p.task_id = old.id
      ), u AS (
@@ -454,7 +482,7 @@ pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = AN
 /// /clients: every worker of every live node ($1 lease_ms), with its node's name.
 pub const LIST_WORKERS: &str =
     "SELECT w.client_id::text, w.ip, w.connected_ms, array_to_json(w.kinds)::text, w.concurrency,
-            w.in_flight, w.active, w.version, n.name
+            w.in_flight, w.active, w.version, n.name, w.node_id::text
      FROM relay_workers w JOIN relay_nodes n ON n.node_id = w.node_id
      WHERE n.heartbeat_ms > relay_now_ms() - $1::int8
      ORDER BY w.connected_ms, w.client_id";
@@ -530,8 +558,10 @@ pub const ALL: &[(&str, &str)] = &[
     ("PENDING_TOTALS", PENDING_TOTALS),
     ("CLAIM", CLAIM),
     ("UNCLAIM", UNCLAIM),
+    ("RELEASE_ORPHANS", RELEASE_ORPHANS),
     ("ATTEMPT_ENDED", ATTEMPT_ENDED),
     ("GET_TASK", GET_TASK),
+    ("GET_TASKS", GET_TASKS),
     ("FINISHED_AMONG", FINISHED_AMONG),
     ("LIST_TASKS", LIST_TASKS),
     ("CANCEL", CANCEL),

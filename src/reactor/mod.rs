@@ -24,6 +24,7 @@ use tungstenite::protocol::frame::coding::CloseCode;
 
 use std::collections::HashMap;
 
+mod cluster;
 mod disk_budget;
 mod http_conn;
 mod transfer;
@@ -341,6 +342,8 @@ pub struct Server {
     accept_pending: bool,
     shutdown_flag: Arc<AtomicBool>,
     shutdown_started: bool,
+    /// SHUTDOWN_TIMEOUT passed.
+    shutdown_expired: bool,
     max_ws_out_bytes: usize,
     /// Input an HTTP connection may buffer: a head, the largest body, and a little more.
     http_input_cap: usize,
@@ -381,9 +384,16 @@ impl Server {
             0,
             crate::timefmt::wall_ms(),
         );
+        let auth = crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token);
+        let token_cache = std::rc::Rc::new(std::cell::RefCell::new(crate::cluster::tokens::TokenCache::default()));
+        let auth = match &cfg.database {
+            // Cluster mode: the node's cache of the database's registry (its turn transactions
+            // refresh it).
+            Some(_) => auth.with_db_tokens(cfg.token_secret.as_deref(), token_cache.clone()),
+            None => auth.with_scoped_tokens(cfg.token_secret.as_deref(), &cfg.token_store),
+        };
         let api = Api {
-            auth: crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token)
-                .with_scoped_tokens(cfg.token_secret.as_deref(), &cfg.token_store),
+            auth,
             max_message_bytes: cfg.max_message_bytes,
             max_batch_bytes: cfg.max_batch_bytes,
             max_file_bytes: cfg.max_file_bytes,
@@ -396,7 +406,11 @@ impl Server {
             }),
         )?;
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
-        if let Some(dir) = &cfg.data_dir {
+        if let Some(params) = &cfg.database {
+            let node = cluster::start_node(&cfg, params, local_addr.port(), waker.clone(), token_cache)?;
+            core.storage = crate::dispatch::Storage::Cluster(Box::new(node));
+            core.wheel.arm(0, Timer::ClusterTick);
+        } else if let Some(dir) = &cfg.data_dir {
             let journal_waker = waker.clone();
             let wake: crate::journal::thread::Wake = Arc::new(move || {
                 let _ = journal_waker.wake();
@@ -448,6 +462,7 @@ impl Server {
             accept_pending: false,
             shutdown_flag,
             shutdown_started: false,
+            shutdown_expired: false,
             max_ws_out_bytes,
             http_input_cap: MAX_HEAD_BYTES + cfg_max_body + 4096,
             store,
@@ -511,6 +526,8 @@ impl Server {
                     WAKER => {
                         self.on_disk_done();
                         self.on_journal()?;
+                        let (mut wire, core) = self.wire();
+                        core.cluster_on_wake(&mut wire);
                     }
                     t => {
                         let r = conn_ref(t);
@@ -531,11 +548,20 @@ impl Server {
             }
             self.fire_timers();
             self.process_again();
-            // The turn's records go to the journal before its answers are written, so the sync
-            // runs while the rest of the output leaves.
+            // The turn's records go to the journal (or, in cluster mode, the database) before
+            // its answers are written, so the sync runs while the rest of the output leaves.
+            {
+                let (mut wire, core) = self.wire();
+                core.cluster_end_turn(&mut wire);
+            }
             self.core.end_turn();
             self.flush_dirty();
-            if self.shutdown_started && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.is_empty()))
+            // (Cluster mode: the attempts handed back at shutdown are written first, unless the
+            // database is unreachable or SHUTDOWN_TIMEOUT passed.)
+            let flushed = self.core.cluster_flushed() || self.shutdown_expired;
+            if self.shutdown_started
+                && flushed
+                && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.is_empty()))
             {
                 // (With timers and journal waits gone, nothing could ever end the remaining
                 // connections.) Everything accepted is made durable before the exit.
@@ -669,6 +695,7 @@ impl Server {
                     self.core.wheel.arm(self.now_ms + BLOB_SWEEP_MS, Timer::BlobSweep);
                 }
                 Timer::ShutdownDeadline => {
+                    self.shutdown_expired = true;
                     crate::log!(
                         Level::Warn,
                         "shutdown timeout: closing remaining connections",

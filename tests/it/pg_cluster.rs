@@ -600,9 +600,15 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
 
     // Cancel from a third node: the owner is named (to send `cancel` to its worker) and its
     // later answer is fenced.
-    let out = c.pipeline(&[Stmt::new(sql::CANCEL, vec![id.as_str().into(), 8_000i64.into()])]).expect("cancel");
+    // A scoped caller whose kinds do not include the task's touches nothing.
+    let cancel = |c: &mut Conn, scope: Param| {
+        c.pipeline(&[Stmt::new(sql::CANCEL, vec![id.as_str().into(), 8_000i64.into(), scope])]).expect("cancel")
+    };
+    let out = cancel(&mut c, sql::array([Some("file")]).into());
+    assert!(out[0].rows.is_empty(), "out of the caller's scope");
+    let out = cancel(&mut c, Param::Null);
     assert_eq!(out[0].rows[0].text(0), Some(NODE_B));
-    let again = c.pipeline(&[Stmt::new(sql::CANCEL, vec![id.as_str().into(), 8_000i64.into()])]).expect("cancel");
+    let again = cancel(&mut c, sql::array([Some("http")]).into());
     assert!(again[0].rows.is_empty(), "already final");
     let late = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &w2)])]).expect("late");
     assert!(late[0].rows.is_empty());

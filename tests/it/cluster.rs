@@ -1,0 +1,327 @@
+//! Cluster mode end to end (SPEC §11, issue 11): several real relay processes on one private
+//! PostgreSQL (`support::pg`), each test with its own server and nodes, talking real HTTP and
+//! WebSocket to them. Short PONG_WAIT (so the lease is PONG_WAIT + 5 s = 6 s) keeps them fast;
+//! every wait polls an observable state with a deadline.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::support::pg::Pg;
+use crate::support::{API, Auto, FakeWorker, Relay, poll_until, request};
+
+/// Nodes sharing one database.
+struct Cluster {
+    pg: Pg,
+    nodes: Vec<Relay>,
+}
+
+impl Cluster {
+    /// `n` nodes on a private PostgreSQL (`None`: PostgreSQL is not installed, test skipped).
+    fn start(test: &str, n: usize, env: &[(&str, &str)]) -> Option<Cluster> {
+        let pg = Pg::start(test)?;
+        let mut c = Cluster { pg, nodes: Vec::new() };
+        for _ in 0..n {
+            c.add(env);
+        }
+        Some(c)
+    }
+
+    fn url(&self) -> String {
+        self.pg.url()
+    }
+
+    /// Starts one more node and waits until it reached the database.
+    fn add(&mut self, env: &[(&str, &str)]) -> usize {
+        let url = self.url();
+        let mut all: Vec<(&str, &str)> = vec![("DATABASE_URL", url.as_str())];
+        all.extend_from_slice(env);
+        let relay = Relay::start_with(&all);
+        let up = poll_until(Duration::from_secs(15), || health(&relay).0 == 200);
+        assert!(up, "node never reached the database: {:?}", health(&relay));
+        self.nodes.push(relay);
+        self.nodes.len() - 1
+    }
+
+    fn node(&self, i: usize) -> &Relay {
+        &self.nodes[i]
+    }
+}
+
+fn health(relay: &Relay) -> (u16, Value) {
+    let r = request(relay.addr, "GET", "/healthz", &[], None);
+    let v = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+    (r.status, v)
+}
+
+/// Polls `/clients` on `relay` until it lists `n` workers.
+fn wait_workers(relay: &Relay, n: usize) -> Value {
+    wait_workers_where(relay, n, |_| true)
+}
+
+/// Polls `/clients` on `relay` until it lists `n` workers, each satisfying `ok`.
+fn wait_workers_where(relay: &Relay, n: usize, ok: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    let listed = poll_until(Duration::from_secs(10), || {
+        let r = relay.api("GET", "/clients", None);
+        if r.status != 200 {
+            return false;
+        }
+        last = r.json();
+        last["count"] == n && last["clients"].as_array().is_some_and(|a| a.iter().all(&ok))
+    });
+    assert!(listed, "/clients never listed {n} workers as expected: {last}");
+    last
+}
+
+fn submit_ok(relay: &Relay, body: &str) -> String {
+    let r = relay.submit(body);
+    assert_eq!(r.status, 202, "submit: {}", r.text());
+    r.json()["task_id"].as_str().expect("task_id").to_string()
+}
+
+fn node_name(relay: &Relay) -> String {
+    health(relay).1["node"].as_str().expect("node name in /healthz").to_string()
+}
+
+#[test]
+fn cluster_submit_on_one_node_runs_on_another_and_waits_on_a_third() {
+    let Some(c) = Cluster::start("cluster_submit_on_one_node_runs_on_another_and_waits_on_a_third", 3, &[]) else {
+        return;
+    };
+    let (a, b, third) = (c.node(0), c.node(1), c.node(2));
+    let names: Vec<String> = c.nodes.iter().map(node_name).collect();
+    assert_eq!(names.iter().collect::<std::collections::HashSet<_>>().len(), 3, "distinct node names: {names:?}");
+
+    // A worker on B only; /clients on every node lists it, with B as its node.
+    let w = FakeWorker::connect(b, Some(json!({"type": "hello", "kinds": ["echo"], "concurrency": 4})), Auto::Echo);
+    for node in &c.nodes {
+        let clients = wait_workers_where(node, 1, |w| w["kinds"].is_array());
+        assert_eq!(clients["clients"][0]["node"], names[1], "{clients}");
+        assert_eq!(clients["clients"][0]["kinds"], json!(["echo"]));
+    }
+
+    // Submit on A; wait=true on the third node; it runs on B's worker.
+    let id = submit_ok(a, r#"{"payload":{"kind":"echo","n":1}}"#);
+    let r = third.api("GET", &format!("/tasks/{id}?wait=true"), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let t = r.json();
+    assert_eq!(t["status"], "done", "{t}");
+    assert_eq!(t["result"], json!({"echo": {"kind": "echo", "n": 1}}));
+    assert_eq!(t["attempts"], 1);
+    assert_eq!(t["attempt_log"][0]["node"], names[1], "the attempt names the node that ran it: {t}");
+    assert_eq!(t["attempt_log"][0]["outcome"], "done");
+    assert!(t["attempt_log"][0]["duration_ms"].is_u64(), "{t}");
+    assert!(t["client_id"].is_string() && t["finished_at"].is_string(), "{t}");
+    drop(w);
+
+    // POST wait=true on the third node, same answer codes as one node.
+    let w2 = FakeWorker::connect(third, None, Auto::Echo);
+    wait_workers_where(a, 1, |w| w["node"] == names[2].as_str());
+    let r = a.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"x":2}}"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["attempt_log"][0]["node"], names[2]);
+    drop(w2);
+
+    // /healthz: this node's workers, the cluster's counts, its name, the database.
+    let ok = poll_until(Duration::from_secs(5), || health(a).1["tasks"]["done"] == 2);
+    let (status, h) = health(a);
+    assert!(ok, "cluster-wide counts on a node that ran nothing: {h}");
+    assert_eq!(status, 200);
+    assert_eq!((h["status"].as_str(), h["database"].as_str()), (Some("ok"), Some("ok")), "{h}");
+    assert_eq!(h["node"], names[0]);
+    assert_eq!(h["clients"], 0, "a node counts its own workers: {h}");
+}
+
+#[test]
+fn cluster_no_worker_anywhere_is_503_and_a_queued_task_waits_for_one() {
+    let Some(c) = Cluster::start("cluster_no_worker_anywhere_is_503_and_a_queued_task_waits_for_one", 2, &[]) else {
+        return;
+    };
+    let (a, b) = (c.node(0), c.node(1));
+    let r = a.submit(r#"{"payload":{"kind":"echo"}}"#);
+    assert_eq!((r.status, r.error()), (503, "no_worker".to_string()), "{}", r.text());
+    let id = submit_ok(a, r#"{"payload":{"kind":"echo"},"queue":true}"#);
+    assert_eq!(a.get_task(&id)["status"], "pending");
+    let _w = FakeWorker::connect(b, Some(json!({"type": "hello", "kinds": ["echo"]})), Auto::Echo);
+    let t = b.wait_status(&id, "done", Duration::from_secs(10));
+    assert_eq!(t["attempts"], 1);
+    let started = Instant::now();
+    let r = a.api("GET", "/tasks/00000000-0000-4000-8000-000000000000", None);
+    assert_eq!(r.status, 404);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    let _ = API;
+}
+
+#[test]
+fn cluster_retry_crosses_nodes_and_a_task_with_no_untried_worker_fails() {
+    let Some(c) = Cluster::start("cluster_retry_crosses_nodes_and_a_task_with_no_untried_worker_fails", 2, &[]) else {
+        return;
+    };
+    let (a, b) = (c.node(0), c.node(1));
+    let (name_a, name_b) = (node_name(a), node_name(b));
+    let hello = || Some(json!({"type": "hello", "kinds": ["k"], "concurrency": 1}));
+    let w1 = FakeWorker::connect(a, hello(), Auto::Manual);
+    wait_workers(b, 1);
+    let id = submit_ok(b, r#"{"payload":{"kind":"k"}}"#);
+    let first = w1.expect_task();
+    assert_eq!(first.id, id);
+
+    // The only other worker is on B: the retry goes there.
+    let _w2 = FakeWorker::connect(b, hello(), Auto::Echo);
+    wait_workers(a, 2);
+    w1.fail(&id, "egress blocked");
+    let t = a.wait_status(&id, "done", Duration::from_secs(10));
+    assert_eq!(t["attempts"], 2, "{t}");
+    let log = &t["attempt_log"];
+    assert_eq!((log[0]["outcome"].as_str(), log[0]["error"].as_str()), (Some("failed"), Some("egress blocked")));
+    assert_eq!((log[0]["node"].as_str(), log[1]["node"].as_str()), (Some(name_a.as_str()), Some(name_b.as_str())));
+    assert_ne!(log[0]["client_id"], log[1]["client_id"], "a different worker");
+    assert_eq!(t["client_id"], log[1]["client_id"]);
+
+    // Both workers tried a task and failed it: nobody untried is left, so it fails with the
+    // last error at once.
+    drop(_w2);
+    let w3 = FakeWorker::connect(b, hello(), Auto::Fail("second failure".into()));
+    wait_workers_where(a, 2, |w| w["kinds"].is_array());
+    let id = submit_ok(a, r#"{"payload":{"kind":"k"},"max_retries":5}"#);
+    let task = w1.next_task(Duration::from_secs(5));
+    if let Some(task) = task {
+        w1.fail(&task.id, "first failure");
+    }
+    let t = b.wait_status(&id, "failed", Duration::from_secs(10));
+    assert_eq!(t["attempts"], 2, "{t}");
+    assert!(t["error"].as_str().is_some_and(|e| e.ends_with("failure")), "{t}");
+    drop(w3);
+}
+
+#[test]
+fn cluster_idempotency_keys_hold_on_every_node() {
+    let Some(c) = Cluster::start("cluster_idempotency_keys_hold_on_every_node", 3, &[]) else { return };
+    let key = [("Authorization", format!("Bearer {API}")), ("Idempotency-Key", "order-7".to_string())];
+    let headers: Vec<(&str, &str)> = key.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let body = r#"{"payload":{"n":1},"queue":true}"#;
+    let first = request(c.node(0).addr, "POST", "/tasks", &headers, Some(body.as_bytes()));
+    assert_eq!(first.status, 202, "{}", first.text());
+    let id = first.json()["task_id"].clone();
+    // The same key on another node: the same task, nothing created.
+    let again = request(c.node(1).addr, "POST", "/tasks", &headers, Some(br#"{"payload":{"n":2},"queue":true}"#));
+    assert_eq!((again.status, again.json()["task_id"].clone()), (202, id.clone()), "{}", again.text());
+    // A repeat is answered before its body is read: even an invalid one.
+    let bad = request(c.node(2).addr, "POST", "/tasks", &headers, Some(b"not json"));
+    assert_eq!((bad.status, bad.json()["task_id"].clone()), (202, id.clone()), "{}", bad.text());
+    // ...and with nobody to run it (no worker, no queue) it still names the task.
+    let plain = request(c.node(2).addr, "POST", "/tasks", &headers, Some(br#"{"payload":1}"#));
+    assert_eq!((plain.status, plain.json()["task_id"].clone()), (202, id.clone()), "{}", plain.text());
+    let list = c.node(1).api("GET", "/tasks", None).json();
+    assert_eq!(list["tasks"].as_array().map(Vec::len), Some(1), "one task: {list}");
+    // A key never used, with a bad body: 400 after the database said so.
+    let other = [("Authorization", format!("Bearer {API}")), ("Idempotency-Key", "other".to_string())];
+    let other: Vec<(&str, &str)> = other.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let r = request(c.node(0).addr, "POST", "/tasks", &other, Some(b"not json"));
+    assert_eq!(r.status, 400, "{}", r.text());
+}
+
+#[test]
+fn cluster_cancel_on_one_node_stops_the_worker_on_another() {
+    let Some(c) = Cluster::start("cluster_cancel_on_one_node_stops_the_worker_on_another", 2, &[]) else { return };
+    let (a, b) = (c.node(0), c.node(1));
+    let w = FakeWorker::connect(b, None, Auto::Manual);
+    wait_workers(a, 1);
+    let id = submit_ok(a, r#"{"payload":{"x":1}}"#);
+    assert_eq!(w.expect_task().id, id);
+    let waiter = {
+        let addr = b.addr;
+        let id = id.clone();
+        std::thread::spawn(move || {
+            let auth = format!("Bearer {API}");
+            request(addr, "GET", &format!("/tasks/{id}?wait=true"), &[("Authorization", auth.as_str())], None)
+        })
+    };
+    let r = a.api("DELETE", &format!("/tasks/{id}"), None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let t = r.json();
+    assert_eq!((t["status"].as_str(), t["attempt_log"][0]["outcome"].as_str()), (Some("canceled"), Some("canceled")));
+    assert_eq!(w.next_cancel(Duration::from_secs(5)).as_deref(), Some(id.as_str()), "the worker is told");
+    let held = waiter.join().expect("waiter");
+    assert_eq!((held.status, held.json()["status"].as_str()), (200, Some("canceled")), "{}", held.text());
+    // Its late answer is fenced and counted on the node that ran it.
+    w.done(&id, json!("too late"));
+    assert!(poll_until(Duration::from_secs(5), || b.metric("relay_results_ignored_total{reason=\"late\"}") == 1.0));
+    assert_eq!(a.get_task(&id)["status"], "canceled");
+    // Already final: 409 with the task; unknown: 404.
+    let again = b.api("DELETE", &format!("/tasks/{id}"), None);
+    assert_eq!((again.status, again.json()["status"].as_str()), (409, Some("canceled")));
+    let missing = b.api("DELETE", "/tasks/00000000-0000-4000-8000-000000000001", None);
+    assert_eq!(missing.status, 404);
+    // The slot is free: the next task runs on that worker.
+    let next = submit_ok(a, r#"{"payload":{"x":2}}"#);
+    assert_eq!(w.expect_task().id, next);
+}
+
+#[test]
+fn cluster_listing_batch_schedules_and_wait_timeout() {
+    let env = [("WAIT_TIMEOUT", "1s")];
+    let Some(c) = Cluster::start("cluster_listing_batch_schedules_and_wait_timeout", 2, &env) else { return };
+    let (a, b) = (c.node(0), c.node(1));
+    // A batch on A, listed on B page by page, newest first, nothing twice.
+    let items: Vec<Value> = (0..7).map(|i| json!({"payload": {"kind": "b", "i": i}})).collect();
+    let mut items = items;
+    items.push(json!({"payload": null}));
+    let r = a.api("POST", "/tasks/batch", Some(&json!({"tasks": items}).to_string()));
+    assert_eq!(r.status, 202, "{}", r.text());
+    let answer = r.json();
+    let ids: Vec<String> = answer["tasks"]
+        .as_array()
+        .expect("tasks")
+        .iter()
+        .filter_map(|t| t["task_id"].as_str().map(String::from))
+        .collect();
+    assert_eq!(ids.len(), 7, "{answer}");
+    assert_eq!(answer["tasks"][7]["error"], "bad_request");
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/tasks?kind=b&limit=3&cursor={c}"),
+            None => "/tasks?kind=b&limit=3".to_string(),
+        };
+        let page = b.api("GET", &path, None);
+        assert_eq!(page.status, 200, "{}", page.text());
+        let page = page.json();
+        seen.extend(
+            page["tasks"].as_array().expect("tasks").iter().map(|t| t["task_id"].as_str().unwrap_or("").to_string()),
+        );
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    let mut expected = ids.clone();
+    expected.reverse();
+    assert_eq!(seen, expected, "newest first, every task once");
+    assert_eq!(b.api("GET", "/tasks?cursor=AQAAAAAAAAAB", None).status, 400, "a single node's cursor");
+    let pending = b.api("GET", "/tasks?status=pending&limit=1000", None).json();
+    assert_eq!(pending["tasks"].as_array().map(Vec::len), Some(7));
+
+    // The batch runs once a worker for its kind arrives anywhere.
+    let _w = FakeWorker::connect(b, Some(json!({"type": "hello", "kinds": ["b", "s"]})), Auto::Echo);
+    for id in &ids {
+        a.wait_status(id, "done", Duration::from_secs(10));
+    }
+    // A scheduled task waits for its time.
+    let submitted = Instant::now();
+    let id = submit_ok(a, r#"{"payload":{"kind":"s"},"delay":"1500ms"}"#);
+    let t = a.get_task(&id);
+    assert_eq!(t["status"], "pending");
+    assert!(t["run_at"].is_string(), "{t}");
+    b.wait_status(&id, "done", Duration::from_secs(10));
+    assert!(submitted.elapsed() >= Duration::from_millis(1500), "ran before its time");
+
+    // wait=true that outlives WAIT_TIMEOUT: the task as it is, 202 for a POST.
+    let r = a.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"nobody"},"queue":true}"#));
+    assert_eq!((r.status, r.json()["status"].as_str()), (202, Some("pending")), "{}", r.text());
+    let id = r.json()["task_id"].as_str().expect("id").to_string();
+    let r = b.api("GET", &format!("/tasks/{id}?wait=true"), None);
+    assert_eq!((r.status, r.json()["status"].as_str()), (200, Some("pending")));
+}
