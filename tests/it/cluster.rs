@@ -3,12 +3,14 @@
 //! WebSocket to them. Short PONG_WAIT (so the lease is PONG_WAIT + 5 s = 6 s) keeps them fast;
 //! every wait polls an observable state with a deadline.
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 
 use crate::support::pg::Pg;
-use crate::support::{API, Auto, FakeWorker, Relay, poll_until, request};
+use crate::support::{API, Auto, Client, FakeWorker, Relay, poll_until, request};
 
 /// Nodes sharing one database.
 struct Cluster {
@@ -324,4 +326,140 @@ fn cluster_listing_batch_schedules_and_wait_timeout() {
     let id = r.json()["task_id"].as_str().expect("id").to_string();
     let r = b.api("GET", &format!("/tasks/{id}?wait=true"), None);
     assert_eq!((r.status, r.json()["status"].as_str()), (200, Some("pending")));
+}
+
+/// What one submit of a load thread got.
+struct Sent {
+    status: u16,
+    id: Option<String>,
+    took: Duration,
+}
+
+/// Submits `body` to `addr` over and over (keep-alive) until `stop`; every answer is kept.
+fn load(addr: std::net::SocketAddr, stop: Arc<AtomicBool>, body: &'static str) -> std::thread::JoinHandle<Vec<Sent>> {
+    std::thread::spawn(move || {
+        let auth = format!("Bearer {API}");
+        let mut out = Vec::new();
+        let mut client = Client::connect(addr);
+        while !stop.load(Ordering::SeqCst) {
+            let started = Instant::now();
+            client.send("POST", "/tasks", &[("Authorization", auth.as_str())], Some(body.as_bytes()));
+            let Some(r) = client.read_response() else {
+                client = Client::connect(addr);
+                continue;
+            };
+            let id = (r.status == 202).then(|| r.json()["task_id"].as_str().unwrap_or_default().to_string());
+            out.push(Sent { status: r.status, id, took: started.elapsed() });
+            if r.status != 202 {
+                // Refused (the database is down): a moment before the next try.
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        out
+    })
+}
+
+/// Polls every task until it is `done` (through `relay`), failing on any other final status.
+fn all_done(relay: &Relay, ids: &[String], within: Duration) {
+    let deadline = Instant::now() + within;
+    for id in ids {
+        loop {
+            let r = relay.api("GET", &format!("/tasks/{id}"), None);
+            if r.status == 200 {
+                let t = r.json();
+                match t["status"].as_str() {
+                    Some("done") => break,
+                    Some("failed" | "canceled") => panic!("an acknowledged task ended {}: {t}", t["status"]),
+                    _ => {}
+                }
+            }
+            assert!(Instant::now() < deadline, "task {id} not done in time: {}", r.text());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+#[test]
+fn cluster_kill_9_of_a_node_under_load_loses_nothing_acknowledged() {
+    let Some(mut c) = Cluster::start("cluster_kill_9_of_a_node_under_load_loses_nothing_acknowledged", 3, &[]) else {
+        return;
+    };
+    let victim_name = node_name(c.node(0));
+    // The victim's worker takes tasks and never answers: they are in flight when it dies.
+    let stuck = FakeWorker::connect(c.node(0), Some(json!({"type": "hello", "concurrency": 3})), Auto::Manual);
+    let _good = FakeWorker::connect(c.node(1), Some(json!({"type": "hello", "concurrency": 8})), Auto::Echo);
+    wait_workers(c.node(2), 2);
+    let stop = Arc::new(AtomicBool::new(false));
+    let submitter = load(c.node(2).addr, stop.clone(), r#"{"payload":{"n":1}}"#);
+    let mut held = Vec::new();
+    while held.len() < 3 {
+        held.push(stuck.expect_task().id);
+    }
+    // kill -9 while the load goes on.
+    c.node(0).signal("KILL");
+    let mut victim = c.nodes.remove(0);
+    assert!(victim.wait_exit(Duration::from_secs(5)).is_some(), "the node died");
+    std::thread::sleep(Duration::from_millis(500));
+    stop.store(true, Ordering::SeqCst);
+    let sent = submitter.join().expect("load");
+    let acked: Vec<String> = sent.iter().filter_map(|s| s.id.clone()).collect();
+    assert!(acked.len() >= 10, "load ran: {} acknowledged", acked.len());
+    assert!(sent.iter().all(|s| s.status == 202), "the surviving nodes kept accepting");
+    // The lease is PONG_WAIT + 5 s = 6 s: the victim's tasks run again on a live node.
+    all_done(c.node(1), &acked, Duration::from_secs(30));
+    for id in &held {
+        let t = c.node(1).wait_status(id, "done", Duration::from_secs(5));
+        let first = &t["attempt_log"][0];
+        assert_eq!((first["outcome"].as_str(), first["node"].as_str()), (Some("disconnect"), Some(victim_name.as_str())));
+        let why = first["error"].as_str().unwrap_or_default();
+        assert!(why.contains(&format!("relay node {victim_name} was lost")), "{t}");
+        assert_eq!(t["attempt_log"][1]["outcome"], "done", "{t}");
+    }
+    // The dead node's worker is gone from /clients.
+    wait_workers(c.node(1), 1);
+}
+
+#[test]
+fn cluster_postgres_restart_under_load_503_then_back_with_nothing_lost() {
+    let opts = crate::support::pg::PgOptions { durable: true };
+    let name = "cluster_postgres_restart_under_load_503_then_back_with_nothing_lost";
+    let Some(pg) = Pg::start_with(name, opts) else { return };
+    let mut c = Cluster { pg, nodes: Vec::new() };
+    c.add(&[]);
+    c.add(&[]);
+    let w = FakeWorker::connect(c.node(1), Some(json!({"type": "hello", "concurrency": 8})), Auto::Echo);
+    wait_workers(c.node(0), 1);
+    let stop = Arc::new(AtomicBool::new(false));
+    let submitter = load(c.node(0).addr, stop.clone(), r#"{"payload":{"n":1},"queue":true}"#);
+    assert!(poll_until(Duration::from_secs(5), || c.node(1).metric("relay_db_tasks_claimed_total") >= 10.0));
+
+    // A crash of PostgreSQL (kill -9 of the postmaster), then its restart.
+    c.pg.kill();
+    let down = poll_until(Duration::from_secs(5), || health(c.node(0)).0 == 503 && health(c.node(1)).0 == 503);
+    assert!(down, "/healthz says 503 while the database is down");
+    let (_, h) = health(c.node(1));
+    assert_eq!(h["database"], "unreachable", "{h}");
+    // While it is down submits are refused promptly and workers stay connected.
+    let r = c.node(1).submit(r#"{"payload":1,"queue":true}"#);
+    assert_eq!((r.status, r.error()), (503, "database_unavailable".to_string()), "{}", r.text());
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(!w.is_closed(), "workers stay connected");
+    c.pg.start_again();
+    let back = Instant::now();
+    assert!(poll_until(Duration::from_secs(15), || health(c.node(0)).0 == 200 && health(c.node(1)).0 == 200));
+    let ok_again = poll_until(Duration::from_secs(15), || c.node(1).submit(r#"{"payload":2,"queue":true}"#).status == 202);
+    assert!(ok_again, "service back after the database returned");
+    eprintln!("service back {:?} after PostgreSQL returned", back.elapsed());
+    assert!(back.elapsed() < Duration::from_secs(10), "back within seconds: {:?}", back.elapsed());
+    std::thread::sleep(Duration::from_millis(300));
+    stop.store(true, Ordering::SeqCst);
+    let sent = submitter.join().expect("load");
+    let refused: Vec<&Sent> = sent.iter().filter(|s| s.status != 202).collect();
+    assert!(!refused.is_empty(), "the load met the outage");
+    assert!(refused.iter().all(|s| s.status == 503), "only 503s while down");
+    let slowest = refused.iter().map(|s| s.took).max().unwrap_or_default();
+    assert!(slowest < Duration::from_secs(2), "503 promptly, not after a hang: {slowest:?}");
+    let acked: Vec<String> = sent.iter().filter_map(|s| s.id.clone()).collect();
+    all_done(c.node(0), &acked, Duration::from_secs(30));
+    assert!(!w.is_closed(), "the worker stayed connected throughout");
 }
