@@ -164,6 +164,16 @@ impl Shared {
     }
 }
 
+/// [`Db::health`] for another thread.
+#[derive(Clone)]
+pub struct HealthProbe(Arc<Shared>);
+
+impl HealthProbe {
+    pub fn health(&self) -> Health {
+        if self.0.health.load(Ordering::SeqCst) == 1 { Health::Ok } else { Health::Unreachable }
+    }
+}
+
 /// The loop's handle on the database threads.
 pub struct Db {
     requests: Option<SyncSender<Request>>,
@@ -198,7 +208,12 @@ impl Db {
     }
 
     pub fn health(&self) -> Health {
-        if self.shared.health.load(Ordering::SeqCst) == 1 { Health::Ok } else { Health::Unreachable }
+        self.probe().health()
+    }
+
+    /// The database's health as other threads (the files thread) can see it.
+    pub fn probe(&self) -> HealthProbe {
+        HealthProbe(self.shared.clone())
     }
 
     /// Queues a transaction. Refused at once while the database is unreachable or the queue is

@@ -524,8 +524,10 @@ pub const FILE_BEGIN: &str =
 /// $1 file id, $2 chunk number, $3 the bytes (binary parameter).
 pub const FILE_CHUNK: &str = "INSERT INTO relay_file_chunks (file_id, n, data) VALUES ($1::uuid, $2::int4, $3::bytea)";
 
-/// $1 file id, $2 size, $3 sha256 hex.
-pub const FILE_COMPLETE: &str = "UPDATE relay_files SET size = $2::int8, sha256 = $3::text, complete = true
+/// $1 file id, $2 size, $3 sha256 hex, $4 filename, $5 content type, $6 expires_ms (the name
+/// and type are known once the part's headers were parsed; the upload began before).
+pub const FILE_COMPLETE: &str = "UPDATE relay_files SET size = $2::int8, sha256 = $3::text, filename = $4::text,
+       content_type = $5::text, expires_ms = $6::int8, complete = true
      WHERE file_id = $1::uuid AND NOT complete";
 
 /// $1 file id, $2 now_ms → its metadata if complete and not expired.

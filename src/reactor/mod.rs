@@ -399,15 +399,20 @@ impl Server {
             max_file_bytes: cfg.max_file_bytes,
         };
         let disk_waker = waker.clone();
-        let store = Store::start(
-            cfg.blob_dir.clone(),
-            Arc::new(move || {
-                let _ = disk_waker.wake();
-            }),
-        )?;
+        let wake_disk: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+            let _ = disk_waker.wake();
+        });
+        // Cluster mode keeps files in the database, where every node can read them.
+        let (store, node) = match &cfg.database {
+            Some(params) => {
+                let node = cluster::start_node(&cfg, params, local_addr.port(), waker.clone(), token_cache)?;
+                let store = crate::cluster::files::start(params.clone(), node.db.probe(), cfg.blob_ttl_ms, wake_disk)?;
+                (store, Some(node))
+            }
+            None => (Store::start(cfg.blob_dir.clone(), wake_disk)?, None),
+        };
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
-        if let Some(params) = &cfg.database {
-            let node = cluster::start_node(&cfg, params, local_addr.port(), waker.clone(), token_cache)?;
+        if let Some(node) = node {
             core.storage = crate::dispatch::Storage::Cluster(Box::new(node));
             core.wheel.arm(0, Timer::ClusterTick);
         } else if let Some(dir) = &cfg.data_dir {

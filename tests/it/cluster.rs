@@ -410,7 +410,10 @@ fn cluster_kill_9_of_a_node_under_load_loses_nothing_acknowledged() {
     for id in &held {
         let t = c.node(1).wait_status(id, "done", Duration::from_secs(5));
         let first = &t["attempt_log"][0];
-        assert_eq!((first["outcome"].as_str(), first["node"].as_str()), (Some("disconnect"), Some(victim_name.as_str())));
+        assert_eq!(
+            (first["outcome"].as_str(), first["node"].as_str()),
+            (Some("disconnect"), Some(victim_name.as_str()))
+        );
         let why = first["error"].as_str().unwrap_or_default();
         assert!(why.contains(&format!("relay node {victim_name} was lost")), "{t}");
         assert_eq!(t["attempt_log"][1]["outcome"], "done", "{t}");
@@ -447,7 +450,8 @@ fn cluster_postgres_restart_under_load_503_then_back_with_nothing_lost() {
     c.pg.start_again();
     let back = Instant::now();
     assert!(poll_until(Duration::from_secs(15), || health(c.node(0)).0 == 200 && health(c.node(1)).0 == 200));
-    let ok_again = poll_until(Duration::from_secs(15), || c.node(1).submit(r#"{"payload":2,"queue":true}"#).status == 202);
+    let ok_again =
+        poll_until(Duration::from_secs(15), || c.node(1).submit(r#"{"payload":2,"queue":true}"#).status == 202);
     assert!(ok_again, "service back after the database returned");
     eprintln!("service back {:?} after PostgreSQL returned", back.elapsed());
     assert!(back.elapsed() < Duration::from_secs(10), "back within seconds: {:?}", back.elapsed());
@@ -462,4 +466,139 @@ fn cluster_postgres_restart_under_load_503_then_back_with_nothing_lost() {
     let acked: Vec<String> = sent.iter().filter_map(|s| s.id.clone()).collect();
     all_done(c.node(0), &acked, Duration::from_secs(30));
     assert!(!w.is_closed(), "the worker stayed connected throughout");
+}
+
+const TOKEN_SECRET: &str = "cluster-test-secret-0123456789abcdef";
+
+/// `relay token ...` against the cluster's database.
+fn token_cli(url: &str, args: &[&str]) -> serde_json::Value {
+    let mut full = vec!["token"];
+    full.extend_from_slice(args);
+    let (code, out, err) =
+        crate::support::run_relay_env(&full, &[("TOKEN_SECRET", TOKEN_SECRET), ("DATABASE_URL", url)]);
+    assert_eq!(code, Some(0), "relay token {args:?}: {err}");
+    serde_json::from_str(&out).unwrap_or(Value::Null)
+}
+
+fn bearer(relay: &Relay, token: &str, method: &str, path: &str, body: Option<&str>) -> crate::support::Resp {
+    let auth = format!("Bearer {token}");
+    request(relay.addr, method, path, &[("Authorization", auth.as_str())], body.map(str::as_bytes))
+}
+
+#[test]
+fn cluster_scoped_token_revoked_once_is_refused_on_every_node_within_a_second() {
+    let env = [("TOKEN_SECRET", TOKEN_SECRET)];
+    let Some(mut c) =
+        Cluster::start("cluster_scoped_token_revoked_once_is_refused_on_every_node_within_a_second", 3, &env)
+    else {
+        return;
+    };
+    let url = c.url();
+    let created = token_cli(&url, &["create", "--name", "billing", "--kinds", "k", "--ttl", "1h", "--json"]);
+    let token = created["token"].as_str().expect("token").to_string();
+    let jti = created["jti"].as_str().expect("jti").to_string();
+    // Every node accepts it (the creation is announced; a node that had not seen it yet
+    // refreshes within half a second), for its kinds only.
+    for node in &c.nodes {
+        let ok = poll_until(Duration::from_secs(2), || {
+            bearer(node, &token, "POST", "/tasks", Some(r#"{"payload":{"kind":"k"},"queue":true}"#)).status == 202
+        });
+        assert!(ok, "node {} never accepted the new token", node.addr);
+        let r = bearer(node, &token, "POST", "/tasks", Some(r#"{"payload":{"kind":"other"},"queue":true}"#));
+        assert_eq!(r.status, 403, "{}", r.text());
+    }
+    let root_id = submit_ok(c.node(0), r#"{"payload":{"kind":"other"},"queue":true}"#);
+    let listed = bearer(c.node(1), &token, "GET", "/tasks", None).json();
+    let kinds: Vec<&str> =
+        listed["tasks"].as_array().expect("tasks").iter().filter_map(|t| t["kind"].as_str()).collect();
+    assert_eq!(kinds, vec!["k"; 3], "a scoped token lists its kinds only: {listed}");
+    assert_eq!(bearer(c.node(2), &token, "GET", &format!("/tasks/{root_id}"), None).status, 404);
+    assert_eq!(bearer(c.node(2), &token, "DELETE", &format!("/tasks/{root_id}"), None).status, 404);
+    assert_eq!(c.node(0).get_task(&root_id)["status"], "pending", "out of scope: not canceled");
+
+    // Revoked through the database: every node refuses it within a second.
+    token_cli(&url, &["revoke", &jti]);
+    let revoked_at = Instant::now();
+    for node in &c.nodes {
+        let refused = poll_until(Duration::from_secs(3), || bearer(node, &token, "GET", "/tasks", None).status == 401);
+        assert!(refused, "node {} still accepts a revoked token", node.addr);
+    }
+    let took = revoked_at.elapsed();
+    assert!(took < Duration::from_secs(1), "every node refused the revoked token after {took:?}");
+
+    // A node whose view of the registry is older than a second refuses scoped tokens (503,
+    // not 401: the caller should retry), while the database is away.
+    let second = token_cli(&url, &["create", "--name", "other", "--kinds", "k", "--ttl", "1h", "--json"]);
+    let second = second["token"].as_str().expect("token").to_string();
+    assert!(poll_until(Duration::from_secs(2), || bearer(c.node(0), &second, "GET", "/tasks", None).status == 200));
+    c.pg.stop();
+    let r503 = poll_until(Duration::from_secs(5), || bearer(c.node(0), &second, "GET", "/tasks", None).status == 503);
+    assert!(r503, "a stale registry refuses with 503");
+    c.pg.start_again();
+    let back = poll_until(Duration::from_secs(15), || bearer(c.node(0), &second, "GET", "/tasks", None).status == 200);
+    assert!(back, "accepted again once the database returned");
+}
+
+/// A multipart body with one file part.
+fn multipart(filename: &str, content_type: &str, data: &[u8]) -> (String, Vec<u8>) {
+    let boundary = "relay-cluster-test-boundary";
+    let mut body = format!(
+        "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{filename}\"\r\n\
+         Content-Type: {content_type}\r\n\r\n"
+    )
+    .into_bytes();
+    body.extend_from_slice(data);
+    body.extend_from_slice(format!("\r\n--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+#[test]
+fn cluster_file_uploaded_through_one_node_downloads_through_another() {
+    let Some(mut c) = Cluster::start("cluster_file_uploaded_through_one_node_downloads_through_another", 2, &[]) else {
+        return;
+    };
+    let data: Vec<u8> = (0..700_000u32).map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8).collect();
+    let (ct, body) = multipart("report.bin", "application/x-report", &data);
+    let auth = format!("Bearer {API}");
+    let up = request(c.node(0).addr, "POST", "/files", &[("Authorization", &auth), ("Content-Type", &ct)], Some(&body));
+    assert_eq!(up.status, 201, "{}", up.text());
+    let meta = up.json();
+    let id = meta["file_id"].as_str().expect("file_id").to_string();
+    assert_eq!(meta["size"], 700_000);
+
+    // Down through the other node, with the worker token, whole and in part.
+    let wauth = format!("Bearer {}", crate::support::WRK);
+    let down = request(c.node(1).addr, "GET", &format!("/files/{id}"), &[("Authorization", &wauth)], None);
+    assert_eq!(down.status, 200);
+    assert!(down.body == data, "the bytes come back as they went up");
+    assert_eq!(down.header("Content-Type"), Some("application/x-report"));
+    assert!(down.header("Content-Disposition").is_some_and(|d| d.contains("report.bin")));
+    let range = [("Authorization", auth.as_str()), ("Range", "bytes=262000-262999")];
+    let part = request(c.node(1).addr, "GET", &format!("/files/{id}"), &range, None);
+    assert_eq!(part.status, 206);
+    assert!(part.body == data[262_000..263_000], "a range across a chunk boundary");
+    let missing = request(
+        c.node(1).addr,
+        "GET",
+        "/files/00000000-0000-4000-8000-000000000002",
+        &[("Authorization", &auth)],
+        None,
+    );
+    assert_eq!(missing.status, 404);
+
+    // An empty file, and no database: 503, not 500.
+    let (ct0, body0) = multipart("empty.txt", "text/plain", b"");
+    let empty =
+        request(c.node(1).addr, "POST", "/files", &[("Authorization", &auth), ("Content-Type", &ct0)], Some(&body0));
+    assert_eq!(empty.status, 201, "{}", empty.text());
+    let eid = empty.json()["file_id"].as_str().expect("id").to_string();
+    let got = request(c.node(0).addr, "GET", &format!("/files/{eid}"), &[("Authorization", &auth)], None);
+    assert_eq!((got.status, got.body.len()), (200, 0));
+    c.pg.stop();
+    assert!(poll_until(Duration::from_secs(5), || health(c.node(0)).0 == 503));
+    let r = request(c.node(0).addr, "GET", &format!("/files/{id}"), &[("Authorization", &auth)], None);
+    assert_eq!((r.status, r.error()), (503, "database_unavailable".to_string()), "{}", r.text());
+    let r =
+        request(c.node(0).addr, "POST", "/files", &[("Authorization", &auth), ("Content-Type", &ct0)], Some(&body0));
+    assert_eq!(r.status, 503, "{}", r.text());
 }

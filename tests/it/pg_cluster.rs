@@ -878,8 +878,15 @@ fn pg_sql_files_workers_and_token_changes() {
         c.pipeline(&[Stmt::new(sql::FILE_META, vec![file.as_str().into(), 2_000i64.into()])]).expect("meta")
     };
     assert!(meta(&mut c)[0].rows.is_empty(), "not visible before it is complete");
-    c.pipeline(&[Stmt::new(sql::FILE_COMPLETE, vec![file.as_str().into(), 600_000i64.into(), "abc".into()])])
-        .expect("complete");
+    let complete = vec![
+        file.as_str().into(),
+        600_000i64.into(),
+        "abc".into(),
+        "b.bin".into(),
+        "application/x-test".into(),
+        9_000i64.into(),
+    ];
+    c.pipeline(&[Stmt::new(sql::FILE_COMPLETE, complete)]).expect("complete");
     assert_eq!(meta(&mut c)[0].rows[0].i64(2), Some(600_000));
     let mut back = Vec::new();
     for n in 0..3i64 {
