@@ -19,6 +19,13 @@ use crate::timer::TimerHandle;
 
 /// Tasks one transaction inserts at most (a batch of a hundred thousand goes in several).
 pub const MAX_INSERTS_PER_TXN: usize = 10_000;
+/// Payload bytes one transaction inserts at most (payloads are up to MAX_MESSAGE_SIZE each).
+pub const MAX_INSERT_BYTES_PER_TXN: usize = 16 << 20;
+/// Payload bytes waiting for a transaction beyond which new submits wait (backpressure, as
+/// the journal's backlog does on one node).
+pub const MAX_INSERT_BACKLOG_BYTES: usize = 64 << 20;
+/// Workers one transaction claims for at most (the next turn starts further along the ring).
+pub const MAX_CLAIMS_PER_TXN: usize = 64;
 /// How often the token cache is refreshed (SPEC §11: a revoke is refused within 1 s).
 pub const TOKEN_REFRESH_MS: u64 = 500;
 /// How often the counts (/healthz), the cluster's workers and the pending totals are re-read.
@@ -221,6 +228,8 @@ pub struct Node {
     // ----- what the next transaction carries
     pub lookups: Vec<KeyLookup>,
     pub inserts: VecDeque<(sql::NewTask, InsertFor)>,
+    /// Payload bytes in `inserts`.
+    pub insert_bytes: usize,
     pub ended: Vec<EndRec>,
     pub unclaim: Vec<(String, u32)>,
     pub cancels: Vec<CancelReq>,
@@ -269,7 +278,8 @@ pub struct Node {
     pub recent: HashMap<(TaskId, u128), bool>,
     pub recent_order: VecDeque<(TaskId, u128)>,
     pub stats: DbStats,
-    pub logged_refusal: bool,
+    /// Where the next turn's claims start in the ring of workers (round-robin over turns).
+    pub claim_cursor: usize,
 }
 
 impl Node {
@@ -287,6 +297,7 @@ impl Node {
             sent: None,
             lookups: Vec::new(),
             inserts: VecDeque::new(),
+            insert_bytes: 0,
             ended: Vec::new(),
             unclaim: Vec::new(),
             cancels: Vec::new(),
@@ -318,7 +329,7 @@ impl Node {
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
             stats: DbStats::default(),
-            logged_refusal: false,
+            claim_cursor: 0,
         }
     }
 
@@ -357,6 +368,19 @@ impl Node {
         self.remote.iter().any(|w| w.node_id != self.id && w.accepts(kind) && !tried.contains(&w.client_id))
     }
 
+    /// Takes the inserts of the next transaction (bounded in count and payload bytes).
+    pub fn take_inserts(&mut self) -> Vec<(sql::NewTask, InsertFor)> {
+        let mut out = Vec::new();
+        let mut bytes = 0;
+        while out.len() < MAX_INSERTS_PER_TXN && (out.is_empty() || bytes < MAX_INSERT_BYTES_PER_TXN) {
+            let Some(item) = self.inserts.pop_front() else { break };
+            bytes += item.0.payload.len();
+            out.push(item);
+        }
+        self.insert_bytes = self.insert_bytes.saturating_sub(bytes);
+        out
+    }
+
     pub fn take_tag(&mut self) -> u64 {
         let t = self.next_tag;
         self.next_tag += 1;
@@ -364,22 +388,21 @@ impl Node {
     }
 }
 
-/// The columns of `GET_TASK` (and `GET_TASKS`, `FINISHED_AMONG`, `LIST_TASKS`), by index.
+/// The columns of `GET_TASKS` (and `FINISHED_AMONG`, `LIST_TASKS`), by index.
 pub mod col {
     pub const ID: usize = 0;
     pub const STATUS: usize = 1;
     pub const KIND: usize = 2;
-    pub const CREATED_MS: usize = 4;
-    pub const RUN_AT_MS: usize = 5;
-    pub const FINISHED_MS: usize = 6;
-    pub const RESULT: usize = 7;
-    pub const ERROR: usize = 8;
-    pub const CLIENT_ID: usize = 9;
-    pub const CLIENT_IP: usize = 10;
-    pub const ATTEMPT_LOG: usize = 12;
-    pub const OWNER: usize = 13;
+    pub const CREATED_MS: usize = 3;
+    pub const RUN_AT_MS: usize = 4;
+    pub const FINISHED_MS: usize = 5;
+    pub const RESULT: usize = 6;
+    pub const ERROR: usize = 7;
+    pub const CLIENT_ID: usize = 8;
+    pub const CLIENT_IP: usize = 9;
+    pub const ATTEMPT_LOG: usize = 11;
     /// `LIST_TASKS` only.
-    pub const SEQ: usize = 14;
+    pub const SEQ: usize = 13;
 }
 
 /// A row's id column as a task id.

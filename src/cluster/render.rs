@@ -167,19 +167,24 @@ pub fn decode_cursor(text: &str) -> Option<(u64, u64)> {
     Some((created, seq))
 }
 
-/// A listing page from `LIST_TASKS` rows (asked for `limit + 1`: one more means a next page).
+/// A listing page from `LIST_TASKS` rows (asked for `limit + 1`, and cut by the database once
+/// [`crate::listing::MAX_PAGE_BYTES`] of results were listed): a next page when there was one
+/// more row, or when the page was cut by size.
 pub fn list_page(rows: &[Row], limit: usize) -> Vec<u8> {
-    let mut s = String::with_capacity(64 + rows.len() * 512);
+    let shown = &rows[..rows.len().min(limit)];
+    let bytes: usize = shown.iter().map(|r| r.bytes(col::RESULT).map_or(0, <[u8]>::len)).sum();
+    let mut s = String::with_capacity(64 + bytes + shown.len() * 512);
     s.push_str("{\"tasks\":[");
-    for (i, row) in rows.iter().take(limit).enumerate() {
+    for (i, row) in shown.iter().enumerate() {
         if i > 0 {
             s.push(',');
         }
         task_json(row, &mut s);
     }
     s.push(']');
-    if rows.len() > limit
-        && let Some(last) = rows.get(limit.saturating_sub(1))
+    let more = rows.len() > limit || bytes >= crate::listing::MAX_PAGE_BYTES;
+    if more
+        && let Some(last) = shown.last()
         && let (Some(created), Some(seq)) = (ms(last, col::CREATED_MS), ms(last, col::SEQ))
     {
         s.push_str(",\"next_cursor\":\"");

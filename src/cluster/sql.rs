@@ -313,30 +313,38 @@ pub const GET_TASK: &str = "SELECT id::text, status, kind, payload, created_ms, 
             client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
      FROM relay_tasks WHERE id = $1::uuid";
 
-/// $1 task ids → those tasks, with [`GET_TASK`]'s columns: every read of a turn in one statement.
-pub const GET_TASKS: &str = "SELECT id::text, status, kind, payload, created_ms, run_at_ms, finished_ms, result, error,
+/// $1 task ids → those tasks as the API shows them ([`GET_TASK`]'s columns but the payload,
+/// which no answer carries): every read of a turn in one statement.
+pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
             client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
-/// $1 task ids → the final ones among them, with [`GET_TASK`]'s columns (wait=true waiters ask
-/// after a `relay_finished` notification, after their own node ended attempts, and every
+/// $1 task ids → the final ones among them, with [`GET_TASKS`]'s columns (wait=true waiters
+/// ask after a `relay_finished` notification, after their own node ended attempts, and every
 /// second; the owner of canceled tasks asks after a `relay_cancel` notification).
-pub const FINISHED_AMONG: &str =
-    "SELECT id::text, status, kind, payload, created_ms, run_at_ms, finished_ms, result, error,
+pub const FINISHED_AMONG: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
             client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
      FROM relay_tasks WHERE id = ANY($1::uuid[]) AND status IN ('done', 'failed', 'canceled')";
 
 /// Listing, newest first: $1 status or NULL, $2 kind or NULL, $3 kinds allowed (NULL = all,
-/// for the root token), $4/$5 cursor (created_ms, seq) or NULL, $6 limit + 1. Columns: those
-/// of [`GET_TASK`], then `seq`.
-pub const LIST_TASKS: &str =
-    "SELECT id::text, status, kind, payload, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text, seq FROM relay_tasks
-     WHERE ($1::text IS NULL OR status = $1::text)
-       AND ($2::text IS NULL OR kind = $2::text)
-       AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
-       AND ($4::int8 IS NULL OR (created_ms, seq) < ($4::int8, $5::int8))
-     ORDER BY created_ms DESC, seq DESC LIMIT $6::int4";
+/// for the root token), $4/$5 cursor (created_ms, seq) or NULL, $6 limit + 1, $7 bytes of
+/// results one page may carry (a page stops at the first task past them: results are up to
+/// MAX_MESSAGE_SIZE each, and a page must stay small however many it could list). Columns:
+/// those of [`GET_TASKS`], then `seq`.
+pub const LIST_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
+            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text, seq
+     FROM (
+       SELECT *, coalesce(sum(octet_length(result)) OVER (ORDER BY created_ms DESC, seq DESC
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+       FROM relay_tasks
+       WHERE ($1::text IS NULL OR status = $1::text)
+         AND ($2::text IS NULL OR kind = $2::text)
+         AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
+         AND ($4::int8 IS NULL OR (created_ms, seq) < ($4::int8, $5::int8))
+       ORDER BY created_ms DESC, seq DESC LIMIT $6::int4
+     ) page
+     WHERE before < $7::int8
+     ORDER BY created_ms DESC, seq DESC";
 
 // ---------------------------------------------------------------------------------------------
 // Cancel.

@@ -13,8 +13,9 @@ use std::collections::{HashMap, HashSet};
 use super::*;
 use crate::cluster::db::{Failure, Health, Reply, Request};
 use crate::cluster::node::{
-    BatchWait, CancelReq, Claim, EndRec, InsertFor, KeyLookup, MAX_INSERTS_PER_TXN, MAX_REFUSALS, Node, Part, ReadReq,
-    ReadWhat, Sent, Then, UNLIMITED_CLAIM, Waiter, row_id, storable, storable_lossy, uuid_array,
+    BatchWait, CancelReq, Claim, EndRec, InsertFor, KeyLookup, MAX_CLAIMS_PER_TXN, MAX_INSERT_BACKLOG_BYTES,
+    MAX_REFUSALS, Node, Part, ReadReq, ReadWhat, Sent, Then, UNLIMITED_CLAIM, Waiter, col, row_id, storable,
+    storable_lossy, uuid_array,
 };
 use crate::cluster::render;
 use crate::cluster::sql;
@@ -156,6 +157,7 @@ impl Core {
             idem_owner: new.idempotency.map(|(o, _)| o.to_string()),
             idem_key: new.idempotency.map(|(_, k)| k.to_string()),
         };
+        node.insert_bytes += row.payload.len();
         node.inserts.push_back((row, for_(id)));
         if scheduled {
             // Due later: this node looks for it then (the slow poll finds the others' tasks, and
@@ -622,8 +624,18 @@ impl Core {
         }
         let n = self.order.len();
         // Start each turn one further along the ring: claims round-robin over the workers.
-        let start = self.next_seq as usize % n.max(1);
+        let start = self.node().map_or(0, |node| node.claim_cursor) % n.max(1);
+        if let Some(node) = self.node_mut() {
+            node.claim_cursor = node.claim_cursor.wrapping_add(1);
+        }
         for step in 0..n {
+            if out.len() >= MAX_CLAIMS_PER_TXN {
+                // The rest claim in the next turn's transaction.
+                if let Some(node) = self.node_mut() {
+                    node.claim_check = true;
+                }
+                break;
+            }
             let slot = self.order[(start + step) % n];
             let Some(w) = self.worker(slot) else { continue };
             if !w.ready() || w.claim_starved || !w.has_capacity() || w.acceptance() == Accepts::Nothing {
@@ -640,7 +652,6 @@ impl Core {
             let kinds = w.kinds.as_ref().map(|k| k.iter().filter(|k| storable(k)).map(|k| k.to_string()).collect());
             out.push(ClaimPlan { conn: w.conn, client_id: w.client_id, ip: w.ip.to_string(), kinds, free });
         }
-        self.next_seq += 1;
         out
     }
 
@@ -680,12 +691,12 @@ impl Core {
             // New tasks exist: every idle worker may find one.
             self.clear_starved();
         }
-        let claims = if self.node().is_some_and(|n| n.claim_check) { self.plan_claims(io) } else { Vec::new() };
+        let check = self.node_mut().is_some_and(|n| std::mem::take(&mut n.claim_check));
+        let claims = if check { self.plan_claims(io) } else { Vec::new() };
         let (now, wall) = (self.now_ms, self.wall_ms);
         let lease_ms = self.node().map_or(0, |n| n.lease_ms);
         let local_ids: Vec<TaskId> = self.tasks_running_here();
         let Some(node) = self.node_mut() else { return };
-        node.claim_check = false;
         if !node.has_work() && claims.is_empty() {
             return;
         }
@@ -700,8 +711,7 @@ impl Core {
             parts.push(Part::Lookups(lookups));
         }
         if !node.inserts.is_empty() {
-            let n = node.inserts.len().min(MAX_INSERTS_PER_TXN);
-            let batch: Vec<(sql::NewTask, InsertFor)> = node.inserts.drain(..n).collect();
+            let batch = node.take_inserts();
             let rows: Vec<sql::NewTask> = batch.iter().map(|(r, _)| r.clone()).collect();
             stmts.push(sql::insert_tasks(&rows));
             let keys: Vec<(String, String)> =
@@ -806,6 +816,7 @@ impl Core {
                             created,
                             seq,
                             (*limit as i64 + 1).into(),
+                            (crate::listing::MAX_PAGE_BYTES as i64).into(),
                         ],
                     ));
                     parts.push(Part::List(r));
@@ -918,6 +929,7 @@ impl Core {
         }
         if !node.inserts.is_empty() {
             let items: Vec<(String, InsertFor)> = node.inserts.drain(..).map(|(r, f)| (r.id, f)).collect();
+            node.insert_bytes = 0;
             parts.push(Part::Insert(items));
         }
         for c in std::mem::take(&mut node.cancels) {
@@ -1219,6 +1231,9 @@ impl Core {
                     let r = match task_row {
                         Some(row) if render::in_scope(row, c.scope.as_deref()) => {
                             if canceled.is_some() {
+                                let ms = |i| row.i64(i).and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
+                                let took = ms(col::FINISHED_MS).saturating_sub(ms(col::CREATED_MS));
+                                self.metrics.task_final(Status::Canceled, took);
                                 self.answer_waiters(io, row);
                                 row_response(row, false)
                             } else {
@@ -1372,6 +1387,11 @@ impl Core {
             self.clear_starved();
         }
         self.wheel.arm(now + crate::cluster::node::TICK_MS, Timer::ClusterTick);
+    }
+
+    /// So many submitted payload bytes wait for the database that new submits should wait.
+    pub fn cluster_backlog_full(&self) -> bool {
+        self.node().is_some_and(|n| n.insert_bytes > MAX_INSERT_BACKLOG_BYTES)
     }
 
     /// Nothing is in flight or waiting to be written (shutdown waits for this).

@@ -533,6 +533,10 @@ impl Server {
                         self.on_journal()?;
                         let (mut wire, core) = self.wire();
                         core.cluster_on_wake(&mut wire);
+                        if !self.journal_full() && !self.journal_blocked.is_empty() {
+                            // Cluster mode: submits held back for the insert backlog resume.
+                            self.again.append(&mut self.journal_blocked);
+                        }
                     }
                     t => {
                         let r = conn_ref(t);
@@ -618,9 +622,11 @@ impl Server {
         Ok(())
     }
 
-    /// Too many journal bytes wait for the disk: new submits wait (backpressure).
+    /// Too many journal bytes wait for the disk (or, in cluster mode, submitted payloads for
+    /// the database): new submits wait (backpressure).
     fn journal_full(&self) -> bool {
         self.core.journal().is_some_and(|j| j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
+            || self.core.cluster_backlog_full()
     }
 
     // ----- accepting -------------------------------------------------------------------------

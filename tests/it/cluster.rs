@@ -602,3 +602,107 @@ fn cluster_file_uploaded_through_one_node_downloads_through_another() {
         request(c.node(0).addr, "POST", "/files", &[("Authorization", &auth), ("Content-Type", &ct0)], Some(&body0));
     assert_eq!(r.status, 503, "{}", r.text());
 }
+
+#[test]
+fn cluster_listing_pages_stop_at_4_mib_of_results() {
+    let Some(c) = Cluster::start("cluster_listing_pages_stop_at_4_mib_of_results", 1, &[]) else { return };
+    let a = c.node(0);
+    let _w = FakeWorker::connect(a, None, Auto::Echo);
+    wait_workers(a, 1);
+    let big = "x".repeat(900_000);
+    for i in 0..6 {
+        let body = json!({"payload": {"i": i, "pad": big}}).to_string();
+        let r = a.api("POST", "/tasks?wait=true", Some(&body));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let page = a.api("GET", "/tasks?limit=1000", None);
+    assert_eq!(page.status, 200);
+    assert!(page.body.len() < 6 << 20, "a page stays near 4 MiB: {} bytes", page.body.len());
+    let page = page.json();
+    let first = page["tasks"].as_array().map_or(0, Vec::len);
+    assert_eq!(first, 5, "five results of 0.9 MB fit before 4 MiB is passed");
+    let cursor = page["next_cursor"].as_str().expect("a next page");
+    let rest = a.api("GET", &format!("/tasks?limit=1000&cursor={cursor}"), None).json();
+    assert_eq!(rest["tasks"].as_array().map(Vec::len), Some(1));
+    assert!(rest["next_cursor"].is_null(), "{}", rest["next_cursor"]);
+}
+
+#[test]
+fn cluster_sigterm_hands_running_tasks_back_at_once() {
+    let Some(mut c) = Cluster::start("cluster_sigterm_hands_running_tasks_back_at_once", 2, &[]) else { return };
+    let stuck = FakeWorker::connect(c.node(0), None, Auto::Manual);
+    wait_workers(c.node(1), 1);
+    let id = submit_ok(c.node(1), r#"{"payload":{"n":1}}"#);
+    assert_eq!(stuck.expect_task().id, id);
+    let waiter = {
+        let addr = c.node(0).addr;
+        let id = id.clone();
+        std::thread::spawn(move || {
+            let auth = format!("Bearer {API}");
+            request(addr, "GET", &format!("/tasks/{id}?wait=true"), &[("Authorization", auth.as_str())], None)
+        })
+    };
+    // The waiter is held (read and parsed: an answer on a later connection says so) before
+    // the node stops.
+    std::thread::sleep(Duration::from_millis(50));
+    c.node(0).barrier();
+    let stopped = Instant::now();
+    let node = c.nodes.remove(0);
+    assert!(node.stop().success(), "exit 0");
+    let held = waiter.join().expect("waiter");
+    // (The task as the database has it when the node lets go: not final.)
+    let status = held.json()["status"].as_str().unwrap_or_default().to_string();
+    assert!(held.status == 200 && (status == "dispatched" || status == "pending"), "{}", held.text());
+    // Back in the queue at once (not after the 6 s lease): a worker elsewhere runs it.
+    let _good = FakeWorker::connect(c.node(0), None, Auto::Echo);
+    let t = c.node(0).wait_status(&id, "done", Duration::from_secs(10));
+    assert!(stopped.elapsed() < Duration::from_secs(5), "handed back, not reaped: {:?}", stopped.elapsed());
+    assert_eq!(t["attempt_log"][0]["outcome"], "disconnect", "{t}");
+}
+
+#[test]
+fn cluster_a_node_cut_off_past_its_lease_is_fenced() {
+    let Some(c) = Cluster::start("cluster_a_node_cut_off_past_its_lease_is_fenced", 1, &[]) else { return };
+    // The node to cut off logs in as its own role, so the database can refuse it alone.
+    c.pg.psql("CREATE ROLE node_a LOGIN SUPERUSER");
+    let url_a = c.url().replace("postgres://postgres@", "postgres://node_a@");
+    // (Its worker must still hold the task when the database refuses A's write: no timeout.)
+    let a = Relay::start_with(&[("DATABASE_URL", url_a.as_str()), ("TASK_TIMEOUT", "60s")]);
+    assert!(poll_until(Duration::from_secs(15), || health(&a).0 == 200));
+    let name_a = node_name(&a);
+    let b = c.node(0);
+    let wa = FakeWorker::connect(&a, None, Auto::Manual);
+    wait_workers(b, 1);
+    let id = submit_ok(b, r#"{"payload":{"n":1}}"#);
+    assert_eq!(wa.expect_task().id, id);
+
+    // Cut A off: its sessions end and it cannot log in again.
+    let trust = "local all all trust\nhost all all 127.0.0.1/32 trust\nhost all all ::1/128 trust\n";
+    c.pg.set_hba(&format!("local all node_a reject\nhost all node_a 127.0.0.1/32 reject\n{trust}"));
+    let cut = poll_until(Duration::from_secs(10), || {
+        c.pg.psql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE usename = 'node_a'");
+        health(&a).0 == 503
+    });
+    assert!(cut, "node A lost the database");
+    let _wb = FakeWorker::connect(b, None, Auto::Echo);
+    // After the lease, B's reaper hands the task on; B's worker runs it.
+    let t = b.wait_status(&id, "done", Duration::from_secs(20));
+    let first = &t["attempt_log"][0];
+    assert_eq!((first["outcome"].as_str(), first["node"].as_str()), (Some("disconnect"), Some(name_a.as_str())));
+    // A's worker answers late; A writes it once it is back, and the database refuses it.
+    wa.done(&id, json!("stale"));
+    c.pg.set_hba(trust);
+    assert!(poll_until(Duration::from_secs(15), || health(&a).0 == 200), "A is back");
+    assert!(poll_until(Duration::from_secs(5), || a.metric("relay_db_writes_fenced_total") == 1.0));
+    assert_eq!(a.metric("relay_results_ignored_total{reason=\"late\"}"), 1.0);
+    let t = b.get_task(&id);
+    assert_eq!((t["status"].as_str(), t["attempts"].as_u64()), (Some("done"), Some(2)), "{t}");
+    assert_eq!(t["result"], json!({"echo": {"n": 1}}), "the stale write changed nothing");
+    // A claims again like any live node.
+    let id2 = submit_ok(&a, r#"{"payload":{"n":2},"queue":true}"#);
+    let seen = wa.next_task(Duration::from_secs(5)).map(|t| t.id);
+    if seen.as_deref() == Some(id2.as_str()) {
+        wa.done(&id2, json!(2));
+    }
+    b.wait_status(&id2, "done", Duration::from_secs(10));
+}
