@@ -426,6 +426,7 @@ impl Core {
                 lost: n.stats.lost,
                 unreachable: n.stats.unreachable,
                 statements: n.stats.statements,
+                background: n.db.background_transactions(),
                 tasks_inserted: n.stats.tasks_inserted,
                 tasks_claimed: n.stats.tasks_claimed,
                 attempts_ended: n.stats.attempts_ended,

@@ -57,6 +57,8 @@ pub struct ClusterGauges {
     pub lost: u64,
     pub unreachable: u64,
     pub statements: u64,
+    /// Transactions the database thread ran on its own (heartbeats, housekeeping).
+    pub background: u64,
     pub tasks_inserted: u64,
     pub tasks_claimed: u64,
     pub attempts_ended: u64,
@@ -184,6 +186,12 @@ impl Metrics {
             {
                 let _ = writeln!(w, "relay_db_transactions_total{{result=\"{name}\"}} {v}");
             }
+            counter_header(
+                w,
+                "relay_db_background_transactions_total",
+                "Transactions besides the turns': heartbeats, housekeeping, notifications.",
+            );
+            let _ = writeln!(w, "relay_db_background_transactions_total {}", c.background);
             counter_header(w, "relay_db_statements_total", "Statements sent in turn transactions.");
             let _ = writeln!(w, "relay_db_statements_total {}", c.statements);
             counter_header(w, "relay_db_tasks_inserted_total", "Tasks this node wrote to the database.");

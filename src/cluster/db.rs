@@ -152,6 +152,8 @@ struct Shared {
     to_notify: AtomicU64,
     stop: AtomicBool,
     wake: Arc<dyn Fn() + Send + Sync>,
+    /// Transactions the thread ran on its own (heartbeats, housekeeping, notifications).
+    background: AtomicU64,
 }
 
 impl Shared {
@@ -195,6 +197,7 @@ impl Db {
             to_notify: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             wake,
+            background: AtomicU64::new(0),
         });
         let listen = cfg.listen.clone();
         let mut threads = Vec::new();
@@ -228,6 +231,12 @@ impl Db {
             Err(TrySendError::Full(req)) => Err(SendError::Busy(req)),
             Err(TrySendError::Disconnected(req)) => Err(SendError::Stopped(req)),
         }
+    }
+
+    /// Transactions the database thread ran besides the loop's requests (heartbeats,
+    /// housekeeping, notifications), for the transactions-per-task figure.
+    pub fn background_transactions(&self) -> u64 {
+        self.shared.background.load(Ordering::Relaxed)
     }
 
     /// Moves every reply that arrived into `out`.
@@ -403,6 +412,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             let mut broken = broken;
             if broken.is_none() && Instant::now() >= next_heartbeat {
                 next_heartbeat = Instant::now() + Duration::from_millis(cfg.heartbeat_interval_ms);
+                shared.background.fetch_add(1, Ordering::Relaxed);
                 broken = conn.pipeline(&[heartbeat(&cfg, started_ms)]).err().filter(PgError::is_fatal);
             }
             if broken.is_none() && cfg.housekeeping && Instant::now() >= next_housekeeping {
@@ -410,7 +420,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 // The reaper waits one lease after this node (re)connected: after a database
                 // restart the UNLOGGED heartbeats are gone until every live node beat again.
                 let reap = connected_at.elapsed() >= Duration::from_millis(cfg.lease_ms);
-                broken = housekeeping(&cfg, &mut conn, reap);
+                broken = housekeeping(&cfg, &shared, &mut conn, reap);
             }
             if let Some(e) = broken {
                 crate::log!(Level::Warn, "database connection lost", error = &e);
@@ -468,12 +478,13 @@ fn flush_notifies(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<Pg
     if stmts.is_empty() {
         return None;
     }
+    shared.background.fetch_add(1, Ordering::Relaxed);
     conn.pipeline(&stmts).err().filter(PgError::is_fatal)
 }
 
 /// Reaper (when `reap`), queue expiry and retention, each its own transaction. Only a broken
 /// connection is returned; a refused statement is logged.
-fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> {
+fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn, reap: bool) -> Option<PgError> {
     let now_ms = crate::timefmt::wall_ms() as i64;
     // (job, statement, channels to notify when it changed rows: tasks went back to pending, or
     // became final and may have waiters on any node)
@@ -495,10 +506,12 @@ fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> 
         stmts.extend(channels.iter().map(|c| Stmt::new(sql::NOTIFY, vec![Param::from(*c)])));
         // The statement alone first; only when it changed rows do its notifications follow (an
         // idle cluster is not woken every second for nothing).
+        shared.background.fetch_add(1, Ordering::Relaxed);
         match conn.pipeline(&stmts[..1]) {
             Ok(rows) => {
                 let n = rows.first().map_or(0, |r| r.affected);
                 if n > 0 {
+                    shared.background.fetch_add(1, Ordering::Relaxed);
                     crate::log!(Level::Debug, "database housekeeping", job = what, rows = n);
                     if stmts.len() > 1
                         && let Err(e) = conn.pipeline(&stmts[1..])
