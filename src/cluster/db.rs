@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -154,6 +154,9 @@ struct Shared {
     wake: Arc<dyn Fn() + Send + Sync>,
     /// Transactions the thread ran on its own (heartbeats, housekeeping, notifications).
     background: AtomicU64,
+    /// The backend PID of the `relay-db` session: what it notifies, this node knows already
+    /// (the listener ignores it; the slow poll covers what housekeeping changed).
+    own_pid: AtomicI32,
 }
 
 impl Shared {
@@ -198,6 +201,7 @@ impl Db {
             stop: AtomicBool::new(false),
             wake,
             background: AtomicU64::new(0),
+            own_pid: AtomicI32::new(0),
         });
         let listen = cfg.listen.clone();
         let mut threads = Vec::new();
@@ -377,6 +381,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             }
         };
         let connected_at = Instant::now();
+        shared.own_pid.store(conn.backend_pid(), Ordering::SeqCst);
         // Heartbeat before declaring health, so this node is alive in the table first.
         if let Err(e) = conn.pipeline(&[heartbeat(&cfg, started_ms)]) {
             crate::log!(Level::Warn, "database heartbeat failed", error = &e);
@@ -557,13 +562,16 @@ fn listener(cfg: DbConfig, shared: Arc<Shared>) {
             }
             match conn.wait_notification(Duration::from_millis(250)) {
                 Ok(Some(n)) => {
+                    let own = shared.own_pid.load(Ordering::SeqCst);
                     let mut bits = 0u64;
-                    if let Some(i) = cfg.listen.iter().position(|c| *c == n.channel) {
+                    // (This node's own transactions say what it knows already.)
+                    if let Some(i) = cfg.listen.iter().position(|c| *c == n.channel).filter(|_| n.pid != own) {
                         bits |= 1 << i;
                     }
                     // Take whatever else is already here, so one wake covers a burst.
                     while let Ok(Some(more)) = conn.wait_notification(Duration::ZERO) {
-                        if let Some(i) = cfg.listen.iter().position(|c| *c == more.channel) {
+                        if let Some(i) = cfg.listen.iter().position(|c| *c == more.channel).filter(|_| more.pid != own)
+                        {
                             bits |= 1 << i;
                         }
                     }

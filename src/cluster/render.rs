@@ -167,11 +167,20 @@ pub fn decode_cursor(text: &str) -> Option<(u64, u64)> {
     Some((created, seq))
 }
 
-/// A listing page from `LIST_TASKS` rows (asked for `limit + 1`, and cut by the database once
-/// [`crate::listing::MAX_PAGE_BYTES`] of results were listed): a next page when there was one
-/// more row, or when the page was cut by size.
-pub fn list_page(rows: &[Row], limit: usize) -> Vec<u8> {
-    let shown = &rows[..rows.len().min(limit)];
+/// `LIST_TASKS`'s columns after the task's.
+mod lcol {
+    pub const WALKED: usize = 14;
+    pub const STOP_CREATED_MS: usize = 15;
+    pub const STOP_SEQ: usize = 16;
+}
+
+/// A listing page from `LIST_TASKS` rows (asked for `limit + 1` tasks, at most `walk` looked
+/// at, cut by the database once [`crate::listing::MAX_PAGE_BYTES`] of results were listed).
+/// There is a next page when there was one more task, when the page was cut by size (it goes on
+/// after the last task shown), or when the walk ran out (it goes on where the walk stopped).
+pub fn list_page(rows: &[Row], limit: usize, walk: usize) -> Vec<u8> {
+    let tasks: Vec<&Row> = rows.iter().filter(|r| r.text(col::ID).is_some()).collect();
+    let shown = &tasks[..tasks.len().min(limit)];
     let bytes: usize = shown.iter().map(|r| r.bytes(col::RESULT).map_or(0, <[u8]>::len)).sum();
     let mut s = String::with_capacity(64 + bytes + shown.len() * 512);
     s.push_str("{\"tasks\":[");
@@ -182,11 +191,16 @@ pub fn list_page(rows: &[Row], limit: usize) -> Vec<u8> {
         task_json(row, &mut s);
     }
     s.push(']');
-    let more = rows.len() > limit || bytes >= crate::listing::MAX_PAGE_BYTES;
-    if more
-        && let Some(last) = shown.last()
-        && let (Some(created), Some(seq)) = (ms(last, col::CREATED_MS), ms(last, col::SEQ))
-    {
+    let after_last = || shown.last().and_then(|r| Some((ms(r, col::CREATED_MS)?, ms(r, col::SEQ)?)));
+    let walked = rows.first().and_then(|r| ms(r, lcol::WALKED)).unwrap_or(0);
+    let next = if tasks.len() > limit || (bytes >= crate::listing::MAX_PAGE_BYTES && !shown.is_empty()) {
+        after_last()
+    } else if walked as usize >= walk {
+        rows.first().and_then(|r| Some((ms(r, lcol::STOP_CREATED_MS)?, ms(r, lcol::STOP_SEQ)?)))
+    } else {
+        None
+    };
+    if let Some((created, seq)) = next {
         s.push_str(",\"next_cursor\":\"");
         s.push_str(&encode_cursor(created, seq));
         s.push('"');

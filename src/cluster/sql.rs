@@ -142,9 +142,9 @@ pub const PENDING_TOTALS: &str = "SELECT count(*), coalesce(sum(payload_bytes), 
 // Claim and dispatch.
 
 /// Claims up to $6 due tasks for one idle worker of this node and opens their attempt on it:
-/// the worker ($3 client id, $4 IP) takes kinds $5 (NULL: every kind, tasks without a kind
-/// included) and must not have tried the task. The pending row goes, the task becomes
-/// dispatched to this node ($1, shown as $2 in the attempt_log), its attempt number (the
+/// the worker ($3 client id, $4 IP) declared no kinds ($5 NULL) and takes every task, those
+/// without a kind included ([`CLAIM_KINDS`] is the same for a worker with kinds), and must not
+/// have tried the task. The pending row goes, the task becomes dispatched to this node ($1, shown as $2 in the attempt_log), its attempt number (the
 /// fencing number) grows by one, the worker joins `tried`, and the attempt_log gains the entry
 /// (started at $8). $7 now_ms (due time). Rows locked by another claim are skipped, never
 /// waited for. A node sends one such statement per worker with free slots (limit = its free
@@ -152,8 +152,27 @@ pub const PENDING_TOTALS: &str = "SELECT count(*), coalesce(sum(payload_bytes), 
 /// transaction does not see the tasks an earlier one took.
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
-       WHERE due_ms <= $7::int8 AND ($5::text[] IS NULL OR kind = ANY($5::text[]))
-         AND NOT ($3::uuid = ANY(tried))
+       WHERE $5::text[] IS NULL AND due_ms <= $7::int8 AND NOT ($3::uuid = ANY(tried))
+       ORDER BY due_ms, seq
+       LIMIT $6::int4
+       FOR UPDATE SKIP LOCKED
+     ), d AS (
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id
+     )
+     UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1,
+       tried = t.tried || $3::uuid,
+       attempt_log = t.attempt_log || jsonb_build_array(jsonb_build_object(
+         'num', t.attempt + 1, 'client_id', $3::uuid, 'client_ip', $4::text, 'node', $2::text,
+         'started_ms', $8::int8))
+     FROM d WHERE t.id = d.task_id AND t.status = 'pending'
+     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq, t.tried::text,
+       t.created_ms";
+
+/// [`CLAIM`] for a worker that declared kinds ($5): a statement of its own, so that its plan
+/// can look the kinds up in `relay_pending_kind_due` whatever plan the other one settled on.
+pub const CLAIM_KINDS: &str = "WITH c AS (
+       SELECT task_id FROM relay_pending
+       WHERE kind = ANY($5::text[]) AND due_ms <= $7::int8 AND NOT ($3::uuid = ANY(tried))
        ORDER BY due_ms, seq
        LIMIT $6::int4
        FOR UPDATE SKIP LOCKED
@@ -181,7 +200,7 @@ pub struct ClaimFor<'a> {
 
 pub fn claim(node: &str, node_name: &str, w: &ClaimFor<'_>, now_ms: u64) -> Stmt {
     Stmt::new(
-        CLAIM,
+        if w.kinds.is_some() { CLAIM_KINDS } else { CLAIM },
         vec![
             node.into(),
             node_name.into(),
@@ -321,30 +340,48 @@ pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_m
 
 /// $1 task ids → the final ones among them, with [`GET_TASKS`]'s columns (wait=true waiters
 /// ask after a `relay_finished` notification, after their own node ended attempts, and every
-/// second; the owner of canceled tasks asks after a `relay_cancel` notification).
-pub const FINISHED_AMONG: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
-     FROM relay_tasks WHERE id = ANY($1::uuid[]) AND status IN ('done', 'failed', 'canceled')";
+/// second; the owner of canceled tasks asks after a `relay_cancel` notification). Written as a
+/// join on the ids so that every plan looks each id up by its key: `id = ANY(..) AND status
+/// IN (..)` let a generic plan intersect with the status index, which walks every finished
+/// task in the table.
+pub const FINISHED_AMONG: &str =
+    "SELECT t.id::text, t.status, t.kind, t.created_ms, t.run_at_ms, t.finished_ms, t.result,
+            t.error, t.client_id::text, t.client_ip, t.attempt, t.attempt_log::text, t.owner_node::text
+     FROM unnest($1::uuid[]) AS k(id) JOIN relay_tasks t ON t.id = k.id
+     WHERE t.status IN ('done', 'failed', 'canceled')";
 
-/// Listing, newest first: $1 status or NULL, $2 kind or NULL, $3 kinds allowed (NULL = all,
-/// for the root token), $4/$5 cursor (created_ms, seq) or NULL, $6 limit + 1, $7 bytes of
-/// results one page may carry (a page stops at the first task past them: results are up to
-/// MAX_MESSAGE_SIZE each, and a page must stay small however many it could list). Columns:
-/// those of [`GET_TASKS`], then `seq`.
-pub const LIST_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text, seq
-     FROM (
-       SELECT *, coalesce(sum(octet_length(result)) OVER (ORDER BY created_ms DESC, seq DESC
-                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
-       FROM relay_tasks
+/// Listing, newest first, one bounded walk down `relay_tasks_list` (every plan can use it: no
+/// optional condition touches the walk): the $8 tasks below the cursor ($4, $5: created_ms, seq;
+/// the largest int8s for the first page) are looked at, and those matching $1 status, $2 kind
+/// and $3 kinds allowed (NULL: any) are listed, $6 (limit + 1) at most, stopping at the first
+/// task past $7 bytes of results (results are up to MAX_MESSAGE_SIZE each). Columns: those of
+/// [`GET_TASKS`], `seq`, then on every row how many tasks the walk looked at and the (created_ms,
+/// seq) where it stopped (one row of NULL task columns when none matched): a page that ran out
+/// of walk continues from there, as a single node's listing does.
+pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
+       SELECT id, status, kind, created_ms, seq FROM relay_tasks
+       WHERE (created_ms, seq) < ($4::int8, $5::int8)
+       ORDER BY created_ms DESC, seq DESC LIMIT $8::int4
+     ), m AS (
+       SELECT id FROM s
        WHERE ($1::text IS NULL OR status = $1::text)
          AND ($2::text IS NULL OR kind = $2::text)
          AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
-         AND ($4::int8 IS NULL OR (created_ms, seq) < ($4::int8, $5::int8))
        ORDER BY created_ms DESC, seq DESC LIMIT $6::int4
-     ) page
-     WHERE before < $7::int8
-     ORDER BY created_ms DESC, seq DESC";
+     ), page AS (
+       SELECT t.*, coalesce(sum(octet_length(t.result)) OVER (ORDER BY t.created_ms DESC, t.seq DESC
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+       FROM m JOIN relay_tasks t ON t.id = m.id
+     ), walked AS (
+       SELECT count(*) AS n FROM s
+     ), stop AS (
+       SELECT created_ms, seq FROM s ORDER BY created_ms, seq LIMIT 1
+     )
+     SELECT p.id::text, p.status, p.kind, p.created_ms, p.run_at_ms, p.finished_ms, p.result, p.error,
+            p.client_id::text, p.client_ip, p.attempt, p.attempt_log::text, p.owner_node::text, p.seq,
+            walked.n, stop.created_ms, stop.seq
+     FROM walked LEFT JOIN stop ON true LEFT JOIN page p ON p.before < $7::int8
+     ORDER BY p.created_ms DESC, p.seq DESC";
 
 // ---------------------------------------------------------------------------------------------
 // Cancel.
@@ -567,6 +604,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("IDEMPOTENT_LOOKUP", IDEMPOTENT_LOOKUP),
     ("PENDING_TOTALS", PENDING_TOTALS),
     ("CLAIM", CLAIM),
+    ("CLAIM_KINDS", CLAIM_KINDS),
     ("UNCLAIM", UNCLAIM),
     ("RELEASE_ORPHANS", RELEASE_ORPHANS),
     ("ATTEMPT_ENDED", ATTEMPT_ENDED),

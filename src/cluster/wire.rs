@@ -199,6 +199,8 @@ pub struct Rows {
 pub struct Notification {
     pub channel: String,
     pub payload: String,
+    /// The backend (session) whose transaction sent it.
+    pub pid: i32,
 }
 
 enum Stream {
@@ -596,8 +598,11 @@ impl Conn {
             if self.notifications.len() >= MAX_QUEUED_NOTIFICATIONS {
                 self.notifications.pop_front();
             }
-            self.notifications
-                .push_back(Notification { channel: body.channel()?.to_string(), payload: body.message()?.to_string() });
+            self.notifications.push_back(Notification {
+                channel: body.channel()?.to_string(),
+                payload: body.message()?.to_string(),
+                pid: body.process_id(),
+            });
         }
         Ok(msg)
     }

@@ -687,8 +687,9 @@ impl Core {
             self.fail_queued(io);
             return;
         }
-        if !node.inserts.is_empty() {
-            // New tasks exist: every idle worker may find one.
+        if !node.inserts.is_empty() || !node.unclaim.is_empty() || node.ended.iter().any(|r| !r.final_status) {
+            // Tasks join the queue in this transaction: every idle worker may find one (its own
+            // notification does not come back to this node).
             self.clear_starved();
         }
         let check = self.node_mut().is_some_and(|n| std::mem::take(&mut n.claim_check));
@@ -803,10 +804,10 @@ impl Core {
                         .scope
                         .as_ref()
                         .map_or(Param::Null, |k| Param::Text(sql::array(k.iter().map(|s| Some(s.as_str())))));
-                    let (created, seq) = match at {
-                        Some((c, s)) => (Param::from(*c as i64), Param::from(*s as i64)),
-                        None => (Param::Null, Param::Null),
-                    };
+                    // (No cursor: from the top, below the largest key there can be.)
+                    let (created, seq) = at.unwrap_or((i64::MAX as u64, i64::MAX as u64));
+                    let key = |v: u64| Param::from(v.min(i64::MAX as u64) as i64);
+                    let (created, seq) = (key(created), key(seq));
                     stmts.push(Stmt::new(
                         sql::LIST_TASKS,
                         vec![
@@ -817,6 +818,7 @@ impl Core {
                             seq,
                             (*limit as i64 + 1).into(),
                             (crate::listing::MAX_PAGE_BYTES as i64).into(),
+                            (crate::listing::MAX_SCAN as i64).into(),
                         ],
                     ));
                     parts.push(Part::List(r));
@@ -1288,7 +1290,7 @@ impl Core {
                         ReadWhat::List { limit, .. } => limit,
                         _ => 0,
                     };
-                    let a = Response::json(200, render::list_page(here, limit));
+                    let a = Response::json(200, render::list_page(here, limit, crate::listing::MAX_SCAN));
                     self.metrics.http_request(200);
                     io.reply(r.conn, a);
                 }

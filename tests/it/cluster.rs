@@ -706,3 +706,23 @@ fn cluster_a_node_cut_off_past_its_lease_is_fenced() {
     }
     b.wait_status(&id2, "done", Duration::from_secs(10));
 }
+
+#[test]
+fn cluster_listing_walks_at_most_10000_tasks_a_page() {
+    let Some(c) = Cluster::start("cluster_listing_walks_at_most_10000_tasks_a_page", 1, &[]) else { return };
+    let a = c.node(0);
+    // One rare task, then 10,500 others on top of it.
+    let rare = submit_ok(a, r#"{"payload":{"kind":"rare"},"queue":true}"#);
+    let items: Vec<Value> = (0..10_500).map(|i| json!({"payload": {"kind": "common", "i": i}})).collect();
+    let r = a.api("POST", "/tasks/batch", Some(&json!({"tasks": items}).to_string()));
+    assert_eq!(r.status, 202, "{}", &r.text()[..200.min(r.text().len())]);
+    // The first page looked at 10,000 tasks and found nothing: empty, with a cursor.
+    let first = a.api("GET", "/tasks?kind=rare", None).json();
+    assert_eq!(first["tasks"].as_array().map(Vec::len), Some(0), "{first}");
+    let cursor = first["next_cursor"].as_str().expect("the walk ran out: a next page");
+    let second = a.api("GET", &format!("/tasks?kind=rare&cursor={cursor}"), None).json();
+    let found: Vec<&str> =
+        second["tasks"].as_array().expect("tasks").iter().filter_map(|t| t["task_id"].as_str()).collect();
+    assert_eq!(found, vec![rare.as_str()], "{second}");
+    assert!(second["next_cursor"].is_null(), "the table ends there");
+}
