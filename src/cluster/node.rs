@@ -41,6 +41,9 @@ pub const UNLIMITED_CLAIM: u32 = 16;
 pub const MAX_REFUSALS: u8 = 3;
 /// Results remembered after their attempt ended, to tell `late` and `duplicate` from `unknown`.
 pub const RECENT_RESULTS: usize = 65_536;
+/// Workers that left, remembered for `DELETE_WORKERS`; beyond it (workers coming and going
+/// through a long outage) the node rewrites its rows whole (`RESYNC_WORKERS`).
+pub const MAX_WORKERS_GONE: usize = 10_000;
 
 /// A worker of the cluster as another node wrote it to `relay_workers`.
 #[derive(Debug, Clone)]
@@ -143,6 +146,7 @@ pub enum Part {
     Cancel(CancelReq),
     CancelRead,
     DeleteWorkers(Vec<u128>),
+    ResyncWorkers,
     UpsertWorkers(Vec<u128>),
     Claim {
         conn: ConnRef,
@@ -239,6 +243,8 @@ pub struct Node {
     pub check_finished: HashSet<TaskId>,
     pub workers_dirty: HashSet<u128>,
     pub workers_gone: Vec<u128>,
+    /// Delete every row of this node's but its current workers' (`RESYNC_WORKERS`).
+    pub workers_resync: bool,
     /// A claiming transaction was lost: release what the database says this node runs and the
     /// node does not know.
     pub orphans: bool,
@@ -305,6 +311,7 @@ impl Node {
             check_finished: HashSet::new(),
             workers_dirty: HashSet::new(),
             workers_gone: Vec::new(),
+            workers_resync: false,
             orphans: false,
             claim_check: true,
             want_counts: true,
@@ -344,6 +351,7 @@ impl Node {
             || !self.check_finished.is_empty()
             || !self.workers_dirty.is_empty()
             || !self.workers_gone.is_empty()
+            || self.workers_resync
             || self.orphans
             || self.want_counts
             || self.want_workers

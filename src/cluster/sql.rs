@@ -524,6 +524,11 @@ pub const UPSERT_WORKERS: &str = "INSERT INTO relay_workers
 /// $1 client ids that left this node.
 pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = ANY($1::uuid[])";
 
+/// Every row of this node ($1) but its workers connected now ($2): after an outage, or when
+/// more workers left than the node keeps track of, instead of [`DELETE_WORKERS`].
+pub const RESYNC_WORKERS: &str =
+    "DELETE FROM relay_workers WHERE node_id = $1::uuid AND NOT (client_id = ANY($2::uuid[]))";
+
 /// /clients: every worker of every live node ($1 lease_ms), with its node's name.
 pub const LIST_WORKERS: &str =
     "SELECT w.client_id::text, w.ip, w.connected_ms, array_to_json(w.kinds)::text, w.concurrency,
@@ -619,6 +624,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("RETENTION", RETENTION),
     ("UPSERT_WORKERS", UPSERT_WORKERS),
     ("DELETE_WORKERS", DELETE_WORKERS),
+    ("RESYNC_WORKERS", RESYNC_WORKERS),
     ("LIST_WORKERS", LIST_WORKERS),
     ("COUNTS", COUNTS),
     ("TOKEN_INSERT", TOKEN_INSERT),

@@ -354,7 +354,12 @@ impl Core {
     pub(super) fn cluster_worker_gone(&mut self, client_id: u128) {
         if let Some(node) = self.node_mut() {
             node.workers_dirty.remove(&client_id);
-            node.workers_gone.push(client_id);
+            if node.workers_gone.len() < crate::cluster::node::MAX_WORKERS_GONE {
+                node.workers_gone.push(client_id);
+            } else {
+                node.workers_gone.clear();
+                node.workers_resync = true;
+            }
         }
     }
 
@@ -697,6 +702,7 @@ impl Core {
         let (now, wall) = (self.now_ms, self.wall_ms);
         let lease_ms = self.node().map_or(0, |n| n.lease_ms);
         let local_ids: Vec<TaskId> = self.tasks_running_here();
+        let connected: Vec<u128> = self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.client_id).collect();
         let Some(node) = self.node_mut() else { return };
         if !node.has_work() && claims.is_empty() {
             return;
@@ -756,6 +762,14 @@ impl Core {
             parts.push(Part::Cancel(c));
             parts.push(Part::CancelRead);
             notify_finished = true;
+        }
+        if std::mem::take(&mut node.workers_resync) {
+            node.workers_gone.clear();
+            stmts.push(Stmt::new(
+                sql::RESYNC_WORKERS,
+                vec![node.id.as_str().into(), Param::Text(uuid_array(connected.iter().copied()))],
+            ));
+            parts.push(Part::ResyncWorkers);
         }
         if !node.workers_gone.is_empty() {
             let gone = std::mem::take(&mut node.workers_gone);
@@ -993,6 +1007,7 @@ impl Core {
                 Part::Orphans => node.orphans = true,
                 Part::Cancel(c) => replies.push((c.conn, answer.clone())),
                 Part::DeleteWorkers(gone) => node.workers_gone.extend(gone),
+                Part::ResyncWorkers => node.workers_resync = true,
                 Part::UpsertWorkers(dirty) => node.workers_dirty.extend(dirty),
                 Part::Claim { .. } => {
                     // Lost: the claim may have committed; what the database gave this node and
@@ -1063,6 +1078,9 @@ impl Core {
                 let all: Vec<u128> = self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.client_id).collect();
                 if let Some(node) = self.node_mut() {
                     node.workers_dirty.extend(all);
+                    // (Rows of workers that left while the database was away go too.)
+                    node.workers_resync = true;
+                    node.workers_gone.clear();
                 }
                 self.clear_starved();
             }
@@ -1249,7 +1267,7 @@ impl Core {
                     self.metrics.http_request(r.status);
                     io.reply(c.conn, r);
                 }
-                Part::DeleteWorkers(_) | Part::UpsertWorkers(_) => {}
+                Part::DeleteWorkers(_) | Part::UpsertWorkers(_) | Part::ResyncWorkers => {}
                 Part::Claim { conn, client_id, asked } => self.on_claimed(io, conn, client_id, asked, here),
                 Part::Finished(_) => {
                     for row in here {
