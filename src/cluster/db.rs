@@ -503,6 +503,7 @@ fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn, reap: bool) ->
     }
     jobs.push(("expire", sql::expire_in_queue(now_ms, cfg.task_ttl_ms), &[sql::CHANNEL_FINISHED]));
     jobs.push(("retention", sql::retention(now_ms, cfg.task_ttl_ms), &[]));
+    jobs.push(("nodes", Stmt::new(sql::FORGET_NODES, vec![]), &[]));
     if cfg.files_housekeeping {
         jobs.push(("files", Stmt::new(sql::FILE_EXPIRE, vec![now_ms.into()]), &[]));
     }

@@ -480,6 +480,22 @@ pub fn fail_unplaceable(lease_ms: u64, now_ms: i64) -> Stmt {
     Stmt::new(FAIL_UNPLACEABLE, vec![(lease_ms as i64).into(), now_ms.into()])
 }
 
+/// Nodes silent for an hour are forgotten (a restarted relay is a new node: without this their
+/// rows would pile up), and the counter rows of every node not heard from for an hour are
+/// folded into the zero node's (sums unchanged; a live node's next change writes a fresh row).
+pub const FORGET_NODES: &str = "WITH gone AS (
+       DELETE FROM relay_nodes WHERE heartbeat_ms < relay_now_ms() - 3600000
+     ), folded AS (
+       DELETE FROM relay_counters c
+       WHERE c.node_id <> '00000000-0000-0000-0000-000000000000'::uuid
+         AND NOT EXISTS (SELECT 1 FROM relay_nodes n
+                         WHERE n.node_id = c.node_id AND n.heartbeat_ms > relay_now_ms() - 3600000)
+       RETURNING c.status, c.n
+     )
+     INSERT INTO relay_counters (node_id, status, n)
+     SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status
+     ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n";
+
 /// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms.
 pub const EXPIRE_IN_QUEUE: &str = "WITH e AS (
        DELETE FROM relay_pending p
@@ -620,6 +636,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("CANCEL", CANCEL),
     ("REAP_DEAD_NODES", REAP_DEAD_NODES),
     ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
+    ("FORGET_NODES", FORGET_NODES),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),
     ("RETENTION", RETENTION),
     ("UPSERT_WORKERS", UPSERT_WORKERS),

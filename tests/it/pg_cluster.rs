@@ -1012,3 +1012,26 @@ fn pg_bench_turn_transactions() {
         );
     }
 }
+
+#[test]
+fn pg_sql_nodes_silent_for_an_hour_are_forgotten_and_their_counts_folded() {
+    let Some(pg) = Pg::start("pg_sql_nodes_silent_for_an_hour_are_forgotten_and_their_counts_folded") else { return };
+    let mut c = migrated(&pg);
+    c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
+    heartbeat(&mut c, NODE_A, "node-a");
+    heartbeat(&mut c, NODE_B, "node-b");
+    let tasks: Vec<sql::NewTask> = (1..=3).map(|n| new_task(&uuid_n(n), Some("http"), None)).collect();
+    c.pipeline(&[sql::insert_tasks(&tasks)]).expect("insert");
+    let rows_of = |node: &str| pg.psql(&format!("select count(*) from relay_counters where node_id = '{node}'"));
+    assert_eq!(rows_of(NODE_A), "1");
+    // A falls silent for two hours, B stays alive.
+    c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 7200000 where node_id = '{NODE_A}'"))
+        .expect("age");
+    c.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("forget");
+    assert_eq!(pg.psql("select string_agg(name, ',') from relay_nodes"), "node-b");
+    assert_eq!(rows_of(NODE_A), "0", "A's counter rows are folded away");
+    assert_counts_match(&pg);
+    // Nothing to fold: the sums stay.
+    c.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("again");
+    assert_counts_match(&pg);
+}
