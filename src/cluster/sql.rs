@@ -496,10 +496,13 @@ pub const FORGET_NODES: &str = "WITH gone AS (
      SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status
      ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n";
 
-/// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms.
+/// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms. A retry
+/// never expires in the queue (SPEC §5): it fails when no untried worker is left
+/// ([`FAIL_UNPLACEABLE`]) or runs when one frees up.
 pub const EXPIRE_IN_QUEUE: &str = "WITH e AS (
        DELETE FROM relay_pending p
-       WHERE p.task_id IN (SELECT task_id FROM relay_pending WHERE due_ms < $1::int8 - $2::int8
+       WHERE p.task_id IN (SELECT task_id FROM relay_pending
+                           WHERE due_ms < $1::int8 - $2::int8 AND cardinality(tried) = 0
                            ORDER BY due_ms LIMIT 5000 FOR UPDATE SKIP LOCKED)
        RETURNING p.task_id
      )

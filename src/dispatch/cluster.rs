@@ -701,8 +701,14 @@ impl Core {
         let claims = if check { self.plan_claims(io) } else { Vec::new() };
         let (now, wall) = (self.now_ms, self.wall_ms);
         let lease_ms = self.node().map_or(0, |n| n.lease_ms);
-        let local_ids: Vec<TaskId> = self.tasks_running_here();
-        let connected: Vec<u128> = self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.client_id).collect();
+        // (Only when a statement needs them: a turn must not cost O(workers) for nothing.)
+        let local_ids: Vec<TaskId> =
+            if self.node().is_some_and(|n| n.orphans) { self.tasks_running_here() } else { Vec::new() };
+        let connected: Vec<u128> = if self.node().is_some_and(|n| n.workers_resync) {
+            self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.client_id).collect()
+        } else {
+            Vec::new()
+        };
         let Some(node) = self.node_mut() else { return };
         if !node.has_work() && claims.is_empty() {
             return;
