@@ -726,3 +726,28 @@ fn cluster_listing_walks_at_most_10000_tasks_a_page() {
     assert_eq!(found, vec![rare.as_str()], "{second}");
     assert!(second["next_cursor"].is_null(), "the table ends there");
 }
+
+#[test]
+fn cluster_node_without_its_database_answers_503_at_once_and_keeps_workers() {
+    // Nothing listens on this port: the node starts, serves, and refuses what needs the database.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).expect("port").port();
+    let url = format!("postgres://relay@127.0.0.1:{port}/relay");
+    let relay = Relay::start_with(&[("DATABASE_URL", url.as_str())]);
+    let (status, h) = health(&relay);
+    assert_eq!((status, h["database"].as_str(), h["status"].as_str()), (503, Some("unreachable"), Some("unavailable")));
+    let w = FakeWorker::connect(&relay, None, Auto::Echo);
+    for (method, path, body) in [
+        ("POST", "/tasks", Some(r#"{"payload":1,"queue":true}"#)),
+        ("GET", "/tasks", None),
+        ("GET", "/tasks/00000000-0000-4000-8000-000000000003", None),
+        ("DELETE", "/tasks/00000000-0000-4000-8000-000000000003", None),
+        ("GET", "/clients", None),
+    ] {
+        let started = Instant::now();
+        let r = relay.api(method, path, body);
+        assert_eq!((r.status, r.error()), (503, "database_unavailable".to_string()), "{method} {path}: {}", r.text());
+        assert!(started.elapsed() < Duration::from_secs(1), "{method} {path} answered promptly");
+    }
+    assert!(!w.is_closed(), "the worker stays connected");
+    assert_eq!(relay.metric("relay_db_up"), 0.0);
+}
