@@ -43,7 +43,8 @@ pub struct DbConfig {
     /// Requests waiting for the thread; beyond it [`Db::send`] answers `Busy`.
     pub max_queued_requests: usize,
     pub heartbeat_interval_ms: u64,
-    /// A node silent this long is dead (SPEC §11: at most PONG_WAIT + 5 s).
+    /// A node silent this long is dead. SPEC §11: its tasks return at most PONG_WAIT + 5 s after
+    /// its last heartbeat, and the reaper runs every second: PONG_WAIT + 4 s.
     pub lease_ms: u64,
     /// How often the reaper, queue expiry and retention run (each node; they skip locked rows).
     pub housekeeping_interval_ms: u64,
@@ -69,7 +70,7 @@ impl DbConfig {
             node_id,
             max_queued_requests: 1024,
             heartbeat_interval_ms: 1_000,
-            lease_ms: pong_wait_ms + 5_000,
+            lease_ms: pong_wait_ms + 4_000,
             housekeeping_interval_ms: 1_000,
             task_ttl_ms,
             max_retries,
