@@ -477,7 +477,7 @@ impl Core {
             if i > 0 {
                 s.push(',');
             }
-            cluster::write_worker_json(w, &mut s, None);
+            write_worker_json(w, &mut s, None);
         }
         s.push_str("]}");
         s.into_bytes()
@@ -1403,6 +1403,43 @@ pub fn task_response(task: &Task, post: bool) -> Response {
     let mut response = Response::json(status, body);
     response.lsn = lsn;
     response
+}
+
+/// One `/clients` entry for a worker of this node (`node`: its name, in cluster mode).
+fn write_worker_json(w: &Worker, s: &mut String, node: Option<&str>) {
+    s.push_str("{\"client_id\":\"");
+    push_uuid(s, w.client_id);
+    s.push_str("\",\"ip\":\"");
+    s.push_str(&w.ip.to_string());
+    s.push_str("\",\"connected_at\":\"");
+    write_rfc3339_ms(s, w.connected_wall_ms);
+    s.push_str("\",\"active\":");
+    s.push_str(if w.active() { "true" } else { "false" });
+    s.push_str(",\"in_flight\":");
+    s.push_str(&w.in_flight.len().to_string());
+    if let Some(kinds) = &w.kinds {
+        s.push_str(",\"kinds\":[");
+        for (j, k) in kinds.iter().enumerate() {
+            if j > 0 {
+                s.push(',');
+            }
+            push_json_str(s, k);
+        }
+        s.push(']');
+    }
+    if let Some(c) = w.concurrency {
+        s.push_str(",\"concurrency\":");
+        s.push_str(&c.to_string());
+    }
+    if let Some(v) = &w.version {
+        s.push_str(",\"version\":");
+        push_json_str(s, v);
+    }
+    if let Some(n) = node {
+        s.push_str(",\"node\":");
+        push_json_str(s, n);
+    }
+    s.push('}');
 }
 
 /// Sends the advisory `cancel` for `id` to a worker.
