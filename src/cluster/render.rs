@@ -257,6 +257,107 @@ pub fn remote_client_json(row: &Row, s: &mut String) {
 mod tests {
     use super::*;
 
+    /// A `GET_TASKS` row: (status, kind, created, run_at, finished, result, error, client, log).
+    #[allow(clippy::type_complexity)]
+    fn row(
+        cols: (&str, Option<&str>, &str, &str, Option<&str>, Option<&str>, Option<&str>, Option<&str>, &str),
+    ) -> Row {
+        let (status, kind, created, run_at, finished, result, error, client, log) = cols;
+        Row::from_texts(&[
+            Some("00000000-0000-4000-8000-000000000001"),
+            Some(status),
+            kind,
+            Some(created),
+            Some(run_at),
+            finished,
+            result,
+            error,
+            client,
+            client.map(|_| "10.0.0.9"),
+            Some("1"),
+            Some(log),
+            None,
+        ])
+    }
+
+    fn check(r: Row, expected: serde_json::Value) {
+        let got: serde_json::Value = serde_json::from_str(&task_string(&r)).expect("valid JSON");
+        assert_eq!(got, expected);
+    }
+
+    #[test]
+    fn task_json_from_rows() {
+        let id = "00000000-0000-4000-8000-000000000001";
+        let w = "00000000-0000-4000-8000-00000000000a";
+        check(
+            row(("pending", Some("http"), "1000", "1000", None, None, None, None, "[]")),
+            serde_json::json!({"task_id": id, "status": "pending", "kind": "http",
+                "created_at": "1970-01-01T00:00:01.000Z", "attempts": 0, "attempt_log": []}),
+        );
+        // Scheduled: run_at shown; done: the result and the worker that finished it.
+        let log = format!(
+            r#"[{{"num":1,"client_id":"{w}","client_ip":"10.0.0.9","node":"n1:1","started_ms":2000,"outcome":"done","duration_ms":5}}]"#
+        );
+        check(
+            row(("done", None, "1000", "2000", Some("2005"), Some(r#"{"a":1}"#), None, Some(w), &log)),
+            serde_json::json!({"task_id": id, "status": "done", "created_at": "1970-01-01T00:00:01.000Z",
+                "run_at": "1970-01-01T00:00:02.000Z", "finished_at": "1970-01-01T00:00:02.005Z",
+                "result": {"a": 1}, "client_id": w, "client_ip": "10.0.0.9", "attempts": 1,
+                "attempt_log": [{"num": 1, "client_id": w, "client_ip": "10.0.0.9", "node": "n1:1",
+                    "outcome": "done", "started_at": "1970-01-01T00:00:02.000Z", "duration_ms": 5}]}),
+        );
+        // Failed by the reaper (no client columns, no duration): the last attempt names the
+        // worker, and the task's end times the attempt.
+        let log = format!(
+            r#"[{{"num":1,"client_id":"{w}","client_ip":"10.0.0.9","node":"n1:1","started_ms":2000,"outcome":"disconnect","error":"relay node n1:1 was lost"}}]"#
+        );
+        check(
+            row(("failed", None, "1000", "1000", Some("9000"), None, Some("relay node n1:1 was lost"), None, &log)),
+            serde_json::json!({"task_id": id, "status": "failed", "created_at": "1970-01-01T00:00:01.000Z",
+                "finished_at": "1970-01-01T00:00:09.000Z", "error": "relay node n1:1 was lost",
+                "client_id": w, "client_ip": "10.0.0.9", "attempts": 1,
+                "attempt_log": [{"num": 1, "client_id": w, "client_ip": "10.0.0.9", "node": "n1:1",
+                    "outcome": "disconnect", "error": "relay node n1:1 was lost",
+                    "started_at": "1970-01-01T00:00:02.000Z", "duration_ms": 7000}]}),
+        );
+        // A running attempt: no outcome, no duration; done without data shows null.
+        let log = format!(r#"[{{"num":1,"client_id":"{w}","client_ip":"10.0.0.9","node":"n2:2","started_ms":3000}}]"#);
+        let running = task_string(&row(("dispatched", None, "1000", "1000", None, None, None, None, &log)));
+        assert!(!running.contains("duration_ms") && !running.contains("outcome"), "{running}");
+        let done = task_string(&row(("done", None, "1000", "1000", Some("1"), None, None, None, "[]")));
+        assert!(done.contains(r#""result":null"#), "{done}");
+    }
+
+    /// A `LIST_TASKS` row: a task (created, seq) or the marker of an empty page (`None`), with
+    /// how far the walk went and where it stopped.
+    fn list_row(task: Option<(u64, u64)>, walked: u64, stop: (u64, u64)) -> Row {
+        let (created, seq) = task.map_or((None, None), |(c, s)| (Some(c.to_string()), Some(s.to_string())));
+        let (walked, sc, ss) = (walked.to_string(), stop.0.to_string(), stop.1.to_string());
+        let id = task.map(|_| "00000000-0000-4000-8000-000000000001");
+        let mut cols: Vec<Option<&str>> = vec![id, task.map(|_| "pending"), None, created.as_deref()];
+        cols.extend([created.as_deref(), None, None, None, None, None, Some("0"), task.map(|_| "[]"), None]);
+        cols.extend([seq.as_deref(), Some(walked.as_str()), Some(sc.as_str()), Some(ss.as_str())]);
+        Row::from_texts(&cols)
+    }
+
+    #[test]
+    fn list_pages_and_where_the_next_one_starts() {
+        let next = |rows: &[Row], limit: usize| -> (usize, Option<(u64, u64)>) {
+            let page: serde_json::Value = serde_json::from_slice(&list_page(rows, limit, 10)).expect("JSON");
+            let n = page["tasks"].as_array().map_or(0, Vec::len);
+            (n, page["next_cursor"].as_str().and_then(decode_cursor))
+        };
+        // One more than the limit: the next page starts after the last one shown.
+        let rows = [list_row(Some((9, 3)), 4, (5, 1)), list_row(Some((8, 2)), 4, (5, 1))];
+        assert_eq!(next(&rows, 1), (1, Some((9, 3))));
+        assert_eq!(next(&rows, 2), (2, None), "the walk saw the end of the table");
+        // Nothing matched, and the walk ran out: go on where it stopped.
+        assert_eq!(next(&[list_row(None, 10, (5, 1))], 50), (0, Some((5, 1))));
+        assert_eq!(next(&[list_row(None, 7, (5, 1))], 50), (0, None), "the table ended");
+        // Some matched, fewer than the limit, and the walk ran out.
+        assert_eq!(next(&[list_row(Some((9, 3)), 10, (5, 1))], 50), (1, Some((5, 1))));
+    }
+
     #[test]
     fn cluster_cursors_round_trip_and_reject_others() {
         for (created, seq) in [(0, 0), (1_700_000_000_000, 42), (u64::MAX, u64::MAX)] {
