@@ -52,6 +52,8 @@ pub struct DbConfig {
     pub max_retries: u32,
     pub backoff_min_ms: u64,
     pub backoff_max_ms: u64,
+    /// Longest one transaction may take before the connection counts as broken (a database
+    /// that stops answering without closing it); the loop refuses new work after 2 s anyway.
     pub io_timeout_ms: u64,
     /// Channels to LISTEN on; [`Db::take_notified`] reports them by index.
     pub listen: Vec<&'static str>,
@@ -76,7 +78,7 @@ impl DbConfig {
             max_retries,
             backoff_min_ms: 100,
             backoff_max_ms: 5_000,
-            io_timeout_ms: 10_000,
+            io_timeout_ms: 5_000,
             listen: vec![sql::CHANNEL_PENDING, sql::CHANNEL_CANCEL, sql::CHANNEL_TOKENS, sql::CHANNEL_FINISHED],
             housekeeping: true,
             files_housekeeping: true,

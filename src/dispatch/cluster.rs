@@ -24,6 +24,9 @@ use crate::tasks::parse_id;
 
 /// Tasks one claim asks for at most (a worker with a large concurrency fills over turns).
 const MAX_CLAIM: u32 = 256;
+/// A transaction in flight this long means the database stopped answering: new requests that
+/// need it are refused (503) and `/healthz` says unreachable until it answers again.
+const STALL_MS: u64 = 2_000;
 /// Room a worker's output must have before tasks are claimed for it.
 const CLAIM_ROOM_BYTES: usize = 4096;
 
@@ -105,7 +108,17 @@ impl Core {
 
     /// `Some(503)` while the database cannot be used.
     pub fn cluster_unavailable(&self) -> Option<Response> {
-        self.node().filter(|n| n.db.health() != Health::Ok).map(|_| unavailable())
+        (!self.cluster_usable()).then(unavailable)
+    }
+
+    /// The database answers: connected, and the transaction in flight (if any) is younger than
+    /// [`STALL_MS`] (a database that stops answering without closing the connection — a
+    /// partition — is noticed by the database thread only after its I/O timeout).
+    fn cluster_usable(&self) -> bool {
+        self.node().is_none_or(|n| {
+            n.db.health() == Health::Ok
+                && n.sent.as_ref().is_none_or(|s| self.now_ms.saturating_sub(s.at_ms) < STALL_MS)
+        })
     }
 
     // ----- submit ----------------------------------------------------------------------------
@@ -401,14 +414,14 @@ impl Core {
     /// name and the database's state; 503 while the database is unreachable.
     pub fn cluster_health(&self) -> Response {
         let Some(node) = self.node() else { return Response::json(200, self.health_json()) };
-        let up = node.db.health() == Health::Ok;
+        let up = self.cluster_usable();
         let c = |st: Status| node.counts[st.index()].max(0);
         let mut s = String::with_capacity(256);
         s.push_str(if up { "{\"status\":\"ok\"" } else { "{\"status\":\"unavailable\"" });
         s.push_str(",\"node\":");
         push_json_str(&mut s, &node.name);
         s.push_str(",\"database\":\"");
-        s.push_str(node.db.health().as_str());
+        s.push_str(if up { "ok" } else { "unreachable" });
         s.push_str(&format!(
             "\",\"clients\":{},\"active_clients\":{},\"tasks\":{{\"pending\":{},\"dispatched\":{},\"done\":{},\
              \"failed\":{},\"canceled\":{}}},\"uptime_s\":{}}}",
@@ -547,9 +560,14 @@ impl Core {
             let Some(id) = parse_id(id_text) else { continue };
             let attempt = u32::try_from(attempt).unwrap_or(u32::MAX);
             let payload = row.text(3).and_then(|p| RawValue::from_string(p.to_string()).ok());
-            let usable = self
-                .worker_at(conn)
-                .is_some_and(|w| w.client_id == client_id && w.ready() && w.has_capacity() && !self.shutting_down);
+            // (Its hello may have changed since the claim left: kinds, concurrency, draining.)
+            let usable = self.worker_at(conn).is_some_and(|w| {
+                w.client_id == client_id
+                    && w.ready()
+                    && w.has_capacity()
+                    && w.accepts(row.text(2))
+                    && !self.shutting_down
+            });
             let (Some(payload), true) = (payload, usable) else {
                 give_back.push((id_text.to_string(), attempt));
                 continue;
@@ -686,6 +704,11 @@ impl Core {
     pub fn cluster_end_turn(&mut self, io: &mut dyn Io) {
         let Some(node) = self.node() else { return };
         if node.sent.is_some() {
+            if !self.cluster_usable() {
+                // Stalled: what waits behind the transaction in flight is answered 503 now
+                // (the transaction's own requests get its outcome when it comes).
+                self.fail_queued(io);
+            }
             return;
         }
         if node.db.health() != Health::Ok {

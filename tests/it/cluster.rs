@@ -761,3 +761,68 @@ fn cluster_node_without_its_database_answers_503_at_once_and_keeps_workers() {
     assert!(!w.is_closed(), "the worker stays connected");
     assert_eq!(relay.metric("relay_db_up"), 0.0);
 }
+
+/// SIGSTOP or SIGCONT to the postmaster and every process it started: a database that stops
+/// answering without closing its connections (as behind a network partition).
+fn freeze_postgres(pg: &Pg, sig: i32) {
+    let Some(root) = pg.pid() else { return };
+    let mut pids = vec![root];
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for e in entries.filter_map(Result::ok) {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1)).and_then(|p| p.parse().ok());
+            if ppid == Some(root) {
+                pids.push(pid);
+            }
+        }
+    }
+    for pid in pids {
+        // SAFETY: kill(2) on the test's own PostgreSQL server and its children.
+        unsafe {
+            libc::kill(pid as libc::pid_t, sig);
+        }
+    }
+}
+
+#[test]
+fn cluster_a_database_that_stops_answering_is_refused_within_seconds() {
+    let Some(c) = Cluster::start("cluster_a_database_that_stops_answering_is_refused_within_seconds", 1, &[]) else {
+        return;
+    };
+    let a = c.node(0);
+    let _w = FakeWorker::connect(a, None, Auto::Echo);
+    wait_workers(a, 1);
+    assert_eq!(a.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#)).status, 200);
+    freeze_postgres(&c.pg, libc::SIGSTOP);
+    // The first submit rides a transaction that never returns: 503 after the I/O timeout (5 s).
+    let started = Instant::now();
+    let addr = a.addr;
+    let first = std::thread::spawn(move || {
+        let auth = format!("Bearer {API}");
+        let r = request(
+            addr,
+            "POST",
+            "/tasks",
+            &[("Authorization", auth.as_str())],
+            Some(br#"{"payload":2,"queue":true}"#),
+        );
+        (r, started.elapsed())
+    });
+    // After 2 s without an answer the node counts the database as gone, before its I/O timeout:
+    // /healthz says so, and new work is refused at once.
+    let stalled = poll_until(Duration::from_secs(10), || health(a).0 == 503);
+    let noticed = started.elapsed();
+    let second = Instant::now();
+    let r = a.submit(r#"{"payload":3,"queue":true}"#);
+    let prompt = second.elapsed();
+    let (first, waited) = first.join().expect("first submit");
+    freeze_postgres(&c.pg, libc::SIGCONT);
+    assert!(stalled, "/healthz never said 503 while the database did not answer");
+    assert!(noticed < Duration::from_millis(4_500), "noticed after {noticed:?}, not within ~2 s");
+    assert_eq!((r.status, r.error()), (503, "database_unavailable".to_string()));
+    assert!(prompt < Duration::from_secs(1), "refused at once while stalled: {prompt:?}");
+    assert_eq!(first.status, 503, "{}", first.text());
+    assert!(waited < Duration::from_secs(8), "the stalled submit waited {waited:?}");
+    assert!(poll_until(Duration::from_secs(15), || a.submit(r#"{"payload":4,"queue":true}"#).status == 202));
+}
