@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::auth::{Auth, Identity};
+use crate::auth::{Auth, Identity, RegistryLoading};
 use crate::config::parse_duration_ms;
 use crate::dispatch::{CancelResult, Core, Io, NewTask, ReadFor, SubmitError};
 use crate::http::{Head, Method, Response, error_code};
@@ -92,6 +92,27 @@ impl<'a> Route<'a> {
     }
 }
 
+/// Why [`Api::precheck`] did not let a request through.
+#[derive(Debug)]
+pub enum Refused {
+    /// The final answer, sent without reading the body.
+    Answer(Response),
+    /// The token registry is being re-read off the loop: check the head again once it is in.
+    RegistryLoading,
+}
+
+impl From<Response> for Refused {
+    fn from(r: Response) -> Refused {
+        Refused::Answer(r)
+    }
+}
+
+impl From<RegistryLoading> for Refused {
+    fn from(_: RegistryLoading) -> Refused {
+        Refused::RegistryLoading
+    }
+}
+
 /// What the reactor should do with a request.
 #[derive(Debug)]
 pub enum Handled {
@@ -133,44 +154,45 @@ impl Api {
     /// final answer (sent without reading the body). `wall_ms` is the wall clock, for JWT `exp`.
     /// `Err` is the final answer (sent without reading the body); `Ok` carries who is asking
     /// (`None` on routes that need no token, and on `/ws`, whose token is not an identity).
-    pub fn precheck(&self, head: &Head, wall_ms: u64) -> Result<Option<Identity>, Response> {
+    pub fn precheck(&self, head: &Head, wall_ms: u64) -> Result<Option<Identity>, Refused> {
         let route = Route::of(&head.path);
         if route == Route::NotFound {
-            return Err(error(404, &format!("no such endpoint: {}", head.path)));
+            return Err(error(404, &format!("no such endpoint: {}", head.path)).into());
         }
         if !route.allows(head.method) {
             let msg = format!("{} accepts {}", head.path, route.allow());
-            return Err(error(405, &msg).with_header("Allow", route.allow()));
+            return Err(error(405, &msg).with_header("Allow", route.allow()).into());
         }
         let identity = match route {
             Route::Ws => {
                 let token = head.query_param("token").map(percent_decode);
                 if !self.auth.worker(token.as_deref()) {
-                    return Err(error(401, "missing or invalid worker token (use /ws?token=...)"));
+                    return Err(error(401, "missing or invalid worker token (use /ws?token=...)").into());
                 }
                 None
             }
             Route::Healthz | Route::Metrics | Route::Ui(_) => None,
             Route::Files | Route::File(_) => {
-                Some(self.auth.files(head.bearer_token(), wall_ms).ok_or_else(|| self.refused(head, wall_ms))?)
+                Some(self.auth.files(head.bearer_token(), wall_ms)?.ok_or_else(|| self.refused(head, wall_ms))?)
             }
-            Route::Clients => match self.auth.task_api(head.bearer_token(), wall_ms) {
-                None => return Err(self.refused(head, wall_ms)),
+            Route::Clients => match self.auth.task_api(head.bearer_token(), wall_ms)? {
+                None => return Err(self.refused(head, wall_ms).into()),
                 Some(Identity::Root) => Some(Identity::Root),
-                Some(_) => return Err(error(403, "/clients needs the root API token")),
+                Some(_) => return Err(error(403, "/clients needs the root API token").into()),
             },
-            _ => Some(self.auth.task_api(head.bearer_token(), wall_ms).ok_or_else(|| self.refused(head, wall_ms))?),
+            _ => Some(self.auth.task_api(head.bearer_token(), wall_ms)?.ok_or_else(|| self.refused(head, wall_ms))?),
         };
         if route == Route::TasksBatch && head.idempotency_key.is_some() {
             return Err(error(
                 400,
                 "Idempotency-Key is not supported on POST /tasks/batch (give each task its own submit)",
-            ));
+            )
+            .into());
         }
         if let crate::http::Framing::Length(n) = head.framing {
             let limit = self.body_limit(route);
             if n > limit {
-                return Err(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")));
+                return Err(error(413, &format!("body of {n} bytes is over the limit of {limit} bytes")).into());
             }
         }
         Ok(identity)
@@ -523,8 +545,8 @@ fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
 }
 
 /// Checks the WebSocket handshake headers (the token was checked by `precheck`) and returns
-/// the `Sec-WebSocket-Accept` value.
-fn upgrade(head: &Head) -> Result<String, Response> {
+/// the `Sec-WebSocket-Accept` value. Public for the `ws_upgrade` fuzz target.
+pub fn upgrade(head: &Head) -> Result<String, Response> {
     if head.minor_version == 0 {
         // RFC 6455 §4.1: the opening handshake is an HTTP/1.1 request.
         return Err(error(400, "a WebSocket upgrade needs HTTP/1.1"));
@@ -545,7 +567,7 @@ fn upgrade(head: &Head) -> Result<String, Response> {
 }
 
 /// The key is base64 of 16 bytes: 22 characters and `==`.
-fn valid_ws_key(key: &str) -> bool {
+pub fn valid_ws_key(key: &str) -> bool {
     key.len() == 24
         && key.ends_with("==")
         && key[..22].bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/')

@@ -9,7 +9,7 @@
 //! changed. Nothing here logs a token; refusals are logged with their reason (and `jti` once
 //! the signature proved it genuine).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::path::Path;
 use std::rc::Rc;
 
@@ -50,6 +50,14 @@ impl Identity {
     }
 }
 
+/// The token registry changed and its new version is being read off the loop: the request
+/// must ask again once it is loaded ([`Auth::poll_registry`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegistryLoading;
+
+/// Who is asking (`None`: nobody the endpoint accepts), or "ask again shortly".
+pub type Checked = Result<Option<Identity>, RegistryLoading>;
+
 pub struct Auth {
     api_digest: [u8; 32],
     worker_digest: [u8; 32],
@@ -65,20 +73,13 @@ struct Scoped {
 }
 
 enum Registry {
-    /// `TOKEN_STORE`. The reactor is single-threaded; the view caches the file between requests.
+    /// `TOKEN_STORE`. The reactor is single-threaded; the view caches the registry between
+    /// requests.
     File(RefCell<RegistryView>),
     /// Cluster mode: the node's cache of the database's `relay_tokens`, which the node's turn
-    /// transactions refresh (refused as `Unavailable` once older than 1 s: fail closed).
-    Db(Rc<RefCell<crate::cluster::tokens::TokenCache>>),
-}
-
-impl Registry {
-    fn lookup(&self, jti: &str, wall_ms: u64) -> Lookup {
-        match self {
-            Registry::File(view) => view.borrow_mut().lookup(jti),
-            Registry::Db(cache) => cache.borrow().lookup(jti, wall_ms),
-        }
-    }
+    /// transactions refresh (refused as `Unavailable` once older than 1 s: fail closed), and
+    /// the cache generation the waiting requests were last woken for.
+    Db(Rc<RefCell<crate::cluster::tokens::TokenCache>>, Cell<u64>),
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -121,42 +122,87 @@ impl Auth {
         secret: Option<&str>,
         cache: Rc<RefCell<crate::cluster::tokens::TokenCache>>,
     ) -> Auth {
-        self.scoped = secret.map(|secret| Scoped { secret: secret.as_bytes().to_vec(), registry: Registry::Db(cache) });
+        self.scoped = secret
+            .map(|secret| Scoped { secret: secret.as_bytes().to_vec(), registry: Registry::Db(cache, Cell::new(0)) });
         self
     }
 
     /// The registry cannot be trusted now (cluster mode: the cache is more than 1 s old, the
     /// database unreachable): a scoped JWT is then refused with 503, not 401.
     pub fn registry_unavailable(&self, wall_ms: u64) -> bool {
-        self.scoped.as_ref().is_some_and(|s| {
-            matches!(s.registry, Registry::Db(_)) && s.registry.lookup("", wall_ms) == Lookup::Unavailable
+        self.scoped.as_ref().is_some_and(|s| match &s.registry {
+            Registry::Db(cache, _) => cache.borrow().lookup("", wall_ms) == Lookup::Unavailable,
+            Registry::File(_) => false,
+        })
+    }
+
+    /// From now on a changed registry is read on a helper thread; `wake` tells the loop to
+    /// call [`Auth::poll_registry`].
+    pub fn start_registry_loader(&self, wake: std::sync::Arc<dyn Fn() + Send + Sync>) -> std::io::Result<()> {
+        match self.scoped.as_ref().map(|s| &s.registry) {
+            Some(Registry::File(view)) => view.borrow_mut().start_loader(wake),
+            // (Cluster mode: the node's own transactions refresh the cache.)
+            Some(Registry::Db(..)) | None => Ok(()),
+        }
+    }
+
+    /// Installs a registry version the helper thread read. `true` if requests waiting on it
+    /// may ask again.
+    pub fn poll_registry(&self) -> bool {
+        self.scoped.as_ref().is_some_and(|s| match &s.registry {
+            Registry::File(view) => view.borrow_mut().poll_loaded(),
+            // Cluster mode: any refresh since the last look may answer a waiting request.
+            Registry::Db(cache, seen) => {
+                let generation = cache.borrow().generation();
+                seen.replace(generation) != generation
+            }
         })
     }
 
     /// The task API: the root token or a scoped JWT, checked at wall time `wall_ms`.
-    pub fn task_api(&self, bearer: Option<&str>, wall_ms: u64) -> Option<Identity> {
-        let bearer = bearer?;
+    pub fn task_api(&self, bearer: Option<&str>, wall_ms: u64) -> Checked {
+        let Some(bearer) = bearer else { return Ok(None) };
         if ct_eq(&digest(bearer), &self.api_digest) {
-            return Some(Identity::Root);
+            return Ok(Some(Identity::Root));
         }
         self.scoped(bearer, wall_ms)
     }
 
     /// A scoped JWT: signature, alg and `exp` (`jwt`), then the registry (known, not revoked).
-    fn scoped(&self, bearer: &str, wall_ms: u64) -> Option<Identity> {
-        let scoped = self.scoped.as_ref()?;
+    fn scoped(&self, bearer: &str, wall_ms: u64) -> Checked {
+        let Some(scoped) = self.scoped.as_ref() else { return Ok(None) };
         let claims = match jwt::verify(&scoped.secret, bearer, wall_ms) {
             Ok(claims) => claims,
             Err(e) => {
                 crate::log!(Level::Debug, "bearer token refused", reason = e);
-                return None;
+                return Ok(None);
             }
         };
-        match scoped.registry.lookup(&claims.jti, wall_ms) {
-            Lookup::Active => Some(Identity::Scoped { jti: claims.jti, kinds: claims.kinds }),
+        let lookup = match &scoped.registry {
+            Registry::File(view) => view.borrow_mut().check(&claims.jti),
+            Registry::Db(cache, _) => {
+                let cache = cache.borrow();
+                match cache.lookup(&claims.jti, wall_ms) {
+                    // A token issued after (or within a second before) the cache's last refresh
+                    // may be missing from it yet: the request waits for the next refresh (at
+                    // most 500 ms away); one unknown after that is refused.
+                    Lookup::Unknown
+                        if cache
+                            .refreshed_at()
+                            .is_some_and(|at| at <= claims.iat.saturating_mul(1000).saturating_add(1000)) =>
+                    {
+                        Lookup::Pending
+                    }
+                    other => other,
+                }
+            }
+        };
+        match lookup {
+            Lookup::Active => Ok(Some(Identity::Scoped { jti: claims.jti, kinds: claims.kinds })),
+            Lookup::Pending => Err(RegistryLoading),
             refused => {
                 crate::log!(Level::Debug, "scoped token refused", reason = refused.as_str(), jti = claims.jti);
-                None
+                Ok(None)
             }
         }
     }
@@ -169,13 +215,13 @@ impl Auth {
     }
 
     /// `/files`: the API token, a scoped JWT, or the worker token.
-    pub fn files(&self, bearer: Option<&str>, wall_ms: u64) -> Option<Identity> {
-        let bearer = bearer?;
+    pub fn files(&self, bearer: Option<&str>, wall_ms: u64) -> Checked {
+        let Some(bearer) = bearer else { return Ok(None) };
         let d = digest(bearer);
         if ct_eq(&d, &self.api_digest) {
-            Some(Identity::Root)
+            Ok(Some(Identity::Root))
         } else if ct_eq(&d, &self.worker_digest) {
-            Some(Identity::Worker)
+            Ok(Some(Identity::Worker))
         } else {
             self.scoped(bearer, wall_ms)
         }
@@ -191,22 +237,26 @@ mod tests {
     #[test]
     fn roles_are_separate() {
         let auth = Auth::new("api", "wrk");
-        assert_eq!(auth.task_api(Some("api"), NOW_MS), Some(Identity::Root));
-        assert_eq!(auth.task_api(Some("wrk"), NOW_MS), None);
-        assert_eq!(auth.task_api(Some("ap"), NOW_MS), None);
-        assert_eq!(auth.task_api(None, NOW_MS), None);
+        assert_eq!(auth.task_api(Some("api"), NOW_MS), Ok(Some(Identity::Root)));
+        assert_eq!(auth.task_api(Some("wrk"), NOW_MS), Ok(None));
+        assert_eq!(auth.task_api(Some("ap"), NOW_MS), Ok(None));
+        assert_eq!(auth.task_api(None, NOW_MS), Ok(None));
         assert!(auth.worker(Some("wrk")));
         assert!(!auth.worker(Some("api")));
-        assert_eq!(auth.files(Some("wrk"), NOW_MS), Some(Identity::Worker));
-        assert_eq!(auth.files(Some("api"), NOW_MS), Some(Identity::Root));
+        assert_eq!(auth.files(Some("wrk"), NOW_MS), Ok(Some(Identity::Worker)));
+        assert_eq!(auth.files(Some("api"), NOW_MS), Ok(Some(Identity::Root)));
         let shared = Auth::new("one", "one");
         assert!(shared.worker(Some("one")));
-        assert_eq!(shared.task_api(Some("one"), NOW_MS), Some(Identity::Root));
+        assert_eq!(shared.task_api(Some("one"), NOW_MS), Ok(Some(Identity::Root)));
     }
 
     /// What each endpoint makes of one bearer: (task API, /files, /ws).
     fn check(auth: &Auth, bearer: &str, expected: (Option<Identity>, Option<Identity>, bool)) {
-        let got = (auth.task_api(Some(bearer), NOW_MS), auth.files(Some(bearer), NOW_MS), auth.worker(Some(bearer)));
+        let got = (
+            auth.task_api(Some(bearer), NOW_MS).expect("no loader: never pending"),
+            auth.files(Some(bearer), NOW_MS).expect("no loader: never pending"),
+            auth.worker(Some(bearer)),
+        );
         assert_eq!(got, expected, "bearer {:?}", &bearer[..bearer.len().min(20)]);
     }
 

@@ -64,6 +64,8 @@ pub struct Http {
     /// The peer half-closed (read returned 0): what `buf` holds is still answered, then the
     /// connection closes.
     pub eof: bool,
+    /// Bytes of the shared batch budget this connection holds for a `POST /tasks/batch` body.
+    pub batch_reserved: usize,
 }
 
 pub enum Phase {
@@ -71,6 +73,9 @@ pub enum Phase {
     Idle,
     /// Some bytes of a head have arrived.
     Head,
+    /// The head is parsed, and its token waits for the registry's new version to be read
+    /// (off the loop); the request is checked again once it is in.
+    AuthWait(Box<Head>),
     /// The head is parsed (and passed its checks as `identity`); the body is arriving.
     Body { head: Box<Head>, identity: Option<Identity>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
     /// The core holds the response (`wait=true`); `keep_alive` is the request's.
@@ -128,7 +133,14 @@ impl Conn {
             client_ip: peer_ip,
             out: Vec::new(),
             out_pos: 0,
-            state: State::Http(Http { buf: Vec::new(), scanned: 0, phase: Phase::Idle, requests: 0, eof: false }),
+            state: State::Http(Http {
+                buf: Vec::new(),
+                scanned: 0,
+                phase: Phase::Idle,
+                requests: 0,
+                eof: false,
+                batch_reserved: 0,
+            }),
             deadline_ms: u64::MAX,
             timer: None,
             read_more: false,

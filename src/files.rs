@@ -569,10 +569,14 @@ impl UploadParse {
     /// Parses `input`; returns the bytes consumed and appends file bytes to `to_disk`.
     pub fn feed(&mut self, input: &[u8], to_disk: &mut Vec<u8>) -> Result<usize, UploadError> {
         let mut events = Vec::new();
-        let used = self
-            .parser
-            .feed(input, &mut events)
-            .map_err(|e| UploadError::Bad(format!("malformed multipart body: {e}")))?;
+        let parsed = self.parser.feed(input, &mut events);
+        // The events that came before a parse error count first, so the answer does not depend
+        // on how the body was split: a file already over the limit is 413 whatever follows.
+        self.apply(events, to_disk)?;
+        parsed.map_err(|e| UploadError::Bad(format!("malformed multipart body: {e}")))
+    }
+
+    fn apply(&mut self, events: Vec<Event<'_>>, to_disk: &mut Vec<u8>) -> Result<(), UploadError> {
         for event in events {
             match event {
                 Event::PartStart(info) => {
@@ -597,7 +601,7 @@ impl UploadParse {
                 Event::End => {}
             }
         }
-        Ok(used)
+        Ok(())
     }
 
     pub fn is_done(&self) -> bool {
@@ -734,6 +738,21 @@ mod tests {
             "84d89877f0d4041efb6bf91a16f0248f2fd573e6af05c19f96bedb9f882f7882",
             "sha256 of 0123456789"
         );
+    }
+
+    #[test]
+    fn an_oversized_file_followed_by_a_malformed_tail_is_413_however_the_body_is_split() {
+        // Regression (found by the multipart fuzz target): fed whole, the parse error after the
+        // file hid its size (400); fed in pieces, the size was seen first (413).
+        let body = format!("--b\r\nContent-Disposition: form-data; name=\"file\"\r\n\r\n{}\r\n--bXY", "a".repeat(20));
+        for step in [1, 7, body.len()] {
+            check_upload(&body, 10, step, Err(UploadError::TooLarge));
+        }
+        // Within the limit, the malformed tail is what is wrong.
+        let bad = Err(UploadError::Bad("malformed multipart body: expected CRLF after a boundary".into()));
+        for step in [1, 7, body.len()] {
+            check_upload(&body, 100, step, bad.clone());
+        }
     }
 
     #[test]

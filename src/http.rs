@@ -147,8 +147,8 @@ pub fn find_head_end(buf: &[u8], scanned: usize) -> Option<usize> {
 const REQUEST_LINE_PROBE_BYTES: usize = 64;
 
 /// Whether a head still arriving can be an HTTP request at all: its first line (leading empty
-/// lines skipped, RFC 9112 §2.2) starts with a method token and a space, and holds only visible
-/// ASCII and spaces. Looks at the first 64 bytes only, so a slow client costs nothing; a TLS
+/// lines skipped, RFC 9112 §2.2) starts with a method token and a space, and holds no control
+/// bytes. Looks at the first 64 bytes only, so a slow client costs nothing; a TLS
 /// ClientHello or other binary on the plain port fails at its first byte, not at HEADER_TIMEOUT.
 pub fn could_be_request(buf: &[u8]) -> bool {
     let start = buf.iter().position(|&b| b != b'\r' && b != b'\n').unwrap_or(buf.len());
@@ -161,7 +161,8 @@ pub fn could_be_request(buf: &[u8]) -> bool {
     for &b in &line[method_len..] {
         match b {
             b'\n' => return true,
-            b' ' | b'\r' | 0x21..=0x7e => {}
+            // Bytes above 0x7f are left to the parser (some clients send raw UTF-8 paths).
+            b' ' | b'\r' | 0x21..=0x7e | 0x80..=0xff => {}
             _ => return false,
         }
     }
@@ -762,7 +763,7 @@ mod tests {
             (b"GET\t/ HTTP/1.1\r\n", false),
             (b" GET / HTTP/1.1\r\n", false),
             (b"GET /\x00 HTTP/1.1\r\n", false),
-            (b"GET /\xc3\xa9 HTTP/1.1\r\n", false),
+            (b"GET /\xc3\xa9 HTTP/1.1\r\n", true),
             (b"{\"payload\":1}", false),
         ] {
             assert_eq!(could_be_request(raw), ok, "{raw:?}");

@@ -117,6 +117,9 @@ pub enum Lookup {
     Unknown,
     /// The registry is missing or unreadable: refuse (fail closed).
     Unavailable,
+    /// The file changed and its new version is being read off the loop: ask again once
+    /// [`RegistryView::poll_loaded`] installed it.
+    Pending,
 }
 
 impl Lookup {
@@ -126,6 +129,7 @@ impl Lookup {
             Lookup::Revoked => "revoked",
             Lookup::Unknown => "unknown_jti",
             Lookup::Unavailable => "registry_unavailable",
+            Lookup::Pending => "registry_loading",
         }
     }
 }
@@ -173,6 +177,41 @@ pub struct RegistryView {
     loaded: Loaded,
     /// `false` until the first refresh, so the first state is always logged.
     refreshed: bool,
+    /// With a loader, a changed file is read on its thread ([`RegistryView::check`]).
+    loader: Option<Loader>,
+}
+
+/// The helper thread that reads and parses a changed registry (up to 16 MiB) off the loop.
+struct Loader {
+    requests: std::sync::mpsc::Sender<()>,
+    results: std::sync::mpsc::Receiver<(Option<Stamp>, Loaded)>,
+    /// A read was asked for and its answer has not been installed yet.
+    in_flight: bool,
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader").field("in_flight", &self.in_flight).finish()
+    }
+}
+
+/// Reads the registry now: (the stamp of what was read, what it says).
+fn load_view(path: &Path) -> (Option<Stamp>, Loaded) {
+    match read_bounded(path) {
+        // The stamp of what was actually read (the file may have been replaced after a stat).
+        Ok((bytes, read_stamp)) => match parse_registry(&bytes) {
+            Ok(registry) => {
+                let mut map = HashMap::with_capacity(registry.tokens.len());
+                for r in registry.tokens {
+                    // A duplicated jti counts as revoked if any copy is.
+                    *map.entry(r.jti).or_insert(false) |= r.revoked_at.is_some();
+                }
+                (Some(read_stamp), Loaded::Ready(map))
+            }
+            Err(e) => (Some(read_stamp), Loaded::Unavailable(e)),
+        },
+        Err(e) => (std::fs::metadata(path).ok().map(|m| Stamp::of(&m)), Loaded::Unavailable(e)),
+    }
 }
 
 impl RegistryView {
@@ -182,12 +221,76 @@ impl RegistryView {
             stamp: None,
             loaded: Loaded::Unavailable("not read yet".into()),
             refreshed: false,
+            loader: None,
         }
     }
 
-    /// Looks a `jti` up in the current version of the file.
-    pub fn lookup(&mut self, jti: &str) -> Lookup {
-        self.refresh();
+    /// Starts the helper thread that re-reads the file when it changes; `wake` is called when
+    /// a new version is ready for [`RegistryView::poll_loaded`].
+    pub fn start_loader(&mut self, wake: std::sync::Arc<dyn Fn() + Send + Sync>) -> io::Result<()> {
+        let (req_tx, req_rx) = std::sync::mpsc::channel::<()>();
+        let (res_tx, res_rx) = std::sync::mpsc::channel();
+        let path = self.path.clone();
+        std::thread::Builder::new().name("relay-tokens".into()).spawn(move || {
+            while req_rx.recv().is_ok() {
+                // Requests that queued up meanwhile are answered by this one read.
+                while req_rx.try_recv().is_ok() {}
+                if res_tx.send(load_view(&path)).is_err() {
+                    return;
+                }
+                wake();
+            }
+        })?;
+        self.loader = Some(Loader { requests: req_tx, results: res_rx, in_flight: false });
+        Ok(())
+    }
+
+    /// Looks a `jti` up without reading the file on this thread: one `stat`; when the file
+    /// changed, the loader reads it and the answer is [`Lookup::Pending`] until
+    /// [`RegistryView::poll_loaded`] installed the new version (so a revoke or a new token is
+    /// in force for the first request that can see it). Without a loader, as [`Self::lookup`].
+    pub fn check(&mut self, jti: &str) -> Lookup {
+        if self.loader.is_none() {
+            return self.lookup(jti);
+        }
+        match std::fs::metadata(&self.path) {
+            Err(e) => {
+                // Missing: fail closed at once, nothing to read.
+                if self.stamp.is_some() || !self.refreshed {
+                    self.set(None, Loaded::Unavailable(format!("cannot stat: {e}")));
+                }
+            }
+            Ok(m) if self.refreshed && self.stamp == Some(Stamp::of(&m)) => {}
+            Ok(_) => {
+                if let Some(loader) = &mut self.loader
+                    && !loader.in_flight
+                {
+                    loader.in_flight = loader.requests.send(()).is_ok();
+                }
+                return Lookup::Pending;
+            }
+        }
+        self.answer(jti)
+    }
+
+    /// Installs what the loader read. `true` if a new version was installed (requests that
+    /// got [`Lookup::Pending`] may ask again).
+    pub fn poll_loaded(&mut self) -> bool {
+        let mut latest = None;
+        if let Some(loader) = &mut self.loader {
+            while let Ok(result) = loader.results.try_recv() {
+                latest = Some(result);
+            }
+            if latest.is_some() {
+                loader.in_flight = false;
+            }
+        }
+        let Some((stamp, loaded)) = latest else { return false };
+        self.set(stamp, loaded);
+        true
+    }
+
+    fn answer(&self, jti: &str) -> Lookup {
         match &self.loaded {
             Loaded::Unavailable(_) => Lookup::Unavailable,
             Loaded::Ready(map) => match map.get(jti) {
@@ -196,6 +299,12 @@ impl RegistryView {
                 None => Lookup::Unknown,
             },
         }
+    }
+
+    /// Looks a `jti` up in the current version of the file.
+    pub fn lookup(&mut self, jti: &str) -> Lookup {
+        self.refresh();
+        self.answer(jti)
     }
 
     /// One `stat`; a bounded read and parse only when the file changed.
@@ -212,22 +321,8 @@ impl RegistryView {
         if self.refreshed && self.stamp == Some(stamp) {
             return;
         }
-        let (stamp, loaded) = match read_bounded(&self.path) {
-            // The stamp of what was actually read (the file may have been replaced after the stat).
-            Ok((bytes, read_stamp)) => match parse_registry(&bytes) {
-                Ok(registry) => {
-                    let mut map = HashMap::with_capacity(registry.tokens.len());
-                    for r in registry.tokens {
-                        // A duplicated jti counts as revoked if any copy is.
-                        *map.entry(r.jti).or_insert(false) |= r.revoked_at.is_some();
-                    }
-                    (read_stamp, Loaded::Ready(map))
-                }
-                Err(e) => (read_stamp, Loaded::Unavailable(e)),
-            },
-            Err(e) => (stamp, Loaded::Unavailable(e)),
-        };
-        self.set(Some(stamp), loaded);
+        let (read_stamp, loaded) = load_view(&self.path);
+        self.set(Some(read_stamp.unwrap_or(stamp)), loaded);
     }
 
     fn set(&mut self, stamp: Option<Stamp>, loaded: Loaded) {

@@ -10,6 +10,7 @@ mod load;
 mod nats;
 mod procs;
 mod scenarios;
+mod soak;
 mod workers;
 
 use std::path::PathBuf;
@@ -58,6 +59,9 @@ options:
   --max-total-secs N    hard limit on the whole run; children are killed past it (default 900)
 
 internal:
+  soak [--soak-secs N] [--soak-clients N] [--relay-worker PATH]
+                                         mixed load with workers joining, dying and misbehaving
+                                         (default 600 s, 8 clients); see scripts/soak.sh
   serve-floor [--seconds N]              run the floor server (prints msg=listening addr=...)
   drive --addr HOST:PORT [--seconds N]   load an already running relay (for perf); tokens as below
 ";
@@ -85,6 +89,9 @@ pub struct Opts {
     pub syscalls: Option<Duration>,
     pub addr: Option<String>,
     pub seconds: u64,
+    pub soak_secs: u64,
+    pub soak_clients: usize,
+    pub relay_worker: PathBuf,
 }
 
 fn parse_args(args: &[String]) -> Result<Opts, String> {
@@ -110,6 +117,9 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         syscalls: Some(Duration::from_millis(1500)),
         addr: None,
         seconds: 10,
+        soak_secs: 600,
+        soak_clients: 8,
+        relay_worker: exe_dir.join("relay-worker"),
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -139,6 +149,9 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             "--syscall-ms" => o.syscalls = Some(Duration::from_millis(num(value()?)?)).filter(|d| !d.is_zero()),
             "--addr" => o.addr = Some(value()?),
             "--seconds" => o.seconds = num(value()?)?.max(1),
+            "--soak-secs" => o.soak_secs = num(value()?)?.max(2),
+            "--soak-clients" => o.soak_clients = num(value()?)?.max(1) as usize,
+            "--relay-worker" => o.relay_worker = PathBuf::from(value()?),
             "-h" | "--help" => return Err(String::new()),
             s if s.starts_with('-') => return Err(format!("unknown option {s}")),
             s => o.scenarios.push(s.to_string()),
@@ -166,6 +179,7 @@ fn main() -> ExitCode {
     let result = match opts.scenarios[0].as_str() {
         "serve-floor" => floor::serve(([127, 0, 0, 1], 0).into(), Duration::from_secs(opts.seconds)),
         "drive" => scenarios::drive(&opts),
+        "soak" => soak::run(&opts),
         _ => scenarios::run_all(&opts),
     };
     match result {

@@ -28,6 +28,20 @@ pub fn kill_all_children() {
     }
 }
 
+/// Registers a child started elsewhere (not through `Server`) for the watchdog's last resort.
+pub fn track_child(pid: u32) {
+    if let Ok(mut c) = CHILDREN.lock() {
+        c.push(pid);
+    }
+}
+
+/// Forgets a child registered with `track_child`, once it has been reaped.
+pub fn untrack_child(pid: u32) {
+    if let Ok(mut c) = CHILDREN.lock() {
+        c.retain(|&p| p != pid);
+    }
+}
+
 /// A started server: its PID, the address it listens on, and how long it took to say so.
 pub struct Server {
     pub name: String,

@@ -608,7 +608,7 @@ fn loadavg() -> String {
 }
 
 /// Kills every child and exits if the whole run overstays `limit` (a hung scenario).
-fn watchdog(limit: Duration) -> Arc<AtomicBool> {
+pub fn watchdog(limit: Duration) -> Arc<AtomicBool> {
     let done = Arc::new(AtomicBool::new(false));
     let done2 = done.clone();
     std::thread::spawn(move || {

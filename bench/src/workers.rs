@@ -80,7 +80,7 @@ fn ws_config() -> WebSocketConfig {
 }
 
 /// Opens a worker WebSocket, from `source` if given (spreads idle connections over 127.0.0.x).
-fn ws_connect(addr: SocketAddr, token: &str, source: Option<Ipv4Addr>) -> Result<WebSocket<TcpStream>, String> {
+pub fn ws_connect(addr: SocketAddr, token: &str, source: Option<Ipv4Addr>) -> Result<WebSocket<TcpStream>, String> {
     let stream = match source {
         Some(ip) => connect_from(ip, addr)?,
         None => {
@@ -129,7 +129,7 @@ fn connect_from(source: Ipv4Addr, to: SocketAddr) -> Result<TcpStream, String> {
     }
 }
 
-fn is_timeout(e: &tungstenite::Error) -> bool {
+pub fn is_timeout(e: &tungstenite::Error) -> bool {
     matches!(e, tungstenite::Error::Io(io) if matches!(io.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut))
 }
 

@@ -1,6 +1,8 @@
-//! The disk budget shared by every upload: file bytes handed to the disk thread and not yet
-//! written. An upload that finds it full stops, and is remembered, so that the write that frees
-//! room wakes every upload waiting on it — not only the one whose bytes were written.
+//! A byte budget shared by connections, with the connections waiting for room: the disk budget
+//! of uploads (file bytes handed to the disk thread and not yet written) and the batch budget
+//! (`POST /tasks/batch` bodies buffered at once). A connection that finds it full stops, and is
+//! remembered, so that the release that frees room wakes every connection waiting on it — not
+//! only the one whose bytes were released.
 
 use std::collections::HashSet;
 
@@ -26,9 +28,19 @@ impl DiskBudget {
         self.used_bytes += bytes;
     }
 
+    /// Takes `bytes` if they fit (or if nothing is taken: one request may use it all).
+    pub(super) fn try_take(&mut self, bytes: usize) -> bool {
+        if self.used_bytes > 0 && self.used_bytes + bytes > self.limit_bytes {
+            return false;
+        }
+        self.used_bytes += bytes;
+        true
+    }
+
     /// `r` stopped because the budget is full: wake it when there is room.
-    pub(super) fn wait(&mut self, r: ConnRef) {
-        self.waiting.insert(r);
+    /// `true` the first time (until woken).
+    pub(super) fn wait(&mut self, r: ConnRef) -> bool {
+        self.waiting.insert(r)
     }
 
     /// `bytes` were written. Returns the uploads to wake (every one that waited, once there

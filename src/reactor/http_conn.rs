@@ -10,9 +10,31 @@ impl Server {
             let State::Http(http) = &mut conn.state else { return };
             // The most input the connection may buffer in its phase.
             let cap = match &http.phase {
-                Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } => MAX_HELD_INPUT_BYTES,
+                Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } | Phase::AuthWait(_) => {
+                    MAX_HELD_INPUT_BYTES
+                }
                 Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
-                    MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
+                    // A batch body may be MAX_BATCH_BYTES, but only a few are buffered at once.
+                    if http.batch_reserved == 0 {
+                        let want = match head.framing {
+                            Framing::Length(n) => (n as usize).max(1),
+                            _ => self.cfg.max_batch_bytes,
+                        };
+                        if self.batches.try_take(want) {
+                            http.batch_reserved = want;
+                        } else if self.batches.wait(r) {
+                            crate::log!(
+                                Level::Debug,
+                                "batch body waits for room in the batch budget",
+                                client_ip = conn.client_ip
+                            );
+                        }
+                    }
+                    if http.batch_reserved > 0 {
+                        MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
+                    } else {
+                        self.http_input_cap
+                    }
                 }
                 Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES => 0,
                 Phase::Upload(_) if self.disk.is_full() => {
@@ -89,7 +111,7 @@ impl Server {
         }
         match &http.phase {
             // The answer is under way; when it is done the buffer is looked at again.
-            Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } => {}
+            Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } | Phase::AuthWait(_) => {}
             // A whole submit held back until the journal catches up (`journal_blocked`).
             Phase::Body { head, .. }
                 if journal_full && matches!(Route::of(&head.path), Route::Tasks | Route::TasksBatch) => {}
@@ -159,39 +181,10 @@ impl Server {
                     head.forwarded_for.as_deref(),
                     head.real_ip.as_deref(),
                 );
-                let identity = match self.api.precheck(&head, self.core.wall_ms) {
-                    Ok(identity) => identity,
-                    Err(response) => {
-                        self.answer_early(r, &head, response);
-                        return true;
-                    }
-                };
-                match Route::of(&head.path) {
-                    Route::Files => return self.start_upload(r, head),
-                    Route::File(id) => {
-                        let id = crate::tasks::parse_id(id);
-                        return self.start_download(r, head, id);
-                    }
-                    _ => {}
-                }
-                let body_ready = match head.framing {
-                    Framing::Empty => true,
-                    Framing::Length(n) => http.buf.len() as u64 >= n,
-                    Framing::Chunked => false,
-                };
-                if head.expect_continue && !body_ready && head.minor_version == 1 {
-                    conn.out.extend_from_slice(CONTINUE_100);
-                    mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
-                }
-                let chunked =
-                    (head.framing == Framing::Chunked).then(|| Box::new((ChunkedDecoder::default(), Vec::new())));
-                if let Framing::Length(n) = head.framing {
-                    let wanted = (n as usize).min(self.http_input_cap);
-                    http.buf.reserve(wanted.saturating_sub(http.buf.len()));
-                }
-                http.phase = Phase::Body { head: Box::new(head), identity, chunked };
-                true
+                self.start_request(r, head)
             }
+            // Woken by `resume_auth_waiters`, not by input.
+            Phase::AuthWait(_) => false,
             Phase::Body { head, chunked, .. } => {
                 if journal_full
                     && head.method == Method::Post
@@ -244,6 +237,9 @@ impl Server {
                 if Route::of(&head.path) == Route::TasksBatch
                     && let Some(identity) = identity
                 {
+                    // The body is parsed into the batch: the buffered bytes are free again.
+                    self.release_batch(r);
+                    let Some(State::Http(http)) = self.conns.get_mut(r).map(|c| &mut c.state) else { return false };
                     match self.api.batch_start(body, identity) {
                         Ok(batch) => {
                             http.phase = Phase::Batch { batch, keep_alive: head.keep_alive };
@@ -256,6 +252,17 @@ impl Server {
                 self.complete_request(r, &head, identity.as_ref(), &body);
                 true
             }
+        }
+    }
+
+    /// Gives back the batch budget a connection holds; wakes those waiting for it.
+    pub(super) fn release_batch(&mut self, r: ConnRef) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let State::Http(http) = &mut conn.state else { return };
+        let held = std::mem::take(&mut http.batch_reserved);
+        if held > 0 {
+            let woken = self.batches.release(held);
+            self.again.extend(woken);
         }
     }
 
@@ -295,6 +302,68 @@ impl Server {
         let at = self.now_ms + self.cfg.idle_timeout_ms;
         self.set_deadline(r, at);
         true
+    }
+
+    /// A parsed head: check it (auth may have to wait for the token registry), then start
+    /// the body, an upload or a download. `true` if the connection may go on.
+    pub(super) fn start_request(&mut self, r: ConnRef, head: Head) -> bool {
+        let identity = match self.api.precheck(&head, self.core.wall_ms) {
+            Ok(identity) => identity,
+            Err(Refused::Answer(response)) => {
+                self.answer_early(r, &head, response);
+                return true;
+            }
+            Err(Refused::RegistryLoading) => {
+                // The token registry changed and is being read off the loop: this request is
+                // checked against the new version (SPEC §6: a revoke holds from the next
+                // request). `resume_auth_waiters` brings it back.
+                if let Some(phase) = self.http_phase(r) {
+                    *phase = Phase::AuthWait(Box::new(head));
+                    self.auth_waiters.push(r);
+                }
+                return false;
+            }
+        };
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        let State::Http(http) = &mut conn.state else { return false };
+        match Route::of(&head.path) {
+            Route::Files => return self.start_upload(r, head),
+            Route::File(id) => {
+                let id = crate::tasks::parse_id(id);
+                return self.start_download(r, head, id);
+            }
+            _ => {}
+        }
+        let body_ready = match head.framing {
+            Framing::Empty => true,
+            Framing::Length(n) => http.buf.len() as u64 >= n,
+            Framing::Chunked => false,
+        };
+        if head.expect_continue && !body_ready && head.minor_version == 1 {
+            conn.out.extend_from_slice(CONTINUE_100);
+            mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        }
+        let chunked = (head.framing == Framing::Chunked).then(|| Box::new((ChunkedDecoder::default(), Vec::new())));
+        if let Framing::Length(n) = head.framing {
+            let wanted = (n as usize).min(self.http_input_cap);
+            http.buf.reserve(wanted.saturating_sub(http.buf.len()));
+        }
+        http.phase = Phase::Body { head: Box::new(head), identity, chunked };
+        true
+    }
+
+    /// The token registry's new version is in: requests that waited on it are checked again.
+    pub(super) fn resume_auth_waiters(&mut self) {
+        for r in std::mem::take(&mut self.auth_waiters) {
+            let Some(phase) = self.http_phase(r) else { continue };
+            if !matches!(phase, Phase::AuthWait(_)) {
+                continue;
+            }
+            let Phase::AuthWait(head) = std::mem::replace(phase, Phase::Head) else { continue };
+            if self.start_request(r, *head) {
+                self.again.push(r);
+            }
+        }
     }
 
     /// The head alone decided the answer. The connection stays usable only if the body (if
@@ -368,6 +437,7 @@ impl Server {
     }
 
     pub(super) fn respond_and_close(&mut self, r: ConnRef, response: Response) {
+        self.release_batch(r);
         let Some(conn) = self.conns.get_mut(r) else { return };
         self.core.metrics.http_request(response.status);
         write_response(&mut conn.out, response, true, false);

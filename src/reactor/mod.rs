@@ -30,7 +30,7 @@ mod http_conn;
 mod transfer;
 mod ws;
 
-use crate::api::{Api, Handled, Route};
+use crate::api::{Api, Handled, Refused, Route};
 use crate::auth::Identity;
 use crate::config::Config;
 use crate::conn::{Conn, Download, Phase, State, Upload, Ws, WsIo, ws_context};
@@ -75,6 +75,8 @@ const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
 /// A download asks for more only when its unwritten output is at most this.
 const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
 
+/// Batch bodies of MAX_BATCH_BYTES buffered at once; further batches wait to be read.
+const BATCH_BODIES_AT_ONCE: usize = 4;
 /// Journal bytes not yet durable beyond which new submits wait for the disk.
 const JOURNAL_BACKLOG_BYTES: u64 = 64 << 20;
 
@@ -353,12 +355,16 @@ pub struct Server {
     next_transfer: TransferId,
     /// Upload bytes queued to the disk thread and not yet written, over all uploads.
     disk: disk_budget::DiskBudget,
+    /// Batch bodies buffered at once (`POST /tasks/batch`), over every connection.
+    batches: disk_budget::DiskBudget,
     /// Connections with answers held back for the journal (`Conn::gates`).
     gated: Vec<ConnRef>,
     /// The journal's durable sequence number when `gated` was last looked at.
     durable_seen: u64,
     /// Connections whose next submit waits because too many journal bytes are not yet durable.
     journal_blocked: Vec<ConnRef>,
+    /// Connections whose request waits for the token registry to be re-read.
+    auth_waiters: Vec<ConnRef>,
 }
 
 impl Server {
@@ -447,9 +453,14 @@ impl Server {
             // Restored records (attempts a restart cut short) go out with the first turn.
             core.end_turn();
         }
+        let registry_waker = waker.clone();
+        api.auth.start_registry_loader(Arc::new(move || {
+            let _ = registry_waker.wake();
+        }))?;
         core.wheel.arm(BLOB_SWEEP_MS, Timer::BlobSweep);
         let max_ws_out_bytes = cfg.max_message_bytes.saturating_mul(4).saturating_add(64 * 1024);
         let cfg_max_body = cfg.max_message_bytes;
+        let cfg_max_batch = cfg.max_batch_bytes;
         let server = Server {
             poll,
             listener: Some(listener),
@@ -474,9 +485,11 @@ impl Server {
             transfers: HashMap::new(),
             next_transfer: 1,
             disk: disk_budget::DiskBudget::new(DISK_BUDGET_BYTES),
+            batches: disk_budget::DiskBudget::new(cfg_max_batch.saturating_mul(BATCH_BODIES_AT_ONCE)),
             gated: Vec::new(),
             durable_seen: 0,
             journal_blocked: Vec::new(),
+            auth_waiters: Vec::new(),
         };
         Ok((server, waker))
     }
@@ -531,11 +544,17 @@ impl Server {
                     WAKER => {
                         self.on_disk_done();
                         self.on_journal()?;
-                        let (mut wire, core) = self.wire();
-                        core.cluster_on_wake(&mut wire);
+                        {
+                            let (mut wire, core) = self.wire();
+                            core.cluster_on_wake(&mut wire);
+                        }
                         if !self.journal_full() && !self.journal_blocked.is_empty() {
                             // Cluster mode: submits held back for the insert backlog resume.
                             self.again.append(&mut self.journal_blocked);
+                        }
+                        // (After the node's replies: a token refresh may answer waiting requests.)
+                        if self.api.auth.poll_registry() {
+                            self.resume_auth_waiters();
                         }
                     }
                     t => {
@@ -753,7 +772,7 @@ impl Server {
                         self.set_deadline(r, stalled_at);
                     }
                 }
-                Phase::Head | Phase::Body { .. } => {
+                Phase::Head | Phase::AuthWait(_) | Phase::Body { .. } => {
                     crate::log!(Level::Debug, "request timeout", client_ip = conn.client_ip);
                     self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
                 }
@@ -891,6 +910,7 @@ impl Server {
     // ----- closing ---------------------------------------------------------------------------
 
     fn close_now(&mut self, r: ConnRef, why: &str) {
+        self.release_batch(r);
         let Some(mut conn) = self.conns.remove(r) else { return };
         if let State::Http(http) = &conn.state {
             self.end_transfer(&http.phase);

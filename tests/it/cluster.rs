@@ -826,3 +826,37 @@ fn cluster_a_database_that_stops_answering_is_refused_within_seconds() {
     assert!(waited < Duration::from_secs(8), "the stalled submit waited {waited:?}");
     assert!(poll_until(Duration::from_secs(15), || a.submit(r#"{"payload":4,"queue":true}"#).status == 202));
 }
+
+#[test]
+fn cluster_a_token_the_node_has_not_seen_yet_waits_for_one_refresh() {
+    let env = [("TOKEN_SECRET", TOKEN_SECRET)];
+    let Some(c) = Cluster::start("cluster_a_token_the_node_has_not_seen_yet_waits_for_one_refresh", 1, &env) else {
+        return;
+    };
+    let a = c.node(0);
+    let now_s = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).expect("clock").as_secs();
+    let token = |jti: &str, iat: u64| {
+        let claims =
+            relay::jwt::Claims { jti: jti.into(), name: "n".into(), kinds: vec!["k".into()], iat, exp: now_s + 3600 };
+        relay::jwt::sign(TOKEN_SECRET.as_bytes(), &claims)
+    };
+    // Registered behind the nodes' backs (no NOTIFY, as if it were lost): the node has not seen
+    // it, so the request waits for its next refresh (at most 500 ms) instead of a 401.
+    c.pg.psql(&format!(
+        "INSERT INTO relay_tokens (jti, name, kinds, created_ms, expires_ms) VALUES ('fresh', 'n', '{{k}}', {}, {})",
+        now_s * 1000,
+        (now_s + 3600) * 1000
+    ));
+    let started = Instant::now();
+    let r = bearer(a, &token("fresh", now_s), "GET", "/tasks", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(started.elapsed() < Duration::from_secs(2), "{:?}", started.elapsed());
+    // Unknown, issued long before the last refresh: refused at once.
+    let started = Instant::now();
+    assert_eq!(bearer(a, &token("never", now_s - 60), "GET", "/tasks", None).status, 401);
+    assert!(started.elapsed() < Duration::from_millis(500));
+    // Unknown and just issued: refused once refreshes after its time found nothing.
+    let started = Instant::now();
+    assert_eq!(bearer(a, &token("nowhere", now_s), "GET", "/tasks", None).status, 401);
+    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+}

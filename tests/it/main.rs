@@ -7,6 +7,7 @@ mod browser;
 mod cluster;
 mod dispatch;
 mod files;
+mod hostile;
 mod http_protocol;
 mod journal;
 mod listing;

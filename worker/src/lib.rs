@@ -37,6 +37,14 @@ pub mod kinds;
 #[doc(hidden)]
 pub mod log;
 
+/// The parsers of what relay sends (its messages, a download's `Content-Disposition`), for
+/// the fuzz targets in `fuzz/`; not a stable API.
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::kinds::file::filename_of;
+    pub use crate::protocol::{ServerMsg, Task, parse_server_msg};
+}
+
 mod link;
 mod pool;
 mod protocol;

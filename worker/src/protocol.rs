@@ -23,6 +23,8 @@ pub struct Task {
     pub kind: Option<String>,
     /// `payload.spec`, or `null` when absent.
     pub spec: Box<RawValue>,
+    /// Why this task cannot be run though relay routed it (a payload with two `spec` fields).
+    pub invalid: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -33,9 +35,16 @@ struct Envelope {
     payload: Option<Box<RawValue>>,
 }
 
+/// The payload's `kind`, read as relay reads it: only that field (others, repeated or not,
+/// are skipped), so the worker and relay always agree on a task's kind.
 #[derive(Deserialize)]
-struct Payload {
+struct KindProbe {
     kind: Option<Value>,
+}
+
+/// The payload's `spec`, read on its own for the same reason.
+#[derive(Deserialize)]
+struct SpecProbe {
     spec: Option<Box<RawValue>>,
 }
 
@@ -45,14 +54,19 @@ pub fn parse_server_msg(text: &str) -> Result<ServerMsg, String> {
     match env.kind.as_str() {
         "task" => {
             let task_id = env.task_id.filter(|id| !id.is_empty()).ok_or("task without task_id")?;
-            // Only an object has a kind (serde would read an array positionally).
+            // Only an object has a kind (serde would read an array positionally). Not an object
+            // (relay accepts any JSON payload): no kind, no spec.
             let object = env.payload.as_deref().filter(|p| p.get().trim_start().starts_with('{'));
-            let (kind, spec) = match object.map(|p| serde_json::from_str::<Payload>(p.get())) {
-                Some(Ok(p)) => (p.kind.and_then(|k| k.as_str().map(str::to_string)), p.spec),
-                // Not an object (relay accepts any JSON payload): no kind, no spec.
-                Some(Err(_)) | None => (None, None),
+            let kind = object
+                .and_then(|p| serde_json::from_str::<KindProbe>(p.get()).ok())
+                .and_then(|p| p.kind)
+                .and_then(|k| k.as_str().map(str::to_string));
+            let (spec, invalid) = match object.map(|p| serde_json::from_str::<SpecProbe>(p.get())) {
+                Some(Ok(p)) => (p.spec, None),
+                Some(Err(e)) => (None, Some(format!("invalid payload: {e}"))),
+                None => (None, None),
             };
-            Ok(ServerMsg::Task(Task { task_id, kind, spec: spec.unwrap_or_else(null_raw) }))
+            Ok(ServerMsg::Task(Task { task_id, kind, spec: spec.unwrap_or_else(null_raw), invalid }))
         }
         "cancel" => {
             let task_id = env.task_id.ok_or("cancel without task_id")?;
@@ -145,10 +159,28 @@ mod tests {
             (r#"{"type":"welcome","x":1}"#, ("other", "welcome", None, "")),
             (r#"{"task_id":"t1"}"#, ("err", "", None, "")),
             ("not json", ("err", "", None, "")),
+            // Regression (found by the worker_protocol fuzz target): relay routes by `kind`
+            // alone, so a repeated `spec` must not hide the kind from the worker.
+            (
+                r#"{"type":"task","task_id":"t6","payload":{"kind":"http","spec":1,"spec":2}}"#,
+                ("task", "t6", Some("http"), "null"),
+            ),
+            (r#"{"type":"task","task_id":"t7","payload":{"x":1,"x":2,"kind":"k"}}"#, ("task", "t7", Some("k"), "null")),
         ];
         for (text, expected) in table {
             check(text, *expected);
         }
+    }
+
+    #[test]
+    fn a_payload_with_two_specs_keeps_its_kind_and_says_what_is_wrong() {
+        let text = r#"{"type":"task","task_id":"t","payload":{"kind":"http","spec":1,"spec":2}}"#;
+        let Ok(ServerMsg::Task(task)) = parse_server_msg(text) else { panic!("a task") };
+        assert_eq!(task.kind.as_deref(), Some("http"));
+        assert!(task.invalid.as_deref().is_some_and(|e| e.contains("duplicate field `spec`")), "{:?}", task.invalid);
+        let text = r#"{"type":"task","task_id":"t","payload":{"kind":"http","spec":1}}"#;
+        let Ok(ServerMsg::Task(task)) = parse_server_msg(text) else { panic!("a task") };
+        assert_eq!(task.invalid, None);
     }
 
     #[test]

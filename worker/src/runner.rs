@@ -313,7 +313,7 @@ impl Runner<'_> {
             match &task.kind {
                 None => Some("unknown task kind: (the payload has no kind)".to_string()),
                 Some(kind) if !self.names.contains(kind) => Some(format!("unknown task kind: {kind}")),
-                Some(_) => None,
+                Some(_) => task.invalid.clone(),
             }
         };
         if let Some(error) = refuse {

@@ -95,11 +95,15 @@ impl Client {
 
     fn fill(&mut self) -> bool {
         let mut chunk = [0u8; 8192];
-        match self.stream.read(&mut chunk) {
-            Ok(0) | Err(_) => false,
-            Ok(n) => {
-                self.buf.extend_from_slice(&chunk[..n]);
-                true
+        loop {
+            match self.stream.read(&mut chunk) {
+                // A read with a timeout can end in EINTR; it is not the server's doing.
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Ok(0) | Err(_) => return false,
+                Ok(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    return true;
+                }
             }
         }
     }
@@ -113,6 +117,7 @@ impl Client {
                 Ok(0) => break true,
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break true,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => break false,
             }
         };

@@ -164,7 +164,8 @@ pub fn hex(bytes: &[u8]) -> String {
 /// ext-value, UTF-8 or ISO-8859-1, percent-decoded) when present and well-formed, else
 /// `filename` (a token or a quoted string with backslash escapes). relay sends both for a
 /// non-ASCII name: `attachment; filename="r_sum_.pdf"; filename*=UTF-8''r%C3%A9sum%C3%A9.pdf`.
-fn filename_of(disposition: &str) -> Option<String> {
+#[doc(hidden)]
+pub fn filename_of(disposition: &str) -> Option<String> {
     let mut plain = None;
     let mut extended = None;
     for (key, value) in disposition_params(disposition) {
