@@ -308,6 +308,11 @@ impl Core {
 
     pub(super) fn cluster_conn_closed(&mut self, conn: ConnRef) {
         let Some(node) = self.node_mut() else { return };
+        if !node.batches.is_empty() {
+            // A batch whose connection went away mid-way is never completed: forget it (its
+            // inserts already queued are still written; their answers go nowhere).
+            node.batches.retain(|_, b| b.conn != conn);
+        }
         let Some(w) = node.held.remove(&conn) else { return };
         if let Some(list) = node.waiters.get_mut(&w.task) {
             list.retain(|c| *c != conn);
