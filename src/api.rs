@@ -13,6 +13,8 @@ use crate::dispatch::{CancelResult, Core, Io, NewTask, ReadFor, SubmitError};
 use crate::http::{Head, Method, Response, error_code};
 use crate::tasks::{ConnRef, TaskId, parse_id, push_json_str, push_uuid};
 
+mod cluster;
+
 /// Longest accepted `Idempotency-Key`.
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
 /// Longest `payload.kind` (SPEC §4): kinds are routing keys the core keeps.
@@ -171,14 +173,14 @@ impl Api {
             }
             Route::Healthz | Route::Metrics | Route::Ui(_) => None,
             Route::Files | Route::File(_) => {
-                Some(self.auth.files(head.bearer_token(), wall_ms)?.ok_or_else(unauthorized)?)
+                Some(self.auth.files(head.bearer_token(), wall_ms)?.ok_or_else(|| self.refused(head, wall_ms))?)
             }
             Route::Clients => match self.auth.task_api(head.bearer_token(), wall_ms)? {
-                None => return Err(unauthorized().into()),
+                None => return Err(self.refused(head, wall_ms).into()),
                 Some(Identity::Root) => Some(Identity::Root),
                 Some(_) => return Err(error(403, "/clients needs the root API token").into()),
             },
-            _ => Some(self.auth.task_api(head.bearer_token(), wall_ms)?.ok_or_else(unauthorized)?),
+            _ => Some(self.auth.task_api(head.bearer_token(), wall_ms)?.ok_or_else(|| self.refused(head, wall_ms))?),
         };
         if route == Route::TasksBatch && head.idempotency_key.is_some() {
             return Err(error(
@@ -194,6 +196,16 @@ impl Api {
             }
         }
         Ok(identity)
+    }
+
+    /// A bearer token was refused: 401, unless it may be a scoped JWT that cannot be checked
+    /// now (cluster mode, registry cache stale: 503, so the caller retries rather than giving up).
+    fn refused(&self, head: &Head, wall_ms: u64) -> Response {
+        let jwt_like = head.bearer_token().is_some_and(|t| t.bytes().filter(|&b| b == b'.').count() == 2);
+        if jwt_like && self.auth.registry_unavailable(wall_ms) {
+            return Response::error(503, "database_unavailable", "scoped tokens cannot be checked now; try again");
+        }
+        unauthorized()
     }
 
     /// Handles a complete request whose head passed [`Api::precheck`], which found `identity`.
@@ -219,6 +231,11 @@ impl Api {
             }
             Some(_) => false,
         };
+        if core.is_cluster()
+            && let Some(handled) = self.cluster_route(core, conn, head, identity, body, route, wait)
+        {
+            return handled;
+        }
         match route {
             Route::Ws => match upgrade(head) {
                 Ok(accept_key) => Handled::Upgrade { accept_key },
@@ -237,7 +254,8 @@ impl Api {
                 let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
                 if head.method != Method::Post {
                     let q = match crate::listing::parse_query(&head.query) {
-                        Ok(q) => q,
+                        Ok(q) if q.at.is_none() => q,
+                        Ok(_) => return Handled::Respond(error(400, "invalid cursor (a cluster's)")),
                         Err(msg) => return Handled::Respond(error(400, &msg)),
                     };
                     let plan = crate::listing::plan(core, &q, identity);
@@ -382,6 +400,8 @@ pub struct Batch {
     out: String,
     lsn: u64,
     identity: Identity,
+    /// Cluster mode: the node's key for this batch (0 until its first slice).
+    cluster_key: u64,
 }
 
 /// Batch items submitted per loop turn.
@@ -410,11 +430,15 @@ impl Api {
         };
         let mut out = String::with_capacity(16 + items.len() * 72);
         out.push_str("{\"tasks\":[");
-        Ok(Box::new(Batch { body, items, next: 0, out, lsn: 0, identity }))
+        Ok(Box::new(Batch { body, items, next: 0, out, lsn: 0, identity, cluster_key: 0 }))
     }
 
-    /// Submits the next slice of a batch. `Some` is the answer once every item is done.
-    pub fn batch_step(&self, core: &mut Core, io: &mut dyn Io, batch: &mut Batch) -> Option<Response> {
+    /// Submits the next slice of a batch. `Some` is the answer once every item is done (or,
+    /// in cluster mode, `Held` until the database has them).
+    pub fn batch_step(&self, core: &mut Core, io: &mut dyn Io, conn: ConnRef, batch: &mut Batch) -> Option<Handled> {
+        if core.is_cluster() {
+            return self.cluster_batch_step(core, conn, batch);
+        }
         let end = (batch.next + BATCH_ITEMS_PER_TURN).min(batch.items.len());
         for i in batch.next..end {
             let (off, len) = batch.items[i];
@@ -448,7 +472,7 @@ impl Api {
         batch.out.push_str("]}");
         let mut r = Response::json(202, std::mem::take(&mut batch.out).into_bytes());
         r.lsn = batch.lsn;
-        Some(r)
+        Some(Handled::Respond(r))
     }
 }
 

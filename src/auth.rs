@@ -9,8 +9,9 @@
 //! changed. Nothing here logs a token; refusals are logged with their reason (and `jti` once
 //! the signature proved it genuine).
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::path::Path;
+use std::rc::Rc;
 
 use sha2::{Digest, Sha256};
 
@@ -68,8 +69,17 @@ pub struct Auth {
 
 struct Scoped {
     secret: Vec<u8>,
-    /// The reactor is single-threaded; the view caches the registry between requests.
-    registry: RefCell<RegistryView>,
+    registry: Registry,
+}
+
+enum Registry {
+    /// `TOKEN_STORE`. The reactor is single-threaded; the view caches the registry between
+    /// requests.
+    File(RefCell<RegistryView>),
+    /// Cluster mode: the node's cache of the database's `relay_tokens`, which the node's turn
+    /// transactions refresh (refused as `Unavailable` once older than 1 s: fail closed), and
+    /// the cache generation the waiting requests were last woken for.
+    Db(Rc<RefCell<crate::cluster::tokens::TokenCache>>, Cell<u64>),
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -100,24 +110,53 @@ impl Auth {
         self.scoped = secret.map(|secret| {
             let mut registry = RegistryView::new(store);
             registry.refresh(); // logs the registry's state at startup
-            Scoped { secret: secret.as_bytes().to_vec(), registry: RefCell::new(registry) }
+            Scoped { secret: secret.as_bytes().to_vec(), registry: Registry::File(RefCell::new(registry)) }
         });
         self
+    }
+
+    /// Cluster mode: scoped JWTs are looked up in `cache`, the node's view of the database's
+    /// registry (its refreshes are stamped with the wall clock).
+    pub fn with_db_tokens(
+        mut self,
+        secret: Option<&str>,
+        cache: Rc<RefCell<crate::cluster::tokens::TokenCache>>,
+    ) -> Auth {
+        self.scoped = secret
+            .map(|secret| Scoped { secret: secret.as_bytes().to_vec(), registry: Registry::Db(cache, Cell::new(0)) });
+        self
+    }
+
+    /// The registry cannot be trusted now (cluster mode: the cache is more than 1 s old, the
+    /// database unreachable): a scoped JWT is then refused with 503, not 401.
+    pub fn registry_unavailable(&self, wall_ms: u64) -> bool {
+        self.scoped.as_ref().is_some_and(|s| match &s.registry {
+            Registry::Db(cache, _) => cache.borrow().lookup("", wall_ms) == Lookup::Unavailable,
+            Registry::File(_) => false,
+        })
     }
 
     /// From now on a changed registry is read on a helper thread; `wake` tells the loop to
     /// call [`Auth::poll_registry`].
     pub fn start_registry_loader(&self, wake: std::sync::Arc<dyn Fn() + Send + Sync>) -> std::io::Result<()> {
-        match &self.scoped {
-            Some(scoped) => scoped.registry.borrow_mut().start_loader(wake),
-            None => Ok(()),
+        match self.scoped.as_ref().map(|s| &s.registry) {
+            Some(Registry::File(view)) => view.borrow_mut().start_loader(wake),
+            // (Cluster mode: the node's own transactions refresh the cache.)
+            Some(Registry::Db(..)) | None => Ok(()),
         }
     }
 
     /// Installs a registry version the helper thread read. `true` if requests waiting on it
     /// may ask again.
     pub fn poll_registry(&self) -> bool {
-        self.scoped.as_ref().is_some_and(|s| s.registry.borrow_mut().poll_loaded())
+        self.scoped.as_ref().is_some_and(|s| match &s.registry {
+            Registry::File(view) => view.borrow_mut().poll_loaded(),
+            // Cluster mode: any refresh since the last look may answer a waiting request.
+            Registry::Db(cache, seen) => {
+                let generation = cache.borrow().generation();
+                seen.replace(generation) != generation
+            }
+        })
     }
 
     /// The task API: the root token or a scoped JWT, checked at wall time `wall_ms`.
@@ -139,7 +178,26 @@ impl Auth {
                 return Ok(None);
             }
         };
-        match scoped.registry.borrow_mut().check(&claims.jti) {
+        let lookup = match &scoped.registry {
+            Registry::File(view) => view.borrow_mut().check(&claims.jti),
+            Registry::Db(cache, _) => {
+                let cache = cache.borrow();
+                match cache.lookup(&claims.jti, wall_ms) {
+                    // A token issued after (or within a second before) the cache's last refresh
+                    // may be missing from it yet: the request waits for the next refresh (at
+                    // most 500 ms away); one unknown after that is refused.
+                    Lookup::Unknown
+                        if cache
+                            .refreshed_at()
+                            .is_some_and(|at| at <= claims.iat.saturating_mul(1000).saturating_add(1000)) =>
+                    {
+                        Lookup::Pending
+                    }
+                    other => other,
+                }
+            }
+        };
+        match lookup {
             Lookup::Active => Ok(Some(Identity::Scoped { jti: claims.jti, kinds: claims.kinds })),
             Lookup::Pending => Err(RegistryLoading),
             refused => {

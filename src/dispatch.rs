@@ -68,6 +68,8 @@ pub enum Timer {
     /// The hourly clean-up of BLOB_DIR.
     BlobSweep,
     ShutdownDeadline,
+    /// Cluster mode: the node's periodic refreshes and slow poll.
+    ClusterTick,
 }
 
 /// (token identity, `Idempotency-Key` header).
@@ -108,6 +110,8 @@ pub enum Storage {
     /// Nowhere: a restart forgets everything (`DATA_DIR` empty).
     Memory,
     Journal(Box<Journal>),
+    /// Cluster mode (SPEC §11): PostgreSQL, shared with the other nodes (`cluster.rs`).
+    Cluster(Box<crate::cluster::node::Node>),
 }
 
 /// Which record a task change needs.
@@ -168,6 +172,9 @@ struct Worker {
     in_flight: Vec<TaskId>,
     /// Its first text message was read, or [`HELLO_GRACE_MS`] passed: it may be sent tasks.
     greeted: bool,
+    /// Cluster mode: its last claim found fewer tasks than it asked for; no claim for it until
+    /// tasks are queued somewhere (a notification) or the slow poll.
+    claim_starved: bool,
 }
 
 impl Worker {
@@ -412,6 +419,19 @@ impl Core {
                 records: j.records_written,
                 corrupt_records: j.records_skipped_at_start,
             }),
+            cluster: self.node().map(|n| crate::metrics::ClusterGauges {
+                up: n.db.health() == crate::cluster::db::Health::Ok,
+                committed: n.stats.committed,
+                refused: n.stats.refused,
+                lost: n.stats.lost,
+                unreachable: n.stats.unreachable,
+                statements: n.stats.statements,
+                background: n.db.background_transactions(),
+                tasks_inserted: n.stats.tasks_inserted,
+                tasks_claimed: n.stats.tasks_claimed,
+                attempts_ended: n.stats.attempts_ended,
+                fenced: n.stats.fenced,
+            }),
         }
     }
 
@@ -457,35 +477,7 @@ impl Core {
             if i > 0 {
                 s.push(',');
             }
-            s.push_str("{\"client_id\":\"");
-            push_uuid(&mut s, w.client_id);
-            s.push_str("\",\"ip\":\"");
-            s.push_str(&w.ip.to_string());
-            s.push_str("\",\"connected_at\":\"");
-            write_rfc3339_ms(&mut s, w.connected_wall_ms);
-            s.push_str("\",\"active\":");
-            s.push_str(if w.active() { "true" } else { "false" });
-            s.push_str(",\"in_flight\":");
-            s.push_str(&w.in_flight.len().to_string());
-            if let Some(kinds) = &w.kinds {
-                s.push_str(",\"kinds\":[");
-                for (j, k) in kinds.iter().enumerate() {
-                    if j > 0 {
-                        s.push(',');
-                    }
-                    push_json_str(&mut s, k);
-                }
-                s.push(']');
-            }
-            if let Some(c) = w.concurrency {
-                s.push_str(",\"concurrency\":");
-                s.push_str(&c.to_string());
-            }
-            if let Some(v) = &w.version {
-                s.push_str(",\"version\":");
-                push_json_str(&mut s, v);
-            }
-            s.push('}');
+            write_worker_json(w, &mut s, None);
         }
         s.push_str("]}");
         s.into_bytes()
@@ -635,6 +627,7 @@ impl Core {
 
     /// An HTTP connection went away: forget its wait.
     pub fn conn_closed(&mut self, conn: ConnRef) {
+        self.cluster_conn_closed(conn);
         if let Some(held) = self.held.remove(&conn) {
             self.wheel.cancel(held.timer);
             if let Some(task) = self.tasks.get_mut(&held.task) {
@@ -645,6 +638,7 @@ impl Core {
 
     /// Shutdown: every waiting request gets the task as it is now.
     pub fn release_waiters(&mut self, io: &mut dyn Io) {
+        self.cluster_release_all();
         let conns: Vec<ConnRef> = self.held.keys().copied().collect();
         for conn in conns {
             self.release_wait(io, conn);
@@ -681,12 +675,14 @@ impl Core {
             version: None,
             in_flight: Vec::new(),
             greeted: false,
+            claim_starved: false,
         });
         self.reach.add(&Accepts::All);
         self.order.push(conn.slot);
         crate::log!(Level::Info, "worker connected", client_id = uuid_string(client_id), ip = ip);
         // Nothing is sent before its hello (or the grace) says what it takes.
         self.wheel.arm(self.now_ms + HELLO_GRACE_MS, Timer::HelloGrace(conn));
+        self.cluster_worker_changed(client_id);
         client_id
     }
 
@@ -725,6 +721,7 @@ impl Core {
             reason = why,
             in_flight = worker.in_flight.len()
         );
+        self.cluster_worker_gone(worker.client_id);
         for &id in &worker.in_flight {
             self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"));
         }
@@ -796,6 +793,8 @@ impl Core {
         w.concurrency = concurrency.map(|c| u32::try_from(c).unwrap_or(u32::MAX));
         w.version = version.map(Box::from);
         let after = w.acceptance();
+        w.claim_starved = false;
+        let client_id = w.client_id;
         crate::log!(
             Level::Info,
             "worker hello",
@@ -808,6 +807,7 @@ impl Core {
             self.reach.add(&after);
             self.recheck_fragile(io, &before, &after);
         }
+        self.cluster_worker_changed(client_id);
         self.fill(io, conn.slot);
     }
 
@@ -820,7 +820,9 @@ impl Core {
     ) {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
         let Some(task) = self.tasks.get_mut(&id) else {
-            self.metrics.ignored(Ignored::Unknown);
+            // (Cluster mode forgets a task once its attempt ended here.)
+            let why = self.cluster_stray_result(id, client_id).unwrap_or(Ignored::Unknown);
+            self.metrics.ignored(why);
             return;
         };
         let Some(index) = task.attempts.iter().rposition(|a| a.client_id == client_id) else {
@@ -859,12 +861,16 @@ impl Core {
     pub fn on_timer(&mut self, io: &mut dyn Io, timer: Timer) {
         match timer {
             Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
+            Timer::Wait(conn) if self.is_cluster() => self.cluster_release(conn),
             Timer::Wait(conn) => self.release_wait(io, conn),
             Timer::HelloGrace(conn) => self.greet(io, conn),
+            // Cluster mode: a task submitted here fell due; idle workers look for it.
+            Timer::Schedule if self.is_cluster() => self.cluster_due(),
             Timer::Schedule => {
                 self.schedule_timer = None;
                 self.on_schedule(io);
             }
+            Timer::ClusterTick => self.cluster_tick(),
             Timer::Sweep => {
                 self.sweep_timer = None;
                 self.on_sweep(io);
@@ -1009,6 +1015,11 @@ impl Core {
     /// The task needs a worker now (just due, or after a failed attempt): dispatch it, let it
     /// wait for capacity, or fail it.
     fn run(&mut self, io: &mut dyn Io, id: TaskId) {
+        if self.is_cluster() {
+            // Retries go back to the database's queue, for an untried worker of any node.
+            self.cluster_after_attempt(id);
+            return;
+        }
         if self.shutting_down {
             self.set_status(id, Status::Pending);
             return;
@@ -1177,6 +1188,12 @@ impl Core {
         error: Option<&str>,
     ) {
         debug_assert!(status.is_final());
+        if self.is_cluster() {
+            // Final in the database once the turn's transaction commits; waiters anywhere
+            // learn it from there.
+            self.cluster_end(id, status, result, error);
+            return;
+        }
         self.set_status(id, status);
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.finished_wall_ms = Some(self.wall_ms);
@@ -1292,6 +1309,11 @@ impl Core {
 
     /// The worker in `slot` may have capacity: give it pending tasks, oldest first.
     fn fill(&mut self, io: &mut dyn Io, slot: u32) {
+        if let Storage::Cluster(node) = &mut self.storage {
+            // Tasks come from the database: the turn's transaction claims for free slots.
+            node.claim_check = true;
+            return;
+        }
         if self.shutting_down {
             return;
         }
@@ -1383,6 +1405,43 @@ pub fn task_response(task: &Task, post: bool) -> Response {
     response
 }
 
+/// One `/clients` entry for a worker of this node (`node`: its name, in cluster mode).
+fn write_worker_json(w: &Worker, s: &mut String, node: Option<&str>) {
+    s.push_str("{\"client_id\":\"");
+    push_uuid(s, w.client_id);
+    s.push_str("\",\"ip\":\"");
+    s.push_str(&w.ip.to_string());
+    s.push_str("\",\"connected_at\":\"");
+    write_rfc3339_ms(s, w.connected_wall_ms);
+    s.push_str("\",\"active\":");
+    s.push_str(if w.active() { "true" } else { "false" });
+    s.push_str(",\"in_flight\":");
+    s.push_str(&w.in_flight.len().to_string());
+    if let Some(kinds) = &w.kinds {
+        s.push_str(",\"kinds\":[");
+        for (j, k) in kinds.iter().enumerate() {
+            if j > 0 {
+                s.push(',');
+            }
+            push_json_str(s, k);
+        }
+        s.push(']');
+    }
+    if let Some(c) = w.concurrency {
+        s.push_str(",\"concurrency\":");
+        s.push_str(&c.to_string());
+    }
+    if let Some(v) = &w.version {
+        s.push_str(",\"version\":");
+        push_json_str(s, v);
+    }
+    if let Some(n) = node {
+        s.push_str(",\"node\":");
+        push_json_str(s, n);
+    }
+    s.push('}');
+}
+
 /// Sends the advisory `cancel` for `id` to a worker.
 fn send_cancel(io: &mut dyn Io, worker: ConnRef, id: TaskId) {
     let mut buf = uuid::Uuid::encode_buffer();
@@ -1401,6 +1460,7 @@ pub fn human_ms(ms: u64) -> String {
     }
 }
 
+mod cluster;
 mod reach;
 mod storage;
 #[cfg(test)]

@@ -110,12 +110,22 @@ pub struct Store {
 impl Store {
     /// Starts the disk thread; `wake` is called after each answer is queued.
     pub fn start(dir: PathBuf, wake: Arc<dyn Fn() + Send + Sync>) -> io::Result<Store> {
+        let mut disk = Disk { dir, open: HashMap::new() };
+        Store::spawn("relay-disk", move |job| disk.run(job), wake)
+    }
+
+    /// Starts a thread that answers jobs with `run` (the disk here; the database in cluster
+    /// mode, `cluster::files`): the same protocol, so the reactor's transfers do not care.
+    pub fn spawn(
+        name: &str,
+        mut run: impl FnMut(Job) -> Option<Done> + Send + 'static,
+        wake: Arc<dyn Fn() + Send + Sync>,
+    ) -> io::Result<Store> {
         let (jobs_tx, jobs_rx) = channel::<Job>();
         let (done_tx, done_rx) = channel::<Done>();
-        std::thread::Builder::new().name("relay-disk".into()).spawn(move || {
-            let mut disk = Disk { dir, open: HashMap::new() };
+        std::thread::Builder::new().name(name.into()).spawn(move || {
             while let Ok(job) = jobs_rx.recv() {
-                if let Some(done) = disk.run(job) {
+                if let Some(done) = run(job) {
                     if done_tx.send(done).is_err() {
                         return;
                     }

@@ -42,12 +42,14 @@ pub struct Query {
     pub limit: usize,
     /// List tasks with a submission number strictly below this.
     pub below: u64,
+    /// Cluster mode's cursor: list tasks below this (created_ms, seq) (`cluster::render`).
+    pub at: Option<(u64, u64)>,
 }
 
 /// Parses the query string of `GET /tasks`. The error is the 400 message. Unknown parameters
 /// are ignored (cache busters); a known one given twice is an error.
 pub fn parse_query(query: &str) -> Result<Query, String> {
-    let mut q = Query { status: None, kind: None, limit: DEFAULT_LIMIT, below: u64::MAX };
+    let mut q = Query { status: None, kind: None, limit: DEFAULT_LIMIT, below: u64::MAX, at: None };
     let (mut seen_status, mut seen_kind, mut seen_limit, mut seen_cursor) = (false, false, false, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, raw) = pair.split_once('=').unwrap_or((pair, ""));
@@ -76,10 +78,18 @@ pub fn parse_query(query: &str) -> Result<Query, String> {
                     .filter(|n| (1..=MAX_LIMIT).contains(n) && value.bytes().all(|b| b.is_ascii_digit()))
                     .ok_or_else(|| format!("invalid limit {value:?} (an integer from 1 to {MAX_LIMIT})"))?;
             }
-            _ => q.below = decode_cursor(&value).ok_or_else(|| format!("invalid cursor {value:?}"))?,
+            _ => match crate::cluster::render::decode_cursor(&value) {
+                Some(at) => q.at = Some(at),
+                None => q.below = decode_cursor(&value).ok_or_else(|| format!("invalid cursor {value:?}"))?,
+            },
         }
     }
     Ok(q)
+}
+
+/// A status by its name.
+pub fn status_of(text: &str) -> Option<Status> {
+    parse_status(text)
 }
 
 fn parse_status(text: &str) -> Option<Status> {

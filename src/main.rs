@@ -52,7 +52,7 @@ fn serve() -> ExitCode {
     raise_fd_limit(cfg.max_connections);
 
     let flag = Arc::new(AtomicBool::new(false));
-    if cfg.data_dir.is_none() {
+    if cfg.data_dir.is_none() && cfg.database.is_none() {
         relay::log!(Level::Warn, "DATA_DIR is empty: tasks are kept in memory only and a restart loses them",);
     }
     let (server, waker) = match relay::reactor::Server::bind(cfg.clone(), flag.clone()) {
@@ -87,13 +87,6 @@ fn serve() -> ExitCode {
         version = env!("CARGO_PKG_VERSION"),
         max_connections = cfg.max_connections
     );
-    if let Some(db) = &cfg.database {
-        relay::log!(
-            Level::Warn,
-            "DATABASE_URL is set but cluster mode is not wired into the server yet: running as a single node",
-            database = db
-        );
-    }
     let result = server.run();
     let code = match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -44,6 +44,25 @@ pub struct Gauges {
     /// Finished tasks kept only in the journal.
     pub tasks_on_disk: usize,
     pub journal: Option<JournalGauges>,
+    /// Cluster mode's database figures.
+    pub cluster: Option<ClusterGauges>,
+}
+
+/// A cluster node's traffic with PostgreSQL (absent in single-node mode).
+#[derive(Default)]
+pub struct ClusterGauges {
+    pub up: bool,
+    pub committed: u64,
+    pub refused: u64,
+    pub lost: u64,
+    pub unreachable: u64,
+    pub statements: u64,
+    /// Transactions the database thread ran on its own (heartbeats, housekeeping).
+    pub background: u64,
+    pub tasks_inserted: u64,
+    pub tasks_claimed: u64,
+    pub attempts_ended: u64,
+    pub fenced: u64,
 }
 
 /// The journal's figures (absent in memory-only mode).
@@ -159,6 +178,35 @@ impl Metrics {
             );
             let _ = writeln!(w, "relay_journal_corrupt_records_total {}", j.corrupt_records);
         }
+        if let Some(c) = &g.cluster {
+            gauge(w, "relay_db_up", "1 while the database can be used (cluster mode).", usize::from(c.up));
+            counter_header(w, "relay_db_transactions_total", "Turn transactions by result (cluster mode).");
+            for (name, v) in
+                [("committed", c.committed), ("refused", c.refused), ("lost", c.lost), ("unreachable", c.unreachable)]
+            {
+                let _ = writeln!(w, "relay_db_transactions_total{{result=\"{name}\"}} {v}");
+            }
+            counter_header(
+                w,
+                "relay_db_background_transactions_total",
+                "Transactions besides the turns': heartbeats, housekeeping, notifications.",
+            );
+            let _ = writeln!(w, "relay_db_background_transactions_total {}", c.background);
+            counter_header(w, "relay_db_statements_total", "Statements sent in turn transactions.");
+            let _ = writeln!(w, "relay_db_statements_total {}", c.statements);
+            counter_header(w, "relay_db_tasks_inserted_total", "Tasks this node wrote to the database.");
+            let _ = writeln!(w, "relay_db_tasks_inserted_total {}", c.tasks_inserted);
+            counter_header(w, "relay_db_tasks_claimed_total", "Tasks this node claimed for its workers.");
+            let _ = writeln!(w, "relay_db_tasks_claimed_total {}", c.tasks_claimed);
+            counter_header(w, "relay_db_attempts_ended_total", "Attempt ends this node wrote.");
+            let _ = writeln!(w, "relay_db_attempts_ended_total {}", c.attempts_ended);
+            counter_header(
+                w,
+                "relay_db_writes_fenced_total",
+                "Attempt ends the database refused (the task was canceled or moved on).",
+            );
+            let _ = writeln!(w, "relay_db_writes_fenced_total {}", c.fenced);
+        }
         counter_header(w, "relay_http_requests_total", "HTTP responses by status code.");
         for (i, v) in self.http_requests.iter().enumerate().filter(|(_, v)| **v > 0) {
             let _ = writeln!(w, "relay_http_requests_total{{code=\"{}\"}} {v}", i + 100);
@@ -203,6 +251,7 @@ mod tests {
             finished_memory_bytes: 6,
             tasks_on_disk: 7,
             journal: Some(JournalGauges { corrupt_records: 8, ..JournalGauges::default() }),
+            cluster: Some(ClusterGauges { up: true, committed: 9, fenced: 10, ..ClusterGauges::default() }),
         };
         let text = m.render(&g);
         for line in [
@@ -217,6 +266,9 @@ mod tests {
             "relay_finished_tasks_memory_bytes 6",
             "relay_tasks_on_disk 7",
             "relay_journal_corrupt_records_total 8",
+            "relay_db_up 1",
+            "relay_db_transactions_total{result=\"committed\"} 9",
+            "relay_db_writes_fenced_total 10",
             "relay_http_requests_total{code=\"202\"} 1",
             "relay_task_duration_seconds_bucket{le=\"0.005\"} 1",
             "relay_task_duration_seconds_bucket{le=\"0.001\"} 0",

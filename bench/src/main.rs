@@ -3,6 +3,7 @@
 //! throughput, latency, memory and the ratios the performance targets are stated in.
 //! Everything it starts it stops by PID; every phase is bounded in time; it only targets loopback.
 
+mod cluster;
 mod floor;
 mod httpc;
 mod load;
@@ -33,6 +34,8 @@ scenarios (default: all):
   memory    N idle worker connections: relay RSS per connection
   startup   relay start-up time to listening and idle RSS
   pending   scheduled tasks (delay 1h), --pending-tasks of them: relay RSS per task
+  cluster   sync load on 1 node with its journal, 1 node on PostgreSQL, 2 nodes on one
+            PostgreSQL (issue 11; needs Debian's postgresql, skipped without it)
   all       every one of the above
 
 options:

@@ -23,7 +23,7 @@ pub const WORKER_TOKEN: &str = "bench-worker-token";
 const START_TIMEOUT: Duration = Duration::from_secs(10);
 const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tasks a fake worker may have in flight ("concurrency high").
-const WORKER_CONCURRENCY: u32 = 1024;
+pub(crate) const WORKER_CONCURRENCY: u32 = 1024;
 /// Idle connections per source address 127.0.0.x (ephemeral ports are per source address).
 const IDLE_PER_SOURCE: usize = 2000;
 const IDLE_CONNECT_THREADS: usize = 4;
@@ -33,7 +33,7 @@ const IDLE_SETTLE: Duration = Duration::from_secs(5);
 // ---------------------------------------------------------------- clients
 
 /// What a `PipeClient` takes from each answer.
-enum Keep {
+pub(crate) enum Keep {
     Nothing,
     /// The `task_id` of each answer (async submit), for the fetch phase.
     Ids(Vec<String>),
@@ -48,7 +48,7 @@ enum Keep {
 /// write, then reads. `depth` 1 is the closed loop: write one request, read its answer.
 /// Requests cycle through `reqs`; with a `budget` (shared by clients) it sends only that many in
 /// all. Any status but `expect` is an error, and drops the connection with what was in flight.
-struct PipeClient {
+pub(crate) struct PipeClient {
     addr: SocketAddr,
     depth: usize,
     reqs: Arc<Vec<Vec<u8>>>,
@@ -69,7 +69,7 @@ struct PipeClient {
 }
 
 impl PipeClient {
-    fn new(addr: SocketAddr, depth: usize, reqs: Arc<Vec<Vec<u8>>>, expect: u16, keep: Keep) -> PipeClient {
+    pub(crate) fn new(addr: SocketAddr, depth: usize, reqs: Arc<Vec<Vec<u8>>>, expect: u16, keep: Keep) -> PipeClient {
         PipeClient {
             addr,
             depth: depth.max(1),
@@ -217,7 +217,7 @@ impl Client for NatsRequester {
 // ---------------------------------------------------------------- servers
 
 /// A JSON object of exactly `bytes` bytes: `{"d":"xxx..."}`.
-fn payload(bytes: usize) -> String {
+pub(crate) fn payload(bytes: usize) -> String {
     let pad = bytes.saturating_sub(8).max(1);
     format!("{{\"d\":\"{}\"}}", "x".repeat(pad))
 }
@@ -226,7 +226,7 @@ fn scratch_dir() -> PathBuf {
     std::env::temp_dir().join(format!("relay-bench-{}", std::process::id()))
 }
 
-fn start_relay(opts: &Opts, binary: &Path, extra_env: &[(&str, String)]) -> Result<Server, String> {
+pub(crate) fn start_relay(opts: &Opts, binary: &Path, extra_env: &[(&str, String)]) -> Result<Server, String> {
     if !binary.exists() {
         return Err(format!("relay binary {} not found (build it: cargo build --release -p relay)", binary.display()));
     }
@@ -627,7 +627,7 @@ pub fn watchdog(limit: Duration) -> Arc<AtomicBool> {
 }
 
 pub fn run_all(opts: &Opts) -> Result<(), String> {
-    let known = ["all", "sync", "async", "nats", "floor", "latency", "memory", "startup", "pending"];
+    let known = ["all", "sync", "async", "nats", "floor", "latency", "memory", "startup", "pending", "cluster"];
     if let Some(bad) = opts.scenarios.iter().find(|s| !known.contains(&s.as_str())) {
         return Err(format!("unknown scenario {bad:?}"));
     }
@@ -713,11 +713,27 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
         step(&format!("relay with {} idle worker connections", opts.idle_conns));
         r.memory = keep(&mut r.failures, "memory", memory(opts));
     }
+    // Cluster mode (issue 11, `cluster.rs`): its own rounds and its own table.
+    let mut cluster_rounds = Vec::new();
+    if want("cluster") {
+        match crate::cluster::available() {
+            Ok(()) => {
+                for round in 1..=n {
+                    step(&format!("round {round}/{n}: cluster"));
+                    cluster_rounds.push(crate::cluster::round(opts, &step, &mut r.failures));
+                }
+            }
+            Err(e) => eprintln!("bench: *** cluster scenario SKIPPED: {e} ***"),
+        }
+    }
     step("done");
     r.load_after = loadavg();
     done.store(true, Ordering::Relaxed);
     let _ = std::fs::remove_dir_all(scratch_dir());
     print!("{}", report(opts, &r));
+    if !cluster_rounds.is_empty() {
+        print!("{}", crate::cluster::report(&cluster_rounds, opts));
+    }
     if r.failures.is_empty() { Ok(()) } else { Err(format!("{} scenario(s) failed", r.failures.len())) }
 }
 

@@ -18,7 +18,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -43,7 +43,8 @@ pub struct DbConfig {
     /// Requests waiting for the thread; beyond it [`Db::send`] answers `Busy`.
     pub max_queued_requests: usize,
     pub heartbeat_interval_ms: u64,
-    /// A node silent this long is dead (SPEC §11: at most PONG_WAIT + 5 s).
+    /// A node silent this long is dead. SPEC §11: its tasks return at most PONG_WAIT + 5 s after
+    /// its last heartbeat, and the reaper runs every second: PONG_WAIT + 4 s.
     pub lease_ms: u64,
     /// How often the reaper, queue expiry and retention run (each node; they skip locked rows).
     pub housekeeping_interval_ms: u64,
@@ -51,11 +52,15 @@ pub struct DbConfig {
     pub max_retries: u32,
     pub backoff_min_ms: u64,
     pub backoff_max_ms: u64,
+    /// Longest one transaction may take before the connection counts as broken (a database
+    /// that stops answering without closing it); the loop refuses new work after 2 s anyway.
     pub io_timeout_ms: u64,
     /// Channels to LISTEN on; [`Db::take_notified`] reports them by index.
     pub listen: Vec<&'static str>,
     /// Run housekeeping (tests of the API alone turn it off).
     pub housekeeping: bool,
+    /// Housekeeping also deletes expired files (`FILE_EXPIRE`).
+    pub files_housekeeping: bool,
 }
 
 impl DbConfig {
@@ -67,15 +72,16 @@ impl DbConfig {
             node_id,
             max_queued_requests: 1024,
             heartbeat_interval_ms: 1_000,
-            lease_ms: pong_wait_ms + 5_000,
+            lease_ms: pong_wait_ms + 4_000,
             housekeeping_interval_ms: 1_000,
             task_ttl_ms,
             max_retries,
             backoff_min_ms: 100,
             backoff_max_ms: 5_000,
-            io_timeout_ms: 10_000,
+            io_timeout_ms: 5_000,
             listen: vec![sql::CHANNEL_PENDING, sql::CHANNEL_CANCEL, sql::CHANNEL_TOKENS, sql::CHANNEL_FINISHED],
             housekeeping: true,
+            files_housekeeping: true,
         }
     }
 }
@@ -149,6 +155,11 @@ struct Shared {
     to_notify: AtomicU64,
     stop: AtomicBool,
     wake: Arc<dyn Fn() + Send + Sync>,
+    /// Transactions the thread ran on its own (heartbeats, housekeeping, notifications).
+    background: AtomicU64,
+    /// The backend PID of the `relay-db` session: what it notifies, this node knows already
+    /// (the listener ignores it; the slow poll covers what housekeeping changed).
+    own_pid: AtomicI32,
 }
 
 impl Shared {
@@ -158,6 +169,16 @@ impl Shared {
             Health::Unreachable => 0,
         };
         self.health.swap(v, Ordering::SeqCst) != v
+    }
+}
+
+/// [`Db::health`] for another thread.
+#[derive(Clone)]
+pub struct HealthProbe(Arc<Shared>);
+
+impl HealthProbe {
+    pub fn health(&self) -> Health {
+        if self.0.health.load(Ordering::SeqCst) == 1 { Health::Ok } else { Health::Unreachable }
     }
 }
 
@@ -182,6 +203,8 @@ impl Db {
             to_notify: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             wake,
+            background: AtomicU64::new(0),
+            own_pid: AtomicI32::new(0),
         });
         let listen = cfg.listen.clone();
         let mut threads = Vec::new();
@@ -195,7 +218,12 @@ impl Db {
     }
 
     pub fn health(&self) -> Health {
-        if self.shared.health.load(Ordering::SeqCst) == 1 { Health::Ok } else { Health::Unreachable }
+        self.probe().health()
+    }
+
+    /// The database's health as other threads (the files thread) can see it.
+    pub fn probe(&self) -> HealthProbe {
+        HealthProbe(self.shared.clone())
     }
 
     /// Queues a transaction. Refused at once while the database is unreachable or the queue is
@@ -210,6 +238,12 @@ impl Db {
             Err(TrySendError::Full(req)) => Err(SendError::Busy(req)),
             Err(TrySendError::Disconnected(req)) => Err(SendError::Stopped(req)),
         }
+    }
+
+    /// Transactions the database thread ran besides the loop's requests (heartbeats,
+    /// housekeeping, notifications), for the transactions-per-task figure.
+    pub fn background_transactions(&self) -> u64 {
+        self.shared.background.load(Ordering::Relaxed)
     }
 
     /// Moves every reply that arrived into `out`.
@@ -350,6 +384,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             }
         };
         let connected_at = Instant::now();
+        shared.own_pid.store(conn.backend_pid(), Ordering::SeqCst);
         // Heartbeat before declaring health, so this node is alive in the table first.
         if let Err(e) = conn.pipeline(&[heartbeat(&cfg, started_ms)]) {
             crate::log!(Level::Warn, "database heartbeat failed", error = &e);
@@ -385,6 +420,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             let mut broken = broken;
             if broken.is_none() && Instant::now() >= next_heartbeat {
                 next_heartbeat = Instant::now() + Duration::from_millis(cfg.heartbeat_interval_ms);
+                shared.background.fetch_add(1, Ordering::Relaxed);
                 broken = conn.pipeline(&[heartbeat(&cfg, started_ms)]).err().filter(PgError::is_fatal);
             }
             if broken.is_none() && cfg.housekeeping && Instant::now() >= next_housekeeping {
@@ -392,7 +428,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 // The reaper waits one lease after this node (re)connected: after a database
                 // restart the UNLOGGED heartbeats are gone until every live node beat again.
                 let reap = connected_at.elapsed() >= Duration::from_millis(cfg.lease_ms);
-                broken = housekeeping(&cfg, &mut conn, reap);
+                broken = housekeeping(&cfg, &shared, &mut conn, reap);
             }
             if let Some(e) = broken {
                 crate::log!(Level::Warn, "database connection lost", error = &e);
@@ -450,28 +486,48 @@ fn flush_notifies(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<Pg
     if stmts.is_empty() {
         return None;
     }
+    shared.background.fetch_add(1, Ordering::Relaxed);
     conn.pipeline(&stmts).err().filter(PgError::is_fatal)
 }
 
 /// Reaper (when `reap`), queue expiry and retention, each its own transaction. Only a broken
 /// connection is returned; a refused statement is logged.
-fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> {
+fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn, reap: bool) -> Option<PgError> {
     let now_ms = crate::timefmt::wall_ms() as i64;
-    let mut jobs: Vec<(&str, Vec<Stmt>)> = Vec::new();
+    // (job, statement, channels to notify when it changed rows: tasks went back to pending, or
+    // became final and may have waiters on any node)
+    let mut jobs: Vec<(&str, Stmt, &[&str])> = Vec::new();
     if reap {
-        jobs.push(("reap", vec![sql::reap_dead_nodes(cfg.lease_ms, cfg.max_retries, now_ms), notify_pending()]));
+        let reap = sql::reap_dead_nodes(cfg.lease_ms, cfg.max_retries, now_ms);
+        jobs.push(("reap", reap, &[sql::CHANNEL_PENDING, sql::CHANNEL_FINISHED]));
         // Under the same grace rule: after a database restart the UNLOGGED worker registry is
         // empty until every node wrote its workers again.
-        jobs.push(("unplaceable", vec![sql::fail_unplaceable(cfg.lease_ms, now_ms)]));
+        jobs.push(("unplaceable", sql::fail_unplaceable(cfg.lease_ms, now_ms), &[sql::CHANNEL_FINISHED]));
     }
-    jobs.push(("expire", vec![sql::expire_in_queue(now_ms, cfg.task_ttl_ms)]));
-    jobs.push(("retention", vec![sql::retention(now_ms, cfg.task_ttl_ms)]));
-    for (what, stmts) in jobs {
-        match conn.pipeline(&stmts) {
+    jobs.push(("expire", sql::expire_in_queue(now_ms, cfg.task_ttl_ms), &[sql::CHANNEL_FINISHED]));
+    jobs.push(("retention", sql::retention(now_ms, cfg.task_ttl_ms), &[]));
+    jobs.push(("nodes", Stmt::new(sql::FORGET_NODES, vec![]), &[]));
+    if cfg.files_housekeeping {
+        jobs.push(("files", Stmt::new(sql::FILE_EXPIRE, vec![now_ms.into()]), &[]));
+    }
+    for (what, stmt, channels) in jobs {
+        let mut stmts = vec![stmt];
+        stmts.extend(channels.iter().map(|c| Stmt::new(sql::NOTIFY, vec![Param::from(*c)])));
+        // The statement alone first; only when it changed rows do its notifications follow (an
+        // idle cluster is not woken every second for nothing).
+        shared.background.fetch_add(1, Ordering::Relaxed);
+        match conn.pipeline(&stmts[..1]) {
             Ok(rows) => {
                 let n = rows.first().map_or(0, |r| r.affected);
                 if n > 0 {
+                    shared.background.fetch_add(1, Ordering::Relaxed);
                     crate::log!(Level::Debug, "database housekeeping", job = what, rows = n);
+                    if stmts.len() > 1
+                        && let Err(e) = conn.pipeline(&stmts[1..])
+                        && e.is_fatal()
+                    {
+                        return Some(e);
+                    }
                 }
             }
             Err(e) if e.is_fatal() => return Some(e),
@@ -479,10 +535,6 @@ fn housekeeping(cfg: &DbConfig, conn: &mut Conn, reap: bool) -> Option<PgError> 
         }
     }
     None
-}
-
-fn notify_pending() -> Stmt {
-    Stmt::new(sql::NOTIFY, vec![Param::from(sql::CHANNEL_PENDING)])
 }
 
 /// The `relay-db-listen` thread.
@@ -514,13 +566,16 @@ fn listener(cfg: DbConfig, shared: Arc<Shared>) {
             }
             match conn.wait_notification(Duration::from_millis(250)) {
                 Ok(Some(n)) => {
+                    let own = shared.own_pid.load(Ordering::SeqCst);
                     let mut bits = 0u64;
-                    if let Some(i) = cfg.listen.iter().position(|c| *c == n.channel) {
+                    // (This node's own transactions say what it knows already.)
+                    if let Some(i) = cfg.listen.iter().position(|c| *c == n.channel).filter(|_| n.pid != own) {
                         bits |= 1 << i;
                     }
                     // Take whatever else is already here, so one wake covers a burst.
                     while let Ok(Some(more)) = conn.wait_notification(Duration::ZERO) {
-                        if let Some(i) = cfg.listen.iter().position(|c| *c == more.channel) {
+                        if let Some(i) = cfg.listen.iter().position(|c| *c == more.channel).filter(|_| more.pid != own)
+                        {
                             bits |= 1 << i;
                         }
                     }

@@ -8,8 +8,14 @@
 //! - `sql`: every statement the cluster runs, with builders for their parameters.
 //! - `db`: the database threads and the loop's non-blocking handle on them.
 //! - `tokens`: the scoped-token registry in the database (`relay token` with DATABASE_URL).
+//! - `node`: a node's state in the core (what the next turn transaction carries, caches).
+//! - `files`: uploads and downloads through the database (a thread of their own).
+//! - `render`: task JSON, listing pages and `/clients` entries from database rows (pure).
 
 pub mod db;
+pub mod files;
+pub mod node;
+pub mod render;
 pub mod schema;
 pub mod sql;
 pub mod tokens;

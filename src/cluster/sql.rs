@@ -142,9 +142,9 @@ pub const PENDING_TOTALS: &str = "SELECT count(*), coalesce(sum(payload_bytes), 
 // Claim and dispatch.
 
 /// Claims up to $6 due tasks for one idle worker of this node and opens their attempt on it:
-/// the worker ($3 client id, $4 IP) takes kinds $5 (NULL: every kind, tasks without a kind
-/// included) and must not have tried the task. The pending row goes, the task becomes
-/// dispatched to this node ($1, shown as $2 in the attempt_log), its attempt number (the
+/// the worker ($3 client id, $4 IP) declared no kinds ($5 NULL) and takes every task, those
+/// without a kind included ([`CLAIM_KINDS`] is the same for a worker with kinds), and must not
+/// have tried the task. The pending row goes, the task becomes dispatched to this node ($1, shown as $2 in the attempt_log), its attempt number (the
 /// fencing number) grows by one, the worker joins `tried`, and the attempt_log gains the entry
 /// (started at $8). $7 now_ms (due time). Rows locked by another claim are skipped, never
 /// waited for. A node sends one such statement per worker with free slots (limit = its free
@@ -152,8 +152,7 @@ pub const PENDING_TOTALS: &str = "SELECT count(*), coalesce(sum(payload_bytes), 
 /// transaction does not see the tasks an earlier one took.
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
-       WHERE due_ms <= $7::int8 AND ($5::text[] IS NULL OR kind = ANY($5::text[]))
-         AND NOT ($3::uuid = ANY(tried))
+       WHERE $5::text[] IS NULL AND due_ms <= $7::int8 AND NOT ($3::uuid = ANY(tried))
        ORDER BY due_ms, seq
        LIMIT $6::int4
        FOR UPDATE SKIP LOCKED
@@ -166,7 +165,28 @@ pub const CLAIM: &str = "WITH c AS (
          'num', t.attempt + 1, 'client_id', $3::uuid, 'client_ip', $4::text, 'node', $2::text,
          'started_ms', $8::int8))
      FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq";
+     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq, t.tried::text,
+       t.created_ms";
+
+/// [`CLAIM`] for a worker that declared kinds ($5): a statement of its own, so that its plan
+/// can look the kinds up in `relay_pending_kind_due` whatever plan the other one settled on.
+pub const CLAIM_KINDS: &str = "WITH c AS (
+       SELECT task_id FROM relay_pending
+       WHERE kind = ANY($5::text[]) AND due_ms <= $7::int8 AND NOT ($3::uuid = ANY(tried))
+       ORDER BY due_ms, seq
+       LIMIT $6::int4
+       FOR UPDATE SKIP LOCKED
+     ), d AS (
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id
+     )
+     UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1,
+       tried = t.tried || $3::uuid,
+       attempt_log = t.attempt_log || jsonb_build_array(jsonb_build_object(
+         'num', t.attempt + 1, 'client_id', $3::uuid, 'client_ip', $4::text, 'node', $2::text,
+         'started_ms', $8::int8))
+     FROM d WHERE t.id = d.task_id AND t.status = 'pending'
+     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq, t.tried::text,
+       t.created_ms";
 
 /// One idle worker to claim for.
 #[derive(Debug, Clone)]
@@ -180,7 +200,7 @@ pub struct ClaimFor<'a> {
 
 pub fn claim(node: &str, node_name: &str, w: &ClaimFor<'_>, now_ms: u64) -> Stmt {
     Stmt::new(
-        CLAIM,
+        if w.kinds.is_some() { CLAIM_KINDS } else { CLAIM },
         vec![
             node.into(),
             node_name.into(),
@@ -207,6 +227,20 @@ pub const UNCLAIM: &str = "WITH u AS (
      )
      INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
      SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u RETURNING task_id::text";
+
+/// After a transaction that claimed was lost (the connection broke: it may have committed),
+/// every task the database says this node ($1) runs but the node does not know ($2: the ids
+/// it runs) goes back to pending as [`UNCLAIM`] does: the node never sent it.
+pub const RELEASE_ORPHANS: &str = "WITH u AS (
+       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1,
+         attempt_log = t.attempt_log - (t.attempt - 1),
+         tried = t.tried[1:cardinality(t.tried) - 1]
+       WHERE t.owner_node = $1::uuid AND t.status = 'dispatched' AND NOT (t.id = ANY($2::uuid[]))
+       RETURNING t.id, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
+     )
+     INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
+     SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u
+     ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 pub fn unclaim(node: &str, claimed: &[(&str, u32)]) -> Stmt {
     let attempts: Vec<String> = claimed.iter().map(|c| c.1.to_string()).collect();
@@ -298,29 +332,68 @@ pub const GET_TASK: &str = "SELECT id::text, status, kind, payload, created_ms, 
             client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
      FROM relay_tasks WHERE id = $1::uuid";
 
-/// $1 task ids → the final ones among them (wait=true waiters poll this after a
-/// `relay_finished` notification or their slow poll).
-pub const FINISHED_AMONG: &str = "SELECT id::text, status FROM relay_tasks
-     WHERE id = ANY($1::uuid[]) AND status IN ('done', 'failed', 'canceled')";
+/// $1 task ids → those tasks as the API shows them ([`GET_TASK`]'s columns but the payload,
+/// which no answer carries): every read of a turn in one statement.
+pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
+            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
+     FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
-/// Listing, newest first: $1 status or NULL, $2 kind or NULL, $3 kinds allowed (NULL = all,
-/// for the root token), $4/$5 cursor (created_ms, seq) or NULL, $6 limit + 1.
-pub const LIST_TASKS: &str = "SELECT id::text, status, kind, created_ms, seq FROM relay_tasks
-     WHERE ($1::text IS NULL OR status = $1::text)
-       AND ($2::text IS NULL OR kind = $2::text)
-       AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
-       AND ($4::int8 IS NULL OR (created_ms, seq) < ($4::int8, $5::int8))
-     ORDER BY created_ms DESC, seq DESC LIMIT $6::int4";
+/// $1 task ids → the final ones among them, with [`GET_TASKS`]'s columns (wait=true waiters
+/// ask after a `relay_finished` notification, after their own node ended attempts, and every
+/// second; the owner of canceled tasks asks after a `relay_cancel` notification). Written as a
+/// join on the ids so that every plan looks each id up by its key: `id = ANY(..) AND status
+/// IN (..)` let a generic plan intersect with the status index, which walks every finished
+/// task in the table.
+pub const FINISHED_AMONG: &str =
+    "SELECT t.id::text, t.status, t.kind, t.created_ms, t.run_at_ms, t.finished_ms, t.result,
+            t.error, t.client_id::text, t.client_ip, t.attempt, t.attempt_log::text, t.owner_node::text
+     FROM unnest($1::uuid[]) AS k(id) JOIN relay_tasks t ON t.id = k.id
+     WHERE t.status IN ('done', 'failed', 'canceled')";
+
+/// Listing, newest first, one bounded walk down `relay_tasks_list` (every plan can use it: no
+/// optional condition touches the walk): the $8 tasks below the cursor ($4, $5: created_ms, seq;
+/// the largest int8s for the first page) are looked at, and those matching $1 status, $2 kind
+/// and $3 kinds allowed (NULL: any) are listed, $6 (limit + 1) at most, stopping at the first
+/// task past $7 bytes of results (results are up to MAX_MESSAGE_SIZE each). Columns: those of
+/// [`GET_TASKS`], `seq`, then on every row how many tasks the walk looked at and the (created_ms,
+/// seq) where it stopped (one row of NULL task columns when none matched): a page that ran out
+/// of walk continues from there, as a single node's listing does.
+pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
+       SELECT id, status, kind, created_ms, seq FROM relay_tasks
+       WHERE (created_ms, seq) < ($4::int8, $5::int8)
+       ORDER BY created_ms DESC, seq DESC LIMIT $8::int4
+     ), m AS (
+       SELECT id FROM s
+       WHERE ($1::text IS NULL OR status = $1::text)
+         AND ($2::text IS NULL OR kind = $2::text)
+         AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
+       ORDER BY created_ms DESC, seq DESC LIMIT $6::int4
+     ), page AS (
+       SELECT t.*, coalesce(sum(octet_length(t.result)) OVER (ORDER BY t.created_ms DESC, t.seq DESC
+                 ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
+       FROM m JOIN relay_tasks t ON t.id = m.id
+     ), walked AS (
+       SELECT count(*) AS n FROM s
+     ), stop AS (
+       SELECT created_ms, seq FROM s ORDER BY created_ms, seq LIMIT 1
+     )
+     SELECT p.id::text, p.status, p.kind, p.created_ms, p.run_at_ms, p.finished_ms, p.result, p.error,
+            p.client_id::text, p.client_ip, p.attempt, p.attempt_log::text, p.owner_node::text, p.seq,
+            walked.n, stop.created_ms, stop.seq
+     FROM walked LEFT JOIN stop ON true LEFT JOIN page p ON p.before < $7::int8
+     ORDER BY p.created_ms DESC, p.seq DESC";
 
 // ---------------------------------------------------------------------------------------------
 // Cancel.
 
-/// $1 task id, $2 now_ms: cancels a pending or dispatched task; returns the node that was
-/// running it (NULL if pending), so that node is told through `relay_cancel` to send `cancel`
-/// to its worker. No row: unknown or already final.
+/// $1 task id, $2 now_ms, $3 kinds the caller may cancel (NULL: all, the root token): cancels a
+/// pending or dispatched task; returns the node that was running it (NULL if pending), so that
+/// node is told through `relay_cancel` to send `cancel` to its worker. No row: unknown, already
+/// final, or of a kind the caller may not touch.
 pub const CANCEL: &str = "WITH old AS (
        SELECT id, status, owner_node, attempt FROM relay_tasks
-       WHERE id = $1::uuid AND status IN ('pending', 'dispatched') FOR UPDATE
+       WHERE id = $1::uuid AND status IN ('pending', 'dispatched')
+         AND ($3::text[] IS NULL OR kind = ANY($3::text[])) FOR UPDATE
      ), dp AS (
        DELETE FROM relay_pending p USING old WHERE p.task_id = old.id
      ), u AS (
@@ -407,10 +480,29 @@ pub fn fail_unplaceable(lease_ms: u64, now_ms: i64) -> Stmt {
     Stmt::new(FAIL_UNPLACEABLE, vec![(lease_ms as i64).into(), now_ms.into()])
 }
 
-/// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms.
+/// Nodes silent for an hour are forgotten (a restarted relay is a new node: without this their
+/// rows would pile up), and the counter rows of every node not heard from for an hour are
+/// folded into the zero node's (sums unchanged; a live node's next change writes a fresh row).
+pub const FORGET_NODES: &str = "WITH gone AS (
+       DELETE FROM relay_nodes WHERE heartbeat_ms < relay_now_ms() - 3600000
+     ), folded AS (
+       DELETE FROM relay_counters c
+       WHERE c.node_id <> '00000000-0000-0000-0000-000000000000'::uuid
+         AND NOT EXISTS (SELECT 1 FROM relay_nodes n
+                         WHERE n.node_id = c.node_id AND n.heartbeat_ms > relay_now_ms() - 3600000)
+       RETURNING c.status, c.n
+     )
+     INSERT INTO relay_counters (node_id, status, n)
+     SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status
+     ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n";
+
+/// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms. A retry
+/// never expires in the queue (SPEC §5): it fails when no untried worker is left
+/// ([`FAIL_UNPLACEABLE`]) or runs when one frees up.
 pub const EXPIRE_IN_QUEUE: &str = "WITH e AS (
        DELETE FROM relay_pending p
-       WHERE p.task_id IN (SELECT task_id FROM relay_pending WHERE due_ms < $1::int8 - $2::int8
+       WHERE p.task_id IN (SELECT task_id FROM relay_pending
+                           WHERE due_ms < $1::int8 - $2::int8 AND cardinality(tried) = 0
                            ORDER BY due_ms LIMIT 5000 FOR UPDATE SKIP LOCKED)
        RETURNING p.task_id
      )
@@ -451,10 +543,15 @@ pub const UPSERT_WORKERS: &str = "INSERT INTO relay_workers
 /// $1 client ids that left this node.
 pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = ANY($1::uuid[])";
 
+/// Every row of this node ($1) but its workers connected now ($2): after an outage, or when
+/// more workers left than the node keeps track of, instead of [`DELETE_WORKERS`].
+pub const RESYNC_WORKERS: &str =
+    "DELETE FROM relay_workers WHERE node_id = $1::uuid AND NOT (client_id = ANY($2::uuid[]))";
+
 /// /clients: every worker of every live node ($1 lease_ms), with its node's name.
 pub const LIST_WORKERS: &str =
     "SELECT w.client_id::text, w.ip, w.connected_ms, array_to_json(w.kinds)::text, w.concurrency,
-            w.in_flight, w.active, w.version, n.name
+            w.in_flight, w.active, w.version, n.name, w.node_id::text
      FROM relay_workers w JOIN relay_nodes n ON n.node_id = w.node_id
      WHERE n.heartbeat_ms > relay_now_ms() - $1::int8
      ORDER BY w.connected_ms, w.client_id";
@@ -496,8 +593,10 @@ pub const FILE_BEGIN: &str =
 /// $1 file id, $2 chunk number, $3 the bytes (binary parameter).
 pub const FILE_CHUNK: &str = "INSERT INTO relay_file_chunks (file_id, n, data) VALUES ($1::uuid, $2::int4, $3::bytea)";
 
-/// $1 file id, $2 size, $3 sha256 hex.
-pub const FILE_COMPLETE: &str = "UPDATE relay_files SET size = $2::int8, sha256 = $3::text, complete = true
+/// $1 file id, $2 size, $3 sha256 hex, $4 filename, $5 content type, $6 expires_ms (the name
+/// and type are known once the part's headers were parsed; the upload began before).
+pub const FILE_COMPLETE: &str = "UPDATE relay_files SET size = $2::int8, sha256 = $3::text, filename = $4::text,
+       content_type = $5::text, expires_ms = $6::int8, complete = true
      WHERE file_id = $1::uuid AND NOT complete";
 
 /// $1 file id, $2 now_ms → its metadata if complete and not expired.
@@ -529,18 +628,23 @@ pub const ALL: &[(&str, &str)] = &[
     ("IDEMPOTENT_LOOKUP", IDEMPOTENT_LOOKUP),
     ("PENDING_TOTALS", PENDING_TOTALS),
     ("CLAIM", CLAIM),
+    ("CLAIM_KINDS", CLAIM_KINDS),
     ("UNCLAIM", UNCLAIM),
+    ("RELEASE_ORPHANS", RELEASE_ORPHANS),
     ("ATTEMPT_ENDED", ATTEMPT_ENDED),
     ("GET_TASK", GET_TASK),
+    ("GET_TASKS", GET_TASKS),
     ("FINISHED_AMONG", FINISHED_AMONG),
     ("LIST_TASKS", LIST_TASKS),
     ("CANCEL", CANCEL),
     ("REAP_DEAD_NODES", REAP_DEAD_NODES),
     ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
+    ("FORGET_NODES", FORGET_NODES),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),
     ("RETENTION", RETENTION),
     ("UPSERT_WORKERS", UPSERT_WORKERS),
     ("DELETE_WORKERS", DELETE_WORKERS),
+    ("RESYNC_WORKERS", RESYNC_WORKERS),
     ("LIST_WORKERS", LIST_WORKERS),
     ("COUNTS", COUNTS),
     ("TOKEN_INSERT", TOKEN_INSERT),

@@ -108,9 +108,12 @@ pub struct TokenCache {
     revoked: HashMap<String, bool>,
     /// The highest `changed` applied: the next refresh asks for rows above it.
     high_water: i64,
-    /// Monotonic time of the last successful refresh; `None` before the first.
+    /// Time of the last successful refresh (the caller's clock: the node passes the wall
+    /// clock); `None` before the first.
     refreshed_ms: Option<u64>,
     overflowed: bool,
+    /// Grows with every refresh (requests waiting for one are woken when it changes).
+    generation: u64,
 }
 
 impl TokenCache {
@@ -132,6 +135,17 @@ impl TokenCache {
             self.high_water = self.high_water.max(changed);
         }
         self.refreshed_ms = Some(now_ms);
+        self.generation += 1;
+    }
+
+    /// When the last refresh was made, if any.
+    pub fn refreshed_at(&self) -> Option<u64> {
+        self.refreshed_ms
+    }
+
+    /// How many refreshes were applied.
+    pub fn generation(&self) -> u64 {
+        self.generation
     }
 
     /// What the registry says about `jti`, if the cache is fresh enough to say it.

@@ -152,6 +152,21 @@ pub struct Row {
 }
 
 impl Row {
+    /// A row of text columns (`None`: NULL), as the server would send it (for tests of what is
+    /// made from rows).
+    pub fn from_texts(columns: &[Option<&str>]) -> Row {
+        let mut data = Vec::new();
+        let mut ranges = Vec::with_capacity(columns.len());
+        for c in columns {
+            ranges.push(c.map(|text| {
+                let start = data.len();
+                data.extend_from_slice(text.as_bytes());
+                start..data.len()
+            }));
+        }
+        Row { data: Bytes::from(data), ranges }
+    }
+
     pub fn len(&self) -> usize {
         self.ranges.len()
     }
@@ -199,6 +214,8 @@ pub struct Rows {
 pub struct Notification {
     pub channel: String,
     pub payload: String,
+    /// The backend (session) whose transaction sent it.
+    pub pid: i32,
 }
 
 enum Stream {
@@ -596,8 +613,11 @@ impl Conn {
             if self.notifications.len() >= MAX_QUEUED_NOTIFICATIONS {
                 self.notifications.pop_front();
             }
-            self.notifications
-                .push_back(Notification { channel: body.channel()?.to_string(), payload: body.message()?.to_string() });
+            self.notifications.push_back(Notification {
+                channel: body.channel()?.to_string(),
+                payload: body.message()?.to_string(),
+                pid: body.process_id(),
+            });
         }
         Ok(msg)
     }

@@ -9,7 +9,8 @@ impl Core {
     /// Every record up to this sequence number is on disk (memory-only mode: everything).
     pub fn durable_lsn(&self) -> u64 {
         match &self.storage {
-            Storage::Memory => u64::MAX,
+            // (Cluster mode holds answers until their transaction's reply instead.)
+            Storage::Memory | Storage::Cluster(_) => u64::MAX,
             Storage::Journal(j) => j.durable_lsn(),
         }
     }
@@ -17,7 +18,7 @@ impl Core {
     pub fn journal(&self) -> Option<&Journal> {
         match &self.storage {
             Storage::Journal(j) => Some(j),
-            Storage::Memory => None,
+            Storage::Memory | Storage::Cluster(_) => None,
         }
     }
 
@@ -75,7 +76,7 @@ impl Core {
                         },
                     );
                 }
-                Storage::Memory => {
+                Storage::Memory | Storage::Cluster(_) => {
                     self.status_counts[task.status.index()] -= 1;
                     self.by_submission.remove(&task.submit_seq);
                     if !self.logged_forgetting {

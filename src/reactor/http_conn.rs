@@ -275,16 +275,24 @@ impl Server {
         };
         let answer = {
             let (mut wire, core, api) = self.wire_and_api();
-            api.batch_step(core, &mut wire, &mut batch)
+            api.batch_step(core, &mut wire, r, &mut batch)
         };
         let durable = self.core.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };
-        let Some(response) = answer else {
-            http.phase = Phase::Batch { batch, keep_alive };
-            // The next slice next turn, after others had theirs.
-            self.again.push(r);
-            return false;
+        let response = match answer {
+            None => {
+                http.phase = Phase::Batch { batch, keep_alive };
+                // The next slice next turn, after others had theirs.
+                self.again.push(r);
+                return false;
+            }
+            Some(Handled::Respond(response)) => response,
+            Some(_) => {
+                // Cluster mode: answered when the database has every item.
+                http.phase = Phase::Held { keep_alive, head_only: false };
+                return false;
+            }
         };
         self.core.metrics.http_request(response.status);
         let close = !keep_alive || self.shutdown_started;

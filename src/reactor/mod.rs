@@ -24,6 +24,7 @@ use tungstenite::protocol::frame::coding::CloseCode;
 
 use std::collections::HashMap;
 
+mod cluster;
 mod disk_budget;
 mod http_conn;
 mod transfer;
@@ -343,6 +344,8 @@ pub struct Server {
     accept_pending: bool,
     shutdown_flag: Arc<AtomicBool>,
     shutdown_started: bool,
+    /// SHUTDOWN_TIMEOUT passed.
+    shutdown_expired: bool,
     max_ws_out_bytes: usize,
     /// Input an HTTP connection may buffer: a head, the largest body, and a little more.
     http_input_cap: usize,
@@ -387,22 +390,38 @@ impl Server {
             0,
             crate::timefmt::wall_ms(),
         );
+        let auth = crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token);
+        let token_cache = std::rc::Rc::new(std::cell::RefCell::new(crate::cluster::tokens::TokenCache::default()));
+        let auth = match &cfg.database {
+            // Cluster mode: the node's cache of the database's registry (its turn transactions
+            // refresh it).
+            Some(_) => auth.with_db_tokens(cfg.token_secret.as_deref(), token_cache.clone()),
+            None => auth.with_scoped_tokens(cfg.token_secret.as_deref(), &cfg.token_store),
+        };
         let api = Api {
-            auth: crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token)
-                .with_scoped_tokens(cfg.token_secret.as_deref(), &cfg.token_store),
+            auth,
             max_message_bytes: cfg.max_message_bytes,
             max_batch_bytes: cfg.max_batch_bytes,
             max_file_bytes: cfg.max_file_bytes,
         };
         let disk_waker = waker.clone();
-        let store = Store::start(
-            cfg.blob_dir.clone(),
-            Arc::new(move || {
-                let _ = disk_waker.wake();
-            }),
-        )?;
+        let wake_disk: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+            let _ = disk_waker.wake();
+        });
+        // Cluster mode keeps files in the database, where every node can read them.
+        let (store, node) = match &cfg.database {
+            Some(params) => {
+                let node = cluster::start_node(&cfg, params, local_addr.port(), waker.clone(), token_cache)?;
+                let store = crate::cluster::files::start(params.clone(), node.db.probe(), cfg.blob_ttl_ms, wake_disk)?;
+                (store, Some(node))
+            }
+            None => (Store::start(cfg.blob_dir.clone(), wake_disk)?, None),
+        };
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
-        if let Some(dir) = &cfg.data_dir {
+        if let Some(node) = node {
+            core.storage = crate::dispatch::Storage::Cluster(Box::new(node));
+            core.wheel.arm(0, Timer::ClusterTick);
+        } else if let Some(dir) = &cfg.data_dir {
             let journal_waker = waker.clone();
             let wake: crate::journal::thread::Wake = Arc::new(move || {
                 let _ = journal_waker.wake();
@@ -459,6 +478,7 @@ impl Server {
             accept_pending: false,
             shutdown_flag,
             shutdown_started: false,
+            shutdown_expired: false,
             max_ws_out_bytes,
             http_input_cap: MAX_HEAD_BYTES + cfg_max_body + 4096,
             store,
@@ -524,6 +544,15 @@ impl Server {
                     WAKER => {
                         self.on_disk_done();
                         self.on_journal()?;
+                        {
+                            let (mut wire, core) = self.wire();
+                            core.cluster_on_wake(&mut wire);
+                        }
+                        if !self.journal_full() && !self.journal_blocked.is_empty() {
+                            // Cluster mode: submits held back for the insert backlog resume.
+                            self.again.append(&mut self.journal_blocked);
+                        }
+                        // (After the node's replies: a token refresh may answer waiting requests.)
                         if self.api.auth.poll_registry() {
                             self.resume_auth_waiters();
                         }
@@ -547,11 +576,20 @@ impl Server {
             }
             self.fire_timers();
             self.process_again();
-            // The turn's records go to the journal before its answers are written, so the sync
-            // runs while the rest of the output leaves.
+            // The turn's records go to the journal (or, in cluster mode, the database) before
+            // its answers are written, so the sync runs while the rest of the output leaves.
+            {
+                let (mut wire, core) = self.wire();
+                core.cluster_end_turn(&mut wire);
+            }
             self.core.end_turn();
             self.flush_dirty();
-            if self.shutdown_started && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.is_empty()))
+            // (Cluster mode: the attempts handed back at shutdown are written first, unless the
+            // database is unreachable or SHUTDOWN_TIMEOUT passed.)
+            let flushed = self.core.cluster_flushed() || self.shutdown_expired;
+            if self.shutdown_started
+                && flushed
+                && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.is_empty()))
             {
                 // (With timers and journal waits gone, nothing could ever end the remaining
                 // connections.) Everything accepted is made durable before the exit.
@@ -603,9 +641,11 @@ impl Server {
         Ok(())
     }
 
-    /// Too many journal bytes wait for the disk: new submits wait (backpressure).
+    /// Too many journal bytes wait for the disk (or, in cluster mode, submitted payloads for
+    /// the database): new submits wait (backpressure).
     fn journal_full(&self) -> bool {
         self.core.journal().is_some_and(|j| j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
+            || self.core.cluster_backlog_full()
     }
 
     // ----- accepting -------------------------------------------------------------------------
@@ -685,6 +725,7 @@ impl Server {
                     self.core.wheel.arm(self.now_ms + BLOB_SWEEP_MS, Timer::BlobSweep);
                 }
                 Timer::ShutdownDeadline => {
+                    self.shutdown_expired = true;
                     crate::log!(
                         Level::Warn,
                         "shutdown timeout: closing remaining connections",

@@ -268,7 +268,8 @@ impl Server {
                         error = e
                     );
                     if let Some(r) = self.transfers.get(&t).copied() {
-                        self.respond_and_close(r, crate::api::error(500, "cannot store the file"));
+                        let response = self.store_failed("cannot store the file");
+                        self.respond_and_close(r, response);
                     }
                 }
                 Done::Created { result: Ok(()), .. } => {}
@@ -304,7 +305,8 @@ impl Server {
             Err(e) => {
                 crate::log!(Level::Error, "cannot store an upload", error = e);
                 if let Some(r) = r {
-                    self.respond_and_close(r, crate::api::error(500, "cannot store the file"));
+                    let response = self.store_failed("cannot store the file");
+                    self.respond_and_close(r, response);
                 }
                 return;
             }
@@ -334,12 +336,23 @@ impl Server {
         self.finish_transfer(r, keep_alive);
     }
 
+    /// The store could not do its job: the disk (500), or in cluster mode the database (503,
+    /// which the caller may retry, perhaps through another node).
+    fn store_failed(&self, message: &str) -> Response {
+        if self.core.is_cluster() {
+            Response::error(503, "database_unavailable", &format!("{message}: the database is unreachable"))
+        } else {
+            crate::api::error(500, message)
+        }
+    }
+
     pub(super) fn download_opened(&mut self, t: TransferId, result: Result<FileMeta, OpenError>) {
         let Some(r) = self.transfers.get(&t).copied() else {
             self.store.send(Job::Close { t });
             return;
         };
         let shutting_down = self.shutdown_started;
+        let unreadable = self.store_failed("cannot read the file");
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
         let Phase::Download(d) = &mut http.phase else { return };
@@ -353,7 +366,7 @@ impl Server {
                     OpenError::NotFound => crate::api::error(404, "no such file"),
                     OpenError::Io(msg) => {
                         crate::log!(Level::Error, "cannot open a stored file", error = msg);
-                        crate::api::error(500, "cannot read the file")
+                        unreadable
                     }
                 };
                 self.core.metrics.http_request(response.status);

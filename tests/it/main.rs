@@ -4,6 +4,7 @@
 mod support;
 
 mod browser;
+mod cluster;
 mod dispatch;
 mod files;
 mod hostile;
