@@ -3,8 +3,11 @@
 //! throughput, latency, memory and the ratios the performance targets are stated in.
 //! Everything it starts it stops by PID; every phase is bounded in time; it only targets loopback.
 
+mod durable;
 mod floor;
+mod hostile;
 mod httpc;
+mod jetstream;
 mod load;
 mod nats;
 mod procs;
@@ -32,6 +35,14 @@ scenarios (default: all):
   memory    N idle worker connections: relay RSS per connection
   startup   relay start-up time to listening and idle RSS
   pending   scheduled tasks (delay 1h), --pending-tasks of them: relay RSS per task
+  durable   relay sync with the journal on a real disk (DATA_DIR in a fresh directory)
+  js        NATS JetStream work queue (file storage, pull consumer, explicit ack), default sync
+  js-sync   the same with `sync_interval: always` (needs --nats-server-new)
+  slowloris relay sync without, then with --slowloris connections trickling a request head
+  batch     --replay-tasks tasks in batches of --batch-tasks into a durable relay, each timed;
+            then a restart on that journal (replay time)
+  finished  --finished-tasks tasks run to done on a durable relay: RSS per finished task,
+            with TASK_MEMORY at 16 GiB, then at its default
   all       every one of the above
 
 options:
@@ -49,7 +60,14 @@ options:
   --relay PATH          relay binary (default: `relay` beside this executable)
   --relay-static PATH   static relay binary to size and start (default: target/x86_64-unknown-linux-gnu/release/relay)
   --relay-env K=V       extra environment for every relay started (repeatable), e.g. TASK_TTL=5s
-  --nats-server PATH    nats-server binary (default: nats-server on PATH)
+  --nats-server PATH    nats-server binary (default: nats-server on PATH); also JetStream's default run
+  --nats-server-new PATH  a nats-server that knows `sync_interval` (≥ 2.10) for js-sync
+  --data-root PATH      where journals and JetStream stores go (default: the temp dir, unless it
+                        is tmpfs; then beside this executable); never tmpfs
+  --batch-tasks N       tasks per batch in `batch` (default 100000)
+  --replay-tasks N      tasks journaled before the restart in `batch` (default 1000000)
+  --finished-tasks N    tasks run to done in `finished` (default 500000)
+  --slowloris N         slowloris connections (default 1000)
   --syscall-ms N        after each measured window, count the server's syscalls and context
                         switches per operation with `perf stat` for this long (default 1500; 0 = off)
   --max-total-secs N    hard limit on the whole run; children are killed past it (default 900)
@@ -78,6 +96,12 @@ pub struct Opts {
     pub relay_static: PathBuf,
     pub relay_env: Vec<(String, String)>,
     pub nats_server: PathBuf,
+    pub nats_server_new: Option<PathBuf>,
+    pub data_root: Option<PathBuf>,
+    pub batch_tasks: u64,
+    pub replay_tasks: u64,
+    pub finished_tasks: u64,
+    pub slowloris: usize,
     pub max_total: Duration,
     pub syscalls: Option<Duration>,
     pub addr: Option<String>,
@@ -103,6 +127,12 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         relay_static: exe_dir.join("../x86_64-unknown-linux-gnu/release/relay"),
         relay_env: Vec::new(),
         nats_server: PathBuf::from("nats-server"),
+        nats_server_new: None,
+        data_root: None,
+        batch_tasks: 100_000,
+        replay_tasks: 1_000_000,
+        finished_tasks: 500_000,
+        slowloris: 1000,
         max_total: Duration::from_secs(900),
         syscalls: Some(Duration::from_millis(1500)),
         addr: None,
@@ -132,6 +162,12 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
                 o.relay_env.push((k.to_string(), v.to_string()));
             }
             "--nats-server" => o.nats_server = PathBuf::from(value()?),
+            "--nats-server-new" => o.nats_server_new = Some(PathBuf::from(value()?)),
+            "--data-root" => o.data_root = Some(PathBuf::from(value()?)),
+            "--batch-tasks" => o.batch_tasks = num(value()?)?.max(1),
+            "--replay-tasks" => o.replay_tasks = num(value()?)?.max(1),
+            "--finished-tasks" => o.finished_tasks = num(value()?)?.max(1),
+            "--slowloris" => o.slowloris = num(value()?)? as usize,
             "--max-total-secs" => o.max_total = Duration::from_secs(num(value()?)?.max(1)),
             "--syscall-ms" => o.syscalls = Some(Duration::from_millis(num(value()?)?)).filter(|d| !d.is_zero()),
             "--addr" => o.addr = Some(value()?),
