@@ -38,8 +38,6 @@ const BATCH_TIMEOUT: Duration = Duration::from_secs(60);
 const BATCH_ANSWER_BYTES: usize = 256 << 20;
 /// fdatasync calls of the disk probe.
 const FSYNC_PROBES: usize = 200;
-/// TASK_MEMORY for the "everything in memory" run of the finished-task RSS (16 GiB).
-const TASK_MEMORY_LARGE: u64 = 16 << 30;
 const TMPFS_MAGIC: i64 = 0x0102_1994;
 const RAMFS_MAGIC: i64 = 0x8584_58f6;
 
@@ -305,14 +303,37 @@ fn js_run(opts: &Opts, disk: &mut Disk, binary: &Path, sync: Sync) -> Result<JsR
     let (out, _) = load::run(cs, nats.pid(), window(opts), std::slice::from_ref(&workers.answered));
     check_alive(&mut nats)?;
     workers.stop()?;
-    let left_in_stream = jetstream::stream_messages(nats.addr).ok();
+    // Acks still being applied when the workers stop: wait until the count settles (≤ 3 s).
+    let mut left_in_stream = None;
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(3) {
+        let now = jetstream::stream_messages(nats.addr).ok();
+        if now.is_some() && now == left_in_stream || now == Some(0) {
+            left_in_stream = now;
+            break;
+        }
+        left_in_stream = now;
+        std::thread::sleep(Duration::from_millis(250));
+    }
     nats.stop();
     let (_, store_bytes) = du(&dir.0);
     Ok(JsRun { out, left_in_stream, store_bytes })
 }
 
-fn slowloris(opts: &Opts) -> Result<SlowRun, String> {
-    let base = relay_sync(opts, opts.clients, opts.workers)?;
+/// relay sync without, then with, slowloris connections; `loaded_first` swaps the order (the
+/// rounds alternate it, so a drift in the machine's load does not always favour one side).
+fn slowloris(opts: &Opts, loaded_first: bool) -> Result<SlowRun, String> {
+    let (base, (loaded, stats, open_before)) = if loaded_first {
+        let l = slowloris_loaded(opts)?;
+        (relay_sync(opts, opts.clients, opts.workers)?, l)
+    } else {
+        let b = relay_sync(opts, opts.clients, opts.workers)?;
+        (b, slowloris_loaded(opts)?)
+    };
+    Ok(SlowRun { base, loaded, stats, open_before })
+}
+
+fn slowloris_loaded(opts: &Opts) -> Result<(Outcome, SlowStats, u64), String> {
     let nofile = procs::raise_nofile();
     if (nofile as usize) < opts.slowloris + opts.clients + opts.workers + 100 {
         return Err(format!("open-file limit {nofile} is too low for {} slowloris connections", opts.slowloris));
@@ -342,12 +363,61 @@ fn slowloris(opts: &Opts) -> Result<SlowRun, String> {
     let stats = slow.stop();
     check_alive(&mut relay)?;
     pool.stop()?;
-    Ok(SlowRun { base, loaded, stats, open_before })
+    Ok((loaded, stats, open_before))
 }
 
 /// `key=value` from a logfmt line (value unquoted).
 fn log_field(line: &str, key: &str) -> Option<u64> {
     line.split_whitespace().find_map(|f| f.strip_prefix(key)?.strip_prefix('=')?.trim_matches('"').parse().ok())
+}
+
+/// `POST /tasks/batch` with `--batch-tasks` items of the bench's payload.
+fn batch_request(opts: &Opts) -> Vec<u8> {
+    let item = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
+    let mut body = String::with_capacity((item.len() + 1) * opts.batch_tasks as usize + 16);
+    body.push_str("{\"tasks\":[");
+    for i in 0..opts.batch_tasks {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(&item);
+    }
+    body.push_str("]}");
+    build_request("POST", "/tasks/batch", Some(API_TOKEN), body.as_bytes())
+}
+
+/// Sends one batch and checks that every item was accepted; returns the time to the answer.
+fn post_batch(conn: &mut HttpConn, req: &[u8], items: u64) -> Result<Duration, String> {
+    let t = Instant::now();
+    let resp = conn.request(req)?;
+    let took = t.elapsed();
+    if resp.status != 202 {
+        let head = String::from_utf8_lossy(&resp.body[..200.min(resp.body.len())]).into_owned();
+        return Err(format!("status {}: {head}", resp.status));
+    }
+    let ids = resp.body.windows(10).filter(|w| w == b"\"task_id\":").count() as u64;
+    if ids != items {
+        return Err(format!("{ids} of {items} items accepted"));
+    }
+    Ok(took)
+}
+
+/// `fill`: `--replay-tasks` tasks in batches of `--batch-tasks` into the relay at `--addr` (for
+/// `bench/profile.sh`'s replay profile: a journal to restart on).
+pub fn fill(opts: &Opts) -> Result<(), String> {
+    let addr: SocketAddr =
+        opts.addr.as_deref().ok_or("fill needs --addr")?.parse().map_err(|e| format!("--addr: {e}"))?;
+    if !addr.ip().is_loopback() {
+        return Err("only loopback targets are allowed".into());
+    }
+    let req = batch_request(opts);
+    let mut conn = HttpConn::connect(addr, BATCH_TIMEOUT)?.with_max_response(BATCH_ANSWER_BYTES);
+    let n = opts.replay_tasks.div_ceil(opts.batch_tasks).max(1);
+    for b in 0..n {
+        let took = post_batch(&mut conn, &req, opts.batch_tasks).map_err(|e| format!("batch {b}: {e}"))?;
+        println!("fill: batch {}/{n} of {} accepted in {} ms", b + 1, opts.batch_tasks, ms(took));
+    }
+    Ok(())
 }
 
 /// `--replay-tasks` tasks submitted in batches of `--batch-tasks` (no worker: they wait as
@@ -367,35 +437,12 @@ fn batch_replay(opts: &Opts, disk: &mut Disk) -> Result<BatchRun, String> {
     let mut relay = start_relay(opts, &opts.relay, &env)?;
     healthz(relay.addr)?;
     let rss_base_kib = procs::mem(relay.pid())?.rss_kib;
-    let item = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
-    let mut body = String::with_capacity((item.len() + 1) * opts.batch_tasks as usize + 16);
-    body.push_str("{\"tasks\":[");
-    for i in 0..opts.batch_tasks {
-        if i > 0 {
-            body.push(',');
-        }
-        body.push_str(&item);
-    }
-    body.push_str("]}");
-    let req = build_request("POST", "/tasks/batch", Some(API_TOKEN), body.as_bytes());
+    let req = batch_request(opts);
     let mut conn = HttpConn::connect(relay.addr, BATCH_TIMEOUT)?.with_max_response(BATCH_ANSWER_BYTES);
     let (mut secs, mut cpu) = (Vec::new(), Vec::new());
     for b in 0..n_batches {
         let cpu0 = procs::cpu_time(relay.pid())?;
-        let t = Instant::now();
-        let resp = conn.request(&req)?;
-        let took = t.elapsed();
-        if resp.status != 202 {
-            return Err(format!(
-                "batch {b}: status {}: {}",
-                resp.status,
-                String::from_utf8_lossy(&resp.body[..200.min(resp.body.len())])
-            ));
-        }
-        let ids = resp.body.windows(10).filter(|w| w == b"\"task_id\":").count() as u64;
-        if ids != opts.batch_tasks {
-            return Err(format!("batch {b}: {ids} of {} items accepted", opts.batch_tasks));
-        }
+        let took = post_batch(&mut conn, &req, opts.batch_tasks).map_err(|e| format!("batch {b}: {e}"))?;
         secs.push(took.as_secs_f64());
         cpu.push(procs::cpu_time(relay.pid())?.saturating_sub(cpu0).as_secs_f64());
     }
@@ -564,10 +611,11 @@ pub fn round(
     }
     if want("slowloris") {
         step(&format!(
-            "round {round}/{n}: relay sync without, then with {} slowloris connections, {c} clients, {w} workers",
+            "round {round}/{n}: relay sync {} {} slowloris connections, {c} clients, {w} workers",
+            if round.is_multiple_of(2) { "with, then without" } else { "without, then with" },
             opts.slowloris
         ));
-        d.slowloris.extend(keep(failures, "slowloris", slowloris(opts)));
+        d.slowloris.extend(keep(failures, "slowloris", slowloris(opts, round.is_multiple_of(2))));
     }
 }
 
@@ -589,7 +637,7 @@ pub fn once(
         d.batch = keep(failures, "batch + replay", batch_replay(opts, disk));
     }
     if want("finished") {
-        for tm in [Some(TASK_MEMORY_LARGE), None] {
+        for tm in [Some(crate::scenarios::TASK_MEMORY_ALL), None] {
             let Some(disk) = disk(d, opts, failures) else { break };
             step(&format!(
                 "relay durable, {} finished tasks, TASK_MEMORY={}",

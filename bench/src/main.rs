@@ -75,6 +75,8 @@ options:
 internal:
   serve-floor [--seconds N]              run the floor server (prints msg=listening addr=...)
   drive --addr HOST:PORT [--seconds N]   load an already running relay (for perf); tokens as below
+  fill --addr HOST:PORT [--replay-tasks N] [--batch-tasks N]   submit N tasks in batches (a journal
+                                         to restart on, for bench/profile.sh's replay mode)
 ";
 
 /// Everything a run is configured by; durations and sizes come from the command line.
@@ -199,6 +201,7 @@ fn main() -> ExitCode {
     let result = match opts.scenarios[0].as_str() {
         "serve-floor" => floor::serve(([127, 0, 0, 1], 0).into(), Duration::from_secs(opts.seconds)),
         "drive" => scenarios::drive(&opts),
+        "fill" => durable::fill(&opts),
         _ => scenarios::run_all(&opts),
     };
     match result {

@@ -325,6 +325,8 @@ pub(crate) fn relay_sync(opts: &Opts, clients: usize, workers: usize) -> Result<
     Ok(out)
 }
 
+/// TASK_MEMORY that holds every finished task of a run (16 GiB).
+pub(crate) const TASK_MEMORY_ALL: u64 = 16 << 30;
 /// How long the workers may take to finish what an async window submitted.
 pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the check of the ids the fetch window did not reach may take.
@@ -343,7 +345,9 @@ struct AsyncResult {
 /// `GET /tasks/{id}` over every submitted id with the same depth (the fetch row), and an untimed
 /// pass over the ids the fetch window did not reach: every submitted task must be `done`.
 fn relay_async(opts: &Opts, depth: usize) -> Result<AsyncResult, String> {
-    let mut relay = start_relay(opts, &opts.relay, &[])?;
+    // Every finished task must stay readable for the fetch phase: memory-only relay forgets
+    // finished tasks beyond TASK_MEMORY (64 MiB by default, ~100,000 tasks) early.
+    let mut relay = start_relay(opts, &opts.relay, &[("TASK_MEMORY", TASK_MEMORY_ALL.to_string())])?;
     let pool = Pool::ws(relay.addr, WORKER_TOKEN, opts.workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(relay.addr, opts.workers)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
@@ -891,8 +895,8 @@ fn report(opts: &Opts, r: &Results) -> String {
     let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     rows(&mut t, "relay sync `POST /tasks?wait=true`", &cs, &w, &r.sync);
     rows(&mut t, "NATS request-reply", &cs, &w, &r.nats);
-    crate::durable::table_rows(&mut t, opts, &r.durable);
     rows(&mut t, "HTTP floor (one hop, answers at once)", &cs, "-", &r.floor);
+    crate::durable::table_rows(&mut t, opts, &r.durable);
     rows(&mut t, "relay async submit `POST /tasks` (202), closed loop", &cs, &w, submits(&r.async_closed));
     rows(&mut t, &format!("relay async submit (202), pipelined {d} deep"), &cd, &w, submits(&r.async_pipe));
     rows(&mut t, "relay async fetch `GET /tasks/{id}`, closed loop", &cs, &w, fetches(&r.async_closed));
