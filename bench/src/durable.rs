@@ -30,7 +30,7 @@ use crate::workers::Pool;
 use crate::{Opts, RESULT_DATA};
 
 /// The scenarios this module adds (all of them run under `all`).
-pub const SCENARIOS: &[&str] = &["durable", "js", "js-sync", "slowloris", "batch", "finished"];
+pub const SCENARIOS: &[&str] = &["durable", "js", "js-new", "js-sync", "slowloris", "batch", "finished"];
 
 /// A generous bound on one batch request (100,000 tasks should take well under a second).
 const BATCH_TIMEOUT: Duration = Duration::from_secs(60);
@@ -252,6 +252,8 @@ pub struct DurableResults {
     pub durable: Vec<DurableRun>,
     pub js_default: Vec<JsRun>,
     pub js_sync: Vec<JsRun>,
+    /// The newer server with its default sync: tells the version's share from the sync's.
+    pub js_new: Vec<JsRun>,
     pub slowloris: Vec<SlowRun>,
     pub batch: Option<BatchRun>,
     pub finished: Vec<FinishedRun>,
@@ -594,6 +596,16 @@ pub fn round(
         d.js_default.extend(keep(failures, "jetstream default", r));
         d.js_default_version = jetstream::version(&opts.nats_server);
     }
+    if want("js-new")
+        && let Some(disk) = disk(d, opts, failures)
+    {
+        step(&format!("round {round}/{n}: JetStream (newer server, default sync), {c} requesters, {w} workers"));
+        let r = match &opts.nats_server_new {
+            Some(bin) => js_run(opts, disk, bin, Sync::Default),
+            None => Err("no --nats-server-new".into()),
+        };
+        d.js_new.extend(keep(failures, "jetstream newer server default", r));
+    }
     if want("js-sync")
         && let Some(disk) = disk(d, opts, failures)
     {
@@ -672,6 +684,7 @@ pub fn table_rows(t: &mut String, opts: &Opts, d: &DurableResults) {
     let fs = d.disk.as_ref().map_or("disk".to_string(), |x| x.fs.clone());
     rows(t, &format!("relay sync, journal on disk ({fs})"), &cs, &w, d.durable.iter().map(|x| &x.out));
     rows(t, &js_label(Sync::Default, &d.js_default_version), &cs, &w, d.js_default.iter().map(|x| &x.out));
+    rows(t, &js_label(Sync::Default, &d.js_sync_version), &cs, &w, d.js_new.iter().map(|x| &x.out));
     rows(t, &js_label(Sync::Always, &d.js_sync_version), &cs, &w, d.js_sync.iter().map(|x| &x.out));
     rows(t, "relay sync (memory), slowloris baseline", &cs, &w, d.slowloris.iter().map(|x| &x.base));
     rows(
@@ -702,6 +715,7 @@ pub fn syscall_groups(d: &DurableResults) -> Vec<(&'static str, Vec<&Outcome>)> 
     vec![
         ("relay sync, journal on disk", d.durable.iter().map(|x| &x.out).collect()),
         ("JetStream default", d.js_default.iter().map(|x| &x.out).collect()),
+        ("JetStream newer server, default", d.js_new.iter().map(|x| &x.out).collect()),
         ("JetStream sync always", d.js_sync.iter().map(|x| &x.out).collect()),
         ("relay sync under slowloris", d.slowloris.iter().map(|x| &x.loaded).collect()),
     ]
@@ -742,7 +756,8 @@ pub fn figures(t: &mut String, opts: &Opts, d: &DurableResults) {
             per(r.journal_disk_bytes, r.tasks),
         );
     }
-    for (label, runs) in [("default", &d.js_default), ("sync always", &d.js_sync)] {
+    for (label, runs) in [("default", &d.js_default), ("newer server, default", &d.js_new), ("sync always", &d.js_sync)]
+    {
         for (i, r) in runs.iter().enumerate() {
             let _ = writeln!(
                 t,
@@ -923,6 +938,13 @@ pub fn ratios(t: &mut String, sync: &[Outcome], d: &DurableResults) {
     let durable = || d.durable.iter().map(|x| &x.out);
     let jss = || d.js_sync.iter().map(|x| &x.out);
     let jsd = || d.js_default.iter().map(|x| &x.out);
+    let jsn = || d.js_new.iter().map(|x| &x.out);
+    if let Some(x) = paired(durable(), jsn(), rate) {
+        let _ = writeln!(t, "| durable relay throughput ÷ JetStream newer server, default | {} |", x.show(2));
+    }
+    if let Some(x) = paired(durable(), jsn(), cpu_us) {
+        let _ = writeln!(t, "| durable relay CPU per task ÷ JetStream newer server, default | {} |", x.show(2));
+    }
     if let Some(x) = paired(durable(), jss(), rate) {
         let _ = writeln!(t, "| durable relay throughput ÷ JetStream sync always | {} |", x.show(2));
     }

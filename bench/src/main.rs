@@ -37,6 +37,7 @@ scenarios (default: all):
   pending   scheduled tasks (delay 1h), --pending-tasks of them: relay RSS per task
   durable   relay sync with the journal on a real disk (DATA_DIR in a fresh directory)
   js        NATS JetStream work queue (file storage, pull consumer, explicit ack), default sync
+  js-new    the same on the --nats-server-new server, default sync (the version's share)
   js-sync   the same with `sync_interval: always` (needs --nats-server-new)
   slowloris relay sync without, then with --slowloris connections trickling a request head
   batch     --replay-tasks tasks in batches of --batch-tasks into a durable relay, each timed;
@@ -70,7 +71,7 @@ options:
   --slowloris N         slowloris connections (default 1000)
   --syscall-ms N        after each measured window, count the server's syscalls and context
                         switches per operation with `perf stat` for this long (default 1500; 0 = off)
-  --max-total-secs N    hard limit on the whole run; children are killed past it (default 900)
+  --max-total-secs N    hard limit on the whole run; children are killed past it (default 1800)
 
 internal:
   serve-floor [--seconds N]              run the floor server (prints msg=listening addr=...)
@@ -135,7 +136,7 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         replay_tasks: 1_000_000,
         finished_tasks: 500_000,
         slowloris: 1000,
-        max_total: Duration::from_secs(900),
+        max_total: Duration::from_secs(1800),
         syscalls: Some(Duration::from_millis(1500)),
         addr: None,
         seconds: 10,
