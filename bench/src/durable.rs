@@ -50,6 +50,9 @@ pub struct Disk {
     pub fs: String,
     /// 4 KiB append + fdatasync on that filesystem: p50 and p99 over `FSYNC_PROBES` calls.
     pub fsync: Percentiles,
+    /// The same 4 KiB writes into a file written (zeros) and synced beforehand: no size change
+    /// for fdatasync to carry (what preallocated journal segments would cost).
+    pub fsync_prealloc: Percentiles,
     next: u64,
 }
 
@@ -77,9 +80,15 @@ impl Disk {
             let _ = std::fs::remove_dir_all(&base);
             return Err(format!("{} is on tmpfs: no real disk for the journal", base.display()));
         }
-        let mut disk =
-            Disk { base, fs: magic.map_or("unknown".into(), fs_name), fsync: Percentiles::default(), next: 0 };
-        disk.fsync = fsync_probe(&disk.base)?;
+        let mut disk = Disk {
+            base,
+            fs: magic.map_or("unknown".into(), fs_name),
+            fsync: Percentiles::default(),
+            fsync_prealloc: Percentiles::default(),
+            next: 0,
+        };
+        disk.fsync = fsync_probe(&disk.base, false)?;
+        disk.fsync_prealloc = fsync_probe(&disk.base, true)?;
         Ok(disk)
     }
 
@@ -133,11 +142,19 @@ fn fs_name(magic: i64) -> String {
     }
 }
 
-/// What one fdatasync costs here: append 4 KiB, sync, `FSYNC_PROBES` times.
-fn fsync_probe(dir: &Path) -> Result<Percentiles, String> {
+/// What one fdatasync costs here: append 4 KiB, sync, `FSYNC_PROBES` times; with `prealloc`, the
+/// file is first written with zeros to its final size and synced, and the blocks overwrite them.
+fn fsync_probe(dir: &Path, prealloc: bool) -> Result<Percentiles, String> {
+    use std::io::{Seek, SeekFrom};
     let path = dir.join("fsync-probe");
     let mut f = File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
     let block = vec![0x5au8; 4096];
+    if prealloc {
+        let zeros = vec![0u8; 4096 * FSYNC_PROBES];
+        f.write_all(&zeros).map_err(|e| format!("fsync probe: {e}"))?;
+        f.sync_all().map_err(|e| format!("fsync probe: {e}"))?;
+        f.seek(SeekFrom::Start(0)).map_err(|e| format!("fsync probe: {e}"))?;
+    }
     let mut lat = Vec::with_capacity(FSYNC_PROBES);
     for _ in 0..FSYNC_PROBES {
         f.write_all(&block).map_err(|e| format!("fsync probe: {e}"))?;
@@ -560,11 +577,14 @@ fn disk<'a>(d: &'a mut DurableResults, opts: &Opts, failures: &mut Vec<String>) 
         d.disk = keep(failures, "data directory", Disk::new(opts));
         if let Some(disk) = &d.disk {
             eprintln!(
-                "bench: journals in {} ({}); fdatasync of a 4 KiB append: p50 {} ms, p99 {} ms",
+                "bench: journals in {} ({}); fdatasync of a 4 KiB append: p50 {} ms, p99 {} ms; \
+                 preallocated: p50 {} ms, p99 {} ms",
                 disk.base.display(),
                 disk.fs,
                 ms(disk.fsync.p50),
-                ms(disk.fsync.p99)
+                ms(disk.fsync.p99),
+                ms(disk.fsync_prealloc.p50),
+                ms(disk.fsync_prealloc.p99)
             );
         }
     }
@@ -734,10 +754,12 @@ pub fn figures(t: &mut String, opts: &Opts, d: &DurableResults) {
     if let Some(disk) = &d.disk {
         let _ = writeln!(
             t,
-            "| DATA_DIR filesystem / fdatasync of a 4 KiB append (p50 / p99 of {FSYNC_PROBES}) | {} / {} / {} ms |",
+            "| DATA_DIR filesystem / fdatasync after a 4 KiB append, p50 / p99 of {FSYNC_PROBES} / the same in a preallocated file | {} / {} / {} ms / {} / {} ms |",
             disk.fs,
             ms(disk.fsync.p50),
-            ms(disk.fsync.p99)
+            ms(disk.fsync.p99),
+            ms(disk.fsync_prealloc.p50),
+            ms(disk.fsync_prealloc.p99)
         );
     }
     for (i, r) in d.durable.iter().enumerate() {
