@@ -666,6 +666,8 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
             step(&format!("round {round}/{n}: relay sync, {c} clients, {w} workers"));
             r.sync.extend(keep(&mut r.failures, "relay sync", relay_sync(opts, c, w)));
         }
+        // Right after relay sync: the durable run's ratios to it are taken within the round.
+        crate::durable::round(opts, &mut r.durable, round, &want, &step, &mut r.failures);
         if want("nats") {
             step(&format!("round {round}/{n}: NATS request-reply, {c} requesters, {w} responders"));
             r.nats.extend(keep(&mut r.failures, "nats", nats_reqrep(opts, c, w)));
@@ -674,7 +676,6 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
             step(&format!("round {round}/{n}: HTTP floor, {c} clients"));
             r.floor.extend(keep(&mut r.failures, "floor", floor(opts)));
         }
-        crate::durable::round(opts, &mut r.durable, round, &want, &step, &mut r.failures);
         if want("async") {
             let d = opts.pipeline_depth;
             let modes: &[(usize, &str)] =
