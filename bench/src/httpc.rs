@@ -8,6 +8,7 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 /// Cap on a response (head + body); relay's task JSON for a 100-byte payload is well under it.
+/// A batch answer (one entry per item) needs more: see `HttpConn::with_max_response`.
 const MAX_RESPONSE_BYTES: usize = 1 << 20;
 const READ_CHUNK_BYTES: usize = 16 * 1024;
 
@@ -16,6 +17,7 @@ pub struct HttpConn {
     buf: Vec<u8>,
     /// Bytes at the front of `buf` that belong to responses already returned.
     consumed: usize,
+    max_response: usize,
 }
 
 /// Status and body range (into the connection's buffer) of the last response.
@@ -30,7 +32,18 @@ impl HttpConn {
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
         stream.set_read_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
         stream.set_write_timeout(Some(io_timeout)).map_err(|e| e.to_string())?;
-        Ok(HttpConn { stream, buf: Vec::with_capacity(READ_CHUNK_BYTES), consumed: 0 })
+        Ok(HttpConn {
+            stream,
+            buf: Vec::with_capacity(READ_CHUNK_BYTES),
+            consumed: 0,
+            max_response: MAX_RESPONSE_BYTES,
+        })
+    }
+
+    /// Raises the cap on one response (e.g. the answer to a batch of 100,000 tasks).
+    pub fn with_max_response(mut self, bytes: usize) -> HttpConn {
+        self.max_response = bytes;
+        self
     }
 
     /// Sends one complete request and reads its response (nothing else may be in flight).
@@ -73,7 +86,7 @@ impl HttpConn {
             self.fill()?;
         };
         let total = body_at + body_len;
-        if total > MAX_RESPONSE_BYTES {
+        if total > self.max_response {
             return Err(format!("response of {total} bytes"));
         }
         while self.buf.len() < total {
@@ -85,7 +98,7 @@ impl HttpConn {
 
     fn fill(&mut self) -> Result<(), String> {
         let len = self.buf.len();
-        if len >= MAX_RESPONSE_BYTES {
+        if len >= self.max_response {
             return Err("response head too large".into());
         }
         self.buf.resize(len + READ_CHUNK_BYTES, 0);

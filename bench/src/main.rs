@@ -4,8 +4,11 @@
 //! Everything it starts it stops by PID; every phase is bounded in time; it only targets loopback.
 
 mod cluster;
+mod durable;
 mod floor;
+mod hostile;
 mod httpc;
+mod jetstream;
 mod load;
 mod nats;
 mod procs;
@@ -36,6 +39,15 @@ scenarios (default: all):
   pending   scheduled tasks (delay 1h), --pending-tasks of them: relay RSS per task
   cluster   sync load on 1 node with its journal, 1 node on PostgreSQL, 2 nodes on one
             PostgreSQL (issue 11; needs Debian's postgresql, skipped without it)
+  durable   relay sync with the journal on a real disk (DATA_DIR in a fresh directory)
+  js        NATS JetStream work queue (file storage, pull consumer, explicit ack), default sync
+  js-new    the same on the --nats-server-new server, default sync (the version's share)
+  js-sync   the same with `sync_interval: always` (needs --nats-server-new)
+  slowloris relay sync without, then with --slowloris connections trickling a request head
+  batch     --replay-tasks tasks in batches of --batch-tasks into a durable relay, each timed;
+            then a restart on that journal (replay time)
+  finished  --finished-tasks tasks run to done on a durable relay: RSS per finished task,
+            with TASK_MEMORY at 16 GiB, then at its default
   all       every one of the above
 
 options:
@@ -53,10 +65,17 @@ options:
   --relay PATH          relay binary (default: `relay` beside this executable)
   --relay-static PATH   static relay binary to size and start (default: target/x86_64-unknown-linux-gnu/release/relay)
   --relay-env K=V       extra environment for every relay started (repeatable), e.g. TASK_TTL=5s
-  --nats-server PATH    nats-server binary (default: nats-server on PATH)
+  --nats-server PATH    nats-server binary (default: nats-server on PATH); also JetStream's default run
+  --nats-server-new PATH  a nats-server that knows `sync_interval` (≥ 2.10) for js-sync
+  --data-root PATH      where journals and JetStream stores go (default: the temp dir, unless it
+                        is tmpfs; then beside this executable); never tmpfs
+  --batch-tasks N       tasks per batch in `batch` (default 100000)
+  --replay-tasks N      tasks journaled before the restart in `batch` (default 1000000)
+  --finished-tasks N    tasks run to done in `finished` (default 500000)
+  --slowloris N         slowloris connections (default 1000)
   --syscall-ms N        after each measured window, count the server's syscalls and context
                         switches per operation with `perf stat` for this long (default 1500; 0 = off)
-  --max-total-secs N    hard limit on the whole run; children are killed past it (default 900)
+  --max-total-secs N    hard limit on the whole run; children are killed past it (default 1800)
 
 internal:
   soak [--soak-secs N] [--soak-clients N] [--relay-worker PATH]
@@ -64,6 +83,8 @@ internal:
                                          (default 600 s, 8 clients); see scripts/soak.sh
   serve-floor [--seconds N]              run the floor server (prints msg=listening addr=...)
   drive --addr HOST:PORT [--seconds N]   load an already running relay (for perf); tokens as below
+  fill --addr HOST:PORT [--replay-tasks N] [--batch-tasks N]   submit N tasks in batches (a journal
+                                         to restart on, for bench/profile.sh's replay mode)
 ";
 
 /// Everything a run is configured by; durations and sizes come from the command line.
@@ -85,6 +106,12 @@ pub struct Opts {
     pub relay_static: PathBuf,
     pub relay_env: Vec<(String, String)>,
     pub nats_server: PathBuf,
+    pub nats_server_new: Option<PathBuf>,
+    pub data_root: Option<PathBuf>,
+    pub batch_tasks: u64,
+    pub replay_tasks: u64,
+    pub finished_tasks: u64,
+    pub slowloris: usize,
     pub max_total: Duration,
     pub syscalls: Option<Duration>,
     pub addr: Option<String>,
@@ -113,7 +140,13 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         relay_static: exe_dir.join("../x86_64-unknown-linux-gnu/release/relay"),
         relay_env: Vec::new(),
         nats_server: PathBuf::from("nats-server"),
-        max_total: Duration::from_secs(900),
+        nats_server_new: None,
+        data_root: None,
+        batch_tasks: 100_000,
+        replay_tasks: 1_000_000,
+        finished_tasks: 500_000,
+        slowloris: 1000,
+        max_total: Duration::from_secs(1800),
         syscalls: Some(Duration::from_millis(1500)),
         addr: None,
         seconds: 10,
@@ -145,6 +178,12 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
                 o.relay_env.push((k.to_string(), v.to_string()));
             }
             "--nats-server" => o.nats_server = PathBuf::from(value()?),
+            "--nats-server-new" => o.nats_server_new = Some(PathBuf::from(value()?)),
+            "--data-root" => o.data_root = Some(PathBuf::from(value()?)),
+            "--batch-tasks" => o.batch_tasks = num(value()?)?.max(1),
+            "--replay-tasks" => o.replay_tasks = num(value()?)?.max(1),
+            "--finished-tasks" => o.finished_tasks = num(value()?)?.max(1),
+            "--slowloris" => o.slowloris = num(value()?)? as usize,
             "--max-total-secs" => o.max_total = Duration::from_secs(num(value()?)?.max(1)),
             "--syscall-ms" => o.syscalls = Some(Duration::from_millis(num(value()?)?)).filter(|d| !d.is_zero()),
             "--addr" => o.addr = Some(value()?),
@@ -180,6 +219,7 @@ fn main() -> ExitCode {
         "serve-floor" => floor::serve(([127, 0, 0, 1], 0).into(), Duration::from_secs(opts.seconds)),
         "drive" => scenarios::drive(&opts),
         "soak" => soak::run(&opts),
+        "fill" => durable::fill(&opts),
         _ => scenarios::run_all(&opts),
     };
     match result {

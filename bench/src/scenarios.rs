@@ -20,8 +20,8 @@ use crate::{Opts, RESULT_DATA};
 
 pub const API_TOKEN: &str = "bench-api-token";
 pub const WORKER_TOKEN: &str = "bench-worker-token";
-const START_TIMEOUT: Duration = Duration::from_secs(10);
-const IO_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const START_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// Tasks a fake worker may have in flight ("concurrency high").
 pub(crate) const WORKER_CONCURRENCY: u32 = 1024;
 /// Idle connections per source address 127.0.0.x (ephemeral ports are per source address).
@@ -87,7 +87,7 @@ impl PipeClient {
         }
     }
 
-    fn with_budget(mut self, budget: Arc<AtomicU64>) -> PipeClient {
+    pub(crate) fn with_budget(mut self, budget: Arc<AtomicU64>) -> PipeClient {
         self.budget = Some(budget);
         self
     }
@@ -222,7 +222,7 @@ pub(crate) fn payload(bytes: usize) -> String {
     format!("{{\"d\":\"{}\"}}", "x".repeat(pad))
 }
 
-fn scratch_dir() -> PathBuf {
+pub(crate) fn scratch_dir() -> PathBuf {
     std::env::temp_dir().join(format!("relay-bench-{}", std::process::id()))
 }
 
@@ -266,7 +266,7 @@ fn start_floor(opts: &Opts) -> Result<Server, String> {
 }
 
 /// Polls relay's /healthz until `n` workers are active.
-fn wait_workers(addr: SocketAddr, n: usize) -> Result<(), String> {
+pub(crate) fn wait_workers(addr: SocketAddr, n: usize) -> Result<(), String> {
     let req = build_request("GET", "/healthz", None, b"");
     let mut conn = HttpConn::connect(addr, IO_TIMEOUT)?;
     let deadline = Instant::now() + START_TIMEOUT;
@@ -283,14 +283,14 @@ fn wait_workers(addr: SocketAddr, n: usize) -> Result<(), String> {
     }
 }
 
-fn healthz(addr: SocketAddr) -> Result<String, String> {
+pub(crate) fn healthz(addr: SocketAddr) -> Result<String, String> {
     let mut conn = HttpConn::connect(addr, IO_TIMEOUT)?;
     let resp = conn.request(&build_request("GET", "/healthz", None, b""))?;
     Ok(String::from_utf8_lossy(resp.body).into_owned())
 }
 
 /// The number in `"key":123` of a JSON text.
-fn json_num_field(text: &[u8], key: &str) -> Option<u64> {
+pub(crate) fn json_num_field(text: &[u8], key: &str) -> Option<u64> {
     let pat = format!("\"{key}\":");
     let at = text.windows(pat.len()).position(|w| w == pat.as_bytes())? + pat.len();
     let digits: String = text[at..].iter().take_while(|b| b.is_ascii_digit()).map(|&b| b as char).collect();
@@ -298,7 +298,7 @@ fn json_num_field(text: &[u8], key: &str) -> Option<u64> {
 }
 
 /// Fails the scenario when the server died under it, with its last log lines.
-fn check_alive(server: &mut Server) -> Result<(), String> {
+pub(crate) fn check_alive(server: &mut Server) -> Result<(), String> {
     if server.alive() {
         Ok(())
     } else {
@@ -308,11 +308,11 @@ fn check_alive(server: &mut Server) -> Result<(), String> {
 
 // ---------------------------------------------------------------- scenarios
 
-fn window(opts: &Opts) -> Window {
+pub(crate) fn window(opts: &Opts) -> Window {
     Window { warmup: opts.warmup, measure: opts.measure, syscalls: opts.syscalls }
 }
 
-fn relay_sync(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, String> {
+pub(crate) fn relay_sync(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, String> {
     let mut relay = start_relay(opts, &opts.relay, &[])?;
     let pool = Pool::ws(relay.addr, WORKER_TOKEN, workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(relay.addr, workers)?;
@@ -325,8 +325,10 @@ fn relay_sync(opts: &Opts, clients: usize, workers: usize) -> Result<Outcome, St
     Ok(out)
 }
 
+/// TASK_MEMORY that holds every finished task of a run (16 GiB).
+pub(crate) const TASK_MEMORY_ALL: u64 = 16 << 30;
 /// How long the workers may take to finish what an async window submitted.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
+pub(crate) const DRAIN_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long the check of the ids the fetch window did not reach may take.
 const VERIFY_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -343,7 +345,9 @@ struct AsyncResult {
 /// `GET /tasks/{id}` over every submitted id with the same depth (the fetch row), and an untimed
 /// pass over the ids the fetch window did not reach: every submitted task must be `done`.
 fn relay_async(opts: &Opts, depth: usize) -> Result<AsyncResult, String> {
-    let mut relay = start_relay(opts, &opts.relay, &[])?;
+    // Every finished task must stay readable for the fetch phase: memory-only relay forgets
+    // finished tasks beyond TASK_MEMORY (64 MiB by default, ~100,000 tasks) early.
+    let mut relay = start_relay(opts, &opts.relay, &[("TASK_MEMORY", TASK_MEMORY_ALL.to_string())])?;
     let pool = Pool::ws(relay.addr, WORKER_TOKEN, opts.workers, WORKER_CONCURRENCY, RESULT_DATA)?;
     wait_workers(relay.addr, opts.workers)?;
     let body = format!("{{\"payload\":{}}}", payload(opts.payload_bytes));
@@ -595,6 +599,8 @@ struct Results {
     startup_static: Option<StartupResult>,
     pending: Option<PendingResult>,
     static_bytes: Option<u64>,
+    /// The durability and slowloris scenarios (durable.rs).
+    durable: crate::durable::DurableResults,
     failures: Vec<String>,
     /// /proc/loadavg at the start and the end: other work on the machine skews every figure.
     load_before: String,
@@ -628,7 +634,9 @@ pub fn watchdog(limit: Duration) -> Arc<AtomicBool> {
 
 pub fn run_all(opts: &Opts) -> Result<(), String> {
     let known = ["all", "sync", "async", "nats", "floor", "latency", "memory", "startup", "pending", "cluster"];
-    if let Some(bad) = opts.scenarios.iter().find(|s| !known.contains(&s.as_str())) {
+    if let Some(bad) =
+        opts.scenarios.iter().find(|s| !known.contains(&s.as_str()) && !crate::durable::SCENARIOS.contains(&s.as_str()))
+    {
         return Err(format!("unknown scenario {bad:?}"));
     }
     let want = |s: &str| opts.scenarios.iter().any(|x| x == s || x == "all");
@@ -658,6 +666,8 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
             step(&format!("round {round}/{n}: relay sync, {c} clients, {w} workers"));
             r.sync.extend(keep(&mut r.failures, "relay sync", relay_sync(opts, c, w)));
         }
+        // Right after relay sync: the durable run's ratios to it are taken within the round.
+        crate::durable::round(opts, &mut r.durable, round, &want, &step, &mut r.failures);
         if want("nats") {
             step(&format!("round {round}/{n}: NATS request-reply, {c} requesters, {w} responders"));
             r.nats.extend(keep(&mut r.failures, "nats", nats_reqrep(opts, c, w)));
@@ -709,6 +719,7 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
         ));
         r.pending = keep(&mut r.failures, "pending", pending(opts));
     }
+    crate::durable::once(opts, &mut r.durable, &want, &step, &mut r.failures);
     if want("memory") && opts.idle_conns > 0 {
         step(&format!("relay with {} idle worker connections", opts.idle_conns));
         r.memory = keep(&mut r.failures, "memory", memory(opts));
@@ -728,6 +739,7 @@ pub fn run_all(opts: &Opts) -> Result<(), String> {
     }
     step("done");
     r.load_after = loadavg();
+    r.durable.cleanup();
     done.store(true, Ordering::Relaxed);
     let _ = std::fs::remove_dir_all(scratch_dir());
     print!("{}", report(opts, &r));
@@ -766,15 +778,15 @@ pub fn drive(opts: &Opts) -> Result<(), String> {
 
 // ---------------------------------------------------------------- the report
 
-fn ms(d: Duration) -> String {
+pub(crate) fn ms(d: Duration) -> String {
     format!("{:.3}", d.as_secs_f64() * 1e3)
 }
 
-fn mib(kib: u64) -> f64 {
+pub(crate) fn mib(kib: u64) -> f64 {
     kib as f64 / 1024.0
 }
 
-fn median(mut xs: Vec<f64>) -> Option<f64> {
+pub(crate) fn median(mut xs: Vec<f64>) -> Option<f64> {
     if xs.is_empty() {
         return None;
     }
@@ -784,8 +796,8 @@ fn median(mut xs: Vec<f64>) -> Option<f64> {
 }
 
 /// A figure's median over rounds and, with more than one round, its range.
-struct Spread {
-    median: f64,
+pub(crate) struct Spread {
+    pub(crate) median: f64,
     min: f64,
     max: f64,
     n: usize,
@@ -798,7 +810,7 @@ impl Spread {
         let n = xs.len();
         median(xs).map(|median| Spread { median, min, max, n })
     }
-    fn show(&self, digits: usize) -> String {
+    pub(crate) fn show(&self, digits: usize) -> String {
         if self.n > 1 {
             format!("{:.d$} ({:.d$}–{:.d$})", self.median, self.min, self.max, d = digits)
         } else {
@@ -808,7 +820,7 @@ impl Spread {
 }
 
 /// `f(a) / f(b)` within each round (the pairs ran back to back).
-fn paired<'a>(
+pub(crate) fn paired<'a>(
     a: impl IntoIterator<Item = &'a Outcome>,
     b: impl IntoIterator<Item = &'a Outcome>,
     f: impl Fn(&Outcome) -> f64,
@@ -816,7 +828,7 @@ fn paired<'a>(
     Spread::of(a.into_iter().zip(b).map(|(x, y)| f(x) / f(y).max(1e-12)).collect())
 }
 
-fn of<'a>(a: impl IntoIterator<Item = &'a Outcome>, f: impl Fn(&Outcome) -> f64) -> Option<Spread> {
+pub(crate) fn of<'a>(a: impl IntoIterator<Item = &'a Outcome>, f: impl Fn(&Outcome) -> f64) -> Option<Spread> {
     Spread::of(a.into_iter().map(f).collect())
 }
 
@@ -828,20 +840,20 @@ fn fetches(a: &[AsyncResult]) -> impl Iterator<Item = &Outcome> {
     a.iter().map(|x| &x.fetch)
 }
 
-fn cpu_us(o: &Outcome) -> f64 {
+pub(crate) fn cpu_us(o: &Outcome) -> f64 {
     o.cpu_us_per_op()
 }
 fn p50(o: &Outcome) -> f64 {
     o.latency.p50.as_secs_f64() * 1e3
 }
-fn p99(o: &Outcome) -> f64 {
+pub(crate) fn p99(o: &Outcome) -> f64 {
     o.latency.p99.as_secs_f64() * 1e3
 }
-fn rate(o: &Outcome) -> f64 {
+pub(crate) fn rate(o: &Outcome) -> f64 {
     o.per_sec()
 }
 
-fn row(t: &mut String, label: &str, c: &str, w: &str, o: &Outcome) {
+pub(crate) fn row(t: &mut String, label: &str, c: &str, w: &str, o: &Outcome) {
     let _ = writeln!(
         t,
         "| {label} | {c} | {w} | {:.0} | **{:.1}** | {:.0}% | {:.1} | {:.0}% / {:.0}% | {} | {} | {} | {} | {:.1} | {} |",
@@ -860,7 +872,7 @@ fn row(t: &mut String, label: &str, c: &str, w: &str, o: &Outcome) {
     );
 }
 
-fn rows<'a>(t: &mut String, label: &str, c: &str, w: &str, os: impl IntoIterator<Item = &'a Outcome>) {
+pub(crate) fn rows<'a>(t: &mut String, label: &str, c: &str, w: &str, os: impl IntoIterator<Item = &'a Outcome>) {
     let os: Vec<&Outcome> = os.into_iter().collect();
     for (i, o) in os.iter().enumerate() {
         let label = if os.len() > 1 { format!("{label} #{}", i + 1) } else { label.to_string() };
@@ -868,7 +880,7 @@ fn rows<'a>(t: &mut String, label: &str, c: &str, w: &str, os: impl IntoIterator
     }
 }
 
-fn verdict(ok: bool) -> &'static str {
+pub(crate) fn verdict(ok: bool) -> &'static str {
     if ok { "met" } else { "**not met**" }
 }
 
@@ -901,6 +913,7 @@ fn report(opts: &Opts, r: &Results) -> String {
     rows(&mut t, "relay sync `POST /tasks?wait=true`", &cs, &w, &r.sync);
     rows(&mut t, "NATS request-reply", &cs, &w, &r.nats);
     rows(&mut t, "HTTP floor (one hop, answers at once)", &cs, "-", &r.floor);
+    crate::durable::table_rows(&mut t, opts, &r.durable);
     rows(&mut t, "relay async submit `POST /tasks` (202), closed loop", &cs, &w, submits(&r.async_closed));
     rows(&mut t, &format!("relay async submit (202), pipelined {d} deep"), &cd, &w, submits(&r.async_pipe));
     rows(&mut t, "relay async fetch `GET /tasks/{id}`, closed loop", &cs, &w, fetches(&r.async_closed));
@@ -982,6 +995,8 @@ fn report(opts: &Opts, r: &Results) -> String {
             p.bytes_per_task() - opts.payload_bytes as f64
         );
     }
+
+    crate::durable::figures(&mut t, opts, &r.durable);
 
     let _ = writeln!(t, "\n| target | goal | measured | |\n|---|---|---|---|");
     if let (Some(ratio), Some(s), Some(n)) =
@@ -1066,6 +1081,7 @@ fn report(opts: &Opts, r: &Results) -> String {
             if pipe.is_some() { " (pipelined)" } else { "" }
         );
     }
+    crate::durable::targets(&mut t, opts, &r.sync, &r.durable);
     let _ = writeln!(t, "\n| other ratios (no target) | value |\n|---|---:|");
     if let Some(x) = paired(&r.sync, &r.floor, cpu_us) {
         let _ = writeln!(t, "| relay CPU per sync task ÷ floor CPU per request | {} |", x.show(2));
@@ -1085,6 +1101,7 @@ fn report(opts: &Opts, r: &Results) -> String {
     if let Some(x) = paired(&r.sync1, &r.nats1, cpu_us) {
         let _ = writeln!(t, "| relay CPU per task ÷ NATS, 1 client 1 worker | {} |", x.show(2));
     }
+    crate::durable::ratios(&mut t, &r.sync, &r.durable);
     for f in &r.failures {
         let _ = writeln!(t, "\nFAILED: {f}");
     }
@@ -1099,7 +1116,7 @@ fn report(opts: &Opts, r: &Results) -> String {
         ("relay 1c1w", r.sync1.iter().collect()),
         ("nats 1c1w", r.nats1.iter().collect()),
     ];
-    for (name, os) in groups {
+    for (name, os) in groups.into_iter().chain(crate::durable::syscall_groups(&r.durable)) {
         if let Some(e) = os.iter().find_map(|o| o.first_error.as_ref()) {
             let _ = writeln!(t, "\n{name}: first client error: {e}");
         }
@@ -1137,7 +1154,7 @@ fn syscall_table(t: &mut String, span: Duration, r: &Results) {
         &["sys_enter_futex"],
         &["context-switches"],
     ];
-    for (label, os) in groups {
+    for (label, os) in groups.into_iter().chain(crate::durable::syscall_groups(&r.durable)) {
         let counted: Vec<&Vec<(String, f64)>> = os.iter().filter_map(|o| o.per_op_events.as_ref().ok()).collect();
         if counted.is_empty() {
             if let Some(Err(e)) = os.first().map(|o| &o.per_op_events) {
