@@ -72,6 +72,12 @@ impl TaskTable {
     pub fn len(&self) -> usize {
         self.shards.iter().map(HashMap::len).sum()
     }
+    /// Room for `n` more tasks (spread over the shards), so a restore does not rehash.
+    pub fn reserve(&mut self, n: usize) {
+        for shard in &mut self.shards {
+            shard.reserve(n / TASK_SHARDS + 1);
+        }
+    }
     /// The tasks of shard `i` (a bounded slice of the table, for work spread over turns).
     pub fn shard_tasks(&self, i: usize) -> impl Iterator<Item = &Task> {
         self.shards.get(i).into_iter().flat_map(|m| m.values())

@@ -134,6 +134,10 @@ impl Core {
         let Replayed { tasks, evicted, rehome, .. } = replayed;
         let (now, wall, ttl) = (self.now_ms, self.wall_ms, self.cfg.task_ttl_ms);
         let mut restored = 0;
+        let due_wall = |t: &Task| t.run_at_wall_ms.unwrap_or(0).max(t.created_wall_ms);
+        self.tasks.reserve(tasks.len());
+        // The listing index, built at the end in bulk from submission order.
+        let mut listed: Vec<(u64, TaskId)> = Vec::with_capacity(tasks.len() + evicted.len());
         // Finished tasks, oldest first (the order they are forgotten and evicted in).
         let mut finished: Vec<(u64, TaskId)> = Vec::new();
         for (id, light) in evicted {
@@ -147,12 +151,13 @@ impl Core {
             if let Some(key) = light.idempotency {
                 self.remember_key(*key, id, forget_wall - wall);
             }
-            self.by_submission.insert(light.evicted.submit_seq, id);
+            listed.push((light.evicted.submit_seq, id));
             self.evicted.insert(id, light.evicted);
             finished.push((light.finished_wall_ms, id));
             restored += 1;
         }
-        let mut unfinished = Vec::new();
+        // Unfinished tasks go into the table at once (moved once); `unfinished` orders them.
+        let mut unfinished: Vec<(u64, u64, TaskId)> = Vec::new();
         for mut task in tasks {
             self.next_seq = self.next_seq.max(task.submit_seq);
             let (id, submit_seq) = (task.id, task.submit_seq);
@@ -177,11 +182,18 @@ impl Core {
                     self.remember_key(*key.clone(), id, ttl);
                     task.idempotency = Some(key);
                 }
-                unfinished.push(task);
+                unfinished.push((due_wall(&task), task.submit_seq, id));
+                self.tasks.insert(id, task);
             }
             // (Not before: a task whose TASK_TTL ran out while relay was down is not listed.)
-            self.by_submission.insert(submit_seq, id);
+            listed.push((submit_seq, id));
             restored += 1;
+        }
+        listed.sort_unstable();
+        if self.by_submission.is_empty() {
+            self.by_submission = listed.into_iter().collect();
+        } else {
+            self.by_submission.extend(listed);
         }
         finished.sort_unstable();
         for (finished_wall, id) in finished {
@@ -193,11 +205,11 @@ impl Core {
         }
 
         // Unfinished tasks: in due order, ties in submission order.
-        let due_wall = |t: &Task| t.run_at_wall_ms.unwrap_or(0).max(t.created_wall_ms);
-        unfinished.sort_unstable_by_key(|t| (due_wall(t), t.submit_seq));
+        unfinished.sort_unstable();
         let rehome: IdSet = rehome.into_iter().collect();
-        for mut task in unfinished {
-            let id = task.id;
+        for (due, _, id) in unfinished {
+            let seq = self.take_seq();
+            let Some(task) = self.tasks.get_mut(&id) else { continue };
             let mut cut_short = false;
             if let Some(a) = task.attempts.last_mut().filter(|a| a.outcome.is_none()) {
                 a.outcome = Some(Outcome::Disconnect);
@@ -206,14 +218,12 @@ impl Core {
                 a.restarted = true;
                 cut_short = true;
             }
-            let due = due_wall(&task);
             task.status = Status::Pending;
             task.restored = true;
-            task.seq = self.take_seq();
+            task.seq = seq;
             task.due_mono_ms = now + due.saturating_sub(wall);
             self.status_counts[Status::Pending.index()] += 1;
             self.pending_bytes += task.payload.as_deref().map_or(0, |p| p.get().len());
-            self.tasks.insert(id, task);
             if cut_short {
                 self.record(id, Rec::AttemptEnded);
             } else if rehome.contains(&id) {

@@ -87,7 +87,8 @@ struct Entry {
 }
 
 struct State {
-    entries: HashMap<TaskId, Entry>,
+    /// Boxed: a table of a million tasks grows by moving pointers, not whole tasks.
+    entries: HashMap<TaskId, Box<Entry>>,
     finished: VecDeque<(u64, TaskId)>,
     finished_count: u64,
     finished_bytes: usize,
@@ -112,7 +113,7 @@ impl State {
                     self.finished_bytes += task.mem_bytes();
                 }
                 entry.task = Some(task);
-                self.entries.insert(id, entry);
+                self.entries.insert(id, Box::new(entry));
                 self.evict_over_budget();
             }
             Record::AttemptStart { id, num, attempt } => {
@@ -382,16 +383,22 @@ impl Replayer {
         scan.torn_at
     }
 
+    /// Room for about `tasks` tasks up front (the table would otherwise double its way there).
+    fn reserve(&mut self, tasks: usize) {
+        self.state.entries.reserve(tasks);
+    }
+
     fn finish(self) -> Replayed {
         let Replayer { state, records, skipped, truncated_bytes, mut segments, max_segment, started } = self;
         let mut pins: BTreeMap<u32, u32> = BTreeMap::new();
-        let mut tasks = Vec::new();
+        let mut tasks = Vec::with_capacity(state.entries.len());
         let mut evicted = Vec::new();
         let mut rehome = Vec::new();
         for (id, entry) in state.entries {
             if entry.overflow {
                 rehome.push(id);
             }
+            let entry = *entry;
             if let Some(task) = entry.task {
                 for seg in task.stored.segs.into_iter().filter(|s| *s != 0) {
                     *pins.entry(seg).or_default() += 1;
@@ -425,6 +432,10 @@ impl Replayer {
 pub fn replay(dir: &Path, budget_bytes: usize) -> io::Result<Replayed> {
     let nums = list_segments(dir)?;
     let mut r = Replayer::new(budget_bytes);
+    // The smallest whole-task record is about this size: an upper bound on the tasks to hold.
+    const MIN_TASK_RECORD_BYTES: u64 = 128;
+    let total: u64 = nums.iter().filter_map(|n| fs::metadata(segment_path(dir, *n)).ok()).map(|m| m.len()).sum();
+    r.reserve((total / MIN_TASK_RECORD_BYTES).min(1 << 26) as usize);
     for (i, &num) in nums.iter().enumerate() {
         let last = i + 1 == nums.len();
         let path = segment_path(dir, num);
