@@ -14,6 +14,10 @@
 //! pinned by tasks that are not finished (finished ones are forgotten by then): the core
 //! writes those tasks again at the head, so the journal's size follows the live tasks plus one
 //! TASK_TTL of history.
+//!
+//! A segment holding a `Forget` record goes only once every older segment has gone: an older
+//! segment can still hold an earlier record of the forgotten task (its submit, say), which
+//! replay would otherwise bring back to life.
 
 pub mod codec;
 pub mod crc;
@@ -56,6 +60,8 @@ impl std::fmt::Display for OpenError {
 
 struct Segment {
     pins: u32,
+    /// It holds a `Forget` record: deleted only once it is the oldest segment.
+    forgets: bool,
     bytes: u64,
     /// When it stopped being the head (monotonic ms; may be "before start" for replayed
     /// segments, hence signed).
@@ -143,10 +149,11 @@ impl Journal {
         let mut segments = BTreeMap::new();
         for s in &replayed.segments {
             let age_ms = now_wall_ms.saturating_sub(s.modified_wall_ms) as i64;
-            segments.insert(s.num, Segment { pins: s.pins, bytes: s.bytes, closed_ms: Some(-age_ms) });
+            segments
+                .insert(s.num, Segment { pins: s.pins, forgets: s.forgets, bytes: s.bytes, closed_ms: Some(-age_ms) });
         }
         let head = replayed.max_segment + 1;
-        segments.insert(head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        segments.insert(head, Segment { pins: 0, forgets: false, bytes: HEADER_BYTES as u64, closed_ms: None });
         let mut journal = Journal {
             tx,
             writer: Some(writer),
@@ -165,10 +172,11 @@ impl Journal {
             records_written: 0,
             records_skipped_at_start: replayed.skipped,
         };
-        let unpinned: Vec<u32> =
-            journal.segments.iter().filter(|(n, s)| s.pins == 0 && **n != head).map(|(n, _)| *n).collect();
-        for n in unpinned {
-            journal.drop_segment(n);
+        let nums: Vec<u32> = journal.segments.keys().copied().collect();
+        for n in nums {
+            if journal.deletable(n) {
+                journal.drop_segment(n);
+            }
         }
         Ok((journal, replayed))
     }
@@ -229,7 +237,12 @@ impl Journal {
             self.batch.chunks.push((self.head, frame));
         }
         let head = self.head;
-        let seg = self.segments.entry(head).or_insert(Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        let seg = self.segments.entry(head).or_insert(Segment {
+            pins: 0,
+            forgets: false,
+            bytes: HEADER_BYTES as u64,
+            closed_ms: None,
+        });
         let off = seg.bytes;
         seg.bytes += n;
         self.batch_bytes += n;
@@ -241,13 +254,14 @@ impl Journal {
     fn rotate(&mut self) {
         let old = self.head;
         self.head += 1;
-        self.segments.insert(self.head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        self.segments
+            .insert(self.head, Segment { pins: 0, forgets: false, bytes: HEADER_BYTES as u64, closed_ms: None });
         let now = self.now_ms as i64;
         if let Some(seg) = self.segments.get_mut(&old) {
             seg.closed_ms = Some(now);
-            if seg.pins == 0 {
-                self.drop_segment(old);
-            }
+        }
+        if self.deletable(old) {
+            self.drop_segment(old);
         }
     }
 
@@ -260,14 +274,35 @@ impl Journal {
     fn unpin(&mut self, seg: u32) {
         let Some(s) = self.segments.get_mut(&seg) else { return };
         s.pins = s.pins.saturating_sub(1);
-        if s.pins == 0 && seg != self.head {
+        if self.deletable(seg) {
             self.drop_segment(seg);
         }
     }
 
+    /// Nothing needs the segment any more: no task pins it, it is not the head, and it holds no
+    /// `Forget` record that an older segment still needs (an older segment may hold an earlier
+    /// record of the forgotten task).
+    fn deletable(&self, seg: u32) -> bool {
+        let oldest = self.segments.keys().next() == Some(&seg);
+        self.segments.get(&seg).is_some_and(|s| s.pins == 0 && seg != self.head && (!s.forgets || oldest))
+    }
+
+    /// Deletes the segment once the records that replaced it are durable; the segments after
+    /// it that only waited for it to go (their `Forget` records) go with it.
     fn drop_segment(&mut self, seg: u32) {
+        let was_oldest = self.segments.keys().next() == Some(&seg);
         self.segments.remove(&seg);
         self.batch.deletes.push(seg);
+        if !was_oldest {
+            return;
+        }
+        while let Some(&next) = self.segments.keys().next() {
+            if !self.deletable(next) {
+                break;
+            }
+            self.segments.remove(&next);
+            self.batch.deletes.push(next);
+        }
     }
 
     fn unpin_all(&mut self, stored: &Stored) {
@@ -325,7 +360,10 @@ impl Journal {
 
     /// The task was forgotten (TASK_TTL): it needs nothing any more.
     pub fn forget(&mut self, id: TaskId, stored: &Stored) {
-        self.append(RecordType::Forget, |out| codec::put_forget(out, id));
+        let (_, loc) = self.append(RecordType::Forget, |out| codec::put_forget(out, id));
+        if let Some(s) = self.segments.get_mut(&loc.seg) {
+            s.forgets = true;
+        }
         self.unpin_all(stored);
     }
 

@@ -50,6 +50,8 @@ pub struct SegmentInfo {
     /// Last modification, wall clock (compaction ages segments from it).
     pub modified_wall_ms: u64,
     pub pins: u32,
+    /// It holds a `Forget` record (see `Journal::deletable`).
+    pub forgets: bool,
 }
 
 pub fn segment_path(dir: &Path, num: u32) -> PathBuf {
@@ -329,12 +331,14 @@ impl Replayer {
             return None;
         }
         let scan = scan_segment(bytes, last);
+        let mut forgets = false;
         for f in &scan.frames {
             let payload = &bytes[f.payload.0..f.payload.1];
             let loc = Loc { seg: num, off: f.off as u32, len: f.total as u32 };
             match codec::decode(f.kind, payload) {
                 Some(record) => {
                     self.records += 1;
+                    forgets |= matches!(record, Record::Forget { .. });
                     self.state.apply(f.seq, loc, record);
                 }
                 None => {
@@ -374,6 +378,7 @@ impl Replayer {
             bytes: end as u64,
             modified_wall_ms: path.map_or(0, modified_wall_ms),
             pins: 0,
+            forgets,
         });
         scan.torn_at
     }

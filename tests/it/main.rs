@@ -13,6 +13,7 @@ mod openapi;
 mod ops;
 mod pg_cluster;
 mod regressions;
+mod review;
 mod tasks_api;
 mod tokens;
 mod websocket;
