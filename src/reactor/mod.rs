@@ -237,8 +237,7 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
                 // Drop what is written once it is most of the buffer, so a slow reader's
                 // buffer holds its unwritten bytes, not everything since it last drained.
                 if conn.out_pos >= KEEP_OUT_CAPACITY {
-                    conn.out.drain(..conn.out_pos);
-                    conn.out_pos = 0;
+                    drop_written(conn);
                 }
                 return Ok(());
             }
@@ -247,10 +246,20 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
         }
     }
     if end == conn.out.len() {
-        conn.out.clear();
-        conn.out_pos = 0;
+        drop_written(conn);
     }
     Ok(())
+}
+
+/// Drops the written bytes from the front of the output; the journal gates, which hold
+/// offsets into it, move with it.
+fn drop_written(conn: &mut Conn) {
+    let n = conn.out_pos;
+    conn.out.drain(..n);
+    conn.out_pos = 0;
+    for gate in &mut conn.gates {
+        gate.start = gate.start.saturating_sub(n);
+    }
 }
 
 /// Appends an answer to a connection's output, held back until the journal is durable up to
@@ -917,6 +926,81 @@ mod tests {
             assert_ne!(token(r), LISTENER);
             assert_ne!(token(r), WAKER);
         }
+    }
+
+    /// Sets a socket buffer size (`SO_SNDBUF`/`SO_RCVBUF`), so a test can fill a socket fast.
+    fn set_buf(fd: std::os::fd::RawFd, opt: libc::c_int, bytes: libc::c_int) {
+        // SAFETY: setsockopt on a socket we own, with a pointer to a live c_int of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&bytes as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "setsockopt");
+    }
+
+    /// `write_out` drops the written part of a slow reader's buffer (more than 64 KiB written,
+    /// then the socket would block) but left the journal gates' offsets as they were: the next
+    /// write went past the held answer (sent before it was durable) or past the end of the
+    /// buffer (a panic on the event loop).
+    #[test]
+    fn answers_held_for_the_journal_stay_held_when_written_output_is_dropped() {
+        use std::io::Read as _;
+        use std::os::fd::AsRawFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (server, peer) = listener.accept().expect("accept");
+        set_buf(server.as_raw_fd(), libc::SO_SNDBUF, 16384);
+        set_buf(client.as_raw_fd(), libc::SO_RCVBUF, 16384);
+        server.set_nonblocking(true).expect("nonblocking");
+        client.set_nonblocking(true).expect("nonblocking");
+        let mut conn = Conn::new(TcpStream::from_std(server), peer.ip());
+        let free = 200 * 1024;
+        conn.out.extend(std::iter::repeat_n(b'a', free));
+        assert!(conn.gate(7, 0), "a new wait");
+        conn.out.extend_from_slice(b"HELD");
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut read_all = |client: &mut std::net::TcpStream, got: &mut Vec<u8>| loop {
+            match client.read(&mut chunk) {
+                Ok(0) => panic!("closed"),
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => panic!("read: {e}"),
+            }
+        };
+        let mut compacted = false;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(got.len() >= free && compacted) && Instant::now() < deadline {
+            let len = conn.out.len();
+            write_out(&mut conn).expect("write");
+            compacted |= conn.out.len() < len;
+            let before = got.len();
+            read_all(&mut client, &mut got);
+            if got.len() == before {
+                std::thread::sleep(Duration::from_millis(1)); // (a tiny TCP window reopens on a timer)
+            }
+        }
+        assert!(compacted, "the test never made write_out drop written bytes");
+        // Give the socket every chance to take more: nothing past the gate may leave.
+        for _ in 0..20 {
+            write_out(&mut conn).expect("write");
+            read_all(&mut client, &mut got);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(got.len(), free, "bytes held for the journal were sent before it was durable");
+        assert!(!conn.release_gates(7));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while got.len() < free + 4 && Instant::now() < deadline {
+            write_out(&mut conn).expect("write");
+            read_all(&mut client, &mut got);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(got.ends_with(b"aHELD") && got.len() == free + 4, "the held answer follows, whole");
     }
 
     #[test]
