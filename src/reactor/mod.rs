@@ -835,7 +835,10 @@ impl Server {
             self.pump_download(r);
             return;
         }
-        let had_backlog = total > MAX_HTTP_BACKLOG_BYTES;
+        // Requests may wait behind the output just written (more than MAX_HTTP_BACKLOG_BYTES
+        // of it, possibly compacted since, so `total` alone cannot tell): look at them again.
+        let had_backlog =
+            total > MAX_HTTP_BACKLOG_BYTES || matches!(&conn.state, State::Http(http) if !http.buf.is_empty());
         if conn.out.capacity() > KEEP_OUT_CAPACITY {
             conn.out = Vec::new();
         }

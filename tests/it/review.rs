@@ -82,3 +82,24 @@ fn a_forgotten_task_is_not_resurrected_by_restarts_while_an_older_segment_lives(
         assert!(relay.stop().success());
     }
 }
+
+/// Pipelined requests waiting behind more than 256 KiB of unwritten output were never
+/// answered once that output had gone through the buffer's compaction (written bytes dropped
+/// from its front): the flush that emptied the buffer measured what was left, not what had
+/// been queued, so it did not look at the waiting requests again; the connection sat idle
+/// until IDLE_TIMEOUT closed it.
+#[test]
+fn pipelined_requests_behind_a_large_output_are_all_answered() {
+    let relay = Relay::start();
+    let mut client = Client::connect(relay.addr);
+    client.stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    let n = 1000;
+    let one = crate::support::http::build("GET", "/ui/app.js", &[], None);
+    client.send_raw(&one.repeat(n));
+    for i in 0..n {
+        match client.read_response() {
+            Some(r) => assert_eq!(r.status, 200, "response {i}"),
+            None => panic!("only {i} of {n} pipelined requests were answered"),
+        }
+    }
+}
