@@ -249,7 +249,12 @@ impl Server {
                             http.phase = Phase::Batch { batch, keep_alive: head.keep_alive };
                             self.set_deadline(r, u64::MAX);
                         }
-                        Err(response) => self.answer_early(r, &head, response),
+                        Err(response) => {
+                            // Its body is read already: nothing of it is left to skip.
+                            let mut head = head;
+                            head.framing = Framing::Empty;
+                            self.answer_early(r, &head, response);
+                        }
                     }
                     return true;
                 }

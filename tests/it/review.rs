@@ -103,3 +103,25 @@ fn pipelined_requests_behind_a_large_output_are_all_answered() {
         }
     }
 }
+
+/// A batch refused as a whole (400/413 after its body was read) was answered as if its body
+/// were still to be skipped: the next pipelined request lost its first bytes (relay then read
+/// the rest of it as a request of its own), or the connection was closed.
+#[test]
+fn a_refused_batch_leaves_the_pipelined_requests_after_it_intact() {
+    let relay = Relay::start();
+    let auth = format!("Bearer {API}");
+    let headers = [("Authorization", auth.as_str())];
+    let mut client = Client::connect(relay.addr);
+    let mut raw = crate::support::http::build("POST", "/tasks/batch", &headers, Some(br#"{"tasks":5}"#));
+    raw.extend(crate::support::http::build("GET", "/healthz", &[], None));
+    raw.extend(crate::support::http::build("POST", "/tasks/batch", &headers, Some(br#"{"tasks":[]}"#)));
+    client.send_raw(&raw);
+    let r = client.read_response().expect("an answer to the bad batch");
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_ne!(r.header("Connection"), Some("close"));
+    let r = client.read_response().expect("an answer to the request after it");
+    assert_eq!((r.status, r.json()["status"].as_str()), (200, Some("ok")), "{}", r.text());
+    let r = client.read_response().expect("an answer to the empty batch");
+    assert_eq!((r.status, r.text()), (202, r#"{"tasks":[]}"#.to_string()));
+}
