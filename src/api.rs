@@ -365,10 +365,42 @@ pub struct Batch {
 /// Batch items submitted per loop turn.
 pub const BATCH_ITEMS_PER_TURN: usize = 2048;
 
+/// Items one batch may hold (the default MAX_PENDING). Its answer is built in memory, about
+/// 70 to 250 bytes per item whatever the item's size: without a count limit, a body of tiny
+/// items (`[1,1,1,...]`) asks for an answer 40 times its size.
+pub const MAX_BATCH_ITEMS: usize = 1_000_000;
+const TOO_MANY_ITEMS: &str = "too many items";
+
 #[derive(Deserialize)]
 struct BatchBody<'a> {
     #[serde(borrow, default)]
-    tasks: Option<Vec<&'a RawValue>>,
+    tasks: Option<BatchItems<'a>>,
+}
+
+/// The items of a batch, at most [`MAX_BATCH_ITEMS`] (reading stops at the first one over).
+struct BatchItems<'a>(Vec<&'a RawValue>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for BatchItems<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Items<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Items<'a> {
+            type Value = BatchItems<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array of submit bodies")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<BatchItems<'a>, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<&RawValue>()? {
+                    if items.len() == MAX_BATCH_ITEMS {
+                        return Err(serde::de::Error::custom(TOO_MANY_ITEMS));
+                    }
+                    items.push(item);
+                }
+                Ok(BatchItems(items))
+            }
+        }
+        d.deserialize_seq(Items(std::marker::PhantomData))
+    }
 }
 
 impl Api {
@@ -378,9 +410,14 @@ impl Api {
             return Err(error(400, "the body must be a JSON object {\"tasks\": [...]}"));
         }
         let items = {
-            let parsed: BatchBody =
-                serde_json::from_slice(&body).map_err(|e| error(400, &format!("invalid JSON body: {e}")))?;
-            let Some(tasks) = parsed.tasks else {
+            let parsed: BatchBody = serde_json::from_slice(&body).map_err(|e| {
+                if e.to_string().starts_with(TOO_MANY_ITEMS) {
+                    error(413, &format!("a batch holds at most {MAX_BATCH_ITEMS} tasks"))
+                } else {
+                    error(400, &format!("invalid JSON body: {e}"))
+                }
+            })?;
+            let Some(BatchItems(tasks)) = parsed.tasks else {
                 return Err(error(400, "tasks is required: an array of submit bodies"));
             };
             let base = body.as_ptr() as usize;

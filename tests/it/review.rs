@@ -104,6 +104,36 @@ fn pipelined_requests_behind_a_large_output_are_all_answered() {
     }
 }
 
+/// A batch body of tiny items (`[1,1,1,...]`, 2 bytes each) made relay build an answer about 40
+/// times its size, all at once: a 60 MB body took 5.6 GB of memory, a 2.6 GB answer and held
+/// the event loop for 14 s. A batch holds at most 1,000,000 items; more is 413 (found while
+/// reading the body, before the answer exists).
+#[test]
+fn a_batch_of_millions_of_tiny_items_is_refused_instead_of_amplified() {
+    let relay = Relay::start_with(&[("LOG_LEVEL", "info")]);
+    let items = |n: usize| {
+        let mut body = b"{\"tasks\":[".to_vec();
+        body.extend(std::iter::repeat_n(&b"1,"[..], n - 1).flatten());
+        body.extend_from_slice(b"1]}");
+        body
+    };
+    let auth = format!("Bearer {API}");
+    let headers = [("Authorization", auth.as_str())];
+    let mut client = Client::connect(relay.addr);
+    let r = client.call("POST", "/tasks/batch", &headers, Some(&items(1_000_001)));
+    assert_eq!(r.status, 413, "{}", &r.text()[..r.text().len().min(300)]);
+    assert!(r.text().contains("1000000"), "{}", r.text());
+    let r = client.call("POST", "/tasks/batch", &headers, Some(&items(4_000_000)));
+    assert_eq!(r.status, 413);
+    let peak_mib = peak_rss_kib(relay.pid()) / 1024;
+    assert!(peak_mib < 256, "an 8 MB batch body took {peak_mib} MiB");
+    // A large batch still works: one answer per item.
+    let r = client.call("POST", "/tasks/batch", &headers, Some(&items(100_000)));
+    assert_eq!(r.status, 202);
+    let tasks = r.json()["tasks"].as_array().expect("tasks").len();
+    assert_eq!(tasks, 100_000);
+}
+
 /// A batch refused as a whole (400/413 after its body was read) was answered as if its body
 /// were still to be skipped: the next pipelined request lost its first bytes (relay then read
 /// the rest of it as a request of its own), or the connection was closed.
