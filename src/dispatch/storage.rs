@@ -154,8 +154,7 @@ impl Core {
         let mut unfinished = Vec::new();
         for mut task in tasks {
             self.next_seq = self.next_seq.max(task.submit_seq);
-            let id = task.id;
-            self.by_submission.insert(task.submit_seq, id);
+            let (id, task_seq) = (task.id, task.submit_seq);
             task.created_mono_ms = now.saturating_sub(wall.saturating_sub(task.created_wall_ms));
             if task.status.is_final() {
                 let finished_wall = task.finished_wall_ms.unwrap_or(task.created_wall_ms);
@@ -179,6 +178,7 @@ impl Core {
                 }
                 unfinished.push(task);
             }
+            self.by_submission.insert(task_seq, id);
             restored += 1;
         }
         finished.sort_unstable();
