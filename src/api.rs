@@ -362,8 +362,9 @@ pub struct Batch {
     identity: Identity,
 }
 
-/// Batch items submitted per loop turn.
-pub const BATCH_ITEMS_PER_TURN: usize = 2048;
+/// Batch items submitted per loop turn, over every batch under way (each slice takes what
+/// is left of it; a batch that finds none waits for the next turn).
+pub const BATCH_ITEMS_PER_TURN: usize = 4096;
 
 /// Items one batch may hold (the default MAX_PENDING). Its answer is built in memory, about
 /// 70 to 250 bytes per item whatever the item's size: without a count limit, a body of tiny
@@ -428,9 +429,17 @@ impl Api {
         Ok(Box::new(Batch { body, items, next: 0, out, lsn: 0, identity }))
     }
 
-    /// Submits the next slice of a batch. `Some` is the answer once every item is done.
-    pub fn batch_step(&self, core: &mut Core, io: &mut dyn Io, batch: &mut Batch) -> Option<Response> {
-        let end = (batch.next + BATCH_ITEMS_PER_TURN).min(batch.items.len());
+    /// Submits the next slice of a batch, at most `budget` items (which it takes from).
+    /// `Some` is the answer once every item is done.
+    pub fn batch_step(
+        &self,
+        core: &mut Core,
+        io: &mut dyn Io,
+        batch: &mut Batch,
+        budget: &mut usize,
+    ) -> Option<Response> {
+        let end = (batch.next + *budget).min(batch.items.len());
+        *budget -= end - batch.next;
         for i in batch.next..end {
             let (off, len) = batch.items[i];
             if i > 0 {

@@ -268,13 +268,20 @@ impl Server {
     fn step_batch(&mut self, r: ConnRef) -> bool {
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };
+        if self.batch_budget == 0 {
+            // This turn's batch items are used up: the next slice next turn.
+            self.again.push(r);
+            return false;
+        }
         let Phase::Batch { mut batch, keep_alive } = std::mem::replace(&mut http.phase, Phase::Idle) else {
             return false;
         };
+        let mut budget = self.batch_budget;
         let answer = {
             let (mut wire, core, api) = self.wire_and_api();
-            api.batch_step(core, &mut wire, &mut batch)
+            api.batch_step(core, &mut wire, &mut batch, &mut budget)
         };
+        self.batch_budget = budget;
         let durable = self.core.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };

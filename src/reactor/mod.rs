@@ -365,6 +365,9 @@ pub struct Server {
     durable_seen: u64,
     /// Connections whose next submit waits because too many journal bytes are not yet durable.
     journal_blocked: Vec<ConnRef>,
+    /// Batch items that may still be submitted this turn (`api::BATCH_ITEMS_PER_TURN` over all
+    /// batches, so many batches at once cannot hold the loop).
+    batch_budget: usize,
 }
 
 impl Server {
@@ -466,6 +469,7 @@ impl Server {
             gated: Vec::new(),
             durable_seen: 0,
             journal_blocked: Vec::new(),
+            batch_budget: crate::api::BATCH_ITEMS_PER_TURN,
         };
         Ok((server, waker))
     }
@@ -514,6 +518,7 @@ impl Server {
                 return Err(e);
             }
             self.tick_clock();
+            self.batch_budget = crate::api::BATCH_ITEMS_PER_TURN;
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_pending = true,

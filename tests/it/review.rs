@@ -209,3 +209,48 @@ fn a_damaged_segment_header_loses_no_record_and_an_unknown_version_stops_startup
     assert!(err.contains("version 2"), "{err}");
     assert_eq!(std::fs::read(&segment).expect("still there"), newer, "the segment is left as it was");
 }
+
+/// Every batch under way submitted its slice (2,048 items) in the same loop turn: with a few
+/// hundred batches at once one turn submitted hundreds of thousands of tasks, and nobody else
+/// (a health check, a worker's result, a ping) was served for seconds. The slices of one turn
+/// now share one budget.
+#[test]
+fn many_batches_at_once_do_not_hold_the_loop() {
+    let relay = Relay::start_with(&[("MAX_PENDING", "10000000"), ("MAX_PENDING_BYTES", "2000000000")]);
+    let items: Vec<String> = (0..2048).map(|i| format!(r#"{{"payload":{{"n":{i}}}}}"#)).collect();
+    let body = format!(r#"{{"tasks":[{}]}}"#, items.join(","));
+    let auth = format!("Bearer {API}");
+    let raw =
+        crate::support::http::build("POST", "/tasks/batch", &[("Authorization", auth.as_str())], Some(body.as_bytes()));
+    let n = 150;
+    // Everything but the last byte first, so that all the batches start in the same turn.
+    let mut clients: Vec<Client> = (0..n)
+        .map(|_| {
+            let mut c = Client::connect(relay.addr);
+            c.send_raw(&raw[..raw.len() - 1]);
+            c
+        })
+        .collect();
+    relay.barrier();
+    for c in &mut clients {
+        c.send_raw(&raw[raw.len() - 1..]);
+    }
+    let started = Instant::now();
+    let total = (n * 2048) as f64;
+    let mut worst = Duration::ZERO;
+    let mut first = None;
+    loop {
+        let t = Instant::now();
+        let pending = relay.metric("relay_tasks_pending");
+        worst = worst.max(t.elapsed());
+        first.get_or_insert(pending);
+        if pending >= total || started.elapsed() > Duration::from_secs(120) {
+            break;
+        }
+    }
+    for c in &mut clients {
+        assert_eq!(c.read_response().expect("an answer").status, 202);
+    }
+    assert!(first.is_some_and(|p| p < total), "the first look came after every batch was done");
+    assert!(worst < Duration::from_secs(1), "a health check waited {worst:?} behind {n} batches");
+}
