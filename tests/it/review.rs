@@ -254,3 +254,43 @@ fn many_batches_at_once_do_not_hold_the_loop() {
     assert!(first.is_some_and(|p| p < total), "the first look came after every batch was done");
     assert!(worst < Duration::from_secs(1), "a health check waited {worst:?} behind {n} batches");
 }
+
+/// A listing page could hold 4 MiB of JSON (plus one task over it): a client asking for pages
+/// and never reading them made relay hold 4 MiB per connection for IDLE_TIMEOUT (300 such
+/// connections: 1.25 GB). SPEC §4 holds at most 256 KiB of a non-reading client's output; a
+/// page now stops at 256 KiB (and the cursor carries on).
+#[test]
+fn a_listing_page_holds_at_most_about_256_kib() {
+    let relay = Relay::start();
+    let worker = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    let pad = "r".repeat(16 * 1024);
+    let mut ids = Vec::new();
+    for i in 0..40 {
+        let r = relay.api("POST", "/tasks?wait=true", Some(&json!({"payload": {"i": i, "pad": pad}}).to_string()));
+        assert_eq!(r.status, 200, "{}", r.text());
+        ids.push(r.json()["task_id"].as_str().expect("id").to_string());
+    }
+    drop(worker);
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/tasks?limit=1000&cursor={c}"),
+            None => "/tasks?limit=1000".to_string(),
+        };
+        let r = relay.api("GET", &path, None);
+        assert_eq!(r.status, 200);
+        assert!(r.body.len() <= 256 * 1024 + 20 * 1024, "a page of {} bytes", r.body.len());
+        let page = r.json();
+        for t in page["tasks"].as_array().expect("tasks") {
+            seen.push(t["task_id"].as_str().expect("id").to_string());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    ids.reverse();
+    assert_eq!(seen, ids, "every task once, newest first");
+}
