@@ -150,7 +150,7 @@ pub fn plan(core: &Core, q: &Query, identity: &Identity) -> Plan {
             let mut json = String::new();
             task.write_json(&mut json);
             plan.lsn = plan.lsn.max(task.stored.lsn);
-            Some(json)
+            Ok(json)
         } else if let Some(e) = core.evicted(id) {
             // The kind is compared by hash here and exactly once the task is read back.
             let matches = q.status.is_none_or(|s| e.status == s)
@@ -159,7 +159,9 @@ pub fn plan(core: &Core, q: &Query, identity: &Identity) -> Plan {
             if !matches {
                 continue;
             }
-            None
+            // To be read back: its JSON is about its record's size (result included), a
+            // little more.
+            Err(e.loc.len as usize + 512)
         } else {
             continue;
         };
@@ -169,13 +171,12 @@ pub fn plan(core: &Core, q: &Query, identity: &Identity) -> Plan {
             break;
         }
         match piece {
-            Some(json) => {
+            Ok(json) => {
                 bytes += json.len();
                 plan.pieces.push(Some(json));
             }
-            None => {
-                // A task read back is at most a few KiB beyond its result; count it roughly.
-                bytes += 512;
+            Err(estimate) => {
+                bytes += estimate;
                 plan.evicted.push((plan.pieces.len(), id));
                 plan.pieces.push(None);
             }

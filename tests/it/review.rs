@@ -294,3 +294,44 @@ fn a_listing_page_holds_at_most_about_256_kib() {
     ids.reverse();
     assert_eq!(seen, ids, "every task once, newest first");
 }
+
+/// Tasks that left memory counted 512 bytes each toward a listing page's size, whatever their
+/// result: with large results one page came back at 40 MB (200 tasks of 200 KB), up to a GB
+/// with 1,000 of MAX_MESSAGE_SIZE. A task read back now counts the size of its record.
+#[test]
+fn a_listing_page_of_tasks_read_back_from_the_journal_keeps_its_size_limit() {
+    let dir = DataDir::new("page");
+    let relay = start(&dir, &[("TASK_MEMORY", "8192")]);
+    let worker = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    let pad = "r".repeat(64 * 1024);
+    let mut ids = Vec::new();
+    for i in 0..30 {
+        let r = relay.api("POST", "/tasks?wait=true", Some(&json!({"payload": {"i": i, "pad": pad}}).to_string()));
+        assert_eq!(r.status, 200, "{}", r.text());
+        ids.push(r.json()["task_id"].as_str().expect("id").to_string());
+    }
+    drop(worker);
+    assert!(poll_until(Duration::from_secs(5), || relay.metric("relay_tasks_on_disk") >= 29.0));
+    let mut seen = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/tasks?limit=1000&cursor={c}"),
+            None => "/tasks?limit=1000".to_string(),
+        };
+        let r = relay.api("GET", &path, None);
+        assert_eq!(r.status, 200);
+        assert!(r.body.len() <= 256 * 1024 + 80 * 1024, "a page of {} bytes", r.body.len());
+        let page = r.json();
+        for t in page["tasks"].as_array().expect("tasks") {
+            seen.push(t["task_id"].as_str().expect("id").to_string());
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_string()),
+            None => break,
+        }
+    }
+    ids.reverse();
+    assert_eq!(seen, ids, "every task once, newest first");
+}
