@@ -266,13 +266,19 @@ impl Server {
 
     /// Submits the next slice of a batch; its answer once every item is in.
     fn step_batch(&mut self, r: ConnRef) -> bool {
-        let Some(conn) = self.conns.get_mut(r) else { return false };
-        let State::Http(http) = &mut conn.state else { return false };
         if self.batch_budget == 0 {
             // This turn's batch items are used up: the next slice next turn.
             self.again.push(r);
             return false;
         }
+        if self.journal_full() {
+            // Backpressure holds for batches under way too: the disk is behind, the next slice
+            // waits (`on_journal` resumes it).
+            self.journal_blocked.push(r);
+            return false;
+        }
+        let Some(conn) = self.conns.get_mut(r) else { return false };
+        let State::Http(http) = &mut conn.state else { return false };
         let Phase::Batch { mut batch, keep_alive } = std::mem::replace(&mut http.phase, Phase::Idle) else {
             return false;
         };

@@ -335,3 +335,130 @@ fn a_listing_page_of_tasks_read_back_from_the_journal_keeps_its_size_limit() {
     ids.reverse();
     assert_eq!(seen, ids, "every task once, newest first");
 }
+
+/// relay running under `strace`, which delays every `fdatasync` of the journal thread: a disk
+/// that falls behind. `None` (after saying so) when strace cannot be used here; under CI a
+/// missing strace fails the test.
+struct SlowDisk {
+    strace: std::process::Child,
+    relay_pid: u32,
+    addr: std::net::SocketAddr,
+}
+
+impl SlowDisk {
+    fn start(env: &[(&str, &str)], delay: Duration) -> Option<SlowDisk> {
+        use std::io::BufRead;
+        let inject = format!("inject=fdatasync:delay_enter={}", delay.as_micros());
+        let mut cmd = std::process::Command::new("strace");
+        cmd.args([
+            "-f",
+            "-qq",
+            "--seccomp-bpf",
+            "-o",
+            "/dev/null",
+            "-e",
+            "trace=fdatasync",
+            "-e",
+            &inject,
+            relay_bin(),
+        ]);
+        cmd.env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
+        let base =
+            [("PORT", "0"), ("BIND", "127.0.0.1"), ("API_TOKEN", API), ("WORKER_TOKEN", WRK), ("LOG_LEVEL", "info")];
+        cmd.envs(base.iter().chain(env).copied());
+        cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
+        let mut strace = match cmd.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                assert!(std::env::var("CI").is_err(), "strace is required under CI: {e}");
+                eprintln!("SKIPPED: strace is not available ({e})");
+                return None;
+            }
+        };
+        let stderr = strace.stderr.take().expect("stderr");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+                if let Some(addr) = line.split_whitespace().find_map(|kv| kv.strip_prefix("addr=")) {
+                    let _ = tx.send(Ok(addr.to_string()));
+                } else if line.contains("strace:") {
+                    let _ = tx.send(Err(line));
+                }
+            }
+        });
+        let addr = match rx.recv_timeout(Duration::from_secs(20)) {
+            Ok(Ok(addr)) => addr.parse().expect("addr"),
+            other => {
+                let _ = strace.kill();
+                let _ = strace.wait();
+                assert!(std::env::var("CI").is_err(), "strace could not run relay under CI: {other:?}");
+                eprintln!("SKIPPED: strace could not run relay ({other:?})");
+                return None;
+            }
+        };
+        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", strace.id())).expect("children");
+        let relay_pid = children.split_whitespace().next().and_then(|p| p.parse().ok()).expect("relay's pid");
+        Some(SlowDisk { strace, relay_pid, addr })
+    }
+}
+
+impl Drop for SlowDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("kill").arg("-KILL").arg(self.relay_pid.to_string()).status();
+        let _ = self.strace.wait();
+    }
+}
+
+/// Backpressure stopped new submits once 64 MiB waited for the disk, but batches already under
+/// way went on adding slices: with a disk that fell behind, 30 batches took the bytes waiting
+/// for it to 490 MB (in memory). A batch's next slice now waits too.
+#[test]
+fn batches_under_way_wait_for_a_disk_that_fell_behind() {
+    let dir = DataDir::new("slow");
+    let env = [
+        ("DATA_DIR", dir.path()),
+        ("HEADER_TIMEOUT", "60s"),
+        ("MAX_PENDING", "10000000"),
+        ("MAX_PENDING_BYTES", "2000000000"),
+    ];
+    let Some(relay) = SlowDisk::start(&env, Duration::from_secs(1)) else { return };
+    let pad = "z".repeat(4000);
+    let items: Vec<String> = (0..4000).map(|i| format!(r#"{{"payload":{{"i":{i},"pad":"{pad}"}}}}"#)).collect();
+    let body = std::sync::Arc::new(format!(r#"{{"tasks":[{}]}}"#, items.join(",")));
+    let addr = relay.addr;
+    // Everything but each body's last byte first, then the last bytes together: every batch
+    // is under way before anything waits for the disk.
+    let auth = format!("Bearer {API}");
+    let raw =
+        crate::support::http::build("POST", "/tasks/batch", &[("Authorization", auth.as_str())], Some(body.as_bytes()));
+    let mut clients: Vec<Client> = (0..16)
+        .map(|_| {
+            let mut c = Client::connect(addr);
+            c.stream.set_read_timeout(Some(Duration::from_secs(90))).expect("timeout");
+            c.send_raw(&raw[..raw.len() - 1]);
+            c
+        })
+        .collect();
+    request(addr, "GET", "/healthz", &[], None);
+    for c in &mut clients {
+        c.send_raw(&raw[raw.len() - 1..]);
+    }
+    let batches: Vec<_> = clients
+        .into_iter()
+        .map(|mut c| std::thread::spawn(move || c.read_response().expect("an answer").status))
+        .collect();
+    let mut most = 0.0f64;
+    while !batches.iter().all(|b| b.is_finished()) {
+        let text = request(addr, "GET", "/metrics", &[], None).text();
+        let backlog = metric_value(&text, "relay_journal_backlog_bytes").expect("relay_journal_backlog_bytes");
+        most = most.max(backlog);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for b in batches {
+        assert_eq!(b.join().expect("batch thread"), 202);
+    }
+    let cap = 64.0 * 1024.0 * 1024.0;
+    let one_turn = 4096.0 * 4200.0;
+    assert!(most > 0.0, "nothing ever waited for the disk");
+    assert!(most <= cap + one_turn, "{most} bytes waited for the disk (the cap is {cap})");
+}
