@@ -140,6 +140,9 @@ impl Journal {
         let lock = prepare_dir(dir)?;
         let replayed = replay::replay(dir, memory_budget_bytes)
             .map_err(|e| OpenError::Io(format!("cannot read the journal in {}: {e}", dir.display())))?;
+        let head = replayed.max_segment.checked_add(1).ok_or_else(|| {
+            OpenError::Io(format!("{}: no segment number is left after {}", dir.display(), replayed.max_segment))
+        })?;
         let shared = Arc::new(Shared::default());
         shared.durable_lsn.store(replayed.next_lsn.saturating_sub(1), Ordering::SeqCst);
         let (tx, writer) = thread::start_writer(dir.to_path_buf(), shared.clone(), wake.clone())
@@ -152,7 +155,6 @@ impl Journal {
             segments
                 .insert(s.num, Segment { pins: s.pins, forgets: s.forgets, bytes: s.bytes, closed_ms: Some(-age_ms) });
         }
-        let head = replayed.max_segment + 1;
         segments.insert(head, Segment { pins: 0, forgets: false, bytes: HEADER_BYTES as u64, closed_ms: None });
         let mut journal = Journal {
             tx,
@@ -495,6 +497,19 @@ mod tests {
         j.attempt_ended(&t, &mut ts);
         assert!(ts.segs.contains(&j.head), "the segment with the task's newest record is not pinned: {ts:?}");
         j.stop();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A segment named 4294967295.journal (the largest number a name can carry) made the next
+    /// segment number overflow: a panic, or in a release build segment 0, the number that
+    /// means "none" in a task's pins.
+    #[test]
+    fn the_largest_segment_number_stops_opening_instead_of_wrapping() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-max-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(replay::segment_path(&dir, u32::MAX), codec::segment_header()).expect("segment");
+        let opened = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {}));
+        assert!(matches!(&opened, Err(OpenError::Io(m)) if m.contains("segment")), "{:?}", opened.err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
