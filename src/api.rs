@@ -446,7 +446,7 @@ impl Api {
                 batch.out.push(',');
             }
             let item = &batch.body[off..off + len];
-            match submit_item(core, io, item, &batch.identity) {
+            match submit_item(core, io, item, &batch.identity, self.max_message_bytes) {
                 Ok(id) => {
                     batch.out.push_str("{\"task_id\":\"");
                     push_uuid(&mut batch.out, id);
@@ -476,13 +476,19 @@ impl Api {
     }
 }
 
-/// One batch item: a submit body, queued unless it says `"queue": false`.
+/// One batch item: a submit body (at most `max_bytes`, as a `POST /tasks` body), queued unless
+/// it says `"queue": false`.
 fn submit_item(
     core: &mut Core,
     io: &mut dyn Io,
     item: &[u8],
     identity: &Identity,
+    max_bytes: usize,
 ) -> Result<TaskId, (&'static str, String)> {
+    if item.len() > max_bytes {
+        let msg = format!("item of {} bytes is over MAX_MESSAGE_SIZE ({max_bytes} bytes)", item.len());
+        return Err(("bad_request", msg));
+    }
     let parsed = parse_submit(item, core.wall_ms).map_err(|m| ("bad_request", m))?;
     if !identity.allows_kind(parsed.kind.as_deref()) {
         let msg = match parsed.kind.as_deref() {

@@ -462,3 +462,25 @@ fn batches_under_way_wait_for_a_disk_that_fell_behind() {
     assert!(most > 0.0, "nothing ever waited for the disk");
     assert!(most <= cap + one_turn, "{most} bytes waited for the disk (the cap is {cap})");
 }
+
+/// A batch item was not held to MAX_MESSAGE_SIZE like the submit body it is: a 5 MB item was
+/// accepted, and when a worker connected relay crashed (stack overflow: its frame never fits
+/// the worker's output cap, and the "drained, fill again" step recursed forever); before the
+/// crash it blocked every task queued behind it. An item over MAX_MESSAGE_SIZE is now a
+/// `bad_request` entry.
+#[test]
+fn a_batch_item_over_max_message_size_is_refused() {
+    let relay = Relay::start();
+    let big = format!(r#"{{"payload":{{"big":"{}"}}}}"#, "x".repeat(1 << 20));
+    let fits = format!(r#"{{"payload":{{"big":"{}"}}}}"#, "x".repeat(500_000));
+    let body = format!(r#"{{"tasks":[{big},{fits},{{"payload":1}}]}}"#);
+    let r = relay.api("POST", "/tasks/batch", Some(&body));
+    assert_eq!(r.status, 202, "{}", r.text());
+    let tasks = r.json()["tasks"].clone();
+    assert_eq!(tasks[0]["error"], "bad_request", "{tasks}");
+    assert!(tasks[0]["message"].as_str().is_some_and(|m| m.contains("MAX_MESSAGE_SIZE")), "{tasks}");
+    let (fits, small) = (tasks[1]["task_id"].as_str().expect("fits"), tasks[2]["task_id"].as_str().expect("small"));
+    let _worker = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_status(fits, "done", Duration::from_secs(5));
+    relay.wait_status(small, "done", Duration::from_secs(5));
+}
