@@ -176,12 +176,12 @@ struct Wire<'a> {
 impl Io for Wire<'_> {
     fn has_room(&mut self, worker: ConnRef, bytes: usize) -> bool {
         let Some(conn) = self.conns.get_mut(worker) else { return true };
-        if conn.pending_out() + bytes <= self.max_ws_out_bytes {
+        if fits(conn.pending_out(), bytes, self.max_ws_out_bytes) {
             return true;
         }
         // A burst within one loop turn is not a full buffer: try the socket first. (A write
         // error says yes, so that `send_text` fails and the attempt is `send_failed`.)
-        if write_out(conn).is_err() || conn.pending_out() + bytes <= self.max_ws_out_bytes {
+        if write_out(conn).is_err() || fits(conn.pending_out(), bytes, self.max_ws_out_bytes) {
             return true;
         }
         if let State::Ws(ws) = &mut conn.state {
@@ -197,10 +197,10 @@ impl Io for Wire<'_> {
             State::Ws(ws) if ws.ctx.can_write() && !conn.close_after_flush => {}
             _ => return false,
         }
-        if conn.pending_out() + len > self.max_ws_out_bytes {
+        if !fits(conn.pending_out(), len, self.max_ws_out_bytes) {
             // Over the cap: it is only a failure if the socket will not take bytes now (a burst
             // within one loop turn is not a stalled worker).
-            if write_out(conn).is_err() || conn.pending_out() + len > self.max_ws_out_bytes {
+            if write_out(conn).is_err() || !fits(conn.pending_out(), len, self.max_ws_out_bytes) {
                 return false;
             }
         }
@@ -223,6 +223,13 @@ impl Io for Wire<'_> {
         // Pipelined requests may be waiting behind the held one.
         self.again.push(r);
     }
+}
+
+/// Whether a frame of `bytes` may join `pending` unwritten bytes under the cap. An empty buffer
+/// takes any frame: the cap bounds what piles up, and a frame larger than it (a payload from a
+/// run with a larger MAX_MESSAGE_SIZE) must still go out some time.
+fn fits(pending: usize, bytes: usize, cap: usize) -> bool {
+    pending == 0 || pending + bytes <= cap
 }
 
 /// Writes the connection's output until it is all written or the socket would block.
@@ -822,19 +829,10 @@ impl Server {
             conn.out_progress_ms = self.now_ms;
         }
         let drained = conn.pending_out() <= self.max_ws_out_bytes / 2;
-        if let State::Ws(ws) = &mut conn.state
-            && ws.starved
-            && drained
-        {
-            // The core held tasks back for this worker: it has room again.
-            ws.starved = false;
-            {
-                let (mut wire, core) = self.wire();
-                core.worker_drained(&mut wire, r);
-            }
-            self.flush(r);
-            return;
+        if matches!(&conn.state, State::Ws(ws) if ws.starved) && drained {
+            self.refill_worker(r);
         }
+        let Some(conn) = self.conns.get_mut(r) else { return };
         if conn.pending_out() > 0 {
             // A writable event follows; a download may still want its next chunk.
             self.pump_download(r);
@@ -865,6 +863,32 @@ impl Server {
             self.again.push(r);
         }
         self.pump_download(r);
+    }
+
+    /// The core held tasks back for this worker (its output was full) and it has room again:
+    /// give it more and write them. Again while that empties its output (a task that did not
+    /// fit may go into an empty buffer, see `fits`); not when the socket takes nothing more —
+    /// the next writable event comes back here. (Calling `flush` again instead recursed without
+    /// end when a task never fitted.)
+    fn refill_worker(&mut self, r: ConnRef) {
+        loop {
+            let Some(conn) = self.conns.get_mut(r) else { return };
+            let State::Ws(ws) = &mut conn.state else { return };
+            ws.starved = false;
+            {
+                let (mut wire, core) = self.wire();
+                core.worker_drained(&mut wire, r);
+            }
+            let Some(conn) = self.conns.get_mut(r) else { return };
+            if write_out(conn).is_err() {
+                self.close_now(r, "write error");
+                return;
+            }
+            let starved = matches!(&conn.state, State::Ws(ws) if ws.starved);
+            if !starved || conn.pending_out() > 0 {
+                return;
+            }
+        }
     }
 
     // ----- closing ---------------------------------------------------------------------------

@@ -484,3 +484,30 @@ fn a_batch_item_over_max_message_size_is_refused() {
     relay.wait_status(fits, "done", Duration::from_secs(5));
     relay.wait_status(small, "done", Duration::from_secs(5));
 }
+
+/// A task whose frame is larger than half a worker's output cap (a payload accepted under a
+/// larger MAX_MESSAGE_SIZE, read back after a restart with a smaller one) crashed relay with a
+/// stack overflow as soon as a worker connected, and could never be sent (the cap refused it
+/// even into an empty buffer), holding up every task queued behind it.
+#[test]
+fn a_task_larger_than_the_workers_output_cap_neither_crashes_relay_nor_blocks_the_queue() {
+    let dir = DataDir::new("bigframe");
+    let relay = start(&dir, &[("MAX_MESSAGE_SIZE", "16777216")]);
+    let big = task_id(&relay.submit(&format!(r#"{{"payload":{{"big":"{}"}},"queue":true}}"#, "x".repeat(6 << 20))));
+    let small = task_id(&relay.submit(r#"{"payload":{"n":1},"queue":true}"#));
+    assert!(relay.stop().success());
+    let relay = start(&dir, &[]); // MAX_MESSAGE_SIZE back to 1 MiB: a worker's output cap is 4 MiB
+    let worker = FakeWorker::connect(&relay, None, Auto::Manual);
+    let mut sent = Vec::new();
+    for _ in 0..2 {
+        let task = worker.next_task(Duration::from_secs(10)).expect("both tasks are sent");
+        worker.done(&task.id, json!({"size": task.payload.to_string().len()}));
+        sent.push(task.id);
+    }
+    sent.sort();
+    let mut ids = vec![big.clone(), small.clone()];
+    ids.sort();
+    assert_eq!(sent, ids);
+    relay.wait_status(&small, "done", Duration::from_secs(5));
+    relay.wait_status(&big, "done", Duration::from_secs(5));
+}
