@@ -404,13 +404,46 @@ pub struct Batch {
     cluster_key: u64,
 }
 
-/// Batch items submitted per loop turn.
-pub const BATCH_ITEMS_PER_TURN: usize = 2048;
+/// Batch items submitted per loop turn, over every batch under way (each slice takes what
+/// is left of it; a batch that finds none waits for the next turn).
+pub const BATCH_ITEMS_PER_TURN: usize = 4096;
+
+/// Items one batch may hold (the default MAX_PENDING). Its answer is built in memory, about
+/// 70 to 250 bytes per item whatever the item's size: without a count limit, a body of tiny
+/// items (`[1,1,1,...]`) asks for an answer 40 times its size.
+pub const MAX_BATCH_ITEMS: usize = 1_000_000;
+const TOO_MANY_ITEMS: &str = "too many items";
 
 #[derive(Deserialize)]
 struct BatchBody<'a> {
     #[serde(borrow, default)]
-    tasks: Option<Vec<&'a RawValue>>,
+    tasks: Option<BatchItems<'a>>,
+}
+
+/// The items of a batch, at most [`MAX_BATCH_ITEMS`] (reading stops at the first one over).
+struct BatchItems<'a>(Vec<&'a RawValue>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for BatchItems<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Items<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Items<'a> {
+            type Value = BatchItems<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an array of submit bodies")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<BatchItems<'a>, A::Error> {
+                let mut items = Vec::new();
+                while let Some(item) = seq.next_element::<&RawValue>()? {
+                    if items.len() == MAX_BATCH_ITEMS {
+                        return Err(serde::de::Error::custom(TOO_MANY_ITEMS));
+                    }
+                    items.push(item);
+                }
+                Ok(BatchItems(items))
+            }
+        }
+        d.deserialize_seq(Items(std::marker::PhantomData))
+    }
 }
 
 impl Api {
@@ -420,9 +453,14 @@ impl Api {
             return Err(error(400, "the body must be a JSON object {\"tasks\": [...]}"));
         }
         let items = {
-            let parsed: BatchBody =
-                serde_json::from_slice(&body).map_err(|e| error(400, &format!("invalid JSON body: {e}")))?;
-            let Some(tasks) = parsed.tasks else {
+            let parsed: BatchBody = serde_json::from_slice(&body).map_err(|e| {
+                if e.to_string().starts_with(TOO_MANY_ITEMS) {
+                    error(413, &format!("a batch holds at most {MAX_BATCH_ITEMS} tasks"))
+                } else {
+                    error(400, &format!("invalid JSON body: {e}"))
+                }
+            })?;
+            let Some(BatchItems(tasks)) = parsed.tasks else {
                 return Err(error(400, "tasks is required: an array of submit bodies"));
             };
             let base = body.as_ptr() as usize;
@@ -433,20 +471,29 @@ impl Api {
         Ok(Box::new(Batch { body, items, next: 0, out, lsn: 0, identity, cluster_key: 0 }))
     }
 
-    /// Submits the next slice of a batch. `Some` is the answer once every item is done (or,
-    /// in cluster mode, `Held` until the database has them).
-    pub fn batch_step(&self, core: &mut Core, io: &mut dyn Io, conn: ConnRef, batch: &mut Batch) -> Option<Handled> {
+    /// Submits the next slice of a batch, at most `budget` items (which it takes from). `Some`
+    /// is the answer once every item is done (or, in cluster mode, `Held` until the database
+    /// has them).
+    pub fn batch_step(
+        &self,
+        core: &mut Core,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        batch: &mut Batch,
+        budget: &mut usize,
+    ) -> Option<Handled> {
         if core.is_cluster() {
             return self.cluster_batch_step(core, conn, batch);
         }
-        let end = (batch.next + BATCH_ITEMS_PER_TURN).min(batch.items.len());
+        let end = (batch.next + *budget).min(batch.items.len());
+        *budget -= end - batch.next;
         for i in batch.next..end {
             let (off, len) = batch.items[i];
             if i > 0 {
                 batch.out.push(',');
             }
             let item = &batch.body[off..off + len];
-            match submit_item(core, io, item, &batch.identity) {
+            match submit_item(core, io, item, &batch.identity, self.max_message_bytes) {
                 Ok(id) => {
                     batch.out.push_str("{\"task_id\":\"");
                     push_uuid(&mut batch.out, id);
@@ -476,13 +523,19 @@ impl Api {
     }
 }
 
-/// One batch item: a submit body, queued unless it says `"queue": false`.
+/// One batch item: a submit body (at most `max_bytes`, as a `POST /tasks` body), queued unless
+/// it says `"queue": false`.
 fn submit_item(
     core: &mut Core,
     io: &mut dyn Io,
     item: &[u8],
     identity: &Identity,
+    max_bytes: usize,
 ) -> Result<TaskId, (&'static str, String)> {
+    if item.len() > max_bytes {
+        let msg = format!("item of {} bytes is over MAX_MESSAGE_SIZE ({max_bytes} bytes)", item.len());
+        return Err(("bad_request", msg));
+    }
     let parsed = parse_submit(item, core.wall_ms).map_err(|m| ("bad_request", m))?;
     if !identity.allows_kind(parsed.kind.as_deref()) {
         let msg = match parsed.kind.as_deref() {

@@ -95,7 +95,7 @@ pub const VARS: &[(&str, &str, &str)] = &[
         "bytes of memory for finished tasks; beyond it the oldest are read back from the journal on demand \
          (memory only: forgotten early)",
     ),
-    ("JOURNAL_SEGMENT_SIZE", "67108864", "journal segment files are closed past this size (bytes)"),
+    ("JOURNAL_SEGMENT_SIZE", "67108864", "journal segment files are closed past this size (bytes, at most 1 GiB)"),
     ("SHUTDOWN_TIMEOUT", "5s", "grace period on SIGTERM/SIGINT"),
     ("LOG_LEVEL", "info", "error, warn, info, debug or trace"),
     ("TRUSTED_PROXIES", "-", "IPs/CIDRs whose X-Forwarded-For / X-Real-IP is believed"),
@@ -228,7 +228,18 @@ impl Config {
             max_pending_bytes: as_usize(count("MAX_PENDING_BYTES", 268_435_456)?),
             max_batch_bytes: as_usize(positive("MAX_BATCH_BYTES", 67_108_864)?),
             task_memory_bytes: as_usize(count("TASK_MEMORY", 67_108_864)?),
-            journal_segment_bytes: positive("JOURNAL_SEGMENT_SIZE", 67_108_864)?,
+            journal_segment_bytes: {
+                // Records are found by 32-bit offsets within their segment.
+                let n = positive("JOURNAL_SEGMENT_SIZE", 67_108_864)?;
+                if n > 1 << 30 {
+                    return Err(ConfigError {
+                        var: "JOURNAL_SEGMENT_SIZE",
+                        value: n.to_string(),
+                        reason: "must be at most 1073741824 (1 GiB)".into(),
+                    });
+                }
+                n
+            },
             shutdown_timeout_ms: duration("SHUTDOWN_TIMEOUT", 5_000)?,
             log_level,
             trusted_proxies,
@@ -446,6 +457,9 @@ mod tests {
             ("PONG_WAIT", "2s"),
             ("DATABASE_URL", "mysql://h/db"),
             ("DATABASE_URL", "postgres://h/db?sslmode=require"),
+            // (Review of issue 9) offsets in a segment are 32-bit: a larger segment made reads
+            // of tasks that left memory point at the wrong bytes.
+            ("JOURNAL_SEGMENT_SIZE", "5000000000"),
         ];
         for (var, value) in table {
             let mut vars = base.to_vec();

@@ -28,8 +28,9 @@ pub const MAX_LIMIT: usize = 1000;
 /// Tasks one page may look at, matching or not.
 pub const MAX_SCAN: usize = 10_000;
 /// JSON one page may hold (a result can be up to MAX_MESSAGE_SIZE); at least one task is
-/// always included, so a page always makes progress.
-pub const MAX_PAGE_BYTES: usize = 4 << 20;
+/// always included, so a page always makes progress. A client that asks and never reads makes
+/// relay hold its page until IDLE_TIMEOUT: SPEC §4 allows 256 KiB of such output.
+pub const MAX_PAGE_BYTES: usize = 256 << 10;
 
 /// Cursor format version (the first byte of the decoded cursor).
 const CURSOR_V1: u8 = 1;
@@ -159,7 +160,7 @@ pub fn plan(core: &Core, q: &Query, identity: &Identity) -> Plan {
             let mut json = String::new();
             task.write_json(&mut json);
             plan.lsn = plan.lsn.max(task.stored.lsn);
-            Some(json)
+            Ok(json)
         } else if let Some(e) = core.evicted(id) {
             // The kind is compared by hash here and exactly once the task is read back.
             let matches = q.status.is_none_or(|s| e.status == s)
@@ -168,7 +169,9 @@ pub fn plan(core: &Core, q: &Query, identity: &Identity) -> Plan {
             if !matches {
                 continue;
             }
-            None
+            // To be read back: its JSON is about its record's size (result included), a
+            // little more.
+            Err(e.loc.len as usize + 512)
         } else {
             continue;
         };
@@ -178,13 +181,12 @@ pub fn plan(core: &Core, q: &Query, identity: &Identity) -> Plan {
             break;
         }
         match piece {
-            Some(json) => {
+            Ok(json) => {
                 bytes += json.len();
                 plan.pieces.push(Some(json));
             }
-            None => {
-                // A task read back is at most a few KiB beyond its result; count it roughly.
-                bytes += 512;
+            Err(estimate) => {
+                bytes += estimate;
                 plan.evicted.push((plan.pieces.len(), id));
                 plan.pieces.push(None);
             }
@@ -430,7 +432,7 @@ mod core_tests {
         let mut c = core();
         let w = ConnRef { slot: 1, generation: 1 };
         c.worker_connected(&mut NoIo, w, "127.0.0.1".parse().expect("ip"));
-        let big = "x".repeat(1_500_000);
+        let big = "x".repeat(100_000);
         let ids: Vec<TaskId> = (0..4).map(|_| submit(&mut c, None)).collect();
         for id in &ids {
             let msg = format!(r#"{{"type":"result","task_id":"{}","status":"done","data":"{big}"}}"#, uuid_string(*id));

@@ -14,6 +14,10 @@
 //! pinned by tasks that are not finished (finished ones are forgotten by then): the core
 //! writes those tasks again at the head, so the journal's size follows the live tasks plus one
 //! TASK_TTL of history.
+//!
+//! A segment holding a `Forget` record goes only once every older segment has gone: an older
+//! segment can still hold an earlier record of the forgotten task (its submit, say), which
+//! replay would otherwise bring back to life.
 
 pub mod codec;
 pub mod crc;
@@ -134,6 +138,9 @@ impl Journal {
         let lock = prepare_dir(dir)?;
         let replayed = replay::replay(dir, memory_budget_bytes)
             .map_err(|e| OpenError::Io(format!("cannot read the journal in {}: {e}", dir.display())))?;
+        let head = replayed.max_segment.checked_add(1).ok_or_else(|| {
+            OpenError::Io(format!("{}: no segment number is left after {}", dir.display(), replayed.max_segment))
+        })?;
         let shared = Arc::new(Shared::default());
         shared.durable_lsn.store(replayed.next_lsn.saturating_sub(1), Ordering::SeqCst);
         let (tx, writer) = thread::start_writer(dir.to_path_buf(), shared.clone(), wake.clone())
@@ -145,7 +152,6 @@ impl Journal {
             let age_ms = now_wall_ms.saturating_sub(s.modified_wall_ms) as i64;
             segments.insert(s.num, Segment { pins: s.pins, bytes: s.bytes, closed_ms: Some(-age_ms) });
         }
-        let head = replayed.max_segment + 1;
         segments.insert(head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
         let mut journal = Journal {
             tx,
@@ -272,6 +278,8 @@ impl Journal {
         }
     }
 
+    /// Deletes the segment once the records that replaced it are durable (the writer removes
+    /// it after the batch's sync).
     fn drop_segment(&mut self, seg: u32) {
         self.segments.remove(&seg);
         self.batch.deletes.push(seg);
@@ -301,7 +309,9 @@ impl Journal {
             return self.task(t, stored);
         }
         let (lsn, loc) = self.append(RecordType::AttemptStart, |out| codec::put_attempt_start(out, t.id, num, a));
-        self.add_record(stored, lsn, loc);
+        if !self.add_record(stored, lsn, loc) {
+            self.task(t, stored);
+        }
     }
 
     /// Records how the task's last attempt ended.
@@ -312,7 +322,9 @@ impl Journal {
             return self.task(t, stored);
         }
         let (lsn, loc) = self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end(out, t.id, num, a));
-        self.add_record(stored, lsn, loc);
+        if !self.add_record(stored, lsn, loc) {
+            self.task(t, stored);
+        }
     }
 
     /// Can a record in the head segment be added to what the task pins?
@@ -320,14 +332,16 @@ impl Journal {
         stored.segs.contains(&self.head) || stored.segs.contains(&0)
     }
 
-    fn add_record(&mut self, stored: &mut Stored, lsn: u64, loc: Loc) {
+    /// Adds a record to what the task pins. `false` if its segment cannot be pinned (the record
+    /// started a new segment and the task pins three already): the caller writes the task whole.
+    fn add_record(&mut self, stored: &mut Stored, lsn: u64, loc: Loc) -> bool {
         stored.lsn = lsn;
         if !stored.segs.contains(&loc.seg) {
-            if let Some(free) = stored.segs.iter_mut().find(|s| **s == 0) {
-                *free = loc.seg;
-            }
+            let Some(free) = stored.segs.iter_mut().find(|s| **s == 0) else { return false };
+            *free = loc.seg;
             self.pin(loc.seg);
         }
+        true
     }
 
     /// The task was forgotten (TASK_TTL): it needs nothing any more.
@@ -373,5 +387,104 @@ impl Journal {
         if let Some(handle) = self.writer.take() {
             let _ = handle.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::codec::TaskImage;
+    use super::*;
+    use crate::tasks::{Attempt, ConnRef, Status};
+
+    fn task(id: TaskId, pad: usize) -> Task {
+        TaskImage {
+            id,
+            status: Status::Pending,
+            queued: true,
+            submit_seq: 1,
+            created_wall_ms: 1,
+            max_retries: 2,
+            timeout_ms: 1000,
+            run_at_wall_ms: None,
+            finished_wall_ms: None,
+            kind: None,
+            payload: Some(serde_json::value::RawValue::from_string(format!("\"{}\"", "p".repeat(pad))).expect("json")),
+            result: None,
+            error: None,
+            idempotency: None,
+            attempts: Vec::new(),
+        }
+        .into_task(Stored::default())
+    }
+
+    fn attempt() -> Attempt {
+        Attempt {
+            worker: ConnRef { slot: 1, generation: 1 },
+            client_id: 7,
+            client_ip: "127.0.0.1".parse().expect("ip"),
+            started_wall_ms: 1,
+            started_mono_ms: 0,
+            outcome: None,
+            error: None,
+            duration_ms: 0,
+            answered: false,
+            restarted: false,
+        }
+    }
+
+    /// An attempt record that did not fit in the head went to a new segment, but a task already
+    /// pinning three segments (the head among them) could not pin the new one: nothing kept
+    /// that segment, and once it was deleted replay lost the attempt (a timeout read back as
+    /// "relay restarted", which does not count against retries).
+    #[test]
+    fn an_attempt_record_that_starts_a_new_segment_is_kept_by_its_task() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-pin-{}", uuid::Uuid::new_v4().simple()));
+        let (mut j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open");
+        j.set_segment_bytes(4096);
+        let mut t = task(1, 10);
+        let mut ts = Stored::default();
+        j.task(&t, &mut ts);
+        let filler = task(2, 1000);
+        let mut fs = Stored::default();
+        let rotate = |j: &mut Journal, fs: &mut Stored| {
+            let head = j.head;
+            while j.head == head {
+                j.task(&filler, fs);
+            }
+        };
+        let end = |t: &mut Task, error: String| {
+            if let Some(a) = t.attempts.last_mut() {
+                a.outcome = Some(crate::tasks::Outcome::Timeout);
+                a.error = Some(Box::from(error));
+            }
+        };
+        rotate(&mut j, &mut fs);
+        t.attempts.push(attempt());
+        j.attempt_started(&t, &mut ts);
+        rotate(&mut j, &mut fs);
+        end(&mut t, "no answer".into());
+        j.attempt_ended(&t, &mut ts);
+        assert_eq!(ts.segs, [1, 2, 3], "the task pins three segments, the head among them");
+        t.attempts.push(attempt());
+        j.attempt_started(&t, &mut ts);
+        // A long error: the record does not fit in what is left of the head.
+        end(&mut t, "e".repeat(5000));
+        j.attempt_ended(&t, &mut ts);
+        assert!(ts.segs.contains(&j.head), "the segment with the task's newest record is not pinned: {ts:?}");
+        j.stop();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A segment named 4294967295.journal (the largest number a name can carry) made the next
+    /// segment number overflow: a panic, or in a release build segment 0, the number that
+    /// means "none" in a task's pins.
+    #[test]
+    fn the_largest_segment_number_stops_opening_instead_of_wrapping() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-max-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        std::fs::write(replay::segment_path(&dir, u32::MAX), codec::segment_header()).expect("segment");
+        let opened = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {}));
+        assert!(matches!(&opened, Err(OpenError::Io(m)) if m.contains("segment")), "{:?}", opened.err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

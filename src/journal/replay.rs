@@ -301,6 +301,8 @@ struct Replayer {
     segments: Vec<SegmentInfo>,
     max_segment: u32,
     started: Instant,
+    /// A segment of a journal format this relay does not read.
+    unreadable: Option<String>,
 }
 
 impl Replayer {
@@ -320,6 +322,7 @@ impl Replayer {
             segments: Vec::new(),
             max_segment: 0,
             started: Instant::now(),
+            unreadable: None,
         }
     }
 
@@ -329,9 +332,20 @@ impl Replayer {
         self.max_segment = self.max_segment.max(num);
         let name = path.map_or_else(|| format!("segment {num}"), |p| p.display().to_string());
         if let Err(why) = codec::check_header(bytes) {
+            if bytes.len() >= HEADER_BYTES && bytes.starts_with(codec::SEGMENT_MAGIC) {
+                // Written by a relay of another format (a downgrade?): reading on would lose
+                // its tasks, so replay stops and the file stays as it is.
+                self.unreadable.get_or_insert(format!("{name}: {why}"));
+                return None;
+            }
+            // A damaged header: its frames carry their own checksums; read them.
             self.skipped += 1;
-            crate::log!(Level::Error, "journal: segment skipped", file = name, error = why);
-            return None;
+            crate::log!(
+                Level::Error,
+                "journal: damaged segment header; the valid records after it are kept",
+                file = name,
+                error = why
+            );
         }
         let scan = scan_segment(bytes, last);
         for f in &scan.frames {
@@ -389,7 +403,7 @@ impl Replayer {
     }
 
     fn finish(self) -> Replayed {
-        let Replayer { state, records, skipped, truncated_bytes, mut segments, max_segment, started } = self;
+        let Replayer { state, records, skipped, truncated_bytes, mut segments, max_segment, started, .. } = self;
         let mut pins: BTreeMap<u32, u32> = BTreeMap::new();
         let mut tasks = Vec::with_capacity(state.entries.len());
         let mut evicted = Vec::new();
@@ -451,6 +465,9 @@ pub fn replay(dir: &Path, budget_bytes: usize) -> io::Result<Replayed> {
             let file = fs::OpenOptions::new().write(true).open(&path)?;
             file.set_len(at as u64)?;
             file.sync_all()?;
+        }
+        if let Some(why) = r.unreadable.take() {
+            return Err(io::Error::other(why));
         }
     }
     Ok(r.finish())

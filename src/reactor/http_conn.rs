@@ -245,7 +245,12 @@ impl Server {
                             http.phase = Phase::Batch { batch, keep_alive: head.keep_alive };
                             self.set_deadline(r, u64::MAX);
                         }
-                        Err(response) => self.answer_early(r, &head, response),
+                        Err(response) => {
+                            // Its body is read already: nothing of it is left to skip.
+                            let mut head = head;
+                            head.framing = Framing::Empty;
+                            self.answer_early(r, &head, response);
+                        }
                     }
                     return true;
                 }
@@ -268,15 +273,28 @@ impl Server {
 
     /// Submits the next slice of a batch; its answer once every item is in.
     fn step_batch(&mut self, r: ConnRef) -> bool {
+        if self.batch_budget == 0 {
+            // This turn's batch items are used up: the next slice next turn.
+            self.again.push(r);
+            return false;
+        }
+        if self.journal_full() {
+            // Backpressure holds for batches under way too: the disk is behind, the next slice
+            // waits (`on_journal` resumes it).
+            self.journal_blocked.push(r);
+            return false;
+        }
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };
         let Phase::Batch { mut batch, keep_alive } = std::mem::replace(&mut http.phase, Phase::Idle) else {
             return false;
         };
+        let mut budget = self.batch_budget;
         let answer = {
             let (mut wire, core, api) = self.wire_and_api();
-            api.batch_step(core, &mut wire, r, &mut batch)
+            api.batch_step(core, &mut wire, r, &mut batch, &mut budget)
         };
+        self.batch_budget = budget;
         let durable = self.core.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };

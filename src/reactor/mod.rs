@@ -179,12 +179,12 @@ struct Wire<'a> {
 impl Io for Wire<'_> {
     fn has_room(&mut self, worker: ConnRef, bytes: usize) -> bool {
         let Some(conn) = self.conns.get_mut(worker) else { return true };
-        if conn.pending_out() + bytes <= self.max_ws_out_bytes {
+        if fits(conn.pending_out(), bytes, self.max_ws_out_bytes) {
             return true;
         }
         // A burst within one loop turn is not a full buffer: try the socket first. (A write
         // error says yes, so that `send_text` fails and the attempt is `send_failed`.)
-        if write_out(conn).is_err() || conn.pending_out() + bytes <= self.max_ws_out_bytes {
+        if write_out(conn).is_err() || fits(conn.pending_out(), bytes, self.max_ws_out_bytes) {
             return true;
         }
         if let State::Ws(ws) = &mut conn.state {
@@ -200,10 +200,10 @@ impl Io for Wire<'_> {
             State::Ws(ws) if ws.ctx.can_write() && !conn.close_after_flush => {}
             _ => return false,
         }
-        if conn.pending_out() + len > self.max_ws_out_bytes {
+        if !fits(conn.pending_out(), len, self.max_ws_out_bytes) {
             // Over the cap: it is only a failure if the socket will not take bytes now (a burst
             // within one loop turn is not a stalled worker).
-            if write_out(conn).is_err() || conn.pending_out() + len > self.max_ws_out_bytes {
+            if write_out(conn).is_err() || !fits(conn.pending_out(), len, self.max_ws_out_bytes) {
                 return false;
             }
         }
@@ -228,6 +228,13 @@ impl Io for Wire<'_> {
     }
 }
 
+/// Whether a frame of `bytes` may join `pending` unwritten bytes under the cap. An empty buffer
+/// takes any frame: the cap bounds what piles up, and a frame larger than it (a payload from a
+/// run with a larger MAX_MESSAGE_SIZE) must still go out some time.
+fn fits(pending: usize, bytes: usize, cap: usize) -> bool {
+    pending == 0 || pending + bytes <= cap
+}
+
 /// Writes the connection's output until it is all written or the socket would block.
 /// Bytes held back for the journal (`Conn::gates`) stay in the buffer.
 fn write_out(conn: &mut Conn) -> io::Result<()> {
@@ -240,8 +247,7 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
                 // Drop what is written once it is most of the buffer, so a slow reader's
                 // buffer holds its unwritten bytes, not everything since it last drained.
                 if conn.out_pos >= KEEP_OUT_CAPACITY {
-                    conn.out.drain(..conn.out_pos);
-                    conn.out_pos = 0;
+                    drop_written(conn);
                 }
                 return Ok(());
             }
@@ -250,10 +256,20 @@ fn write_out(conn: &mut Conn) -> io::Result<()> {
         }
     }
     if end == conn.out.len() {
-        conn.out.clear();
-        conn.out_pos = 0;
+        drop_written(conn);
     }
     Ok(())
+}
+
+/// Drops the written bytes from the front of the output; the journal gates, which hold
+/// offsets into it, move with it.
+fn drop_written(conn: &mut Conn) {
+    let n = conn.out_pos;
+    conn.out.drain(..n);
+    conn.out_pos = 0;
+    for gate in &mut conn.gates {
+        gate.start = gate.start.saturating_sub(n);
+    }
 }
 
 /// Appends an answer to a connection's output, held back until the journal is durable up to
@@ -365,6 +381,9 @@ pub struct Server {
     journal_blocked: Vec<ConnRef>,
     /// Connections whose request waits for the token registry to be re-read.
     auth_waiters: Vec<ConnRef>,
+    /// Batch items that may still be submitted this turn (`api::BATCH_ITEMS_PER_TURN` over all
+    /// batches, so many batches at once cannot hold the loop).
+    batch_budget: usize,
 }
 
 impl Server {
@@ -490,6 +509,7 @@ impl Server {
             durable_seen: 0,
             journal_blocked: Vec::new(),
             auth_waiters: Vec::new(),
+            batch_budget: crate::api::BATCH_ITEMS_PER_TURN,
         };
         Ok((server, waker))
     }
@@ -538,6 +558,7 @@ impl Server {
                 return Err(e);
             }
             self.tick_clock();
+            self.batch_budget = crate::api::BATCH_ITEMS_PER_TURN;
             for event in events.iter() {
                 match event.token() {
                     LISTENER => self.accept_pending = true,
@@ -865,25 +886,19 @@ impl Server {
             conn.out_progress_ms = self.now_ms;
         }
         let drained = conn.pending_out() <= self.max_ws_out_bytes / 2;
-        if let State::Ws(ws) = &mut conn.state
-            && ws.starved
-            && drained
-        {
-            // The core held tasks back for this worker: it has room again.
-            ws.starved = false;
-            {
-                let (mut wire, core) = self.wire();
-                core.worker_drained(&mut wire, r);
-            }
-            self.flush(r);
-            return;
+        if matches!(&conn.state, State::Ws(ws) if ws.starved) && drained {
+            self.refill_worker(r);
         }
+        let Some(conn) = self.conns.get_mut(r) else { return };
         if conn.pending_out() > 0 {
             // A writable event follows; a download may still want its next chunk.
             self.pump_download(r);
             return;
         }
-        let had_backlog = total > MAX_HTTP_BACKLOG_BYTES;
+        // Requests may wait behind the output just written (more than MAX_HTTP_BACKLOG_BYTES
+        // of it, possibly compacted since, so `total` alone cannot tell): look at them again.
+        let had_backlog =
+            total > MAX_HTTP_BACKLOG_BYTES || matches!(&conn.state, State::Http(http) if !http.buf.is_empty());
         if conn.out.capacity() > KEEP_OUT_CAPACITY {
             conn.out = Vec::new();
         }
@@ -905,6 +920,32 @@ impl Server {
             self.again.push(r);
         }
         self.pump_download(r);
+    }
+
+    /// The core held tasks back for this worker (its output was full) and it has room again:
+    /// give it more and write them. Again while that empties its output (a task that did not
+    /// fit may go into an empty buffer, see `fits`); not when the socket takes nothing more —
+    /// the next writable event comes back here. (Calling `flush` again instead recursed without
+    /// end when a task never fitted.)
+    fn refill_worker(&mut self, r: ConnRef) {
+        loop {
+            let Some(conn) = self.conns.get_mut(r) else { return };
+            let State::Ws(ws) = &mut conn.state else { return };
+            ws.starved = false;
+            {
+                let (mut wire, core) = self.wire();
+                core.worker_drained(&mut wire, r);
+            }
+            let Some(conn) = self.conns.get_mut(r) else { return };
+            if write_out(conn).is_err() {
+                self.close_now(r, "write error");
+                return;
+            }
+            let starved = matches!(&conn.state, State::Ws(ws) if ws.starved);
+            if !starved || conn.pending_out() > 0 {
+                return;
+            }
+        }
     }
 
     // ----- closing ---------------------------------------------------------------------------
@@ -975,6 +1016,81 @@ mod tests {
             assert_ne!(token(r), LISTENER);
             assert_ne!(token(r), WAKER);
         }
+    }
+
+    /// Sets a socket buffer size (`SO_SNDBUF`/`SO_RCVBUF`), so a test can fill a socket fast.
+    fn set_buf(fd: std::os::fd::RawFd, opt: libc::c_int, bytes: libc::c_int) {
+        // SAFETY: setsockopt on a socket we own, with a pointer to a live c_int of the size given.
+        let rc = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                (&bytes as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        assert_eq!(rc, 0, "setsockopt");
+    }
+
+    /// `write_out` drops the written part of a slow reader's buffer (more than 64 KiB written,
+    /// then the socket would block) but left the journal gates' offsets as they were: the next
+    /// write went past the held answer (sent before it was durable) or past the end of the
+    /// buffer (a panic on the event loop).
+    #[test]
+    fn answers_held_for_the_journal_stay_held_when_written_output_is_dropped() {
+        use std::io::Read as _;
+        use std::os::fd::AsRawFd;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let mut client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let (server, peer) = listener.accept().expect("accept");
+        set_buf(server.as_raw_fd(), libc::SO_SNDBUF, 16384);
+        set_buf(client.as_raw_fd(), libc::SO_RCVBUF, 16384);
+        server.set_nonblocking(true).expect("nonblocking");
+        client.set_nonblocking(true).expect("nonblocking");
+        let mut conn = Conn::new(TcpStream::from_std(server), peer.ip());
+        let free = 200 * 1024;
+        conn.out.extend(std::iter::repeat_n(b'a', free));
+        assert!(conn.gate(7, 0), "a new wait");
+        conn.out.extend_from_slice(b"HELD");
+        let mut got = Vec::new();
+        let mut chunk = vec![0u8; 64 * 1024];
+        let mut read_all = |client: &mut std::net::TcpStream, got: &mut Vec<u8>| loop {
+            match client.read(&mut chunk) {
+                Ok(0) => panic!("closed"),
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+                Err(e) => panic!("read: {e}"),
+            }
+        };
+        let mut compacted = false;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !(got.len() >= free && compacted) && Instant::now() < deadline {
+            let len = conn.out.len();
+            write_out(&mut conn).expect("write");
+            compacted |= conn.out.len() < len;
+            let before = got.len();
+            read_all(&mut client, &mut got);
+            if got.len() == before {
+                std::thread::sleep(Duration::from_millis(1)); // (a tiny TCP window reopens on a timer)
+            }
+        }
+        assert!(compacted, "the test never made write_out drop written bytes");
+        // Give the socket every chance to take more: nothing past the gate may leave.
+        for _ in 0..20 {
+            write_out(&mut conn).expect("write");
+            read_all(&mut client, &mut got);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(got.len(), free, "bytes held for the journal were sent before it was durable");
+        assert!(!conn.release_gates(7));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while got.len() < free + 4 && Instant::now() < deadline {
+            write_out(&mut conn).expect("write");
+            read_all(&mut client, &mut got);
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(got.ends_with(b"aHELD") && got.len() == free + 4, "the held answer follows, whole");
     }
 
     #[test]

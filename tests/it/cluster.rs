@@ -614,27 +614,33 @@ fn cluster_file_uploaded_through_one_node_downloads_through_another() {
 }
 
 #[test]
-fn cluster_listing_pages_stop_at_4_mib_of_results() {
-    let Some(c) = Cluster::start("cluster_listing_pages_stop_at_4_mib_of_results", 1, &[]) else { return };
+fn cluster_listing_pages_stop_at_256_kib_of_results() {
+    let Some(c) = Cluster::start("cluster_listing_pages_stop_at_256_kib_of_results", 1, &[]) else { return };
     let a = c.node(0);
     let _w = FakeWorker::connect(a, None, Auto::Echo);
     wait_workers(a, 1);
-    let big = "x".repeat(900_000);
+    let big = "x".repeat(100_000);
     for i in 0..6 {
         let body = json!({"payload": {"i": i, "pad": big}}).to_string();
         let r = a.api("POST", "/tasks?wait=true", Some(&body));
         assert_eq!(r.status, 200, "{}", r.text());
     }
-    let page = a.api("GET", "/tasks?limit=1000", None);
-    assert_eq!(page.status, 200);
-    assert!(page.body.len() < 6 << 20, "a page stays near 4 MiB: {} bytes", page.body.len());
-    let page = page.json();
-    let first = page["tasks"].as_array().map_or(0, Vec::len);
-    assert_eq!(first, 5, "five results of 0.9 MB fit before 4 MiB is passed");
-    let cursor = page["next_cursor"].as_str().expect("a next page");
-    let rest = a.api("GET", &format!("/tasks?limit=1000&cursor={cursor}"), None).json();
-    assert_eq!(rest["tasks"].as_array().map(Vec::len), Some(1));
-    assert!(rest["next_cursor"].is_null(), "{}", rest["next_cursor"]);
+    // Each result is ~100 KB: a page is cut once 256 KiB of results were listed.
+    let mut sizes = Vec::new();
+    let mut cursor = String::new();
+    loop {
+        let page = a.api("GET", &format!("/tasks?limit=1000{cursor}"), None);
+        assert_eq!(page.status, 200);
+        assert!(page.body.len() < 512 << 10, "a page stays near 256 KiB: {} bytes", page.body.len());
+        let page = page.json();
+        sizes.push(page["tasks"].as_array().map_or(0, Vec::len));
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = format!("&cursor={next}"),
+            None => break,
+        }
+    }
+    assert_eq!(sizes.iter().sum::<usize>(), 6, "every task once: {sizes:?}");
+    assert!(sizes.len() >= 2 && sizes.iter().all(|&n| n <= 3), "pages of at most three: {sizes:?}");
 }
 
 #[test]

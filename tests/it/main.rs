@@ -15,6 +15,7 @@ mod openapi;
 mod ops;
 mod pg_cluster;
 mod regressions;
+mod review;
 mod tasks_api;
 mod tokens;
 mod websocket;

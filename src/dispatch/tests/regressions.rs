@@ -185,3 +185,26 @@ fn max_pending_counts_tasks_whatever_their_payload_size() {
     assert_eq!(c.task_count(Status::Pending), 0);
     queued(&mut c, &mut io).expect("nothing waits now");
 }
+
+/// (Review of issues 9/12.) Restoring the journal put tasks that had expired while relay was
+/// down into the listing index before forgetting them: their entries stayed for the life of
+/// the process, and every page had to step over them.
+#[test]
+fn tasks_that_expired_while_relay_was_down_leave_nothing_in_the_listing_index() {
+    use crate::journal::codec::{RecordType, put_frame, put_task, segment_header};
+    let mut before = core();
+    let mut io = FakeIo::default();
+    let id = submit_queued(&mut before, &mut io, Some("k"));
+    assert_eq!(before.cancel(&mut io, id), CancelResult::Canceled);
+    let mut segment = segment_header().to_vec();
+    put_frame(&mut segment, 1, RecordType::Task, |out| put_task(out, before.task(id).expect("task")));
+    let replayed = crate::journal::replay::replay_bytes(&[(1, &segment)], 64 << 20);
+    assert_eq!(replayed.tasks.len(), 1);
+
+    // One TASK_TTL (60 s) and a bit later.
+    let mut after = Core::new(before.cfg.clone(), 0, before.wall_ms + 61_000);
+    assert_eq!(after.restore(replayed), 0, "nothing to restore: it expired");
+    assert!(after.task(id).is_none());
+    assert_eq!(after.task_count(Status::Canceled), 0);
+    assert_eq!(after.tasks_newest_first(u64::MAX).count(), 0, "a forgotten task left in the listing index");
+}
