@@ -79,7 +79,7 @@ pub const VARS: &[(&str, &str, &str)] = &[
     ("BLOB_TTL", "1h", "files are deleted this long after upload"),
     ("MAX_FILE_SIZE", "104857600", "bytes per uploaded file"),
     ("TASK_TTL", "1h", "finished tasks are forgotten this long after they finish"),
-    ("MAX_MESSAGE_SIZE", "1048576", "bytes per worker WebSocket message and per POST /tasks body"),
+    ("MAX_MESSAGE_SIZE", "1048576", "bytes per worker WebSocket message and per POST /tasks body (at most 256 MiB)"),
     ("TOKEN_SECRET", "-", "HS256 secret for scoped tokens (>= 32 bytes; empty = disabled)"),
     ("TOKEN_STORE", "relay-tokens.json", "scoped token registry file"),
     ("DATA_DIR", "relay-data", "journal directory; empty = memory only"),
@@ -217,7 +217,19 @@ impl Config {
             blob_ttl_ms: duration("BLOB_TTL", 3_600_000)?,
             max_file_bytes: count("MAX_FILE_SIZE", 104_857_600)?,
             task_ttl_ms: duration("TASK_TTL", 3_600_000)?,
-            max_message_bytes: as_usize(positive("MAX_MESSAGE_SIZE", 1_048_576)?),
+            max_message_bytes: {
+                // A task's journal record holds its payload and its result: both must stay far
+                // below the largest record replay accepts (1 GiB).
+                let n = positive("MAX_MESSAGE_SIZE", 1_048_576)?;
+                if n > 256 << 20 {
+                    return Err(ConfigError {
+                        var: "MAX_MESSAGE_SIZE",
+                        value: n.to_string(),
+                        reason: "must be at most 268435456 (256 MiB)".into(),
+                    });
+                }
+                as_usize(n)
+            },
             token_secret: tokens.secret,
             token_store: tokens.store,
             data_dir,
@@ -460,6 +472,7 @@ mod tests {
             // (Review of issue 9) offsets in a segment are 32-bit: a larger segment made reads
             // of tasks that left memory point at the wrong bytes.
             ("JOURNAL_SEGMENT_SIZE", "5000000000"),
+            ("MAX_MESSAGE_SIZE", "268435457"),
         ];
         for (var, value) in table {
             let mut vars = base.to_vec();

@@ -208,12 +208,21 @@ fn plausible(bytes: &[u8], off: usize) -> bool {
     (9..=b.len() - codec::FRAME_PREFIX_BYTES).contains(&len) && (1..=4).contains(&b[16])
 }
 
-/// The next offset after `from` (8-byte aligned) where a valid frame starts.
-fn next_valid(bytes: &[u8], from: usize) -> Option<usize> {
+/// The next offset after `from` (8-byte aligned) where a valid frame starts. Checksumming
+/// candidates costs their length: `budget` (bytes) bounds that work, so damage or a crafted
+/// file full of plausible lengths cannot make replay quadratic; once spent, `None`.
+fn next_valid(bytes: &[u8], from: usize, budget: &mut usize) -> Option<usize> {
     let mut off = from + 8;
     while off + codec::FRAME_PREFIX_BYTES <= bytes.len() {
-        if plausible(bytes, off) && matches!(codec::frame_at(&bytes[off..]), FrameAt::Valid { .. }) {
-            return Some(off);
+        if plausible(bytes, off) {
+            let len = u32::from_le_bytes([bytes[off], bytes[off + 1], bytes[off + 2], bytes[off + 3]]) as usize;
+            if len > *budget {
+                return None;
+            }
+            *budget -= len;
+            if matches!(codec::frame_at(&bytes[off..]), FrameAt::Valid { .. }) {
+                return Some(off);
+            }
         }
         off += 8;
     }
@@ -256,6 +265,8 @@ pub struct Scan {
 pub fn scan_segment(bytes: &[u8], last: bool) -> Scan {
     let mut scan = Scan::default();
     let mut off = HEADER_BYTES;
+    // Resynchronising after damage may checksum at most four times the segment.
+    let mut budget = bytes.len().saturating_mul(4).saturating_add(1 << 20);
     while off < bytes.len() {
         match codec::frame_at(&bytes[off..]) {
             FrameAt::Valid { seq, kind, total, payload } => {
@@ -263,7 +274,7 @@ pub fn scan_segment(bytes: &[u8], last: bool) -> Scan {
                 scan.frames.push(FrameRef { off, total, seq, kind, payload: (start, start + payload.len()) });
                 off += total;
             }
-            FrameAt::Short | FrameAt::Bad => match next_valid(bytes, off) {
+            FrameAt::Short | FrameAt::Bad => match next_valid(bytes, off, &mut budget) {
                 Some(next) => {
                     scan.skipped.push((off, next - off));
                     off = next;
@@ -639,6 +650,27 @@ mod tests {
             let expected_torn = (0..frames.len()).find(|&i| end(i) > cut).map(|i| frames[i].0).filter(|off| *off < cut);
             assert_eq!(scan.torn_at, expected_torn, "round {round}, cut at {cut}");
         }
+    }
+
+    #[test]
+    fn crafted_plausible_garbage_cannot_make_the_resync_quadratic() {
+        // Every 8-byte offset announces a frame reaching to the end of the segment, with a valid
+        // type byte: each is a checksum candidate of up to the whole rest. Without a bound on
+        // that work this is ~20 GB of CRC for 1 MiB; with it, a few MiB.
+        let mut bytes = segment_header().to_vec();
+        let n = 1 << 20;
+        while bytes.len() < HEADER_BYTES + n {
+            let rest = (HEADER_BYTES + n - bytes.len()) as u32;
+            bytes.extend_from_slice(&(rest - 8).to_le_bytes());
+            bytes.extend_from_slice(&[0xAB, 0xCD, 0xEF, 0x01]);
+            bytes.extend_from_slice(&[7, 0, 0, 0, 0, 0, 0, 0]);
+            bytes.extend_from_slice(&[1, 0, 0, 0, 0, 0, 0, 0]);
+        }
+        let started = std::time::Instant::now();
+        let scan = scan_segment(&bytes, false);
+        assert!(scan.frames.is_empty());
+        assert_eq!(scan.skipped.len(), 1, "{:?}", scan.skipped);
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "{:?}", started.elapsed());
     }
 
     #[test]

@@ -142,7 +142,9 @@ impl Writer {
         if dir_dirty {
             File::open(&self.dir)?.sync_all()?;
         }
+        let mut deleted = false;
         for seg in batches.iter().flat_map(|b| &b.deletes) {
+            deleted = true;
             match fs::remove_file(segment_path(&self.dir, *seg)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
@@ -150,6 +152,11 @@ impl Writer {
                     crate::log!(Level::Warn, "journal: cannot remove a compacted segment", segment = seg, error = e)
                 }
             }
+        }
+        if deleted {
+            // A deletion that a crash forgets would only bring back records already superseded;
+            // syncing the directory keeps the journal's size what compaction made it.
+            File::open(&self.dir)?.sync_all()?;
         }
         let lsn = batches.iter().map(|b| b.lsn).max().unwrap_or(0);
         self.shared.durable_lsn.fetch_max(lsn, Ordering::SeqCst);

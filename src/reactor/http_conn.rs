@@ -23,6 +23,8 @@ impl Server {
                         if self.batches.try_take(want) {
                             http.batch_reserved = want;
                         } else if self.batches.wait(r) {
+                            // The wait is relay's, not the client's: no 408 meanwhile.
+                            conn.deadline_ms = u64::MAX;
                             crate::log!(
                                 Level::Debug,
                                 "batch body waits for room in the batch budget",
@@ -191,7 +193,9 @@ impl Server {
                     && matches!(Route::of(&head.path), Route::Tasks | Route::TasksBatch)
                 {
                     // Backpressure: the disk is behind; this submit waits (`on_journal` resumes it).
+                    // The wait is relay's, not the client's: no 408 meanwhile.
                     self.journal_blocked.push(r);
+                    self.set_deadline(r, u64::MAX);
                     return false;
                 }
                 let body = match head.framing {
@@ -266,8 +270,12 @@ impl Server {
         let State::Http(http) = &mut conn.state else { return };
         let held = std::mem::take(&mut http.batch_reserved);
         if held > 0 {
-            let woken = self.batches.release(held);
-            self.again.extend(woken);
+            // Woken bodies may still be on their way: their clock starts again.
+            let at = self.now_ms + self.cfg.header_timeout_ms;
+            for w in self.batches.release(held) {
+                self.set_deadline(w, at);
+                self.again.push(w);
+            }
         }
     }
 

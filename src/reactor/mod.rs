@@ -657,7 +657,14 @@ impl Server {
             }
         }
         if backlog <= JOURNAL_BACKLOG_BYTES && !self.journal_blocked.is_empty() {
-            self.again.append(&mut self.journal_blocked);
+            // Their requests' clock starts again (a body may still be on its way).
+            let at = self.now_ms + self.cfg.header_timeout_ms;
+            for r in std::mem::take(&mut self.journal_blocked) {
+                if matches!(self.http_phase(r), Some(Phase::Body { .. })) {
+                    self.set_deadline(r, at);
+                }
+                self.again.push(r);
+            }
         }
         Ok(())
     }
