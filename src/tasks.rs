@@ -38,9 +38,10 @@ type IdMap<V> = HashMap<TaskId, V, BuildHasherDefault<IdHasher>>;
 /// loop while one huge hash table doubles; each shard grows (and rehashes) on its own.
 pub const TASK_SHARDS: usize = 64;
 
-/// Every task relay knows, by id.
+/// Every task relay knows, by id. Tasks are boxed: a shard that grows moves pointers, not
+/// whole tasks, and an empty slot costs a pointer, not a task.
 pub struct TaskTable {
-    shards: Vec<IdMap<Task>>,
+    shards: Vec<IdMap<Box<Task>>>,
 }
 
 impl Default for TaskTable {
@@ -55,19 +56,22 @@ impl TaskTable {
         (id >> 120) as usize % TASK_SHARDS
     }
     pub fn get(&self, id: &TaskId) -> Option<&Task> {
-        self.shards[Self::shard(*id)].get(id)
+        self.shards[Self::shard(*id)].get(id).map(|t| &**t)
     }
     pub fn get_mut(&mut self, id: &TaskId) -> Option<&mut Task> {
-        self.shards[Self::shard(*id)].get_mut(id)
+        self.shards[Self::shard(*id)].get_mut(id).map(|t| &mut **t)
     }
     pub fn contains_key(&self, id: &TaskId) -> bool {
         self.shards[Self::shard(*id)].contains_key(id)
     }
     pub fn insert(&mut self, id: TaskId, task: Task) {
+        self.shards[Self::shard(id)].insert(id, Box::new(task));
+    }
+    pub fn insert_boxed(&mut self, id: TaskId, task: Box<Task>) {
         self.shards[Self::shard(id)].insert(id, task);
     }
     pub fn remove(&mut self, id: &TaskId) -> Option<Task> {
-        self.shards[Self::shard(*id)].remove(id)
+        self.shards[Self::shard(*id)].remove(id).map(|t| *t)
     }
     pub fn len(&self) -> usize {
         self.shards.iter().map(HashMap::len).sum()
@@ -80,7 +84,7 @@ impl TaskTable {
     }
     /// The tasks of shard `i` (a bounded slice of the table, for work spread over turns).
     pub fn shard_tasks(&self, i: usize) -> impl Iterator<Item = &Task> {
-        self.shards.get(i).into_iter().flat_map(|m| m.values())
+        self.shards.get(i).into_iter().flat_map(|m| m.values().map(|t| &**t))
     }
     pub fn is_empty(&self) -> bool {
         self.shards.iter().all(HashMap::is_empty)

@@ -156,8 +156,8 @@ impl Core {
             finished.push((light.finished_wall_ms, id));
             restored += 1;
         }
-        // Unfinished tasks go into the table at once (moved once); `unfinished` orders them.
-        let mut unfinished: Vec<(u64, u64, TaskId)> = Vec::new();
+        // Unfinished tasks (boxed: sorting moves pointers) go into the table in due order.
+        let mut unfinished: Vec<(u64, u64, Box<Task>)> = Vec::new();
         for mut task in tasks {
             self.next_seq = self.next_seq.max(task.submit_seq);
             let (id, submit_seq) = (task.id, task.submit_seq);
@@ -176,14 +176,13 @@ impl Core {
                 self.status_counts[task.status.index()] += 1;
                 self.finished_mem += task.mem_bytes();
                 finished.push((finished_wall, id));
-                self.tasks.insert(id, task);
+                self.tasks.insert_boxed(id, task);
             } else {
                 if let Some(key) = task.idempotency.take() {
                     self.remember_key(*key.clone(), id, ttl);
                     task.idempotency = Some(key);
                 }
-                unfinished.push((due_wall(&task), task.submit_seq, id));
-                self.tasks.insert(id, task);
+                unfinished.push((due_wall(&task), task.submit_seq, task));
             }
             // (Not before: a task whose TASK_TTL ran out while relay was down is not listed.)
             listed.push((submit_seq, id));
@@ -205,11 +204,11 @@ impl Core {
         }
 
         // Unfinished tasks: in due order, ties in submission order.
-        unfinished.sort_unstable();
+        unfinished.sort_unstable_by_key(|(due, submit_seq, _)| (*due, *submit_seq));
         let rehome: IdSet = rehome.into_iter().collect();
-        for (due, _, id) in unfinished {
+        for (due, _, mut task) in unfinished {
             let seq = self.take_seq();
-            let Some(task) = self.tasks.get_mut(&id) else { continue };
+            let id = task.id;
             let mut cut_short = false;
             if let Some(a) = task.attempts.last_mut().filter(|a| a.outcome.is_none()) {
                 a.outcome = Some(Outcome::Disconnect);
@@ -224,6 +223,7 @@ impl Core {
             task.due_mono_ms = now + due.saturating_sub(wall);
             self.status_counts[Status::Pending.index()] += 1;
             self.pending_bytes += task.payload.as_deref().map_or(0, |p| p.get().len());
+            self.tasks.insert_boxed(id, task);
             if cut_short {
                 self.record(id, Rec::AttemptEnded);
             } else if rehome.contains(&id) {

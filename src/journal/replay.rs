@@ -25,7 +25,7 @@ pub struct Light {
 
 pub struct Replayed {
     /// Tasks kept in memory (finished ones within the budget), as the journal left them.
-    pub tasks: Vec<Task>,
+    pub tasks: Vec<Box<Task>>,
     /// Finished tasks beyond the memory budget.
     pub evicted: Vec<(TaskId, Light)>,
     /// Tasks whose records span more segments than a task can pin: write them whole again.
@@ -78,8 +78,8 @@ pub fn list_segments(dir: &Path) -> io::Result<Vec<u32>> {
 }
 
 struct Entry {
-    /// `None` once evicted.
-    task: Option<Task>,
+    /// `None` once evicted. Boxed once, here: the task table takes the box as it is.
+    task: Option<Box<Task>>,
     light: Option<Light>,
     /// Position in `finished` (to tell a stale queue entry from the current one).
     finished_at: u64,
@@ -87,8 +87,11 @@ struct Entry {
 }
 
 struct State {
-    /// Boxed: a table of a million tasks grows by moving pointers, not whole tasks.
-    entries: HashMap<TaskId, Box<Entry>>,
+    /// Where each live task's entry is in `entries` (a small table of indices: the entries
+    /// themselves are written in log order, not scattered over a huge table).
+    index: HashMap<TaskId, u32>,
+    /// In order of first appearance; a forgotten task leaves an empty entry behind.
+    entries: Vec<(TaskId, Entry)>,
     finished: VecDeque<(u64, TaskId)>,
     finished_count: u64,
     finished_bytes: usize,
@@ -112,12 +115,18 @@ impl State {
                     self.finished.push_back((self.finished_count, id));
                     self.finished_bytes += task.mem_bytes();
                 }
-                entry.task = Some(task);
-                self.entries.insert(id, Box::new(entry));
+                entry.task = Some(Box::new(task));
+                match self.index.get(&id) {
+                    Some(&i) => self.entries[i as usize].1 = entry,
+                    None => {
+                        self.index.insert(id, self.entries.len() as u32);
+                        self.entries.push((id, entry));
+                    }
+                }
                 self.evict_over_budget();
             }
             Record::AttemptStart { id, num, attempt } => {
-                let Some(entry) = self.entries.get_mut(&id) else { return };
+                let Some(entry) = self.entry(id) else { return };
                 let Some(task) = entry.task.as_mut().filter(|t| !t.status.is_final()) else { return };
                 if task.attempts.len() + 1 != num as usize || task.attempts.last().is_some_and(|a| a.outcome.is_none())
                 {
@@ -129,7 +138,7 @@ impl State {
                 entry.overflow |= !pin(&mut task.stored, loc.seg);
             }
             Record::AttemptEnd { id, num, outcome, duration_ms, error } => {
-                let Some(entry) = self.entries.get_mut(&id) else { return };
+                let Some(entry) = self.entry(id) else { return };
                 let Some(task) = entry.task.as_mut().filter(|t| !t.status.is_final()) else { return };
                 if task.attempts.len() != num as usize {
                     return;
@@ -150,9 +159,17 @@ impl State {
         }
     }
 
+    fn entry(&mut self, id: TaskId) -> Option<&mut Entry> {
+        let i = *self.index.get(&id)?;
+        self.entries.get_mut(i as usize).map(|(_, e)| e)
+    }
+
+    /// The task's state is replaced or forgotten: its finished bytes no longer count.
     fn remove(&mut self, id: TaskId) {
-        if let Some(old) = self.entries.remove(&id)
-            && let Some(t) = &old.task
+        let Some(i) = self.index.remove(&id) else { return };
+        let Some((_, old)) = self.entries.get_mut(i as usize) else { return };
+        let old = std::mem::replace(old, Entry { task: None, light: None, finished_at: 0, overflow: false });
+        if let Some(t) = &old.task
             && t.status.is_final()
         {
             self.finished_bytes -= t.mem_bytes();
@@ -164,7 +181,8 @@ impl State {
     fn evict_over_budget(&mut self) {
         while self.finished_bytes > self.budget_bytes {
             let Some((at, id)) = self.finished.pop_front() else { return };
-            let Some(entry) = self.entries.get_mut(&id) else { continue };
+            let Some(&i) = self.index.get(&id) else { continue };
+            let Some((_, entry)) = self.entries.get_mut(i as usize) else { continue };
             if entry.finished_at != at {
                 continue;
             }
@@ -320,7 +338,8 @@ impl Replayer {
     fn new(budget_bytes: usize) -> Replayer {
         Replayer {
             state: State {
-                entries: HashMap::new(),
+                index: HashMap::new(),
+                entries: Vec::new(),
                 finished: VecDeque::new(),
                 finished_count: 0,
                 finished_bytes: 0,
@@ -410,6 +429,7 @@ impl Replayer {
 
     /// Room for about `tasks` tasks up front (the table would otherwise double its way there).
     fn reserve(&mut self, tasks: usize) {
+        self.state.index.reserve(tasks);
         self.state.entries.reserve(tasks);
     }
 
@@ -420,10 +440,12 @@ impl Replayer {
         let mut evicted = Vec::new();
         let mut rehome = Vec::new();
         for (id, entry) in state.entries {
+            if entry.task.is_none() && entry.light.is_none() {
+                continue; // forgotten
+            }
             if entry.overflow {
                 rehome.push(id);
             }
-            let entry = *entry;
             if let Some(task) = entry.task {
                 for seg in task.stored.segs.into_iter().filter(|s| *s != 0) {
                     *pins.entry(seg).or_default() += 1;
@@ -716,7 +738,7 @@ mod tests {
         assert_eq!(r.records, 202);
         assert_eq!(r.tasks.len() + r.evicted.len(), 200, "199 finished + 1 pending");
         assert!(!r.evicted.is_empty() && r.tasks.len() < 60, "{} in memory", r.tasks.len());
-        let in_memory: usize = r.tasks.iter().filter(|t| t.status.is_final()).map(Task::mem_bytes).sum();
+        let in_memory: usize = r.tasks.iter().filter(|t| t.status.is_final()).map(|t| t.mem_bytes()).sum();
         assert!(in_memory <= budget);
         // The oldest left memory; the newest stayed.
         assert!(r.evicted.iter().any(|(id, _)| *id == 0));
