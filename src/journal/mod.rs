@@ -178,6 +178,7 @@ impl Journal {
     /// A smaller segment size (tests of compaction).
     pub fn set_segment_bytes(&mut self, bytes: u64) {
         self.segment_bytes = bytes.max(4096);
+        let _ = self.tx.send(Msg::SegmentBytes(self.segment_bytes));
     }
 
     /// The sequence number of the newest record.

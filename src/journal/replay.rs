@@ -276,6 +276,8 @@ pub struct Scan {
     pub skipped: Vec<(usize, usize)>,
     /// The last segment ends in a torn write from this offset on: cut it off.
     pub torn_at: Option<usize>,
+    /// The records end here and zeros follow (a segment prepared ahead of its records).
+    pub zeros_at: Option<usize>,
 }
 
 /// Finds every valid frame of a segment (`bytes` includes the header, already checked).
@@ -291,6 +293,10 @@ pub fn scan_segment(bytes: &[u8], last: bool) -> Scan {
                 let start = off + codec::FRAME_PREFIX_BYTES + 9;
                 scan.frames.push(FrameRef { off, total, seq, kind, payload: (start, start + payload.len()) });
                 off += total;
+            }
+            FrameAt::Short | FrameAt::Bad if bytes[off..].iter().all(|&b| b == 0) => {
+                scan.zeros_at = Some(off);
+                break;
             }
             FrameAt::Short | FrameAt::Bad => match next_valid(bytes, off, &mut budget) {
                 Some(next) => {
@@ -407,7 +413,7 @@ impl Replayer {
                 bytes_skipped = len
             );
         }
-        let end = scan.torn_at.unwrap_or(bytes.len());
+        let end = scan.torn_at.or(scan.zeros_at).unwrap_or(bytes.len());
         if let Some(at) = scan.torn_at {
             self.truncated_bytes += (bytes.len() - at) as u64;
             crate::log!(
@@ -672,6 +678,24 @@ mod tests {
             let expected_torn = (0..frames.len()).find(|&i| end(i) > cut).map(|i| frames[i].0).filter(|off| *off < cut);
             assert_eq!(scan.torn_at, expected_torn, "round {round}, cut at {cut}");
         }
+    }
+
+    #[test]
+    fn a_prepared_segment_ends_at_its_zeros_without_damage() {
+        let mut rng = Rng(4242);
+        let (mut bytes, frames) = segment(&mut rng, 20);
+        let end = bytes.len();
+        bytes.resize(end + (1 << 16), 0);
+        for last in [true, false] {
+            let scan = scan_segment(&bytes, last);
+            assert_eq!(scan.frames.len(), frames.len());
+            assert_eq!((scan.skipped.len(), scan.torn_at, scan.zeros_at), (0, None, Some(end)), "last: {last}");
+        }
+        // A record torn before the zeros is a torn tail (last segment) as before.
+        let mut torn = bytes.clone();
+        torn[end..end + 12].copy_from_slice(&[200, 0, 0, 0, 1, 2, 3, 4, 9, 9, 9, 9]);
+        let scan = scan_segment(&torn, true);
+        assert_eq!((scan.frames.len(), scan.torn_at), (frames.len(), Some(end)));
     }
 
     #[test]

@@ -43,6 +43,8 @@ const DEFAULTS: &[(&str, &str)] = &[
     ("TASK_TIMEOUT", "2s"),
     ("WAIT_TIMEOUT", "5s"),
     ("SHUTDOWN_TIMEOUT", "2s"),
+    // Small segments: tests with a journal rotate, and prepare 1 MiB of zeros, not 64 MiB.
+    ("JOURNAL_SEGMENT_SIZE", "1048576"),
 ];
 
 pub fn relay_bin() -> &'static str {
