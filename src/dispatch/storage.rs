@@ -34,6 +34,15 @@ impl Core {
         self.finished_mem
     }
 
+    /// An answer waits until the record `lsn` is durable (see [`Journal::want`]).
+    pub fn want_durable(&mut self, lsn: u64) {
+        if let Storage::Journal(j) = &mut self.storage
+            && lsn > 0
+        {
+            j.want(lsn);
+        }
+    }
+
     /// Once per loop turn, after its work: finished tasks over the budget leave memory, a
     /// step of compaction, and the turn's records go to the journal's writer.
     pub fn end_turn(&mut self) {

@@ -41,6 +41,13 @@ use crate::tasks::{Loc, Stored, Task, TaskId};
 /// Segment files are closed and a new one started past this size.
 pub const SEGMENT_BYTES: u64 = 64 << 20;
 
+/// How long records no answer waits on may be held back from the writer (ms): how much later
+/// than at once they can become durable.
+pub const HOLD_MS: u64 = 2;
+
+/// Held-back records go to the writer at once past this many bytes.
+const HOLD_BYTES: u64 = 256 << 10;
+
 /// Why DATA_DIR cannot be used.
 #[derive(Debug)]
 pub enum OpenError {
@@ -78,6 +85,12 @@ pub struct Journal {
     batch_bytes: u64,
     /// Bytes handed to the writer so far.
     sent_bytes: u64,
+    /// Every record up to here is handed to the writer.
+    sent_lsn: u64,
+    /// An answer waits on a record not yet handed to the writer.
+    urgent: bool,
+    /// Since when (the loop's clock) the records in `batch` are held back.
+    held_since_ms: Option<u64>,
     next_lsn: u64,
     head: u32,
     segments: BTreeMap<u32, Segment>,
@@ -163,6 +176,9 @@ impl Journal {
             batch: Batch::default(),
             batch_bytes: 0,
             sent_bytes: 0,
+            sent_lsn: replayed.next_lsn.saturating_sub(1),
+            urgent: false,
+            held_since_ms: None,
             next_lsn: replayed.next_lsn.max(1),
             head,
             segments,
@@ -216,7 +232,8 @@ impl Journal {
         let lsn = self.next_lsn;
         self.next_lsn += 1;
         if self.batch.chunks.last().is_none_or(|(seg, _)| *seg != self.head) {
-            self.batch.chunks.push((self.head, Vec::new()));
+            // (Room for a turn's records: no growth step per record.)
+            self.batch.chunks.push((self.head, Vec::with_capacity(16 << 10)));
         }
         let Some((_, buf)) = self.batch.chunks.last_mut() else { unreachable!("a chunk was just pushed") };
         let start = buf.len();
@@ -351,11 +368,31 @@ impl Journal {
         self.unpin_all(stored);
     }
 
-    /// Hands the turn's records to the writer.
+    /// An answer waits until the record `lsn` is durable: the turn's records go to the writer
+    /// now, with the ones held back before (see [`Journal::end_turn`]).
+    pub fn want(&mut self, lsn: u64) {
+        if lsn > self.sent_lsn {
+            self.urgent = true;
+        }
+    }
+
+    /// Hands the records to the writer, at once when an answer waits on them ([`Journal::want`])
+    /// or they fill [`HOLD_BYTES`]; records nobody waits on yet (the attempt a dispatch began,
+    /// the submit of a `wait=true` task, whose answer waits for its end) are held back up to
+    /// [`HOLD_MS`] for the turn that brings one, so that they share its sync: a `wait=true`
+    /// task costs one sync, not two, and the writer is woken once per sync.
     pub fn end_turn(&mut self) {
         if self.batch.is_empty() {
+            self.urgent = false;
             return;
         }
+        let since = *self.held_since_ms.get_or_insert(self.now_ms);
+        if !self.urgent && self.batch_bytes < HOLD_BYTES && self.now_ms < since + HOLD_MS {
+            return;
+        }
+        self.urgent = false;
+        self.held_since_ms = None;
+        self.sent_lsn = self.lsn();
         let batch = std::mem::take(&mut self.batch);
         self.sent_bytes += self.batch_bytes;
         self.batch_bytes = 0;
@@ -363,6 +400,12 @@ impl Journal {
             // The writer only ends after a failure, which `failed` reports.
             self.shared.failed.store(true, Ordering::SeqCst);
         }
+    }
+
+    /// When records held back must go to the writer even if no answer asks for them (the
+    /// loop's clock, ms).
+    pub fn hold_deadline_ms(&self) -> Option<u64> {
+        self.held_since_ms.map(|since| since + HOLD_MS)
     }
 
     /// The newest segment closed at least `age_ms` ago, if any: tasks still pinning it (or an
@@ -383,6 +426,7 @@ impl Journal {
 
     /// Writes what is queued, waits until it is durable, and stops the writer.
     pub fn stop(&mut self) {
+        self.urgent = true;
         self.end_turn();
         let _ = self.tx.send(Msg::Stop);
         if let Some(handle) = self.writer.take() {
@@ -486,6 +530,99 @@ mod tests {
         std::fs::write(replay::segment_path(&dir, u32::MAX), codec::segment_header()).expect("segment");
         let opened = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {}));
         assert!(matches!(&opened, Err(OpenError::Io(m)) if m.contains("segment")), "{:?}", opened.err());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    fn wait_durable(j: &Journal, lsn: u64) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while j.durable_lsn() < lsn {
+            assert!(std::time::Instant::now() < deadline, "record {lsn} never became durable");
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
+    /// Records no answer waits on are held back from the writer for at most HOLD_MS (the loop
+    /// wakes by `hold_deadline_ms`), an answer's `want` sends them at once, and a full hold
+    /// goes at once too: without the hold a `wait=true` task cost two syncs.
+    #[test]
+    fn records_nobody_waits_on_are_held_until_an_answer_wants_them_or_the_deadline() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-hold-{}", uuid::Uuid::new_v4().simple()));
+        let (mut j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open");
+        let mut st = Stored::default();
+        j.now_ms = 100;
+        j.task(&task(1, 10), &mut st);
+        let first = j.lsn();
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), Some(100 + HOLD_MS), "held, with a deadline for the loop's wake-up");
+        assert!(j.backlog_bytes() > 0);
+        // A later turn before the deadline adds to the same hold.
+        j.now_ms = 100 + HOLD_MS - 1;
+        j.task(&task(2, 10), &mut st);
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), Some(100 + HOLD_MS), "the deadline counts from the first held record");
+        // An answer wants the first record: everything held goes now.
+        j.want(first);
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), None);
+        wait_durable(&j, j.lsn());
+        // Wanting what was handed over already needs no extra send.
+        j.want(first);
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), None);
+        // The deadline alone sends them.
+        j.now_ms = 200;
+        j.task(&task(3, 10), &mut st);
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), Some(200 + HOLD_MS));
+        j.now_ms = 200 + HOLD_MS;
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), None, "past the deadline the records go");
+        wait_durable(&j, j.lsn());
+        // A hold that reaches HOLD_BYTES goes at once.
+        j.now_ms = 300;
+        let big = task(4, 4096);
+        while j.hold_deadline_ms().is_some() || j.batch_bytes == 0 {
+            j.task(&big, &mut st);
+            j.end_turn();
+            assert!(j.sent_bytes + j.batch_bytes < 4 * HOLD_BYTES, "the hold never went");
+            if j.hold_deadline_ms().is_none() {
+                break;
+            }
+        }
+        assert_eq!(j.batch_bytes, 0);
+        wait_durable(&j, j.lsn());
+        j.stop();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A segment started without a prepared file gets zeros written ahead of its records, in
+    /// steps (a sync without a change of size or new blocks costs about half), and replay
+    /// still ends at the last record without calling the zeros damage.
+    #[test]
+    fn an_unprepared_segment_is_zero_filled_ahead_and_replays_clean() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-ahead-{}", uuid::Uuid::new_v4().simple()));
+        let (mut j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open");
+        let mut st = Stored::default();
+        for _ in 0..3 {
+            j.task(&task(1, 100), &mut st);
+        }
+        j.want(j.lsn());
+        j.end_turn();
+        wait_durable(&j, j.lsn());
+        let seg = replay::segment_path(&dir, j.head);
+        let len = std::fs::metadata(&seg).expect("segment").len();
+        assert!(len >= thread::ZERO_STEP && len.is_multiple_of(thread::ZERO_STEP), "no zeros ahead: {len} bytes");
+        let written = j.segments.get(&j.head).map_or(0, |s| s.bytes);
+        assert!(written < 4096, "{written}");
+        let bytes = std::fs::read(&seg).expect("read");
+        assert!(bytes[written as usize..].iter().all(|b| *b == 0), "past the records, zeros only");
+        j.stop();
+        let r = replay::replay(&dir, 1 << 20).expect("replay");
+        assert_eq!(
+            (r.tasks.len(), r.skipped, r.truncated_bytes),
+            (1, 0, 0),
+            "one task (three records of it), nothing damaged"
+        );
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -70,6 +70,10 @@ pub fn start_writer(
     Ok((tx, handle))
 }
 
+/// How far ahead of its records a segment that was not prepared is filled with zeros.
+pub(super) const ZERO_STEP: u64 = 256 << 10;
+static ZEROS: [u8; 2 * ZERO_STEP as usize] = [0; 2 * ZERO_STEP as usize];
+
 /// The zero-filled file the preparer makes, and its name while it is being written.
 const PREPARED: &str = "next-segment.prepared";
 const PREPARING: &str = "next-segment.preparing";
@@ -133,8 +137,9 @@ fn prepare(dir: &Path, bytes: u64) -> io::Result<()> {
 
 struct Writer {
     dir: PathBuf,
-    /// The segment being appended to, and where its next byte goes.
-    head: Option<(u32, File, u64)>,
+    /// The segment being appended to, where its next byte goes, and where the zeros written
+    /// ahead of it end.
+    head: Option<(u32, File, u64, u64)>,
     shared: Arc<Shared>,
     wake: Wake,
     prep: Preparer,
@@ -191,29 +196,40 @@ impl Writer {
             while j < chunks.len() && chunks[j].0 == seg {
                 j += 1;
             }
-            if self.head.as_ref().is_none_or(|(s, _, _)| *s != seg) {
+            if self.head.as_ref().is_none_or(|(s, ..)| *s != seg) {
                 // The previous segment is complete: make it durable before moving on.
-                if let Some((_, old, _)) = self.head.take() {
+                if let Some((_, old, ..)) = self.head.take() {
                     old.sync_data()?;
                 }
                 // A new segment: the prepared file of zeros if there is one (replay stops at
                 // the zeros after the last record), else an empty file.
                 let path = segment_path(&self.dir, seg);
-                self.prep.take(&self.dir, &path, self.segment_bytes);
+                let prepared = self.prep.take(&self.dir, &path, self.segment_bytes);
                 let file = OpenOptions::new().write(true).create(true).truncate(false).mode(0o600).open(&path)?;
                 file.write_all_at(&codec::segment_header(), 0)?;
                 dir_dirty = true;
-                self.head = Some((seg, file, codec::HEADER_BYTES as u64));
+                let zeroed = if prepared { self.segment_bytes } else { codec::HEADER_BYTES as u64 };
+                self.head = Some((seg, file, codec::HEADER_BYTES as u64, zeroed));
             }
-            if let Some((_, file, at)) = self.head.as_mut() {
-                let slices: Vec<&[u8]> = chunks[i..j].iter().map(|c| c.1.as_slice()).collect();
-                let n = pwrite_all_vectored(file, &slices, *at)?;
-                *at += n;
+            if let Some((_, file, at, zeroed)) = self.head.as_mut() {
+                let mut slices: Vec<&[u8]> = chunks[i..j].iter().map(|c| c.1.as_slice()).collect();
+                let n: u64 = slices.iter().map(|s| s.len() as u64).sum();
+                // A segment that was not prepared (the first after a start, or the preparer
+                // fell behind) gets zeros written ahead of its records in steps: a sync that
+                // does not change the file's size or allocate blocks costs about half.
+                let end = *at + n;
+                let ahead = if end > *zeroed { end.next_multiple_of(ZERO_STEP) + ZERO_STEP - end } else { 0 };
+                if ahead > 0 {
+                    slices.push(&ZEROS[..ahead as usize]);
+                }
+                pwrite_all_vectored(file, &slices, *at)?;
+                *zeroed = (*zeroed).max(end + ahead);
+                *at = end;
                 bytes += n;
             }
             i = j;
         }
-        if let Some((_, file, _)) = &self.head {
+        if let Some((_, file, ..)) = &self.head {
             file.sync_data()?;
         }
         if dir_dirty {

@@ -170,7 +170,7 @@ struct Wire<'a> {
     conns: &'a mut Conns,
     dirty: &'a mut Vec<ConnRef>,
     again: &'a mut Vec<ConnRef>,
-    gated: &'a mut Vec<ConnRef>,
+    gated: &'a mut Gated,
     durable_lsn: u64,
     max_ws_out_bytes: usize,
     shutting_down: bool,
@@ -272,6 +272,15 @@ fn drop_written(conn: &mut Conn) {
     }
 }
 
+/// Connections with answers held back for the journal (`Conn::gates`).
+#[derive(Default)]
+struct Gated {
+    conns: Vec<ConnRef>,
+    /// The newest record an answer held back this turn waits on: the journal's writer is told
+    /// to sync it without delay ([`crate::journal::Journal::want`]).
+    want: u64,
+}
+
 /// Appends an answer to a connection's output, held back until the journal is durable up to
 /// what it shows (`Response::lsn`); a connection newly held back is added to `gated`.
 fn put_response(
@@ -281,10 +290,13 @@ fn put_response(
     close: bool,
     head_only: bool,
     durable_lsn: u64,
-    gated: &mut Vec<ConnRef>,
+    gated: &mut Gated,
 ) {
+    if response.lsn > durable_lsn {
+        gated.want = gated.want.max(response.lsn);
+    }
     if conn.gate(response.lsn, durable_lsn) {
-        gated.push(r);
+        gated.conns.push(r);
     }
     write_response(&mut conn.out, response, close, head_only);
 }
@@ -374,7 +386,7 @@ pub struct Server {
     /// Batch bodies buffered at once (`POST /tasks/batch`), over every connection.
     batches: disk_budget::DiskBudget,
     /// Connections with answers held back for the journal (`Conn::gates`).
-    gated: Vec<ConnRef>,
+    gated: Gated,
     /// The journal's durable sequence number when `gated` was last looked at.
     durable_seen: u64,
     /// Connections whose next submit waits because too many journal bytes are not yet durable.
@@ -505,7 +517,7 @@ impl Server {
             next_transfer: 1,
             disk: disk_budget::DiskBudget::new(DISK_BUDGET_BYTES),
             batches: disk_budget::DiskBudget::new(cfg_max_batch.saturating_mul(BATCH_BODIES_AT_ONCE)),
-            gated: Vec::new(),
+            gated: Gated::default(),
             durable_seen: 0,
             journal_blocked: Vec::new(),
             auth_waiters: Vec::new(),
@@ -550,7 +562,13 @@ impl Server {
             let timeout = if !self.again.is_empty() || self.accept_pending {
                 Some(Duration::ZERO)
             } else {
-                self.core.wheel.next_wakeup_ms().map(|at| Duration::from_millis(at.saturating_sub(self.now_ms)))
+                // (Records the journal holds back go to its writer by their deadline.)
+                let held = self.core.journal().and_then(crate::journal::Journal::hold_deadline_ms);
+                let at = match (self.core.wheel.next_wakeup_ms(), held) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                at.map(|at| Duration::from_millis(at.saturating_sub(self.now_ms)))
             };
             if let Err(e) = self.poll.poll(&mut events, timeout)
                 && e.kind() != io::ErrorKind::Interrupted
@@ -603,6 +621,7 @@ impl Server {
                 let (mut wire, core) = self.wire();
                 core.cluster_end_turn(&mut wire);
             }
+            self.core.want_durable(std::mem::take(&mut self.gated.want));
             self.core.end_turn();
             self.flush_dirty();
             // (Cluster mode: the attempts handed back at shutdown are written first, unless the
@@ -610,7 +629,7 @@ impl Server {
             let flushed = self.core.cluster_flushed() || self.shutdown_expired;
             if self.shutdown_started
                 && flushed
-                && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.is_empty()))
+                && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.conns.is_empty()))
             {
                 // (With timers and journal waits gone, nothing could ever end the remaining
                 // connections.) Everything accepted is made durable before the exit.
@@ -647,11 +666,11 @@ impl Server {
         }
         if durable != self.durable_seen {
             self.durable_seen = durable;
-            let gated = std::mem::take(&mut self.gated);
+            let gated = std::mem::take(&mut self.gated.conns);
             for r in gated {
                 let Some(conn) = self.conns.get_mut(r) else { continue };
                 if conn.release_gates(durable) {
-                    self.gated.push(r);
+                    self.gated.conns.push(r);
                 }
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }

@@ -113,6 +113,38 @@ fn accepted_tasks_and_results_survive_kill_9() {
     }
 }
 
+/// A result nobody waits on (its task was answered 202 long ago) is held back from the
+/// journal's writer for a couple of milliseconds, to share the sync of the next answer that
+/// waits: with no request and no ping to end another loop turn, relay wakes for that deadline
+/// by itself and the record reaches the journal file.
+#[test]
+fn a_result_nobody_waits_on_reaches_the_journal_without_another_request() {
+    let dir = DataDir::new("hold");
+    // No ping turns: only relay's own deadline can hand the record over.
+    let relay = start(&dir, &[("PING_INTERVAL", "60s"), ("PONG_WAIT", "120s")]);
+    let worker = FakeWorker::connect(&relay, Some(json!({"type": "hello", "kinds": ["held"]})), Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let r = relay.submit(r#"{"payload":{"kind":"held"}}"#);
+    assert_eq!(r.status, 202, "{}", r.text());
+    let task = worker.expect_task();
+    let marker = format!("held-result-{}", uuid::Uuid::new_v4().simple());
+    worker.done(&task.id, json!({ "marker": marker }));
+    let in_journal = || {
+        dir.segments()
+            .iter()
+            .any(|p| std::fs::read(p).is_ok_and(|b| b.windows(marker.len()).any(|w| w == marker.as_bytes())))
+    };
+    // The hold is 2 ms; the bound leaves a loaded machine 200 times that, and stays below the
+    // ≈ 1 s after which some other timer of relay's would end a turn anyway.
+    assert!(
+        poll_until(Duration::from_millis(400), in_journal),
+        "the result did not reach the journal\n{}",
+        relay.log_text()
+    );
+    let t = relay.wait_status(&task.id, "done", Duration::from_secs(5));
+    assert_eq!(t["result"]["marker"], json!(marker));
+}
+
 #[test]
 fn an_attempt_cut_short_by_a_crash_is_closed_as_disconnect_and_runs_again() {
     let dir = DataDir::new("cut");

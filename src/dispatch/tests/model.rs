@@ -1133,6 +1133,9 @@ impl Harness {
             return Ok(());
         }
         let lsn = self.core.journal().map_or(0, Journal::lsn);
+        // (No answer waits on them here: ask for the sync rather than wait out the writer's hold.)
+        self.core.want_durable(lsn);
+        self.core.end_turn();
         let deadline = Instant::now() + Duration::from_secs(10);
         while self.core.durable_lsn() < lsn {
             ensure!(Instant::now() < deadline, "journal", "records up to {lsn} never became durable");
