@@ -43,6 +43,14 @@ impl Core {
         }
     }
 
+    /// When the journal's held-back records must go to its writer (the loop's clock, ms).
+    pub fn journal_hold_deadline_ms(&mut self) -> Option<u64> {
+        match &mut self.storage {
+            Storage::Journal(j) => j.hold_deadline_ms(),
+            Storage::Memory | Storage::Cluster(_) => None,
+        }
+    }
+
     /// Once per loop turn, after its work: finished tasks over the budget leave memory, a
     /// step of compaction, and the turn's records go to the journal's writer.
     pub fn end_turn(&mut self) {

@@ -232,8 +232,7 @@ impl Journal {
         let lsn = self.next_lsn;
         self.next_lsn += 1;
         if self.batch.chunks.last().is_none_or(|(seg, _)| *seg != self.head) {
-            // (Room for a turn's records: no growth step per record.)
-            self.batch.chunks.push((self.head, Vec::with_capacity(16 << 10)));
+            self.batch.chunks.push((self.head, Vec::new()));
         }
         let Some((_, buf)) = self.batch.chunks.last_mut() else { unreachable!("a chunk was just pushed") };
         let start = buf.len();
@@ -403,9 +402,13 @@ impl Journal {
     }
 
     /// When records held back must go to the writer even if no answer asks for them (the
-    /// loop's clock, ms).
-    pub fn hold_deadline_ms(&self) -> Option<u64> {
-        self.held_since_ms.map(|since| since + HOLD_MS)
+    /// loop's clock, ms). Records added after the turn's [`Journal::end_turn`] (a dispatch
+    /// while output is flushed) start their hold here.
+    pub fn hold_deadline_ms(&mut self) -> Option<u64> {
+        if self.batch.is_empty() {
+            return None;
+        }
+        Some(*self.held_since_ms.get_or_insert(self.now_ms) + HOLD_MS)
     }
 
     /// The newest segment closed at least `age_ms` ago, if any: tasks still pinning it (or an
@@ -578,6 +581,17 @@ mod tests {
         j.end_turn();
         assert_eq!(j.hold_deadline_ms(), None, "past the deadline the records go");
         wait_durable(&j, j.lsn());
+        // A record added after the turn's end (a dispatch while output is flushed) gets a
+        // deadline too, from the loop's next look at it.
+        j.now_ms = 250;
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), None, "nothing held");
+        j.task(&task(5, 10), &mut st);
+        assert_eq!(j.hold_deadline_ms(), Some(250 + HOLD_MS), "records added after end_turn are not forgotten");
+        j.now_ms = 250 + HOLD_MS;
+        j.end_turn();
+        assert_eq!(j.hold_deadline_ms(), None);
+        wait_durable(&j, j.lsn());
         // A hold that reaches HOLD_BYTES goes at once.
         j.now_ms = 300;
         let big = task(4, 4096);
@@ -601,7 +615,10 @@ mod tests {
     #[test]
     fn an_unprepared_segment_is_zero_filled_ahead_and_replays_clean() {
         let dir = std::env::temp_dir().join(format!("relay-journal-ahead-{}", uuid::Uuid::new_v4().simple()));
+        // The preparer cannot make its file (a directory holds the name): no segment is prepared.
+        std::fs::create_dir_all(dir.join(thread::PREPARING)).expect("mkdir");
         let (mut j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open");
+        j.set_segment_bytes(1 << 20);
         let mut st = Stored::default();
         for _ in 0..3 {
             j.task(&task(1, 100), &mut st);
@@ -617,12 +634,23 @@ mod tests {
         let bytes = std::fs::read(&seg).expect("read");
         assert!(bytes[written as usize..].iter().all(|b| *b == 0), "past the records, zeros only");
         j.stop();
+        drop(j);
         let r = replay::replay(&dir, 1 << 20).expect("replay");
         assert_eq!(
             (r.tasks.len(), r.skipped, r.truncated_bytes),
             (1, 0, 0),
             "one task (three records of it), nothing damaged"
         );
+        // Segments smaller than the step get zeros up to their size, no further.
+        let (mut j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open again");
+        j.set_segment_bytes(64 << 10);
+        j.task(&task(1, 100), &mut st);
+        j.want(j.lsn());
+        j.end_turn();
+        wait_durable(&j, j.lsn());
+        let len = std::fs::metadata(replay::segment_path(&dir, j.head)).expect("segment").len();
+        assert_eq!(len, 64 << 10, "zeros past a small segment's size");
+        j.stop();
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -76,7 +76,7 @@ static ZEROS: [u8; 2 * ZERO_STEP as usize] = [0; 2 * ZERO_STEP as usize];
 
 /// The zero-filled file the preparer makes, and its name while it is being written.
 const PREPARED: &str = "next-segment.prepared";
-const PREPARING: &str = "next-segment.preparing";
+pub(super) const PREPARING: &str = "next-segment.preparing";
 
 /// The writer's handle on the preparer thread.
 struct Preparer {
@@ -218,7 +218,10 @@ impl Writer {
                 // fell behind) gets zeros written ahead of its records in steps: a sync that
                 // does not change the file's size or allocate blocks costs about half.
                 let end = *at + n;
-                let ahead = if end > *zeroed { end.next_multiple_of(ZERO_STEP) + ZERO_STEP - end } else { 0 };
+                // (Not past the segment's size: a small JOURNAL_SEGMENT_SIZE stays small.)
+                let cap = if self.segment_bytes == 0 { u64::MAX } else { self.segment_bytes.max(end) };
+                let ahead =
+                    if end > *zeroed { (end.next_multiple_of(ZERO_STEP) + ZERO_STEP).min(cap) - end } else { 0 };
                 if ahead > 0 {
                     slices.push(&ZEROS[..ahead as usize]);
                 }

@@ -563,7 +563,7 @@ impl Server {
                 Some(Duration::ZERO)
             } else {
                 // (Records the journal holds back go to its writer by their deadline.)
-                let held = self.core.journal().and_then(crate::journal::Journal::hold_deadline_ms);
+                let held = self.core.journal_hold_deadline_ms();
                 let at = match (self.core.wheel.next_wakeup_ms(), held) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
