@@ -64,7 +64,7 @@ pub fn start_writer(
     let (tx, rx) = channel();
     let prep = Preparer::start(&dir)?;
     let handle = std::thread::Builder::new().name("relay-journal".into()).spawn(move || {
-        let mut w = Writer { dir, head: None, shared, wake, prep, segment_bytes: 0 };
+        let mut w = Writer { dir, head: None, shared, wake, prep, segment_bytes: 0, zeros: Vec::new() };
         w.run(rx);
     })?;
     Ok((tx, handle))
@@ -72,7 +72,6 @@ pub fn start_writer(
 
 /// How far ahead of its records a segment that was not prepared is filled with zeros.
 pub(super) const ZERO_STEP: u64 = 256 << 10;
-static ZEROS: [u8; 2 * ZERO_STEP as usize] = [0; 2 * ZERO_STEP as usize];
 
 /// The zero-filled file the preparer makes, and its name while it is being written.
 const PREPARED: &str = "next-segment.prepared";
@@ -144,6 +143,8 @@ struct Writer {
     wake: Wake,
     prep: Preparer,
     segment_bytes: u64,
+    /// Zeros to write ahead of the records of a segment that was not prepared.
+    zeros: Vec<u8>,
 }
 
 impl Writer {
@@ -223,7 +224,12 @@ impl Writer {
                 let ahead =
                     if end > *zeroed { (end.next_multiple_of(ZERO_STEP) + ZERO_STEP).min(cap) - end } else { 0 };
                 if ahead > 0 {
-                    slices.push(&ZEROS[..ahead as usize]);
+                    // (Allocated on first use, not a static: a static array of zeros would be
+                    // stored in the binary, 512 KiB of it.)
+                    if self.zeros.is_empty() {
+                        self.zeros = vec![0; 2 * ZERO_STEP as usize];
+                    }
+                    slices.push(&self.zeros[..ahead as usize]);
                 }
                 pwrite_all_vectored(file, &slices, *at)?;
                 *zeroed = (*zeroed).max(end + ahead);
