@@ -13,19 +13,6 @@ use crate::support::*;
 
 const CHROMIUM: &str = "/usr/bin/chromium";
 
-/// True when CI says every external tool must be there.
-pub fn tools_required() -> bool {
-    std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
-}
-
-/// `Err(why)` when a tool is missing: a failure under CI, a loud skip elsewhere.
-pub fn skip_or_fail(test: &str, why: &str) {
-    if tools_required() {
-        panic!("{test}: {why} (CI=true: required; .ci/run installs it)");
-    }
-    eprintln!("\n*** SKIPPED {test}: {why} (set CI=true to make this a failure) ***\n");
-}
-
 fn browser_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser")
 }

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::browser::{artifacts_dir, skip_or_fail};
+use crate::browser::artifacts_dir;
 use crate::support::*;
 
 /// Checks that do not apply to this API, each with its reason.

@@ -15,6 +15,38 @@ use std::time::{Duration, Instant};
 pub use self::http::{Client, Resp, request};
 pub use self::worker::{Auto, FakeWorker};
 
+/// True when `CI` names a CI run (set, not empty, not `0` or `false`; `.ci/run` exports
+/// `CI=true`): there, a test that cannot run its real subject fails instead of skipping.
+pub fn in_ci() -> bool {
+    ci_requires_tools(std::env::var("CI").ok().as_deref())
+}
+
+fn ci_requires_tools(ci: Option<&str>) -> bool {
+    ci.is_some_and(|v| !v.is_empty() && v != "0" && !v.eq_ignore_ascii_case("false"))
+}
+
+/// `test` cannot run for `why` (a missing tool, no root): under CI a failure; elsewhere a loud
+/// SKIPPED line, and the caller returns. Written to the process's stderr, not with `eprintln!`,
+/// which the test harness captures (and shows only for failing tests).
+pub fn skip_or_fail(test: &str, why: &str) {
+    if in_ci() {
+        panic!("{test}: {why} (CI is set: this is a failure, not a skip; .ci/run installs what tests need)");
+    }
+    use std::io::Write;
+    let _ =
+        writeln!(std::io::stderr().lock(), "\n*** SKIPPED {test}: {why} (set CI=true to make this a failure) ***\n");
+}
+
+#[test]
+fn ci_is_any_value_but_empty_0_or_false() {
+    for (v, want) in [(None, false), (Some(""), false), (Some("0"), false), (Some("FALSE"), false)] {
+        assert_eq!(ci_requires_tools(v), want, "{v:?}");
+    }
+    for v in ["true", "1", "yes"] {
+        assert!(ci_requires_tools(Some(v)), "{v}");
+    }
+}
+
 pub const API: &str = "api-token";
 pub const WRK: &str = "worker-token";
 

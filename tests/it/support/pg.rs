@@ -54,8 +54,8 @@ fn bin_dir() -> Option<PathBuf> {
 
 /// True when a missing PostgreSQL must fail the test rather than skip it.
 pub fn required() -> bool {
-    let set = |name: &str| std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0" && v != "false");
-    set("RELAY_REQUIRE_POSTGRES") || set("CI")
+    let set = std::env::var("RELAY_REQUIRE_POSTGRES").is_ok_and(|v| !v.is_empty() && v != "0" && v != "false");
+    set || super::in_ci()
 }
 
 fn is_root() -> bool {
