@@ -77,33 +77,41 @@ pub(super) const ZERO_STEP: u64 = 256 << 10;
 const PREPARED: &str = "next-segment.prepared";
 pub(super) const PREPARING: &str = "next-segment.preparing";
 
-/// The writer's handle on the preparer thread.
+/// The writer's handle on the preparer thread. Dropping it stops the thread and waits for it:
+/// a preparer that outlived its journal could go on writing zeros into a file the next journal
+/// on the same directory has taken as a segment (tests restart journals in one process).
 struct Preparer {
-    /// Sizes to prepare a file of.
-    tx: Sender<u64>,
+    /// Sizes to prepare a file of (`None` once stopping).
+    tx: Option<Sender<u64>>,
     /// The size of the prepared file that is ready (0: none).
     ready: Arc<AtomicU64>,
+    /// Set when stopping: a file being prepared is abandoned between steps.
+    stop: Arc<AtomicBool>,
+    handle: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Preparer {
     fn start(dir: &Path) -> io::Result<Preparer> {
         let _ = fs::remove_file(dir.join(PREPARING));
         let ready = Arc::new(AtomicU64::new(fs::metadata(dir.join(PREPARED)).map_or(0, |m| m.len())));
+        let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = channel::<u64>();
-        let (dir, done) = (dir.to_path_buf(), ready.clone());
-        std::thread::Builder::new().name("relay-journal-prep".into()).spawn(move || {
+        let (dir, done, stopping) = (dir.to_path_buf(), ready.clone(), stop.clone());
+        let handle = std::thread::Builder::new().name("relay-journal-prep".into()).spawn(move || {
             while let Ok(bytes) = rx.recv() {
                 if done.load(Ordering::Acquire) == bytes {
                     continue;
                 }
-                match prepare(&dir, bytes) {
-                    Ok(()) => done.store(bytes, Ordering::Release),
+                match prepare(&dir, bytes, &stopping) {
+                    Ok(true) => done.store(bytes, Ordering::Release),
+                    // Stopping: the unfinished file is removed at the next start.
+                    Ok(false) => return,
                     // Not fatal: segments are then created empty and grow as before.
                     Err(e) => crate::log!(Level::Warn, "journal: cannot prepare the next segment", error = e),
                 }
             }
         })?;
-        Ok(Preparer { tx, ready })
+        Ok(Preparer { tx: Some(tx), ready, stop, handle: Some(handle) })
     }
 
     /// Takes the prepared file for segment `path` if there is one of `bytes`.
@@ -113,25 +121,47 @@ impl Preparer {
         }
         self.ready.store(0, Ordering::Release);
         let taken = fs::rename(dir.join(PREPARED), path).is_ok();
-        let _ = self.tx.send(bytes);
+        self.request(bytes);
         taken
+    }
+
+    /// Asks for a prepared file of `bytes`.
+    fn request(&self, bytes: u64) {
+        if let Some(tx) = &self.tx {
+            let _ = tx.send(bytes);
+        }
     }
 }
 
-/// Writes `bytes` of zeros to a new file, syncs it, and names it [`PREPARED`].
-fn prepare(dir: &Path, bytes: u64) -> io::Result<()> {
+impl Drop for Preparer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        self.tx = None;
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+    }
+}
+
+/// Writes `bytes` of zeros to a new file, syncs it, and names it [`PREPARED`]; `Ok(false)` when
+/// `stop` was set before it was done.
+fn prepare(dir: &Path, bytes: u64, stop: &AtomicBool) -> io::Result<bool> {
     let tmp = dir.join(PREPARING);
     let mut file = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&tmp)?;
     // In small synced steps: a burst of 64 MiB for the disk would delay the journal's own syncs.
     let zeros = vec![0u8; 1 << 20];
     let mut left = bytes;
     while left > 0 {
+        if stop.load(Ordering::Acquire) {
+            return Ok(false);
+        }
         let n = left.min(zeros.len() as u64) as usize;
         file.write_all(&zeros[..n])?;
         file.sync_data()?;
         left -= n as u64;
     }
-    fs::rename(&tmp, dir.join(PREPARED))
+    fs::rename(&tmp, dir.join(PREPARED))?;
+    Ok(true)
 }
 
 struct Writer {
@@ -183,7 +213,7 @@ impl Writer {
 
     fn set_segment_bytes(&mut self, bytes: u64) {
         self.segment_bytes = bytes;
-        let _ = self.prep.tx.send(bytes);
+        self.prep.request(bytes);
     }
 
     fn commit(&mut self, batches: &[Batch]) -> io::Result<()> {
@@ -344,4 +374,27 @@ fn read_at(dir: &Path, job: &ReadJob) -> io::Result<Vec<u8>> {
     let mut buf = vec![0u8; job.len as usize];
     file.read_exact_at(&mut buf, u64::from(job.off))?;
     Ok(buf)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A preparer in the middle of a 64 MiB file is gone once its handle is dropped: left
+    /// running, it could write zeros into a file a later journal on the same directory took
+    /// as a segment (the dispatch model's restarts found records overwritten that way).
+    #[test]
+    fn a_dropped_preparer_has_stopped_and_leaves_no_prepared_file() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-prep-{}", uuid::Uuid::new_v4().simple()));
+        fs::create_dir_all(&dir).expect("dir");
+        let prep = Preparer::start(&dir).expect("preparer");
+        let ready = prep.ready.clone();
+        prep.request(64 << 20);
+        drop(prep);
+        // The thread held the other reference to `ready` for as long as it ran.
+        assert_eq!(Arc::strong_count(&ready), 1, "the preparer thread outlived its handle");
+        assert!(!dir.join(PREPARED).exists(), "a file was prepared after the stop");
+        assert_eq!(ready.load(Ordering::Acquire), 0);
+        let _ = fs::remove_dir_all(&dir);
+    }
 }
