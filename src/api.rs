@@ -1,6 +1,7 @@
-//! The HTTP API: routes, the order of checks (404 → 405 → 401/403 → 400/413 → 503/429), body
-//! validation, and the calls into the core. No sockets: the reactor hands over a parsed head and
-//! a complete body and gets back what to do.
+//! The HTTP API: routes, the order of checks (404 → 405 → 401/403 → 400/413 → 503/429), the
+//! one submit and batch validation, and the calls into the core — the same for both stores.
+//! No sockets: the reactor hands over a parsed head and a complete body and gets back what to
+//! do.
 
 use std::borrow::Cow;
 
@@ -9,11 +10,9 @@ use serde_json::value::RawValue;
 
 use crate::auth::{Auth, Identity, RegistryLoading};
 use crate::config::parse_duration_ms;
-use crate::dispatch::{CancelResult, Core, Io, NewTask, ReadFor, SubmitError};
-use crate::http::{Head, Method, Response, error_code};
-use crate::tasks::{ConnRef, TaskId, parse_id, push_json_str, push_uuid};
-
-mod cluster;
+use crate::dispatch::{Core, Io, NewTask};
+use crate::http::{Head, Method, Response, error, percent_decode};
+use crate::tasks::{ConnRef, parse_id};
 
 /// Longest accepted `Idempotency-Key`.
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
@@ -23,6 +22,8 @@ pub const MAX_KIND_BYTES: usize = 128;
 pub const MAX_TASK_TIMEOUT_MS: u64 = 24 * 3_600_000;
 /// Furthest a `delay` or `run_at` may reach ahead of now (SPEC §4).
 pub const MAX_SCHEDULE_AHEAD_MS: u64 = 366 * 24 * 3_600_000;
+/// Most `max_retries` a task may ask for (SPEC §4).
+pub const MAX_TASK_RETRIES: u32 = 100;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Route<'a> {
@@ -136,10 +137,6 @@ pub struct Api {
 /// small extra fields).
 pub const MULTIPART_OVERHEAD_BYTES: u64 = 64 * 1024;
 
-pub fn error(status: u16, message: &str) -> Response {
-    Response::error(status, error_code(status), message)
-}
-
 impl Api {
     /// The largest body a request on this route may carry.
     pub fn body_limit(&self, route: Route<'_>) -> u64 {
@@ -231,75 +228,67 @@ impl Api {
             }
             Some(_) => false,
         };
-        if core.is_cluster()
-            && let Some(handled) = self.cluster_route(core, conn, head, identity, body, route, wait)
-        {
-            return handled;
-        }
-        match route {
-            Route::Ws => match upgrade(head) {
-                Ok(accept_key) => Handled::Upgrade { accept_key },
-                Err(response) => Handled::Respond(response),
-            },
-            Route::Healthz => Handled::Respond(Response::json(200, core.health_json())),
+        let identity = match route {
+            Route::Ws => {
+                return match upgrade(head) {
+                    Ok(accept_key) => Handled::Upgrade { accept_key },
+                    Err(response) => Handled::Respond(response),
+                };
+            }
+            Route::Healthz => return Handled::Respond(core.health()),
             Route::Metrics => {
                 let text = core.metrics.render(&core.gauges(connections_open));
                 let mut r = Response::json(200, text.into_bytes());
                 r.content_type = "text/plain; version=0.0.4; charset=utf-8";
-                Handled::Respond(r)
+                return Handled::Respond(r);
             }
-            Route::Clients => Handled::Respond(Response::json(200, core.clients_json())),
-            Route::Ui(name) => Handled::Respond(crate::ui::asset(name)),
-            Route::Tasks => {
-                let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
-                if head.method != Method::Post {
-                    let q = match crate::listing::parse_query(&head.query) {
-                        Ok(q) if q.at.is_none() => q,
-                        Ok(_) => return Handled::Respond(error(400, "invalid cursor (a cluster's)")),
-                        Err(msg) => return Handled::Respond(error(400, &msg)),
-                    };
-                    let plan = crate::listing::plan(core, &q, identity);
-                    if plan.evicted.is_empty() {
-                        let mut r = Response::json(200, crate::listing::render(&plan.pieces, plan.next));
-                        r.lsn = plan.lsn;
-                        return Handled::Respond(r);
-                    }
-                    core.read_page(io, conn, plan, q.kind, identity);
-                    return Handled::Held;
-                }
-                self.submit(core, io, conn, head, body, identity, wait)
-            }
-            Route::Task(id_text) => {
-                let Some(identity) = identity else { return Handled::Respond(unauthorized()) };
-                let Some(id) = parse_id(id_text) else { return Handled::Respond(error(404, "no such task")) };
-                if core.task(id).is_none() {
-                    // Finished and out of memory (TASK_MEMORY): read back from the journal; the
-                    // kind is checked against the token once it is read.
-                    let purpose = if head.method == Method::Delete { ReadFor::Cancel } else { ReadFor::Get };
-                    return if core.read_evicted(conn, id, purpose, identity) {
-                        Handled::Held
-                    } else {
-                        Handled::Respond(error(404, "no such task"))
-                    };
-                }
-                if !visible(core, id, identity) {
-                    return Handled::Respond(error(404, "no such task"));
-                }
-                match head.method {
-                    Method::Delete => Handled::Respond(cancel(core, io, id)),
-                    _ if wait => match core.wait(conn, id, false) {
-                        Some(r) => Handled::Respond(r),
-                        None => Handled::Held,
-                    },
-                    _ => Handled::Respond(task_json_response(core, id, 200)),
-                }
-            }
+            Route::Ui(name) => return Handled::Respond(crate::ui::asset(name)),
             // (the reactor runs batches through `Api::batch_start`; this arm keeps the match whole)
-            Route::TasksBatch => Handled::Respond(error(500, "batch submitted outside its path")),
+            Route::TasksBatch => return Handled::Respond(error(500, "batch submitted outside its path")),
             Route::Files | Route::File(_) => {
-                Handled::Respond(error(501, "file transfer is not available in this version"))
+                return Handled::Respond(error(501, "file transfer is not available in this version"));
             }
-            Route::NotFound => Handled::Respond(error(404, "no such endpoint")),
+            Route::NotFound => return Handled::Respond(error(404, "no such endpoint")),
+            Route::Clients | Route::Tasks | Route::Task(_) => match identity {
+                Some(identity) => identity,
+                None => return Handled::Respond(unauthorized()),
+            },
+        };
+        let writes = route == Route::Tasks && head.method == Method::Post
+            || matches!(route, Route::Task(_)) && head.method == Method::Delete;
+        if let Some(r) = core.store.unavailable(writes) {
+            return Handled::Respond(r);
+        }
+        let answer = match route {
+            Route::Clients => core.clients(io, conn),
+            Route::Tasks if head.method != Method::Post => match crate::listing::parse_query(&head.query) {
+                Ok(q) => match q.kind.as_deref().map(check_text) {
+                    Some(Err(msg)) => Some(error(400, &format!("invalid kind: {msg}"))),
+                    _ => core.list(io, conn, &q, identity.scope()),
+                },
+                Err(msg) => Some(error(400, &msg)),
+            },
+            Route::Tasks => return self.submit(core, io, conn, head, body, identity, wait),
+            Route::Task(id_text) => {
+                let Some(id) = parse_id(id_text) else { return Handled::Respond(error(404, "no such task")) };
+                let payload = match head.query_param("include") {
+                    None => false,
+                    Some("payload") => true,
+                    Some(other) => {
+                        let msg = format!("invalid include {:?} (payload)", percent_decode(other));
+                        return Handled::Respond(error(400, &msg));
+                    }
+                };
+                match head.method {
+                    Method::Delete => core.cancel(io, conn, id, identity.scope()),
+                    _ => core.get(io, conn, id, identity.scope(), wait, payload),
+                }
+            }
+            _ => Some(error(404, "no such endpoint")),
+        };
+        match answer {
+            Some(r) => Handled::Respond(r),
+            None => Handled::Held,
         }
     }
 
@@ -322,24 +311,22 @@ impl Api {
             Some(k) if k.len() > MAX_IDEMPOTENCY_KEY_BYTES => {
                 return Handled::Respond(error(400, "Idempotency-Key is longer than 256 bytes"));
             }
+            Some(k) if check_text(k).is_err() => {
+                return Handled::Respond(error(400, "Idempotency-Key must not contain U+0000"));
+            }
             other => other,
         };
-        // A repeated key answers for the first task before the body is even looked at: its
-        // payload is not compared (SPEC §4).
-        if let Some(id) = key.and_then(|k| core.idempotent_task(identity.owner_key(), k)) {
-            return self.answer_submit(core, conn, id, wait, identity);
-        }
-        let parsed = match parse_submit(body, core.wall_ms) {
-            Ok(p) => p,
-            Err(msg) => return Handled::Respond(error(400, &msg)),
+        let owner = identity.owner_key();
+        // A keyed submit that will not be stored is answered for the task its key names, if
+        // one does: a repeat is answered before its body counts (SPEC §4).
+        let refuse = |core: &mut Core, io: &mut dyn Io, r: Response| match key {
+            Some(k) => held_or(core.refuse_keyed(io, conn, owner, k, wait, r)),
+            None => Handled::Respond(r),
         };
-        if !identity.allows_kind(parsed.kind.as_deref()) {
-            let msg = match parsed.kind.as_deref() {
-                Some(kind) => format!("this token may not submit tasks of kind {kind:?}"),
-                None => "this token may only submit tasks with a payload.kind it is scoped to".to_string(),
-            };
-            return Handled::Respond(error(403, &msg));
-        }
+        let parsed = match check_submit(body, core.wall_ms, identity) {
+            Ok(p) => p,
+            Err((status, _, msg)) => return refuse(core, io, error(status, &msg)),
+        };
         let new = NewTask {
             payload: parsed.payload,
             kind: parsed.kind.as_deref(),
@@ -347,47 +334,42 @@ impl Api {
             queue: parsed.queue.unwrap_or(false),
             timeout_ms: parsed.timeout_ms,
             max_retries: parsed.max_retries,
-            idempotency: key.map(|k| (identity.owner_key(), k)),
+            idempotency: key.map(|k| (owner, k)),
         };
-        let id = match core.submit(io, new) {
-            Ok(id) => id,
-            Err(SubmitError::NoWorker) => {
-                let msg = match parsed.kind.as_deref() {
-                    Some(kind) => format!("no connected worker can take tasks of kind {kind:?}"),
-                    None => "no connected worker can take this task".to_string(),
-                };
-                return Handled::Respond(Response::error(503, "no_worker", &msg));
-            }
-            Err(SubmitError::QueueFull) => {
-                let msg = "the queue is full (MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait)";
-                return Handled::Respond(Response::error(429, "queue_full", msg));
-            }
-        };
-        self.answer_submit(core, conn, id, wait, identity)
+        held_or(core.submit(io, conn, &new, wait))
     }
+}
 
-    /// What a submit answers for task `id`: the task when it is final or the wait ends
-    /// (`wait=true`), else 202 `{task_id, status}`.
-    fn answer_submit(&self, core: &mut Core, conn: ConnRef, id: TaskId, wait: bool, identity: &Identity) -> Handled {
-        if core.task(id).is_none() {
-            // The key names a finished task that left memory.
-            if wait && core.read_evicted(conn, id, ReadFor::PostWait, identity) {
-                return Handled::Held;
-            }
-            let mut r = Response::json(202, accepted_json(core, id));
-            r.lsn = core.task(id).map_or(0, |t| t.stored.lsn);
-            return Handled::Respond(r);
-        }
-        if wait {
-            return match core.wait(conn, id, true) {
-                Some(r) => Handled::Respond(r),
-                None => Handled::Held,
-            };
-        }
-        let mut r = Response::json(202, accepted_json(core, id));
-        r.lsn = core.task(id).map_or(0, |t| t.stored.lsn);
-        Handled::Respond(r)
+fn held_or(answer: Option<Response>) -> Handled {
+    match answer {
+        Some(r) => Handled::Respond(r),
+        None => Handled::Held,
     }
+}
+
+/// The one submit check, for `POST /tasks` bodies and batch items alike: the body is valid
+/// (SPEC §4), its values are ones every store can keep, and the identity may submit its kind.
+/// The error is (status, batch item code, message).
+fn check_submit<'a>(
+    body: &'a [u8],
+    wall_ms: u64,
+    identity: &Identity,
+) -> Result<Submit<'a>, (u16, &'static str, String)> {
+    let parsed = parse_submit(body, wall_ms).map_err(|m| (400, "bad_request", m))?;
+    if !identity.allows_kind(parsed.kind.as_deref()) {
+        let msg = match parsed.kind.as_deref() {
+            Some(kind) => format!("this token may not submit tasks of kind {kind:?}"),
+            None => "this token may only submit tasks with a payload.kind it is scoped to".to_string(),
+        };
+        return Err((403, "forbidden", msg));
+    }
+    Ok(parsed)
+}
+
+/// Text every store can keep (PostgreSQL's `text` cannot hold U+0000): checked before it
+/// reaches one, so a bad value fails its own request only (SPEC §11).
+pub fn check_text(text: &str) -> Result<(), &'static str> {
+    if text.contains('\0') { Err("it must not contain U+0000") } else { Ok(()) }
 }
 
 /// A `POST /tasks/batch` under way: its items are submitted a slice per loop turn, so a batch
@@ -397,11 +379,9 @@ pub struct Batch {
     /// Offset and length of each item's JSON in `body`.
     items: Vec<(usize, usize)>,
     next: usize,
-    out: String,
-    lsn: u64,
     identity: Identity,
-    /// Cluster mode: the node's key for this batch (0 until its first slice).
-    cluster_key: u64,
+    /// The core's key for this batch (0 until its first slice).
+    key: u64,
 }
 
 /// Batch items submitted per loop turn, over every batch under way (each slice takes what
@@ -466,14 +446,11 @@ impl Api {
             let base = body.as_ptr() as usize;
             tasks.iter().map(|raw| (raw.get().as_ptr() as usize - base, raw.get().len())).collect::<Vec<_>>()
         };
-        let mut out = String::with_capacity(16 + items.len() * 72);
-        out.push_str("{\"tasks\":[");
-        Ok(Box::new(Batch { body, items, next: 0, out, lsn: 0, identity, cluster_key: 0 }))
+        Ok(Box::new(Batch { body, items, next: 0, identity, key: 0 }))
     }
 
     /// Submits the next slice of a batch, at most `budget` items (which it takes from). `Some`
-    /// is the answer once every item is done (or, in cluster mode, `Held` until the database
-    /// has them).
+    /// is the answer once every item is done (or `Held` until the store has them all).
     pub fn batch_step(
         &self,
         core: &mut Core,
@@ -482,119 +459,58 @@ impl Api {
         batch: &mut Batch,
         budget: &mut usize,
     ) -> Option<Handled> {
-        if core.is_cluster() {
-            return self.cluster_batch_step(core, conn, batch);
+        if batch.key == 0 {
+            if let Some(r) = core.store.unavailable(true) {
+                return Some(Handled::Respond(r));
+            }
+            batch.key = core.batch_begin(conn);
         }
         let end = (batch.next + *budget).min(batch.items.len());
         *budget -= end - batch.next;
         for i in batch.next..end {
             let (off, len) = batch.items[i];
-            if i > 0 {
-                batch.out.push(',');
-            }
             let item = &batch.body[off..off + len];
-            match submit_item(core, io, item, &batch.identity, self.max_message_bytes) {
-                Ok(id) => {
-                    batch.out.push_str("{\"task_id\":\"");
-                    push_uuid(&mut batch.out, id);
-                    batch.out.push_str("\",\"status\":\"");
-                    let task = core.task(id);
-                    batch.out.push_str(task.map_or("pending", |t| t.status.as_str()));
-                    batch.out.push_str("\"}");
-                    batch.lsn = batch.lsn.max(task.map_or(0, |t| t.stored.lsn));
+            match check_item(item, core.wall_ms, &batch.identity, self.max_message_bytes) {
+                Ok(parsed) => {
+                    let new = NewTask {
+                        payload: parsed.payload,
+                        kind: parsed.kind.as_deref(),
+                        run_at_wall_ms: parsed.run_at_wall_ms,
+                        queue: parsed.queue.unwrap_or(true),
+                        timeout_ms: parsed.timeout_ms,
+                        max_retries: parsed.max_retries,
+                        idempotency: None,
+                    };
+                    core.batch_item(io, batch.key, Ok(new));
                 }
-                Err((code, message)) => {
-                    batch.out.push_str("{\"error\":\"");
-                    batch.out.push_str(code);
-                    batch.out.push_str("\",\"message\":");
-                    push_json_str(&mut batch.out, &message);
-                    batch.out.push('}');
-                }
+                Err(e) => core.batch_item(io, batch.key, Err(e)),
             }
         }
         batch.next = end;
         if end < batch.items.len() {
             return None;
         }
-        batch.out.push_str("]}");
-        let mut r = Response::json(202, std::mem::take(&mut batch.out).into_bytes());
-        r.lsn = batch.lsn;
-        Some(Handled::Respond(r))
+        Some(held_or(core.batch_end(io, batch.key)))
     }
 }
 
-/// One batch item: a submit body (at most `max_bytes`, as a `POST /tasks` body), queued unless
-/// it says `"queue": false`.
-fn submit_item(
-    core: &mut Core,
-    io: &mut dyn Io,
-    item: &[u8],
+/// One batch item: a submit body (at most `max_bytes`, as a `POST /tasks` body), checked as a
+/// submit is; queued unless it says `"queue": false`.
+fn check_item<'a>(
+    item: &'a [u8],
+    wall_ms: u64,
     identity: &Identity,
     max_bytes: usize,
-) -> Result<TaskId, (&'static str, String)> {
+) -> Result<Submit<'a>, (&'static str, String)> {
     if item.len() > max_bytes {
         let msg = format!("item of {} bytes is over MAX_MESSAGE_SIZE ({max_bytes} bytes)", item.len());
         return Err(("bad_request", msg));
     }
-    let parsed = parse_submit(item, core.wall_ms).map_err(|m| ("bad_request", m))?;
-    if !identity.allows_kind(parsed.kind.as_deref()) {
-        let msg = match parsed.kind.as_deref() {
-            Some(kind) => format!("this token may not submit tasks of kind {kind:?}"),
-            None => "this token may only submit tasks with a payload.kind it is scoped to".to_string(),
-        };
-        return Err(("forbidden", msg));
-    }
-    let new = NewTask {
-        payload: parsed.payload,
-        kind: parsed.kind.as_deref(),
-        run_at_wall_ms: parsed.run_at_wall_ms,
-        queue: parsed.queue.unwrap_or(true),
-        timeout_ms: parsed.timeout_ms,
-        max_retries: parsed.max_retries,
-        idempotency: None,
-    };
-    core.submit(io, new).map_err(|e| match e {
-        SubmitError::NoWorker => ("no_worker", "no connected worker can take this task".to_string()),
-        SubmitError::QueueFull => ("queue_full", "MAX_PENDING tasks are already waiting".to_string()),
-    })
+    check_submit(item, wall_ms, identity).map_err(|(_, code, msg)| (code, msg))
 }
 
 fn unauthorized() -> Response {
     error(401, "missing or invalid bearer token").with_header("WWW-Authenticate", "Bearer")
-}
-
-/// A task a scoped token may not see looks like a task that does not exist.
-fn visible(core: &Core, id: TaskId, identity: &Identity) -> bool {
-    core.task(id).is_some_and(|t| identity.allows_kind(t.kind.as_deref()))
-}
-
-fn cancel(core: &mut Core, io: &mut dyn Io, id: TaskId) -> Response {
-    let status = match core.cancel(io, id) {
-        CancelResult::Canceled => 200,
-        CancelResult::AlreadyFinal => 409,
-        CancelResult::NotFound => return error(404, "no such task"),
-    };
-    task_json_response(core, id, status)
-}
-
-/// The task JSON of `id` (held back until the journal has what it shows).
-fn task_json_response(core: &Core, id: TaskId, status: u16) -> Response {
-    let mut body = String::new();
-    core.write_task_json(id, &mut body);
-    let mut r = Response::json(status, body.into_bytes());
-    r.lsn = core.task(id).map_or(0, |t| t.stored.lsn);
-    r
-}
-
-fn accepted_json(core: &Core, id: TaskId) -> Vec<u8> {
-    let mut s = String::with_capacity(80);
-    s.push_str("{\"task_id\":\"");
-    push_uuid(&mut s, id);
-    s.push_str("\",\"status\":\"");
-    let status = core.task(id).map(|t| t.status).or_else(|| core.evicted(id).map(|e| e.status));
-    s.push_str(status.map_or("pending", |st| st.as_str()));
-    s.push_str("\"}");
-    s.into_bytes()
 }
 
 /// Checks the WebSocket handshake headers (the token was checked by `precheck`) and returns
@@ -657,7 +573,7 @@ struct SubmitBody<'a> {
     #[serde(borrow, default)]
     timeout: Option<Cow<'a, str>>,
     #[serde(default)]
-    max_retries: Option<u32>,
+    max_retries: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -703,6 +619,15 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
     if kind.as_deref().is_some_and(|k| k.len() > MAX_KIND_BYTES) {
         return Err(format!("payload.kind is longer than {MAX_KIND_BYTES} bytes"));
     }
+    if let Some(Err(why)) = kind.as_deref().map(check_text) {
+        return Err(format!("invalid payload.kind: {why}"));
+    }
+    let max_retries = match raw.max_retries {
+        Some(n) if n > u64::from(MAX_TASK_RETRIES) => {
+            return Err(format!("max_retries {n} is more than {MAX_TASK_RETRIES}"));
+        }
+        n => n.map(|n| n as u32),
+    };
     let run_at_wall_ms = match (raw.delay, raw.run_at) {
         (Some(_), Some(_)) => return Err("give either delay or run_at, not both".into()),
         (Some(delay), None) => {
@@ -731,40 +656,7 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
         }
         None => None,
     };
-    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries: raw.max_retries })
-}
-
-/// Decodes `%XX` and `+` in a query value; invalid escapes are kept as they are.
-pub fn percent_decode(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => {
-                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
-                match hex {
-                    Some(b) => {
-                        out.push(b);
-                        i += 3;
-                    }
-                    None => {
-                        out.push(b'%');
-                        i += 1;
-                    }
-                }
-            }
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries })
 }
 
 #[cfg(test)]
@@ -807,6 +699,10 @@ mod tests {
         check_submit(r#"{"payload":1,"run_at":"tomorrow"}"#, Err("invalid run_at"));
         check_submit(r#"{"payload":1,"timeout":"-1s"}"#, Err("invalid timeout"));
         check_submit(r#"{"payload":1,"max_retries":-1}"#, Err("invalid JSON"));
+        check_submit(r#"{"payload":1,"max_retries":100}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":1,"max_retries":101}"#, Err("more than 100"));
+        check_submit(r#"{"payload":1,"max_retries":3000000000}"#, Err("more than 100"));
+        check_submit(r#"{"payload":{"kind":"a\u0000b"}}"#, Err("U+0000"));
         check_submit(r#"{"payload":1,"queue":"yes"}"#, Err("invalid JSON"));
         check_submit(r#"[1]"#, Err("must be a JSON object"));
         check_submit(r#"  {"payload":1}"#, Ok((None, None, false)));
@@ -852,15 +748,6 @@ mod tests {
         ];
         for (path, expected) in table {
             assert_eq!(Route::of(path), *expected, "{path}");
-        }
-    }
-
-    #[test]
-    fn percent_decoding() {
-        for (input, expected) in
-            [("a%20b", "a b"), ("a+b", "a b"), ("%zz", "%zz"), ("100%", "100%"), ("%4", "%4"), ("x%41", "xA")]
-        {
-            assert_eq!(percent_decode(input), expected, "{input}");
         }
     }
 }

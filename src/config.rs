@@ -5,8 +5,8 @@ use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
-use crate::cluster::url::DbParams;
 use crate::log::Level;
+use crate::pg::url::DbParams;
 use crate::proxy::TrustedProxies;
 
 #[derive(Debug, Clone)]
@@ -300,9 +300,9 @@ impl TokenConfig {
 /// `DATABASE_URL`, parsed. The value shown in an error has its password masked.
 fn database_from(value: Option<String>) -> Result<Option<DbParams>, ConfigError> {
     let Some(url) = value else { return Ok(None) };
-    crate::cluster::url::parse(&url).map(Some).map_err(|reason| ConfigError {
+    crate::pg::url::parse(&url).map(Some).map_err(|reason| ConfigError {
         var: "DATABASE_URL",
-        value: crate::cluster::url::redact(&url),
+        value: crate::pg::url::redact(&url),
         reason,
     })
 }

@@ -1,33 +1,36 @@
-//! The relay's brain, without I/O: the task table, the connected workers, the pending queues,
-//! round-robin choice, attempts, fallback, waiters and expiry.
+//! The relay's brain, without I/O — one core for both stores (ARCHITECTURE.md). It decides:
+//! this node's workers and their round-robin, which claimed task goes to which worker, the
+//! attempts running here and their timeouts, what an attempt's end means (done, retry on an
+//! untried worker, failed), who waits for which task, batches, and every answer's shape.
+//! A store (`store`) keeps the tasks and answers queue operations; the core never sees SQL,
+//! rows or journal records, and never asks which store it has.
 //!
-//! Every task status change goes through `set_status` (one place for a future journal record).
 //! Output leaves only through the [`Io`] trait (a frame for a worker, a reply for a held HTTP
 //! request), and time comes in through `now_ms`/`wall_ms`, which the reactor sets. Nothing here
 //! may close a connection or read a clock.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::BuildHasherDefault;
 use std::net::IpAddr;
 
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use crate::auth::Identity;
 use crate::http::Response;
-use crate::journal::Journal;
-use crate::journal::codec::{self as journal_codec, FrameAt, RESTART_ERROR, Record};
-use crate::journal::replay::Replayed;
-use crate::journal::thread::ReadDone;
 use crate::log::Level;
 use crate::metrics::{Gauges, Ignored, Metrics};
-use crate::tasks::{
-    Attempt, ConnRef, Evicted, IdHasher, Outcome, Place, Status, Stored, Task, TaskId, TaskTable, kind_hash,
-    push_json_str, push_uuid, uuid_string,
+use crate::store::{
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask as StoreTask, Next, ReadHow, Refusal, Store,
+    Takers, WorkerInfo,
 };
-use crate::timefmt::write_rfc3339_ms;
+use crate::tasks::{ConnRef, IdHasher, Outcome, Status, TaskId, accepted_json, push_json_str, push_uuid, uuid_string};
 use crate::timer::{TimerHandle, Wheel};
-use reach::{Accepts, Fragile, Reach};
+use workers::{Accepts, Groups, Reach, Worker};
+
+mod direct;
+pub mod workers;
+
+pub use direct::{CancelResult, DIRECT, SubmitError, submit_answer};
 
 /// What the reactor does for the core.
 pub trait Io {
@@ -43,7 +46,7 @@ pub trait Io {
         let _ = (worker, bytes);
         true
     }
-    /// Completes an HTTP request that was held (`wait=true`).
+    /// Completes an HTTP request that was held.
     fn reply(&mut self, conn: ConnRef, response: Response);
 }
 
@@ -59,8 +62,10 @@ pub enum Timer {
     Wait(ConnRef),
     /// A new worker's [`HELLO_GRACE_MS`] is over.
     HelloGrace(ConnRef),
-    Schedule,
-    Sweep,
+    /// The store's own time (schedules, expiry, a database's refreshes).
+    Store,
+    /// A claim round was cut short by its budget: the rest claim in the next turn.
+    Claim,
     /// The reactor stopped accepting after EMFILE; try again.
     AcceptResume,
     /// A stored file reached BLOB_TTL.
@@ -68,24 +73,24 @@ pub enum Timer {
     /// The hourly clean-up of BLOB_DIR.
     BlobSweep,
     ShutdownDeadline,
-    /// Cluster mode: the node's periodic refreshes and slow poll.
-    ClusterTick,
 }
-
-/// (token identity, `Idempotency-Key` header).
-type IdempotencyKey = (Box<str>, Box<str>);
-type IdSet = HashSet<TaskId, BuildHasherDefault<IdHasher>>;
 
 /// The round-robin cursor key of tasks without a kind (not a string a kind can be).
 const NO_KIND: &str = "\u{0}";
 /// Round-robin cursors kept at most (kinds come from clients; the map must stay bounded).
 const MAX_CURSORS: usize = 4096;
-
-/// How far one search of a pending queue may look for a task a worker has not tried yet.
-const MAX_QUEUE_SCAN: usize = 4096;
-
 /// Bytes of a task frame besides its payload (type, task id, braces, WebSocket header).
-const TASK_FRAME_OVERHEAD_BYTES: usize = 80;
+const TASK_FRAME_OVERHEAD_BYTES: usize = 96;
+/// Tasks one claim asks for at most.
+const MAX_CLAIM: u32 = 256;
+/// Tasks claimed in one settle at most (the rest in the next turn): bounded work per turn.
+const CLAIMS_PER_TURN: usize = 4096;
+/// Attempts remembered after they ended, to tell `late` and `duplicate` from `unknown`.
+const RECENT_RESULTS: usize = 65_536;
+/// Longest worker `error` text kept (SPEC §7: every record within the journal's limits).
+pub const MAX_ERROR_BYTES: usize = 64 * 1024;
+/// Kinds named in a `no_worker` message at most.
+const MAX_KINDS_NAMED: usize = 10;
 
 /// A new worker connection is sent nothing until its first text message is read, or until
 /// this long has passed without one (SPEC §5): a worker that says hello is never sent a task
@@ -97,115 +102,10 @@ pub struct CoreConfig {
     pub task_timeout_ms: u64,
     pub max_retries: u32,
     pub wait_timeout_ms: u64,
-    pub task_ttl_ms: u64,
-    pub max_pending: usize,
-    /// Memory for finished tasks (`TASK_MEMORY`); beyond it the oldest leave memory.
-    pub task_memory_bytes: usize,
-    /// Payload bytes (JSON text as received) of the tasks waiting as pending, at most.
-    pub max_pending_bytes: usize,
-}
-
-/// Where tasks are kept durable.
-pub enum Storage {
-    /// Nowhere: a restart forgets everything (`DATA_DIR` empty).
-    Memory,
-    Journal(Box<Journal>),
-    /// Cluster mode (SPEC §11): PostgreSQL, shared with the other nodes (`cluster.rs`).
-    Cluster(Box<crate::cluster::node::Node>),
-}
-
-/// Which record a task change needs.
-#[derive(Clone, Copy)]
-enum Rec {
-    Whole,
-    AttemptStarted,
-    AttemptEnded,
-}
-
-/// How a task read back from the journal is answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReadFor {
-    /// `GET /tasks/{id}` (also with `wait=true`: the task is final): 200.
-    Get,
-    /// A submit with `wait=true` whose idempotency key names a finished task: its status.
-    PostWait,
-    /// `DELETE`: the task is final already, 409.
-    Cancel,
-    /// One task of a listing page (`GET /tasks`): `page` names it, `index` is its place.
-    Page { page: u64, index: usize },
-}
-
-/// A listing page waiting for tasks read back from the journal.
-struct PendingPage {
-    conn: ConnRef,
-    pieces: Vec<Option<String>>,
-    missing: usize,
-    next: Option<u64>,
-    lsn: u64,
-    /// The page's `kind` filter, checked exactly once a task is read back.
-    kind: Option<String>,
-}
-
-struct PendingRead {
-    conn: ConnRef,
-    id: TaskId,
-    purpose: ReadFor,
-    identity: Identity,
-}
-
-/// Tasks carried forward by one compaction step (bounded work per loop turn).
-const COMPACT_TASKS_PER_TURN: usize = 4096;
-/// Finished tasks evicted from memory per loop turn at most.
-const EVICT_PER_TURN: usize = 8192;
-
-#[derive(Debug)]
-struct Worker {
-    conn: ConnRef,
-    client_id: u128,
-    ip: IpAddr,
-    connected_wall_ms: u64,
-    /// `None` (no hello, or a hello without kinds): every kind.
-    kinds: Option<Vec<Box<str>>>,
-    /// `None`: unlimited (the seed protocol). `Some(0)`: draining.
-    concurrency: Option<u32>,
-    version: Option<Box<str>>,
-    in_flight: Vec<TaskId>,
-    /// Its first text message was read, or [`HELLO_GRACE_MS`] passed: it may be sent tasks.
-    greeted: bool,
-    /// Cluster mode: its last claim found fewer tasks than it asked for; no claim for it until
-    /// tasks are queued somewhere (a notification) or the slow poll.
-    claim_starved: bool,
-}
-
-impl Worker {
-    fn active(&self) -> bool {
-        self.concurrency != Some(0)
-    }
-    /// May be sent a task now (capacity and kind aside).
-    fn ready(&self) -> bool {
-        self.greeted && self.active()
-    }
-    fn accepts(&self, kind: Option<&str>) -> bool {
-        match &self.kinds {
-            None => true,
-            Some(kinds) => kind.is_some_and(|k| kinds.iter().any(|own| &**own == k)),
-        }
-    }
-    fn acceptance(&self) -> Accepts {
-        Accepts::of(self.active(), self.kinds.as_deref())
-    }
-    fn has_capacity(&self) -> bool {
-        self.concurrency.is_none_or(|c| self.in_flight.len() < c as usize)
-    }
-}
-
-struct Held {
-    task: TaskId,
-    post: bool,
-    timer: TimerHandle,
 }
 
 /// A new task as the API hands it over (already validated and authorised).
+#[derive(Debug, Clone, Copy)]
 pub struct NewTask<'a> {
     pub payload: &'a RawValue,
     pub kind: Option<&'a str>,
@@ -217,46 +117,66 @@ pub struct NewTask<'a> {
     pub idempotency: Option<(&'a str, &'a str)>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SubmitError {
-    /// 503: no connected worker could ever take it.
-    NoWorker,
-    /// 429: MAX_PENDING tasks, or MAX_PENDING_BYTES of payload, already wait.
-    QueueFull,
+/// An attempt running on one of this node's workers.
+#[derive(Debug)]
+struct Running {
+    attempt: u32,
+    conn: ConnRef,
+    client_id: u128,
+    timer: TimerHandle,
+    started_mono_ms: u64,
+    timeout_ms: u64,
+    kind: Option<Box<str>>,
+    max_retries: u32,
+    /// Earlier attempts that count against `max_retries`.
+    counted: u32,
+    /// Workers sent the task, this one included.
+    tried: Vec<u128>,
+    created_wall_ms: u64,
+    answered: bool,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CancelResult {
-    Canceled,
-    AlreadyFinal,
-    NotFound,
+/// A `wait=true` request held until its task is final or WAIT_TIMEOUT.
+struct Held {
+    task: TaskId,
+    post: bool,
+    timer: TimerHandle,
 }
 
-/// Small, fast, non-cryptographic generator for task ids (xoshiro256**), seeded from the OS.
-struct Rng([u64; 4]);
+/// A `POST /tasks/batch` whose items are being stored.
+struct BatchWait {
+    conn: ConnRef,
+    /// Per item: its task id, or its error (code, message).
+    items: Vec<Option<Result<TaskId, (&'static str, String)>>>,
+    outstanding: usize,
+    complete: bool,
+    lsn: u64,
+}
 
-impl Rng {
-    fn from_os() -> Rng {
-        let a = uuid::Uuid::new_v4().as_u128();
-        let b = uuid::Uuid::new_v4().as_u128();
-        Rng([a as u64 | 1, (a >> 64) as u64, b as u64, (b >> 64) as u64])
+/// (task, worker) of attempts that ended here recently, and whether the worker answered.
+#[derive(Default)]
+struct Recent {
+    map: HashMap<(TaskId, u128), bool>,
+    order: VecDeque<(TaskId, u128)>,
+}
+
+impl Recent {
+    fn remember(&mut self, task: TaskId, worker: u128, answered: bool) {
+        if self.map.insert((task, worker), answered).is_none() {
+            self.order.push_back((task, worker));
+            while self.order.len() > RECENT_RESULTS {
+                if let Some(old) = self.order.pop_front() {
+                    self.map.remove(&old);
+                }
+            }
+        }
     }
-    fn next(&mut self) -> u64 {
-        let s = &mut self.0;
-        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        result
-    }
-    /// A random version-4 UUID.
-    fn uuid(&mut self) -> u128 {
-        let raw = (u128::from(self.next()) << 64) | u128::from(self.next());
-        (raw & !(0xF << 76) & !(0x3 << 62)) | (0x4 << 76) | (0x2 << 62)
+
+    fn stray(&mut self, task: TaskId, worker: u128) -> Option<Ignored> {
+        let answered = self.map.get_mut(&(task, worker))?;
+        let why = if *answered { Ignored::Duplicate } else { Ignored::Late };
+        *answered = true;
+        Some(why)
     }
 }
 
@@ -289,54 +209,40 @@ pub struct Core {
     pub wall_ms: u64,
     started_mono_ms: u64,
     pub shutting_down: bool,
-    tasks: TaskTable,
-    status_counts: [usize; Status::COUNT],
-    /// Payload bytes of the tasks whose status is pending (bounded by MAX_PENDING_BYTES).
-    pending_bytes: usize,
+    pub store: Store,
+    /// This node's name in attempt_log entries (cluster mode).
+    node_name: Option<Box<str>>,
     workers: Vec<Option<Worker>>,
     /// Slots of connected workers, in connection order (the round-robin ring).
     order: Vec<u32>,
-    /// Round-robin position per kind (key [`NO_KIND`]: tasks without a kind).
+    /// Round-robin position of first attempts per kind (key [`NO_KIND`]: tasks without one).
     cursors: HashMap<Box<str>, usize>,
-    ready_all: BTreeMap<u64, TaskId>,
-    ready_kind: HashMap<Box<str>, BTreeMap<u64, TaskId>>,
-    /// Ready tasks that fail when no untried worker that could take them is connected:
-    /// retries, and first attempts of tasks submitted without `queue` or a schedule.
-    fragile: Fragile,
-    /// How many active workers take each kind.
+    /// How many active workers of this node take each kind.
     reach: Reach,
-    scheduled: BTreeMap<(u64, u64), TaskId>,
-    schedule_timer: Option<(u64, TimerHandle)>,
-    sweep_timer: Option<(u64, TimerHandle)>,
-    /// Final tasks in finishing order, with the time they are forgotten.
-    finished: VecDeque<(u64, TaskId)>,
-    idempotency: HashMap<IdempotencyKey, TaskId>,
-    idempotency_expiry: VecDeque<(u64, IdempotencyKey)>,
+    groups: Groups,
+    running: HashMap<TaskId, Running, BuildHasherDefault<IdHasher>>,
+    recent: Recent,
     held: HashMap<ConnRef, Held>,
-    /// Every known task by its submission sequence number (`Task::submit_seq`), for the
-    /// listing (`GET /tasks`, newest first). Maintained where tasks are inserted and forgotten.
-    by_submission: BTreeMap<u64, TaskId>,
-    next_seq: u64,
-    rng: Rng,
-    pub storage: Storage,
-    /// Finished tasks that left memory; read back from the journal on demand.
-    evicted: HashMap<TaskId, Evicted, BuildHasherDefault<IdHasher>>,
-    /// Memory held by finished tasks still in `tasks` (estimate, see `Task::mem_bytes`).
-    finished_mem: usize,
-    /// Index into `finished` of the oldest task that may still be in memory.
-    evict_next: usize,
-    reads: HashMap<u64, PendingRead>,
-    pages: HashMap<u64, PendingPage>,
-    next_read: u64,
-    /// Compaction: the stale segment being cleared and the next task-table shard to scan.
-    compacting: Option<(u32, usize)>,
-    /// The newest stale segment a finished compaction pass cleared.
-    compacted_upto: u32,
-    logged_forgetting: bool,
+    waiters: HashMap<TaskId, Vec<ConnRef>, BuildHasherDefault<IdHasher>>,
+    batches: HashMap<u64, BatchWait>,
+    next_batch: u64,
+    /// A task became ready or a worker gained room: a claim round is due.
+    claim_wanted: bool,
+    claim_timer: bool,
+    store_timer: Option<(u64, TimerHandle)>,
+    /// Submits stored this step: answered once the step's claims ran (so a task dispatched at
+    /// once answers `dispatched`).
+    answers_due: Vec<(ConnRef, TaskId, u64)>,
+    /// The request the API is handling now: its answer is returned, not sent (`Io::reply`
+    /// completes only requests that were held).
+    answering: Option<ConnRef>,
+    captured: Option<Response>,
+    events: Vec<Event>,
 }
 
 impl Core {
-    pub fn new(cfg: CoreConfig, now_ms: u64, wall_ms: u64) -> Core {
+    pub fn new(cfg: CoreConfig, store: Store, now_ms: u64, wall_ms: u64) -> Core {
+        let node_name = store.health().node.map(Box::from);
         Core {
             cfg,
             wheel: Wheel::new(4096, now_ms),
@@ -345,54 +251,37 @@ impl Core {
             wall_ms,
             started_mono_ms: now_ms,
             shutting_down: false,
-            tasks: TaskTable::default(),
-            status_counts: [0; Status::COUNT],
-            pending_bytes: 0,
+            store,
+            node_name,
             workers: Vec::new(),
             order: Vec::new(),
             cursors: HashMap::new(),
-            ready_all: BTreeMap::new(),
-            ready_kind: HashMap::new(),
-            fragile: Fragile::default(),
             reach: Reach::default(),
-            scheduled: BTreeMap::new(),
-            schedule_timer: None,
-            sweep_timer: None,
-            finished: VecDeque::new(),
-            idempotency: HashMap::new(),
-            idempotency_expiry: VecDeque::new(),
+            groups: Groups::default(),
+            running: HashMap::default(),
+            recent: Recent::default(),
             held: HashMap::new(),
-            by_submission: BTreeMap::new(),
-            next_seq: 1,
-            rng: Rng::from_os(),
-            storage: Storage::Memory,
-            evicted: HashMap::default(),
-            finished_mem: 0,
-            evict_next: 0,
-            reads: HashMap::new(),
-            pages: HashMap::new(),
-            next_read: 1,
-            compacting: None,
-            compacted_upto: 0,
-            logged_forgetting: false,
+            waiters: HashMap::default(),
+            batches: HashMap::new(),
+            next_batch: 1,
+            claim_wanted: true,
+            claim_timer: false,
+            store_timer: None,
+            answers_due: Vec::new(),
+            answering: None,
+            captured: None,
+            events: Vec::new(),
         }
     }
 
+    /// The clocks of this loop turn (the reactor's; the store gets them too).
+    pub fn set_clock(&mut self, now_ms: u64, wall_ms: u64) {
+        self.now_ms = now_ms;
+        self.wall_ms = wall_ms;
+        self.store.set_clock(now_ms, wall_ms);
+    }
+
     // ----- queries -------------------------------------------------------------------------
-
-    pub fn task(&self, id: TaskId) -> Option<&Task> {
-        self.tasks.get(&id)
-    }
-
-    /// Tasks by submission, newest first, starting strictly below submission number `below`
-    /// (`u64::MAX`: from the newest). Each item is `(submit_seq, task id)`; see `listing`.
-    pub fn tasks_newest_first(&self, below: u64) -> impl Iterator<Item = (u64, TaskId)> + '_ {
-        self.by_submission.range(..below).rev().map(|(&seq, &id)| (seq, id))
-    }
-
-    pub fn task_count(&self, status: Status) -> usize {
-        self.status_counts[status.index()]
-    }
 
     pub fn workers_connected(&self) -> usize {
         self.order.len()
@@ -403,46 +292,75 @@ impl Core {
     }
 
     pub fn gauges(&self, connections_open: usize) -> Gauges {
-        Gauges {
+        let health = self.store.health();
+        let mut g = Gauges {
             workers_connected: self.workers_connected(),
             workers_active: self.workers_active(),
-            tasks_pending: self.task_count(Status::Pending),
-            tasks_dispatched: self.task_count(Status::Dispatched),
+            tasks_pending: health.counts[Status::Pending.index()] as usize,
+            tasks_dispatched: health.counts[Status::Dispatched.index()] as usize,
             connections_open,
-            finished_memory_bytes: self.finished_mem,
-            tasks_on_disk: self.evicted.len(),
-            journal: self.journal().map(|j| crate::metrics::JournalGauges {
-                bytes: j.disk_bytes(),
-                segments: j.segment_count(),
-                backlog_bytes: j.backlog_bytes(),
-                syncs: j.syncs(),
-                records: j.records_written,
-                corrupt_records: j.records_skipped_at_start,
-            }),
-            cluster: self.node().map(|n| crate::metrics::ClusterGauges {
-                up: n.db.health() == crate::cluster::db::Health::Ok,
-                committed: n.stats.committed,
-                refused: n.stats.refused,
-                lost: n.stats.lost,
-                unreachable: n.stats.unreachable,
-                statements: n.stats.statements,
-                background: n.db.background_transactions(),
-                tasks_inserted: n.stats.tasks_inserted,
-                tasks_claimed: n.stats.tasks_claimed,
-                attempts_ended: n.stats.attempts_ended,
-                fenced: n.stats.fenced,
-            }),
+            finished_memory_bytes: 0,
+            tasks_on_disk: 0,
+            tasks_evicted: 0,
+            journal: None,
+            cluster: None,
+        };
+        match &self.store {
+            Store::Mem(m) => {
+                g.finished_memory_bytes = m.finished_mem_bytes();
+                g.tasks_on_disk = m.evicted_count();
+                g.tasks_evicted = m.tasks_evicted;
+                g.journal = m.journal().map(|j| crate::metrics::JournalGauges {
+                    bytes: j.disk_bytes(),
+                    segments: j.segment_count(),
+                    backlog_bytes: j.backlog_bytes(),
+                    syncs: j.syncs(),
+                    records: j.records_written,
+                    corrupt_records: j.records_skipped_at_start,
+                });
+            }
+            Store::Pg(p) => g.cluster = Some(p.gauges()),
         }
+        g
     }
 
-    /// Is any connected worker able to take a task of `kind` at all (capacity aside)?
+    /// Is any worker of the relay (this node's, or another live node's as last read) able to
+    /// take a task of `kind`, capacity aside?
     pub fn can_ever_take(&self, kind: Option<&str>) -> bool {
-        self.reach.count(kind) > 0
+        self.takers().untried(kind, &[])
     }
 
-    #[cfg(test)]
-    pub fn has_held(&self) -> bool {
-        !self.held.is_empty()
+    fn takers(&self) -> TakersView<'_> {
+        TakersView { core: self, remote: self.store.remote_workers() }
+    }
+
+    /// The `no_worker` answer: which kind was asked for, and which kinds are connected.
+    pub fn no_worker(&self, kind: Option<&str>) -> Response {
+        let (kinds, more) = workers::kinds_list(&self.reach, self.store.remote_workers(), MAX_KINDS_NAMED);
+        let all = self.reach.takes_all() || self.store.remote_workers().iter().any(|w| w.active && w.kinds.is_none());
+        let connected = match (self.workers_active() + self.store.remote_workers().len(), kinds.is_empty()) {
+            (0, _) => "no worker is connected".to_string(),
+            (_, true) if !all => "the connected workers take no kinds".to_string(),
+            _ => {
+                let mut s = String::from("connected workers take ");
+                if all {
+                    s.push_str("any kind (a worker without declared kinds)");
+                    if !kinds.is_empty() {
+                        s.push_str(", and ");
+                    }
+                }
+                s.push_str(&kinds.iter().map(|k| format!("{k:?}")).collect::<Vec<_>>().join(", "));
+                if more {
+                    s.push_str(", ...");
+                }
+                s
+            }
+        };
+        let msg = match kind {
+            Some(k) => format!("no connected worker can take tasks of kind {k:?}: {connected}"),
+            None => format!("no connected worker can take a task without a payload.kind: {connected}"),
+        };
+        Response::error(503, "no_worker", &msg)
     }
 
     fn worker(&self, slot: u32) -> Option<&Worker> {
@@ -457,37 +375,41 @@ impl Core {
         self.workers.get_mut(conn.slot as usize).and_then(Option::as_mut).filter(|w| w.conn == conn)
     }
 
-    /// Appends the task JSON for `id`.
-    pub fn write_task_json(&self, id: TaskId, out: &mut String) -> bool {
-        match self.tasks.get(&id) {
-            Some(task) => {
-                task.write_json(out);
-                true
-            }
-            None => false,
+    /// A worker's room or acceptance may have changed: its group follows, and it may claim.
+    fn refresh(&mut self, slot: u32) {
+        let Some(w) = self.workers.get_mut(slot as usize).and_then(Option::as_mut) else { return };
+        if self.groups.refresh(slot, w) {
+            self.claim_wanted = true;
         }
+        self.store.worker_busy(w.client_id, w.in_flight.len() as u32);
     }
 
-    pub fn clients_json(&self) -> Vec<u8> {
-        let mut s = String::with_capacity(64 + self.order.len() * 200);
-        s.push_str("{\"count\":");
-        s.push_str(&self.order.len().to_string());
-        s.push_str(",\"clients\":[");
-        for (i, w) in self.order.iter().filter_map(|&slot| self.worker(slot)).enumerate() {
-            if i > 0 {
-                s.push(',');
-            }
-            write_worker_json(w, &mut s, None);
-        }
-        s.push_str("]}");
-        s.into_bytes()
+    /// `/clients` entries of this node's workers.
+    fn local_infos(&self) -> Vec<WorkerInfo> {
+        self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.info(self.node_name.as_deref())).collect()
     }
 
-    pub fn health_json(&self) -> Vec<u8> {
-        let c = |st: Status| self.task_count(st);
-        format!(
-            "{{\"status\":\"ok\",\"clients\":{},\"active_clients\":{},\"tasks\":{{\"pending\":{},\"dispatched\":{},\
-             \"done\":{},\"failed\":{},\"canceled\":{}}},\"uptime_s\":{}}}",
+    /// `/healthz`: this node's workers, the store's counts (cluster-wide in cluster mode),
+    /// and the store's state; 503 while the store cannot take writes.
+    pub fn health(&self) -> Response {
+        let h = self.store.health();
+        let ok = h.ok();
+        let mut s = String::with_capacity(256);
+        s.push_str(if ok { "{\"status\":\"ok\"" } else { "{\"status\":\"unavailable\"" });
+        if let Some(node) = &h.node {
+            s.push_str(",\"node\":");
+            push_json_str(&mut s, node);
+        }
+        if let Some(up) = h.database_up {
+            s.push_str(if up { ",\"database\":\"ok\"" } else { ",\"database\":\"unreachable\"" });
+        }
+        if let Some(up) = h.journal_up {
+            s.push_str(if up { ",\"journal\":\"ok\"" } else { ",\"journal\":\"full\"" });
+        }
+        let c = |st: Status| h.counts[st.index()];
+        s.push_str(&format!(
+            ",\"clients\":{},\"active_clients\":{},\"tasks\":{{\"pending\":{},\"dispatched\":{},\"done\":{},\
+             \"failed\":{},\"canceled\":{}}},\"uptime_s\":{}}}",
             self.workers_connected(),
             self.workers_active(),
             c(Status::Pending),
@@ -495,165 +417,299 @@ impl Core {
             c(Status::Done),
             c(Status::Failed),
             c(Status::Canceled),
-            (self.now_ms - self.started_mono_ms) / 1000
-        )
-        .into_bytes()
+            self.now_ms.saturating_sub(self.started_mono_ms) / 1000
+        ));
+        Response::json(if ok { 200 } else { 503 }, s.into_bytes())
     }
 
-    // ----- submit, wait, cancel ------------------------------------------------------------
+    // ----- answering ---------------------------------------------------------------------------
 
-    /// Accepts a task (or finds the one an idempotency key already names). Returns its id.
-    pub fn submit(&mut self, io: &mut dyn Io, new: NewTask<'_>) -> Result<TaskId, SubmitError> {
-        if let Some((owner, key)) = new.idempotency
-            && let Some(id) = self.idempotent_task(owner, key)
-        {
-            return Ok(id);
+    /// The API hands a request over: its answer is returned (`Some`) when the core has it
+    /// before this call ends, else it is sent through `Io::reply` once it comes.
+    fn begin(&mut self, conn: ConnRef) {
+        self.answering = Some(conn);
+        self.captured = None;
+    }
+
+    fn end(&mut self, io: &mut dyn Io) -> Option<Response> {
+        self.settle(io);
+        self.answering = None;
+        self.captured.take()
+    }
+
+    fn reply(&mut self, io: &mut dyn Io, conn: ConnRef, response: Response) {
+        if self.answering == Some(conn) && self.captured.is_none() {
+            self.captured = Some(response);
+            return;
         }
-        let due_mono_ms = match new.run_at_wall_ms {
-            Some(at) if at > self.wall_ms => self.now_ms + (at - self.wall_ms),
-            _ => self.now_ms,
-        };
-        let scheduled = due_mono_ms > self.now_ms;
+        self.metrics.http_request(response.status);
+        io.reply(conn, response);
+    }
+
+    // ----- submit, wait, read, cancel --------------------------------------------------------
+
+    /// `POST /tasks`: the answer, or `None` when it comes later through `Io::reply` (a wait,
+    /// or a store that answers after its transaction).
+    pub fn submit(&mut self, io: &mut dyn Io, conn: ConnRef, new: &NewTask<'_>, wait: bool) -> Option<Response> {
+        self.begin(conn);
+        let waits = new.queue || new.run_at_wall_ms.is_some();
+        if !waits && !self.can_ever_take(new.kind) {
+            let r = self.no_worker(new.kind);
+            match new.idempotency {
+                // A repeat of a keyed submit is answered for its task, whatever it would be now.
+                Some((owner, key)) => self.store.lookup_key(owner, key, conn, wait, r),
+                None => self.captured = Some(r),
+            }
+            return self.end(io);
+        }
+        let task = self.store_task(io, new);
+        self.store.insert(&task, InsertTo::Submit { conn, wait });
+        self.end(io)
+    }
+
+    /// A keyed submit that will not be stored (its body is invalid, or it is refused): if the
+    /// key names a task, the answer is that task's; else `missing`.
+    pub fn refuse_keyed(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        owner: &str,
+        key: &str,
+        wait: bool,
+        missing: Response,
+    ) -> Option<Response> {
+        self.begin(conn);
+        self.store.lookup_key(owner, key, conn, wait, missing);
+        self.end(io)
+    }
+
+    fn store_task<'a>(&mut self, io: &mut dyn Io, new: &NewTask<'a>) -> StoreTask<'a> {
+        let due_now = new.run_at_wall_ms.is_none_or(|at| at <= self.wall_ms);
         let frame_bytes = new.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
-        let worker_now = if scheduled { None } else { self.pick_for(io, new.kind, &[], frame_bytes) };
-        if worker_now.is_none() {
-            // A `run_at` in the past is a scheduled task due now: it waits, never 503 (SPEC §7).
-            let waits = new.queue || new.run_at_wall_ms.is_some();
-            if !scheduled && !waits && !self.can_ever_take(new.kind) {
-                return Err(SubmitError::NoWorker);
-            }
-            if self.task_count(Status::Pending) >= self.cfg.max_pending
-                || self.pending_bytes + new.payload.get().len() > self.cfg.max_pending_bytes
-            {
-                return Err(SubmitError::QueueFull);
-            }
-        }
-
-        let mut id = self.rng.uuid();
-        while self.tasks.contains_key(&id) || self.evicted.contains_key(&id) {
-            id = self.rng.uuid();
-        }
-        let seq = self.take_seq();
-        let task = Task {
-            id,
-            status: Status::Pending,
-            kind: new.kind.map(Box::from),
-            payload: Some(new.payload.to_owned()),
-            created_wall_ms: self.wall_ms,
-            created_mono_ms: self.now_ms,
+        let runs_now = due_now && self.free_taker(io, new.kind, frame_bytes);
+        StoreTask {
+            payload: new.payload,
+            kind: new.kind,
             run_at_wall_ms: new.run_at_wall_ms,
-            due_mono_ms,
-            finished_wall_ms: None,
-            result: None,
-            error: None,
-            attempts: Vec::new(),
-            max_retries: new.max_retries.unwrap_or(self.cfg.max_retries),
-            timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
-            seq,
-            place: Place::Nowhere,
-            queued: new.queue || new.run_at_wall_ms.is_some(),
-            attempt_timer: None,
-            waiters: Vec::new(),
-            restored: false,
-            submit_seq: seq,
-            idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
-            stored: Stored::default(),
-        };
-        self.tasks.insert(id, task);
-        self.record(id, Rec::Whole);
-        self.by_submission.insert(seq, id);
-        self.status_counts[Status::Pending.index()] += 1;
-        self.pending_bytes += new.payload.get().len();
-        crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
-
-        if let Some((owner, key)) = new.idempotency {
-            let k = (Box::<str>::from(owner), Box::<str>::from(key));
-            self.idempotency.insert(k.clone(), id);
-            let expires = self.now_ms + self.cfg.task_ttl_ms;
-            self.idempotency_expiry.push_back((expires, k));
-            self.ensure_sweep(expires);
+            queue: new.queue,
+            timeout_ms: new.timeout_ms,
+            max_retries: new.max_retries,
+            idempotency: new.idempotency,
+            runs_now,
         }
-
-        match worker_now {
-            Some(slot) if self.dispatch(io, id, slot) => {}
-            Some(_) => self.run(io, id),
-            None if scheduled => self.schedule(id),
-            None => self.enqueue_ready(id),
-        }
-        Ok(id)
     }
 
-    /// The task an `Idempotency-Key` of this token identity already names, if it still exists.
-    pub fn idempotent_task(&self, owner: &str, key: &str) -> Option<TaskId> {
-        let id = *self.idempotency.get(&(Box::from(owner), Box::from(key)))?;
-        (self.tasks.contains_key(&id) || self.evicted.contains_key(&id)).then_some(id)
+    /// Does a worker of this node that takes `kind` have a free slot and room for a frame of
+    /// `frame_bytes` now? (Workers found without room are not eligible until they drain.)
+    fn free_taker(&mut self, io: &mut dyn Io, kind: Option<&str>, frame_bytes: usize) -> bool {
+        let candidates: Vec<u32> = self
+            .groups
+            .groups
+            .values()
+            .filter(|g| g.free > 0 && g.accepts.takes(kind))
+            .flat_map(|g| g.members.iter().take(crate::store::MAX_TAKERS).copied())
+            .collect();
+        for slot in candidates {
+            let Some(conn) = self.worker(slot).map(|w| w.conn) else { continue };
+            if io.has_room(conn, frame_bytes) {
+                return true;
+            }
+            if let Some(w) = self.worker_at_mut(conn) {
+                w.starved = true;
+            }
+            self.refresh(slot);
+        }
+        false
     }
 
-    /// Blocks `conn` until `id` is final or WAIT_TIMEOUT passes. Returns the response at once
-    /// when there is nothing to wait for.
-    pub fn wait(&mut self, conn: ConnRef, id: TaskId, post: bool) -> Option<Response> {
-        let task = self.tasks.get_mut(&id)?;
-        if task.status.is_final() || self.shutting_down {
-            return Some(task_response(task, post));
-        }
-        task.waiters.push(conn);
+    /// `GET /tasks/{id}` (with `wait`): the answer, or `None` when it comes later.
+    pub fn get(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        id: TaskId,
+        scope: Option<&[String]>,
+        wait: bool,
+        payload: bool,
+    ) -> Option<Response> {
+        self.begin(conn);
+        let how = if wait && !self.shutting_down { ReadHow::Wait { post: false } } else { ReadHow::Get { payload } };
+        self.store.read(id, scope, conn, how);
+        self.end(io)
+    }
+
+    /// `GET /tasks`.
+    pub fn list(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        q: &crate::listing::Query,
+        scope: Option<&[String]>,
+    ) -> Option<Response> {
+        self.begin(conn);
+        self.store.list(q, scope, conn);
+        self.end(io)
+    }
+
+    /// `DELETE /tasks/{id}`.
+    pub fn cancel(&mut self, io: &mut dyn Io, conn: ConnRef, id: TaskId, scope: Option<&[String]>) -> Option<Response> {
+        self.begin(conn);
+        self.store.cancel(id, scope, conn);
+        self.end(io)
+    }
+
+    /// `GET /clients`: this node's workers and (cluster mode) every other live node's.
+    pub fn clients(&mut self, io: &mut dyn Io, conn: ConnRef) -> Option<Response> {
+        self.begin(conn);
+        self.store.list_workers(conn);
+        self.end(io)
+    }
+
+    /// `conn` waits for `id` to become final (or WAIT_TIMEOUT).
+    fn hold(&mut self, conn: ConnRef, id: TaskId, post: bool) {
         let timer = self.wheel.arm(self.now_ms + self.cfg.wait_timeout_ms, Timer::Wait(conn));
-        self.held.insert(conn, Held { task: id, post, timer });
-        None
-    }
-
-    pub fn cancel(&mut self, io: &mut dyn Io, id: TaskId) -> CancelResult {
-        let Some(task) = self.tasks.get(&id) else { return CancelResult::NotFound };
-        match task.status {
-            Status::Pending => {
-                self.unqueue(id);
-                self.finalize(io, id, Status::Canceled, None, None);
-            }
-            Status::Dispatched => {
-                let worker = task.current_attempt().map(|a| a.worker);
-                self.end_attempt(id, Outcome::Canceled, None);
-                if let Some(w) = worker {
-                    send_cancel(io, w, id);
-                }
-                self.finalize(io, id, Status::Canceled, None, None);
-                if let Some(w) = worker {
-                    self.fill(io, w.slot);
-                }
-            }
-            _ => return CancelResult::AlreadyFinal,
+        if let Some(old) = self.held.insert(conn, Held { task: id, post, timer }) {
+            self.wheel.cancel(old.timer);
         }
-        CancelResult::Canceled
+        let list = self.waiters.entry(id).or_default();
+        if list.is_empty() {
+            self.store.watch(id);
+        }
+        list.push(conn);
     }
 
-    /// An HTTP connection went away: forget its wait.
-    pub fn conn_closed(&mut self, conn: ConnRef) {
-        self.cluster_conn_closed(conn);
-        if let Some(held) = self.held.remove(&conn) {
-            self.wheel.cancel(held.timer);
-            if let Some(task) = self.tasks.get_mut(&held.task) {
-                task.waiters.retain(|c| *c != conn);
+    /// The wait of `conn` ends without the task being final (or it is, and is read): it is
+    /// answered with the task as it is now.
+    fn release(&mut self, conn: ConnRef) {
+        let Some(held) = self.unhold(conn) else { return };
+        self.store.read(held.task, None, conn, ReadHow::Release { post: held.post });
+    }
+
+    fn unhold(&mut self, conn: ConnRef) -> Option<Held> {
+        let held = self.held.remove(&conn)?;
+        self.wheel.cancel(held.timer);
+        if let Some(list) = self.waiters.get_mut(&held.task) {
+            list.retain(|c| *c != conn);
+            if list.is_empty() {
+                self.waiters.remove(&held.task);
+                self.store.unwatch(held.task);
             }
+        }
+        Some(held)
+    }
+
+    /// An HTTP connection went away: forget its wait, or its batch.
+    pub fn conn_closed(&mut self, conn: ConnRef) {
+        self.unhold(conn);
+        if !self.batches.is_empty() {
+            // A batch whose connection went away is never answered (its items already stored
+            // stay stored).
+            self.batches.retain(|_, b| b.conn != conn);
         }
     }
 
     /// Shutdown: every waiting request gets the task as it is now.
     pub fn release_waiters(&mut self, io: &mut dyn Io) {
-        self.cluster_release_all();
         let conns: Vec<ConnRef> = self.held.keys().copied().collect();
         for conn in conns {
-            self.release_wait(io, conn);
+            self.release(conn);
+        }
+        self.settle(io);
+    }
+
+    // ----- batches -----------------------------------------------------------------------------
+
+    /// Starts a batch's bookkeeping. Returns its key.
+    pub fn batch_begin(&mut self, conn: ConnRef) -> u64 {
+        let key = self.next_batch;
+        self.next_batch += 1;
+        self.batches.insert(key, BatchWait { conn, items: Vec::new(), outstanding: 0, complete: false, lsn: 0 });
+        key
+    }
+
+    /// One batch item: validated by the API (`Err`), or stored.
+    pub fn batch_item(&mut self, io: &mut dyn Io, batch: u64, item: Result<NewTask<'_>, (&'static str, String)>) {
+        let Some(b) = self.batches.get_mut(&batch) else { return };
+        let index = b.items.len() as u32;
+        match item {
+            Err(e) => b.items.push(Some(Err(e))),
+            Ok(new) => {
+                b.items.push(None);
+                b.outstanding += 1;
+                if !new.queue && !self.can_ever_take(new.kind) {
+                    self.batch_done(batch, index, Err(("no_worker", "no connected worker can take this task".into())));
+                    return;
+                }
+                let task = self.store_task(io, &new);
+                self.store.insert(&task, InsertTo::Batch { batch, index });
+            }
         }
     }
 
-    fn release_wait(&mut self, io: &mut dyn Io, conn: ConnRef) {
-        let Some(held) = self.held.remove(&conn) else { return };
-        self.wheel.cancel(held.timer);
-        if let Some(task) = self.tasks.get_mut(&held.task) {
-            task.waiters.retain(|c| *c != conn);
-            let response = task_response(task, held.post);
-            self.metrics.http_request(response.status);
-            io.reply(conn, response);
+    /// Every item is in: the answer now, or `None` (sent when the store answered every item).
+    pub fn batch_end(&mut self, io: &mut dyn Io, batch: u64) -> Option<Response> {
+        let conn = self.batches.get(&batch)?.conn;
+        self.begin(conn);
+        if let Some(b) = self.batches.get_mut(&batch) {
+            b.complete = true;
         }
+        self.end(io)
+    }
+
+    fn batch_done(&mut self, batch: u64, index: u32, result: Result<TaskId, (&'static str, String)>) {
+        let Some(b) = self.batches.get_mut(&batch) else { return };
+        if let Some(item) = b.items.get_mut(index as usize)
+            && item.is_none()
+        {
+            *item = Some(result);
+            b.outstanding = b.outstanding.saturating_sub(1);
+        }
+    }
+
+    fn finish_batch(&mut self, io: &mut dyn Io, batch: u64) {
+        if !self.batches.get(&batch).is_some_and(|b| b.complete && b.outstanding == 0) {
+            return;
+        }
+        let Some(b) = self.batches.remove(&batch) else { return };
+        let mut out = String::with_capacity(16 + b.items.len() * 72);
+        let mut lsn = b.lsn;
+        out.push_str("{\"tasks\":[");
+        for (i, item) in b.items.iter().enumerate() {
+            if i > 0 {
+                out.push(',');
+            }
+            match item {
+                Some(Ok(id)) => {
+                    out.push_str("{\"task_id\":\"");
+                    push_uuid(&mut out, *id);
+                    out.push_str("\",\"status\":\"");
+                    out.push_str(self.status_now(*id).as_str());
+                    out.push_str("\"}");
+                    lsn = lsn.max(self.lsn_of(*id));
+                }
+                Some(Err((code, message))) => {
+                    out.push_str("{\"error\":\"");
+                    out.push_str(code);
+                    out.push_str("\",\"message\":");
+                    push_json_str(&mut out, message);
+                    out.push('}');
+                }
+                None => out.push_str("{\"error\":\"internal\",\"message\":\"not answered\"}"),
+            }
+        }
+        out.push_str("]}");
+        let mut r = Response::json(202, out.into_bytes());
+        r.lsn = lsn;
+        self.reply(io, b.conn, r);
+    }
+
+    /// What a new task answers now: `dispatched` when it runs here, else `pending`.
+    fn status_now(&self, id: TaskId) -> Status {
+        if self.running.contains_key(&id) { Status::Dispatched } else { Status::Pending }
+    }
+
+    fn lsn_of(&self, id: TaskId) -> u64 {
+        self.store.mem().and_then(|m| m.task(id)).map_or(0, |t| t.stored.lsn)
     }
 
     // ----- workers -------------------------------------------------------------------------
@@ -665,47 +721,39 @@ impl Core {
         if self.workers.len() <= slot {
             self.workers.resize_with(slot + 1, || None);
         }
-        self.workers[slot] = Some(Worker {
-            conn,
-            client_id,
-            ip,
-            connected_wall_ms: self.wall_ms,
-            kinds: None,
-            concurrency: None,
-            version: None,
-            in_flight: Vec::new(),
-            greeted: false,
-            claim_starved: false,
-        });
+        let w = Worker::new(conn, client_id, ip, self.wall_ms);
+        self.store.worker_changed(&w.info(self.node_name.as_deref()));
+        self.workers[slot] = Some(w);
         self.reach.add(&Accepts::All);
         self.order.push(conn.slot);
         crate::log!(Level::Info, "worker connected", client_id = uuid_string(client_id), ip = ip);
         // Nothing is sent before its hello (or the grace) says what it takes.
         self.wheel.arm(self.now_ms + HELLO_GRACE_MS, Timer::HelloGrace(conn));
-        self.cluster_worker_changed(client_id);
         client_id
     }
 
     /// The worker may be sent tasks from now on (first text message, or the grace is over).
-    fn greet(&mut self, io: &mut dyn Io, conn: ConnRef) {
+    fn greet(&mut self, conn: ConnRef) {
         if let Some(w) = self.worker_at_mut(conn)
             && !w.greeted
         {
             w.greeted = true;
-            self.fill(io, conn.slot);
+            self.refresh(conn.slot);
         }
     }
 
-    /// A worker's output buffer drained after `Io::has_room` said it was full: fill it.
+    /// A worker's output buffer drained after `Io::has_room` said it was full.
     pub fn worker_drained(&mut self, io: &mut dyn Io, conn: ConnRef) {
-        if self.worker_at(conn).is_some() {
-            self.fill(io, conn.slot);
+        if let Some(w) = self.worker_at_mut(conn) {
+            w.starved = false;
+            self.refresh(conn.slot);
+            self.settle(io);
         }
     }
 
     /// A worker's connection is gone (closed, dead, or failed): its attempts end `disconnect`.
     pub fn worker_disconnected(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
-        let Some(worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return };
+        let Some(mut worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return };
         if worker.conn != conn {
             self.workers[conn.slot as usize] = Some(worker);
             return;
@@ -713,6 +761,7 @@ impl Core {
         self.order.retain(|&s| s != conn.slot);
         let before = worker.acceptance();
         self.reach.remove(&before);
+        self.groups.remove(conn.slot, &mut worker);
         crate::log!(
             Level::Info,
             "worker disconnected",
@@ -721,28 +770,37 @@ impl Core {
             reason = why,
             in_flight = worker.in_flight.len()
         );
-        self.cluster_worker_gone(worker.client_id);
+        self.store.worker_gone(worker.client_id);
         for &id in &worker.in_flight {
-            self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"));
+            self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"), None);
         }
-        for id in worker.in_flight {
-            self.run(io, id);
+        self.lost_takers(&before, &Accepts::Nothing);
+        self.settle(io);
+    }
+
+    /// Waiting tasks of kinds a worker no longer takes may have lost their last worker.
+    fn lost_takers(&mut self, before: &Accepts, after: &Accepts) {
+        let lost = before.lost(after);
+        if lost.as_ref().is_some_and(Vec::is_empty) {
+            return;
         }
-        self.recheck_fragile(io, &before, &Accepts::Nothing);
+        let snapshot = Snapshot::of(self);
+        self.store.fail_unplaceable(&snapshot, lost.as_deref());
     }
 
     /// One text message from a worker.
     pub fn worker_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
         // Any first text message, hello or not, ends the wait (a hello is applied first, so its
-        // kinds and concurrency decide the first fill).
+        // kinds and concurrency decide the first claim).
         let first = self.worker_at(conn).is_some_and(|w| !w.greeted);
-        self.on_message(io, conn, text);
+        self.on_message(conn, text);
         if first {
-            self.greet(io, conn);
+            self.greet(conn);
         }
+        self.settle(io);
     }
 
-    fn on_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
+    fn on_message(&mut self, conn: ConnRef, text: &str) {
         let msg: Incoming = match serde_json::from_str(text) {
             Ok(m) => m,
             Err(e) => {
@@ -756,7 +814,7 @@ impl Core {
                 let id = msg.task_id.as_deref().and_then(crate::tasks::parse_id);
                 let outcome = match msg.status.as_deref() {
                     Some("done") => Ok(msg.data.map(RawValue::to_owned)),
-                    Some("failed") => Err(msg.error.unwrap_or_else(|| "worker reported failure".into())),
+                    Some("failed") => Err(cut_error(msg.error.unwrap_or_else(|| "worker reported failure".into()))),
                     _ => {
                         self.metrics.ws_messages_malformed += 1;
                         crate::log!(Level::Warn, "result without status done/failed ignored");
@@ -764,14 +822,14 @@ impl Core {
                     }
                 };
                 match id {
-                    Some(id) => self.on_result(io, conn, id, outcome),
+                    Some(id) => self.on_result(conn, id, outcome),
                     None => {
                         self.metrics.ws_messages_malformed += 1;
                         crate::log!(Level::Warn, "result without a valid task_id ignored");
                     }
                 }
             }
-            "hello" => self.on_hello(io, conn, msg.kinds, msg.concurrency, msg.version),
+            "hello" => self.on_hello(conn, msg.kinds, msg.concurrency, msg.version),
             other => {
                 self.metrics.ws_messages_malformed += 1;
                 crate::log!(Level::Warn, "unknown worker message type ignored", r#type = other);
@@ -781,20 +839,18 @@ impl Core {
 
     fn on_hello(
         &mut self,
-        io: &mut dyn Io,
         conn: ConnRef,
         kinds: Option<Vec<String>>,
         concurrency: Option<u64>,
         version: Option<String>,
     ) {
+        let node = self.node_name.clone();
         let Some(w) = self.worker_at_mut(conn) else { return };
         let before = w.acceptance();
         w.kinds = kinds.map(|ks| ks.into_iter().map(Box::from).collect());
         w.concurrency = concurrency.map(|c| u32::try_from(c).unwrap_or(u32::MAX));
         w.version = version.map(Box::from);
         let after = w.acceptance();
-        w.claim_starved = false;
-        let client_id = w.client_id;
         crate::log!(
             Level::Info,
             "worker hello",
@@ -802,262 +858,139 @@ impl Core {
             kinds = w.kinds.as_ref().map_or("*".to_string(), |k| k.join(",")),
             concurrency = w.concurrency.map_or("unlimited".to_string(), |c| c.to_string())
         );
+        let info = w.info(node.as_deref());
+        self.store.worker_changed(&info);
         if before != after {
             self.reach.remove(&before);
             self.reach.add(&after);
-            self.recheck_fragile(io, &before, &after);
+            self.lost_takers(&before, &after);
         }
-        self.cluster_worker_changed(client_id);
-        self.fill(io, conn.slot);
+        self.refresh(conn.slot);
     }
 
-    fn on_result(
-        &mut self,
-        io: &mut dyn Io,
-        conn: ConnRef,
-        id: TaskId,
-        outcome: Result<Option<Box<RawValue>>, String>,
-    ) {
+    fn on_result(&mut self, conn: ConnRef, id: TaskId, outcome: Result<Option<Box<RawValue>>, String>) {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
-        let Some(task) = self.tasks.get_mut(&id) else {
-            // (Cluster mode forgets a task once its attempt ended here.)
-            let why = self.cluster_stray_result(id, client_id).unwrap_or(Ignored::Unknown);
-            self.metrics.ignored(why);
-            return;
-        };
-        let Some(index) = task.attempts.iter().rposition(|a| a.client_id == client_id) else {
-            self.metrics.ignored(Ignored::Unknown);
-            return;
-        };
-        let current = index + 1 == task.attempts.len()
-            && task.attempts[index].outcome.is_none()
-            && task.status == Status::Dispatched;
-        let attempt = &mut task.attempts[index];
+        let current = self.running.get(&id).is_some_and(|r| r.client_id == client_id && r.conn == conn);
         if !current {
-            let why = if attempt.answered { Ignored::Duplicate } else { Ignored::Late };
-            attempt.answered = true;
+            let why = self
+                .recent
+                .stray(id, client_id)
+                .or_else(|| self.store.mem_mut().and_then(|m| m.stray(id, client_id)))
+                .unwrap_or(Ignored::Unknown);
             self.metrics.ignored(why);
             crate::log!(Level::Debug, "result ignored", task_id = uuid_string(id), reason = format!("{why:?}"));
             return;
         }
-        attempt.answered = true;
+        if let Some(r) = self.running.get_mut(&id) {
+            r.answered = true;
+        }
         match outcome {
             Ok(data) => {
-                self.end_attempt(id, Outcome::Done, None);
-                let result = data.or_else(|| RawValue::from_string("null".into()).ok());
-                self.finalize(io, id, Status::Done, result, None);
+                let result = data.unwrap_or_else(null_value);
+                self.end_attempt(id, Outcome::Done, None, Some(&result));
             }
-            Err(error) => {
-                self.end_attempt(id, Outcome::Failed, Some(&error));
-                self.run(io, id);
-            }
-        }
-        self.fill(io, conn.slot);
-    }
-
-    // ----- timers --------------------------------------------------------------------------
-
-    /// A core timer fired (the reactor handles `Conn`, `AcceptResume` and `ShutdownDeadline`).
-    pub fn on_timer(&mut self, io: &mut dyn Io, timer: Timer) {
-        match timer {
-            Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
-            Timer::Wait(conn) if self.is_cluster() => self.cluster_release(conn),
-            Timer::Wait(conn) => self.release_wait(io, conn),
-            Timer::HelloGrace(conn) => self.greet(io, conn),
-            // Cluster mode: a task submitted here fell due; idle workers look for it.
-            Timer::Schedule if self.is_cluster() => self.cluster_due(),
-            Timer::Schedule => {
-                self.schedule_timer = None;
-                self.on_schedule(io);
-            }
-            Timer::ClusterTick => self.cluster_tick(),
-            Timer::Sweep => {
-                self.sweep_timer = None;
-                self.on_sweep(io);
-            }
-            Timer::Conn(_)
-            | Timer::AcceptResume
-            | Timer::BlobExpire(_)
-            | Timer::BlobSweep
-            | Timer::ShutdownDeadline => {}
+            Err(error) => self.end_attempt(id, Outcome::Failed, Some(&error), None),
         }
     }
 
-    fn on_attempt_timeout(&mut self, io: &mut dyn Io, id: TaskId, num: u32) {
-        let Some(task) = self.tasks.get_mut(&id) else { return };
-        if task.status != Status::Dispatched || task.attempts.len() != num as usize {
+    // ----- claims and attempts -------------------------------------------------------------------
+
+    /// Asks the store for tasks for every group of workers with free slots (one claim per
+    /// group at a time). The store answers with [`Event::Claimed`]: a memory store at once, a
+    /// database when its transaction commits (for a database this runs at the end of a turn).
+    fn claim_round(&mut self, io: &mut dyn Io) {
+        if !self.claim_wanted || self.shutting_down {
             return;
         }
-        task.attempt_timer = None;
-        let Some(worker) = task.current_attempt().filter(|a| a.outcome.is_none()).map(|a| a.worker) else { return };
-        let error = format!("no answer within {}", human_ms(task.timeout_ms));
-        self.end_attempt(id, Outcome::Timeout, Some(&error));
-        // Advisory: the worker may stop; its slot is free again either way.
-        send_cancel(io, worker, id);
-        self.run(io, id);
-        self.fill(io, worker.slot);
-    }
-
-    fn on_schedule(&mut self, io: &mut dyn Io) {
-        while let Some((&(due, seq), &id)) = self.scheduled.first_key_value() {
-            if due > self.now_ms {
-                break;
-            }
-            self.scheduled.remove(&(due, seq));
-            let new_seq = self.take_seq();
-            if let Some(task) = self.tasks.get_mut(&id) {
-                task.place = Place::Nowhere;
-                task.seq = new_seq;
-                self.run(io, id);
-            }
-        }
-        self.arm_schedule();
-    }
-
-    fn on_sweep(&mut self, io: &mut dyn Io) {
-        let now = self.now_ms;
-        while let Some(&(at, id)) = self.finished.front() {
-            if at > now {
-                break;
-            }
-            self.finished.pop_front();
-            self.evict_next = self.evict_next.saturating_sub(1);
-            self.forget(id);
-        }
-        while let Some((at, _)) = self.idempotency_expiry.front() {
-            if *at > now {
-                break;
-            }
-            if let Some((_, key)) = self.idempotency_expiry.pop_front() {
-                // A key lives as long as its task (a task delayed past TASK_TTL keeps it).
-                match self.idempotency.get(&key) {
-                    Some(id) if self.tasks.contains_key(id) || self.evicted.contains_key(id) => {
-                        self.idempotency_expiry.push_back((now + self.cfg.task_ttl_ms, key));
-                    }
-                    _ => {
-                        self.idempotency.remove(&key);
-                    }
-                }
-            }
-        }
-        // Pending tasks expire TASK_TTL after they fell due; the queue is in due order. A retry
-        // waiting for an untried worker's capacity does not expire: it ends when no untried
-        // worker is left (with its last error) or runs when one frees up.
-        let mut expired = Vec::new();
-        let mut next_expiry = None;
-        for &id in self.ready_all.values() {
-            let Some(task) = self.tasks.get(&id) else { continue };
-            if !task.attempts.is_empty() {
-                continue;
-            }
-            let at = task.due_mono_ms + self.cfg.task_ttl_ms;
-            if at > now {
-                next_expiry = Some(at);
-                break;
-            }
-            expired.push(id);
-        }
-        for id in expired {
-            self.unqueue(id);
-            self.finalize(io, id, Status::Failed, None, Some("expired in queue"));
-        }
-        let next = [self.finished.front().map(|f| f.0), self.idempotency_expiry.front().map(|f| f.0), next_expiry];
-        if let Some(at) = next.into_iter().flatten().min() {
-            self.ensure_sweep(at);
-        }
-    }
-
-    fn ensure_sweep(&mut self, at: u64) {
-        if self.sweep_timer.is_some_and(|(armed, _)| armed <= at) {
-            return;
-        }
-        if let Some((_, handle)) = self.sweep_timer.take() {
-            self.wheel.cancel(handle);
-        }
-        self.sweep_timer = Some((at, self.wheel.arm(at, Timer::Sweep)));
-    }
-
-    fn arm_schedule(&mut self) {
-        let Some((&(due, _), _)) = self.scheduled.first_key_value() else { return };
-        if self.schedule_timer.is_some_and(|(armed, _)| armed <= due) {
-            return;
-        }
-        if let Some((_, handle)) = self.schedule_timer.take() {
-            self.wheel.cancel(handle);
-        }
-        self.schedule_timer = Some((due, self.wheel.arm(due, Timer::Schedule)));
-    }
-
-    // ----- the task life cycle -------------------------------------------------------------
-
-    fn take_seq(&mut self) -> u64 {
-        self.next_seq += 1;
-        self.next_seq
-    }
-
-    /// The one place a task's status changes.
-    fn set_status(&mut self, id: TaskId, status: Status) {
-        if let Some(task) = self.tasks.get_mut(&id)
-            && task.status != status
-        {
-            let bytes = task.payload.as_deref().map_or(0, |p| p.get().len());
-            if task.status == Status::Pending {
-                self.pending_bytes -= bytes;
-            } else if status == Status::Pending {
-                self.pending_bytes += bytes;
-            }
-            self.status_counts[task.status.index()] -= 1;
-            self.status_counts[status.index()] += 1;
-            task.status = status;
-        }
-    }
-
-    /// The task needs a worker now (just due, or after a failed attempt): dispatch it, let it
-    /// wait for capacity, or fail it.
-    fn run(&mut self, io: &mut dyn Io, id: TaskId) {
-        if self.is_cluster() {
-            // Retries go back to the database's queue, for an untried worker of any node.
-            self.cluster_after_attempt(id);
-            return;
-        }
-        if self.shutting_down {
-            self.set_status(id, Status::Pending);
-            return;
-        }
+        self.claim_wanted = false;
+        let mut claimed = 0;
         loop {
-            let Some(task) = self.tasks.get(&id) else { return };
-            // Attempts a restart of relay cut short do not use up retries.
-            let started = task.attempts.iter().filter(|a| !a.restarted).count();
-            if started > 0 && started > task.max_retries as usize {
-                let error = task.last_error().unwrap_or("failed").to_string();
-                self.finalize(io, id, Status::Failed, None, Some(&error));
+            let asks: Vec<(u32, Accepts, u32)> = self
+                .groups
+                .groups
+                .iter()
+                .filter(|(_, g)| g.asked == 0 && g.free > 0)
+                .map(|(&gid, g)| (gid, g.accepts.clone(), g.free.min(u64::from(MAX_CLAIM)) as u32))
+                .collect();
+            if asks.is_empty() {
                 return;
             }
-            let kind = task.kind.clone();
-            let tried: Vec<u128> = task.attempts.iter().map(|a| a.client_id).collect();
-            let frame_bytes = task.payload.as_deref().map_or(0, |p| p.get().len()) + TASK_FRAME_OVERHEAD_BYTES;
-            match self.pick_for(io, kind.as_deref(), &tried, frame_bytes) {
-                Some(slot) => {
-                    if self.dispatch(io, id, slot) {
-                        return;
-                    }
+            let mut full = false;
+            for (gid, accepts, limit) in asks {
+                let workers = &self.workers;
+                let takers = self
+                    .groups
+                    .takers(gid, |slot| workers.get(slot as usize).and_then(Option::as_ref).map(|w| w.client_id));
+                let kinds = match &accepts {
+                    Accepts::Kinds(k) => Some(k.as_slice()),
+                    _ => None,
+                };
+                if let Some(g) = self.groups.groups.get_mut(&gid) {
+                    g.asked = u64::from(limit);
                 }
-                None => {
-                    if started == 0 || self.any_untried(id) {
-                        self.enqueue_ready(id);
-                    } else {
-                        let error = self.tasks.get(&id).and_then(Task::last_error).unwrap_or("no worker").to_string();
-                        self.finalize(io, id, Status::Failed, None, Some(&error));
-                    }
-                    return;
+                self.store.claim(&ClaimAsk { group: gid, kinds, limit, takers: &takers });
+                if self.store.pg().is_some() {
+                    continue;
                 }
+                // A memory store answered already.
+                let mut events = std::mem::take(&mut self.events);
+                self.store.take_events(&mut events);
+                for e in events.drain(..) {
+                    if let Event::Claimed { group, tasks } = &e
+                        && *group == gid
+                    {
+                        claimed += tasks.len();
+                        full |= tasks.len() as u32 >= limit;
+                    }
+                    self.on_event(io, e);
+                }
+                self.events = events;
+            }
+            if !full {
+                return;
+            }
+            if claimed >= CLAIMS_PER_TURN {
+                // The rest next turn: the loop must stay responsive.
+                self.claim_wanted = true;
+                if !self.claim_timer {
+                    self.claim_timer = true;
+                    self.wheel.arm(self.now_ms, Timer::Claim);
+                }
+                return;
             }
         }
     }
 
-    /// Round-robin over workers that can take a task of `kind` now (a frame of `frame_bytes`
-    /// fits in their output) and were not tried.
-    fn pick_for(&mut self, io: &mut dyn Io, kind: Option<&str>, tried: &[u128], frame_bytes: usize) -> Option<u32> {
+    /// Tasks claimed for a group: each goes to the next of its workers round-robin (for its
+    /// kind) that has room and has not tried it, or back to the store.
+    fn on_claimed(&mut self, io: &mut dyn Io, group: u32, tasks: Vec<Claimed>) {
+        self.groups.answered(group);
+        for c in tasks {
+            if self.shutting_down {
+                self.store.give_back(c.id, c.attempt);
+                continue;
+            }
+            let frame_bytes = c.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
+            let first = c.tried.is_empty();
+            match self.pick(io, group, c.kind.as_deref(), &c.tried, frame_bytes, first) {
+                Some(slot) => self.start(io, slot, c),
+                None => self.store.give_back(c.id, c.attempt),
+            }
+        }
+    }
+
+    /// Round-robin over the group's workers that can take a task of `kind` now (a frame of
+    /// `frame_bytes` fits in their output) and did not try it. First attempts move the kind's
+    /// cursor; retries do not, so first attempts rotate whatever retries do (SPEC §5).
+    fn pick(
+        &mut self,
+        io: &mut dyn Io,
+        group: u32,
+        kind: Option<&str>,
+        tried: &[u128],
+        frame_bytes: usize,
+        first: bool,
+    ) -> Option<u32> {
         let n = self.order.len();
         if n == 0 {
             return None;
@@ -1067,13 +1000,23 @@ impl Core {
         for step in 1..=n {
             let i = (start + step) % n;
             let slot = self.order[i];
+            if !self.groups.contains(group, slot) {
+                continue;
+            }
             let Some(w) = self.worker(slot) else { continue };
-            if w.ready()
-                && w.accepts(kind)
-                && w.has_capacity()
-                && !tried.contains(&w.client_id)
-                && io.has_room(w.conn, frame_bytes)
-            {
+            if !(w.ready() && w.accepts(kind) && w.has_capacity() && !tried.contains(&w.client_id)) {
+                continue;
+            }
+            let conn = w.conn;
+            if !io.has_room(conn, frame_bytes) {
+                if let Some(w) = self.worker_at_mut(conn) {
+                    // Not eligible until it drains (the reactor says when): no attempt lost.
+                    w.starved = true;
+                }
+                self.refresh(slot);
+                continue;
+            }
+            if first {
                 match self.cursors.get_mut(key) {
                     Some(cursor) => *cursor = i,
                     None => {
@@ -1083,363 +1026,436 @@ impl Core {
                         self.cursors.insert(Box::from(key), i);
                     }
                 }
-                return Some(slot);
             }
+            return Some(slot);
         }
         None
     }
 
-    /// Is a worker that could take the task, and has not tried it, connected? Each attempt
-    /// went to a different worker, so: more takers than attempts on takers still connected.
-    fn any_untried(&self, id: TaskId) -> bool {
-        let Some(task) = self.tasks.get(&id) else { return false };
-        let kind = task.kind.as_deref();
-        let tried_takers = task
-            .attempts
-            .iter()
-            .filter(|a| self.worker_at(a.worker).is_some_and(|w| w.active() && w.accepts(kind)))
-            .count();
-        self.reach.count(kind) > tried_takers
-    }
-
-    /// Starts an attempt on the worker in `slot`. `false` if the frame could not be written
-    /// (the attempt is then recorded as `send_failed`).
-    fn dispatch(&mut self, io: &mut dyn Io, id: TaskId, slot: u32) -> bool {
-        let Some(w) = self.worker(slot) else { return false };
+    /// Starts attempt `c.attempt` on the worker in `slot`.
+    fn start(&mut self, io: &mut dyn Io, slot: u32, c: Claimed) {
+        let Some(w) = self.worker(slot) else {
+            self.store.give_back(c.id, c.attempt);
+            return;
+        };
         let (conn, client_id, ip) = (w.conn, w.client_id, w.ip);
-        let Some(task) = self.tasks.get_mut(&id) else { return false };
-        let Some(payload) = task.payload.as_deref() else { return false };
-        let payload = payload.get();
-        task.attempts.push(Attempt {
-            worker: conn,
-            client_id,
-            client_ip: ip,
-            started_wall_ms: self.wall_ms,
-            started_mono_ms: self.now_ms,
-            outcome: None,
-            error: None,
-            duration_ms: 0,
-            answered: false,
-            restarted: false,
-        });
-        let num = task.attempts.len() as u32;
-        let deadline = self.now_ms + task.timeout_ms;
-        let mut buf = uuid::Uuid::encode_buffer();
-        let id_text = uuid::Uuid::from_u128(id).hyphenated().encode_lower(&mut buf);
-        let sent = io.send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", payload, "}"]);
-        self.set_status(id, Status::Dispatched);
-        self.record(id, Rec::AttemptStarted);
-        if !sent {
-            self.end_attempt(id, Outcome::SendFailed, Some("could not write the task to the worker"));
-            return false;
-        }
-        let timer = self.wheel.arm(deadline, Timer::Attempt { task: id, num });
-        if let Some(task) = self.tasks.get_mut(&id) {
-            task.attempt_timer = Some(timer);
-        }
+        let node = self.node_name.clone();
+        self.store.attempt_started(
+            c.id,
+            c.attempt,
+            &AttemptStart {
+                client_id,
+                client_ip: ip,
+                started_wall_ms: self.wall_ms,
+                started_mono_ms: self.now_ms,
+                node: node.as_deref(),
+            },
+        );
+        let timer = self.wheel.arm(self.now_ms + c.timeout_ms, Timer::Attempt { task: c.id, num: c.attempt });
+        let mut tried = c.tried;
+        tried.push(client_id);
+        self.running.insert(
+            c.id,
+            Running {
+                attempt: c.attempt,
+                conn,
+                client_id,
+                timer,
+                started_mono_ms: self.now_ms,
+                timeout_ms: c.timeout_ms,
+                kind: c.kind,
+                max_retries: c.max_retries,
+                counted: c.counted,
+                tried,
+                created_wall_ms: c.created_wall_ms,
+                answered: false,
+            },
+        );
         if let Some(w) = self.workers[slot as usize].as_mut() {
-            w.in_flight.push(id);
+            w.in_flight.push(c.id);
         }
+        self.refresh(slot);
+        let mut buf = uuid::Uuid::encode_buffer();
+        let id_text = uuid::Uuid::from_u128(c.id).hyphenated().encode_lower(&mut buf);
+        let sent = io
+            .send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", c.payload.get(), "}"]);
         crate::log!(
             Level::Debug,
             "task dispatched",
-            task_id = uuid_string(id),
-            attempt = num,
+            task_id = uuid_string(c.id),
+            attempt = c.attempt,
             client_id = uuid_string(client_id)
         );
-        true
+        if !sent {
+            self.end_attempt(c.id, Outcome::SendFailed, Some("could not write the task to the worker"), None);
+        }
     }
 
-    /// Closes the current attempt with `outcome` and frees the worker's slot.
-    fn end_attempt(&mut self, id: TaskId, outcome: Outcome, error: Option<&str>) {
-        let now = self.now_ms;
-        let Some(task) = self.tasks.get_mut(&id) else { return };
-        if let Some(timer) = task.attempt_timer.take() {
-            self.wheel.cancel(timer);
+    /// Ends the attempt running here for `id` and decides what becomes of the task: done, a
+    /// retry on an untried worker (of any node), or failed — retries used up, or nobody left
+    /// to try. The one place that decides.
+    fn end_attempt(&mut self, id: TaskId, outcome: Outcome, error: Option<&str>, result: Option<&RawValue>) {
+        let Some(r) = self.running.remove(&id) else { return };
+        self.wheel.cancel(r.timer);
+        if let Some(w) = self.worker_at_mut(r.conn) {
+            if let Some(pos) = w.in_flight.iter().position(|t| *t == id) {
+                w.in_flight.swap_remove(pos);
+            }
+            self.refresh(r.conn.slot);
         }
-        let Some(attempt) = task.attempts.last_mut() else { return };
-        if attempt.outcome.is_some() {
-            return;
-        }
-        attempt.outcome = Some(outcome);
-        attempt.error = error.map(Box::from);
-        attempt.duration_ms = now.saturating_sub(attempt.started_mono_ms);
-        let worker = attempt.worker;
         self.metrics.attempt(outcome);
-        if task.status == Status::Dispatched && outcome != Outcome::Done && outcome != Outcome::Canceled {
-            // Between attempts the task counts as pending until `run` places it.
-            self.set_status(id, Status::Pending);
-            // (`done` and `canceled` end the task: its final record carries the attempt.)
-            self.record(id, Rec::AttemptEnded);
+        self.recent.remember(id, r.client_id, r.answered);
+        let end = AttemptEnd {
+            outcome,
+            error,
+            duration_ms: self.now_ms.saturating_sub(r.started_mono_ms),
+            ended_wall_ms: self.wall_ms,
+        };
+        let next = match (outcome, result) {
+            (Outcome::Done, Some(result)) => Next::Done { result },
+            _ => {
+                let error = error.unwrap_or("failed");
+                if self.shutting_down {
+                    // A node shutting down hands its tasks back: not the task's fault.
+                    Next::Retry
+                } else if r.counted + 1 > r.max_retries {
+                    Next::Failed { error }
+                } else if self.takers().untried(r.kind.as_deref(), &r.tried) {
+                    Next::Retry
+                } else {
+                    Next::Failed { error }
+                }
+            }
+        };
+        self.store.attempt_ended(id, r.attempt, &end, next);
+        if matches!(next, Next::Retry) {
+            self.claim_wanted = true;
         }
-        if let Some(w) = self.worker_at_mut(worker)
-            && let Some(pos) = w.in_flight.iter().position(|t| *t == id)
-        {
-            w.in_flight.swap_remove(pos);
+        let _ = r.created_wall_ms;
+    }
+
+    // ----- timers ----------------------------------------------------------------------------
+
+    /// A core timer fired (the reactor handles `Conn`, `AcceptResume` and `ShutdownDeadline`).
+    pub fn on_timer(&mut self, io: &mut dyn Io, timer: Timer) {
+        match timer {
+            Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
+            Timer::Wait(conn) => self.release(conn),
+            Timer::HelloGrace(conn) => self.greet(conn),
+            Timer::Store => {
+                self.store_timer = None;
+                self.store.on_timer();
+            }
+            Timer::Claim => {
+                self.claim_timer = false;
+                self.claim_wanted = true;
+            }
+            Timer::Conn(_)
+            | Timer::AcceptResume
+            | Timer::BlobExpire(_)
+            | Timer::BlobSweep
+            | Timer::ShutdownDeadline => {}
+        }
+        self.settle(io);
+    }
+
+    fn on_attempt_timeout(&mut self, io: &mut dyn Io, id: TaskId, num: u32) {
+        let Some(r) = self.running.get(&id).filter(|r| r.attempt == num) else { return };
+        let (conn, timeout) = (r.conn, r.timeout_ms);
+        let error = format!("no answer within {}", human_ms(timeout));
+        self.end_attempt(id, Outcome::Timeout, Some(&error), None);
+        // Advisory: the worker may stop; its slot is free again either way.
+        send_cancel(io, conn, id);
+    }
+
+    // ----- the store's events ----------------------------------------------------------------
+
+    /// The journal's or the database's threads woke the loop.
+    pub fn on_wake(&mut self, io: &mut dyn Io) {
+        self.store.on_wake();
+        self.settle(io);
+    }
+
+    /// End of a loop turn: a database's claims join the turn's transaction, and the store
+    /// writes what the turn did.
+    pub fn end_turn(&mut self, io: &mut dyn Io) {
+        self.claim_round(io);
+        self.store.end_turn();
+        self.settle(io);
+    }
+
+    /// Runs what is due: the store's events, the claim round they call for, the answers of
+    /// the submits stored in this step; then (re)arms the store's timer.
+    fn settle(&mut self, io: &mut dyn Io) {
+        for _ in 0..64 {
+            let mut events = std::mem::take(&mut self.events);
+            self.store.take_events(&mut events);
+            let quiet = events.is_empty();
+            for e in events.drain(..) {
+                self.on_event(io, e);
+            }
+            self.events = events;
+            if self.store.mem().is_some() && self.claim_wanted && !self.shutting_down {
+                self.claim_round(io);
+                continue;
+            }
+            if quiet {
+                break;
+            }
+        }
+        // Answers last, after the step's claims: a task dispatched at once answers `dispatched`.
+        let due = std::mem::take(&mut self.answers_due);
+        for (conn, id, lsn) in due {
+            let mut r = Response::json(202, accepted_json(id, self.status_now(id)));
+            r.lsn = lsn.max(self.lsn_of(id));
+            self.reply(io, conn, r);
+        }
+        if !self.batches.is_empty() {
+            let done: Vec<u64> =
+                self.batches.iter().filter(|(_, b)| b.complete && b.outstanding == 0).map(|(&k, _)| k).collect();
+            for k in done {
+                self.finish_batch(io, k);
+            }
+        }
+        self.arm_store_timer();
+    }
+
+    fn arm_store_timer(&mut self) {
+        let Some(at) = self.store.next_timer_ms() else { return };
+        if self.store_timer.is_some_and(|(armed, _)| armed <= at) {
+            return;
+        }
+        if let Some((_, handle)) = self.store_timer.take() {
+            self.wheel.cancel(handle);
+        }
+        self.store_timer = Some((at, self.wheel.arm(at.max(self.now_ms), Timer::Store)));
+    }
+
+    fn on_event(&mut self, io: &mut dyn Io, e: Event) {
+        match e {
+            Event::Inserted { to, id } => match to {
+                InsertTo::Submit { conn, wait: true } => self.hold(conn, id, true),
+                InsertTo::Submit { conn, wait: false } => self.answers_due.push((conn, id, 0)),
+                InsertTo::Batch { batch, index } => self.batch_done(batch, index, Ok(id)),
+            },
+            Event::KeyHeld { to, id, status } => match to {
+                InsertTo::Submit { conn, wait } => self.answer_existing(io, conn, id, status, wait),
+                InsertTo::Batch { batch, index } => self.batch_done(batch, index, Ok(id)),
+            },
+            Event::NotInserted { to, why } => match to {
+                InsertTo::Submit { conn, .. } => {
+                    let r = self.refusal_response(why);
+                    self.reply(io, conn, r);
+                }
+                InsertTo::Batch { batch, index } => {
+                    let item = match why {
+                        Refusal::QueueFull => ("queue_full", "MAX_PENDING tasks are already waiting".to_string()),
+                        Refusal::Unavailable | Refusal::Lost => {
+                            ("unavailable", "the store could not keep this task; try again".to_string())
+                        }
+                    };
+                    self.batch_done(batch, index, Err(item));
+                }
+            },
+            Event::Key { conn, wait, held, missing } => match held {
+                Some((id, status)) => self.answer_existing(io, conn, id, status, wait),
+                None => self.reply(io, conn, missing),
+            },
+            Event::Claimed { group, tasks } => self.on_claimed(io, group, tasks),
+            Event::Fenced { id, attempt } => {
+                // A stale write: the task was canceled, or reaped while this node was cut off.
+                self.metrics.ignored(Ignored::Late);
+                crate::log!(
+                    Level::Info,
+                    "attempt end refused by the store (the task moved on)",
+                    task_id = uuid_string(id),
+                    attempt = attempt
+                );
+            }
+            Event::Final { id, status, took_ms } => {
+                if let Some(ms) = took_ms {
+                    self.metrics.task_final(status, ms);
+                }
+                self.answer_waiters(id);
+            }
+            Event::Stop { id, attempt } => self.stop(io, id, attempt),
+            Event::Answer { conn, response } => self.reply(io, conn, response),
+            Event::NotFinal { conn, id, post } => self.hold(conn, id, post),
+            Event::Clients { conn, remote } => {
+                let mut entries = self.local_infos();
+                entries.extend(remote);
+                // (Stable: this node's workers in connection order, then by connection time.)
+                entries.sort_by_key(|w| w.connected_wall_ms);
+                let r = Response::json(200, clients_json(&entries));
+                self.reply(io, conn, r);
+            }
+            Event::Ready => self.claim_wanted = true,
+            Event::Orphaned { tasks, error } => self.adopt_orphans(tasks, &error),
         }
     }
 
-    fn finalize(
-        &mut self,
-        io: &mut dyn Io,
-        id: TaskId,
-        status: Status,
-        result: Option<Box<RawValue>>,
-        error: Option<&str>,
-    ) {
-        debug_assert!(status.is_final());
-        if self.is_cluster() {
-            // Final in the database once the turn's transaction commits; waiters anywhere
-            // learn it from there.
-            self.cluster_end(id, status, result, error);
-            return;
+    /// A submit whose key names task `id` is answered for that task (SPEC §4).
+    fn answer_existing(&mut self, io: &mut dyn Io, conn: ConnRef, id: TaskId, status: Status, wait: bool) {
+        if !wait {
+            let mut r = Response::json(202, accepted_json(id, status));
+            r.lsn = self.lsn_of(id);
+            self.reply(io, conn, r);
+        } else if status.is_final() || self.shutting_down {
+            self.store.read(id, None, conn, ReadHow::Release { post: true });
+        } else {
+            self.hold(conn, id, true);
         }
-        self.set_status(id, status);
-        let Some(task) = self.tasks.get_mut(&id) else { return };
-        task.finished_wall_ms = Some(self.wall_ms);
-        // A final task never runs again: its payload is not kept for TASK_TTL.
-        task.payload = None;
-        task.attempts.shrink_to_fit();
-        task.result = result;
-        task.error = error.map(Box::from);
-        let duration = self.now_ms.saturating_sub(task.created_mono_ms);
-        let waiters = std::mem::take(&mut task.waiters);
-        self.finished_mem += task.mem_bytes();
-        self.record(id, Rec::Whole);
-        self.metrics.task_final(status, duration);
-        let forget_at = self.now_ms + self.cfg.task_ttl_ms;
-        self.finished.push_back((forget_at, id));
-        self.ensure_sweep(forget_at);
-        crate::log!(Level::Debug, "task final", task_id = uuid_string(id), status = status.as_str());
-        for conn in waiters {
+    }
+
+    /// Task `id` is final: everyone waiting on it is answered.
+    fn answer_waiters(&mut self, id: TaskId) {
+        let Some(conns) = self.waiters.remove(&id) else { return };
+        self.store.unwatch(id);
+        for conn in conns {
             if let Some(held) = self.held.remove(&conn) {
                 self.wheel.cancel(held.timer);
-                if let Some(task) = self.tasks.get(&id) {
-                    let response = task_response(task, held.post);
-                    self.metrics.http_request(response.status);
-                    io.reply(conn, response);
-                }
+                self.store.read(id, None, conn, ReadHow::Release { post: held.post });
             }
         }
     }
 
-    /// TASK_TTL has passed since the task finished: it is gone, from memory and journal.
-    fn forget(&mut self, id: TaskId) {
-        let stored = if let Some(task) = self.tasks.get(&id).filter(|t| t.status.is_final()) {
-            self.status_counts[task.status.index()] -= 1;
-            self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
-            let stored = task.stored;
-            self.by_submission.remove(&task.submit_seq);
-            self.tasks.remove(&id);
-            stored
-        } else if let Some(e) = self.evicted.remove(&id) {
-            self.status_counts[e.status.index()] -= 1;
-            self.by_submission.remove(&e.submit_seq);
-            Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] }
-        } else {
-            return;
-        };
-        if let Storage::Journal(j) = &mut self.storage {
-            j.forget(id, &stored);
-        }
-    }
-
-    /// Writes the record a change of task `id` needs (nothing in memory-only mode).
-    fn record(&mut self, id: TaskId, rec: Rec) {
-        let Storage::Journal(j) = &mut self.storage else { return };
-        let Some(task) = self.tasks.get_mut(&id) else { return };
-        let mut stored = task.stored;
-        match rec {
-            Rec::Whole => j.task(task, &mut stored),
-            Rec::AttemptStarted => j.attempt_started(task, &mut stored),
-            Rec::AttemptEnded => j.attempt_ended(task, &mut stored),
-        }
-        task.stored = stored;
-    }
-
-    fn enqueue_ready(&mut self, id: TaskId) {
-        self.set_status(id, Status::Pending);
-        let Some(task) = self.tasks.get_mut(&id) else { return };
-        task.place = Place::Ready;
-        let (seq, kind, attempts, due) = (task.seq, task.kind.clone(), task.attempts.len(), task.due_mono_ms);
-        let retry = attempts > 0;
-        let fragile = (retry || !task.queued) && !task.restored;
-        self.ready_all.insert(seq, id);
-        if fragile {
-            self.fragile.insert(kind.as_deref(), id, attempts);
-        }
-        if let Some(kind) = kind {
-            self.ready_kind.entry(kind).or_default().insert(seq, id);
-        }
-        if !retry {
-            self.ensure_sweep(due + self.cfg.task_ttl_ms);
-        }
-    }
-
-    fn schedule(&mut self, id: TaskId) {
-        let Some(task) = self.tasks.get_mut(&id) else { return };
-        task.place = Place::Scheduled;
-        self.scheduled.insert((task.due_mono_ms, task.seq), id);
-        self.arm_schedule();
-    }
-
-    /// Takes a pending task out of whichever queue holds it.
-    fn unqueue(&mut self, id: TaskId) {
-        let Some(task) = self.tasks.get_mut(&id) else { return };
-        match task.place {
-            Place::Ready => {
-                self.ready_all.remove(&task.seq);
-                if let Some(kind) = &task.kind
-                    && let Some(q) = self.ready_kind.get_mut(kind)
-                {
-                    q.remove(&task.seq);
-                    if q.is_empty() {
-                        self.ready_kind.remove(kind);
-                    }
-                }
-                self.fragile.remove(task.kind.as_deref(), id, task.attempts.len());
+    /// The task this node runs as `attempt` is over (canceled here or elsewhere, or reaped):
+    /// the worker is told to stop and its slot is free; nothing more is written.
+    fn stop(&mut self, io: &mut dyn Io, id: TaskId, attempt: u32) {
+        let Some(r) = self.running.get(&id).filter(|r| r.attempt == attempt) else { return };
+        let conn = r.conn;
+        let Some(r) = self.running.remove(&id) else { return };
+        self.wheel.cancel(r.timer);
+        self.metrics.attempt(Outcome::Canceled);
+        self.recent.remember(id, r.client_id, r.answered);
+        if let Some(w) = self.worker_at_mut(conn) {
+            if let Some(pos) = w.in_flight.iter().position(|t| *t == id) {
+                w.in_flight.swap_remove(pos);
             }
-            Place::Scheduled => {
-                self.scheduled.remove(&(task.due_mono_ms, task.seq));
-            }
-            Place::Nowhere => {}
+            self.refresh(conn.slot);
         }
-        task.place = Place::Nowhere;
+        send_cancel(io, conn, id);
     }
 
-    /// The worker in `slot` may have capacity: give it pending tasks, oldest first.
-    fn fill(&mut self, io: &mut dyn Io, slot: u32) {
-        if let Storage::Cluster(node) = &mut self.storage {
-            // Tasks come from the database: the turn's transaction claims for free slots.
-            node.claim_check = true;
-            return;
-        }
-        if self.shutting_down {
-            return;
-        }
-        loop {
-            let Some(w) = self.worker(slot) else { return };
-            if !w.ready() || !w.has_capacity() {
-                return;
-            }
-            let Some(id) = self.next_ready_for(w) else { return };
-            let conn = w.conn;
-            let frame_bytes = self.tasks.get(&id).and_then(|t| t.payload.as_deref()).map_or(0, |p| p.get().len())
-                + TASK_FRAME_OVERHEAD_BYTES;
-            if !io.has_room(conn, frame_bytes) {
-                // Full: the task stays queued; `worker_drained` comes back here.
-                return;
-            }
-            self.unqueue(id);
-            if !self.dispatch(io, id, slot) {
-                // This worker cannot be written to; the task moves on without it.
-                self.run(io, id);
-                return;
-            }
-        }
-    }
-
-    fn next_ready_for(&self, w: &Worker) -> Option<TaskId> {
-        let untried = |id: &TaskId| self.tasks.get(id).is_some_and(|t| !t.tried(w.client_id));
-        match &w.kinds {
-            None => self.ready_all.values().take(MAX_QUEUE_SCAN).find(|id| untried(id)).copied(),
-            Some(kinds) => kinds
-                .iter()
-                .filter_map(|k| self.ready_kind.get(k))
-                .filter_map(|q| q.iter().take(MAX_QUEUE_SCAN).find(|(_, id)| untried(id)))
-                .min_by_key(|(seq, _)| **seq)
-                .map(|(_, id)| *id),
-        }
-    }
-
-    /// Waiting tasks that need a worker now (retries, and tasks submitted without `queue` or a
-    /// schedule) fail once no untried worker that could take them is connected.
-    /// A worker that accepted `before` now accepts `after` (or left): only tasks of kinds it
-    /// no longer takes can have lost their last possible worker, and among retries only those
-    /// with at least as many attempts as takers remain.
-    fn recheck_fragile(&mut self, io: &mut dyn Io, before: &Accepts, after: &Accepts) {
-        if self.fragile.is_empty() {
-            return;
-        }
-        let mut hopeless = Vec::new();
-        for kind in self.fragile.affected(before, after) {
-            let takers = self.reach.count(kind.as_deref());
-            if takers == 0 {
-                hopeless.extend(self.fragile.all_of(&kind));
+    /// A dead node's attempts were handed to this node: each ends `disconnect` and the core
+    /// decides, as for one of its own workers.
+    fn adopt_orphans(&mut self, tasks: Vec<Claimed>, error: &str) {
+        for c in tasks {
+            let tried = c.tried.clone();
+            let counted = c.counted;
+            let end = AttemptEnd {
+                outcome: Outcome::Disconnect,
+                error: Some(error),
+                duration_ms: 0,
+                ended_wall_ms: self.wall_ms,
+            };
+            self.metrics.attempt(Outcome::Disconnect);
+            let next = if counted + 1 > c.max_retries || !self.takers().untried(c.kind.as_deref(), &tried) {
+                Next::Failed { error }
             } else {
-                let suspects = self.fragile.retries_with_at_least(&kind, takers);
-                hopeless.extend(suspects.into_iter().filter(|&id| !self.any_untried(id)));
-            }
-        }
-        for id in hopeless {
-            self.unqueue(id);
-            let error = self
-                .tasks
-                .get(&id)
-                .and_then(Task::last_error)
-                .unwrap_or("no connected worker can take this task any more")
-                .to_string();
-            self.finalize(io, id, Status::Failed, None, Some(&error));
+                Next::Retry
+            };
+            self.store.attempt_ended(c.id, c.attempt, &end, next);
+            self.claim_wanted = true;
         }
     }
 }
 
-/// The response a waiter gets: POST maps the status to a code, GET is always 200.
-pub fn task_response(task: &Task, post: bool) -> Response {
-    let mut body = String::new();
-    task.write_json(&mut body);
-    let body = body.into_bytes();
-    let lsn = task.stored.lsn;
-    let status = if !post {
-        200
-    } else {
-        match task.status {
-            Status::Done => 200,
-            Status::Failed => 502,
-            Status::Canceled => 409,
-            Status::Pending | Status::Dispatched => 202,
-        }
-    };
-    let mut response = Response::json(status, body);
-    response.lsn = lsn;
-    response
+/// What the workers of the whole relay could take: this node's, and other nodes' as last read.
+struct TakersView<'a> {
+    core: &'a Core,
+    remote: &'a [WorkerInfo],
 }
 
-/// One `/clients` entry for a worker of this node (`node`: its name, in cluster mode).
-fn write_worker_json(w: &Worker, s: &mut String, node: Option<&str>) {
-    s.push_str("{\"client_id\":\"");
-    push_uuid(s, w.client_id);
-    s.push_str("\",\"ip\":\"");
-    s.push_str(&w.ip.to_string());
-    s.push_str("\",\"connected_at\":\"");
-    write_rfc3339_ms(s, w.connected_wall_ms);
-    s.push_str("\",\"active\":");
-    s.push_str(if w.active() { "true" } else { "false" });
-    s.push_str(",\"in_flight\":");
-    s.push_str(&w.in_flight.len().to_string());
-    if let Some(kinds) = &w.kinds {
-        s.push_str(",\"kinds\":[");
-        for (j, k) in kinds.iter().enumerate() {
-            if j > 0 {
-                s.push(',');
-            }
-            push_json_str(s, k);
+impl Takers for TakersView<'_> {
+    fn untried(&self, kind: Option<&str>, tried: &[u128]) -> bool {
+        let local = self
+            .core
+            .order
+            .iter()
+            .filter_map(|&s| self.core.worker(s))
+            .any(|w| w.accepts(kind) && !tried.contains(&w.client_id));
+        local || self.remote.iter().any(|w| w.accepts(kind) && !tried.contains(&w.client_id))
+    }
+
+    fn count(&self, kind: Option<&str>) -> usize {
+        self.core.reach.count(kind) + self.remote.iter().filter(|w| w.accepts(kind)).count()
+    }
+}
+
+/// [`TakersView`] copied out, so that the store can be asked while the core is borrowed.
+struct Snapshot {
+    workers: Vec<WorkerInfo>,
+}
+
+impl Snapshot {
+    fn of(core: &Core) -> Snapshot {
+        let mut workers = core.local_infos();
+        workers.extend(core.store.remote_workers().iter().cloned());
+        workers.retain(|w| w.active);
+        Snapshot { workers }
+    }
+}
+
+impl Takers for Snapshot {
+    fn untried(&self, kind: Option<&str>, tried: &[u128]) -> bool {
+        self.workers.iter().any(|w| w.accepts(kind) && !tried.contains(&w.client_id))
+    }
+
+    fn count(&self, kind: Option<&str>) -> usize {
+        self.workers.iter().filter(|w| w.accepts(kind)).count()
+    }
+}
+
+/// `{"count": n, "clients": [...]}` (one writer for both modes).
+fn clients_json(entries: &[WorkerInfo]) -> Vec<u8> {
+    let mut s = String::with_capacity(32 + entries.len() * 220);
+    s.push_str("{\"count\":");
+    s.push_str(&entries.len().to_string());
+    s.push_str(",\"clients\":[");
+    for (i, w) in entries.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
         }
-        s.push(']');
+        w.write_json(&mut s);
     }
-    if let Some(c) = w.concurrency {
-        s.push_str(",\"concurrency\":");
-        s.push_str(&c.to_string());
+    s.push_str("]}");
+    s.into_bytes()
+}
+
+impl Core {
+    /// The answer to a submit the store did not keep.
+    fn refusal_response(&self, why: Refusal) -> Response {
+        match why {
+            Refusal::QueueFull => Response::error(
+                429,
+                "queue_full",
+                "the queue is full (MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait)",
+            ),
+            Refusal::Unavailable => self
+                .store
+                .unavailable(true)
+                .unwrap_or_else(|| Response::error(503, "unavailable", "the task could not be stored; try again")),
+            Refusal::Lost => crate::store::pg::lost_response(),
+        }
     }
-    if let Some(v) = &w.version {
-        s.push_str(",\"version\":");
-        push_json_str(s, v);
+}
+
+fn null_value() -> Box<RawValue> {
+    RawValue::from_string("null".into()).unwrap_or_else(|_| unreachable!("null is JSON"))
+}
+
+/// A worker's error text, cut to [`MAX_ERROR_BYTES`] on a character boundary.
+fn cut_error(mut error: String) -> String {
+    if error.len() > MAX_ERROR_BYTES {
+        let mut end = MAX_ERROR_BYTES;
+        while !error.is_char_boundary(end) {
+            end -= 1;
+        }
+        error.truncate(end);
+        error.push_str(" [cut]");
     }
-    if let Some(n) = node {
-        s.push_str(",\"node\":");
-        push_json_str(s, n);
-    }
-    s.push('}');
+    error
 }
 
 /// Sends the advisory `cancel` for `id` to a worker.
@@ -1460,8 +1476,5 @@ pub fn human_ms(ms: u64) -> String {
     }
 }
 
-mod cluster;
-mod reach;
-mod storage;
 #[cfg(test)]
 mod tests;

@@ -646,6 +646,44 @@ pub fn error_code(status: u16) -> &'static str {
     }
 }
 
+/// An error answer with the default code for its status (`{"error","message"}`).
+pub fn error(status: u16, message: &str) -> Response {
+    Response::error(status, error_code(status), message)
+}
+
+/// Decodes `%XX` and `+` in a query value; invalid escapes are kept as they are.
+pub fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => {
+                let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                match hex {
+                    Some(b) => {
+                        out.push(b);
+                        i += 3;
+                    }
+                    None => {
+                        out.push(b'%');
+                        i += 1;
+                    }
+                }
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -871,5 +909,14 @@ mod tests {
         assert!(text.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"), "{text}");
         assert!(text.contains("\r\nAllow: GET\r\n") && text.contains("Connection: close\r\n"));
         assert!(text.ends_with("\r\n\r\n{\"error\":\"method_not_allowed\",\"message\":\"use GET\"}"));
+    }
+
+    #[test]
+    fn percent_decoding() {
+        for (input, expected) in
+            [("a%20b", "a b"), ("a+b", "a b"), ("%zz", "%zz"), ("100%", "100%"), ("%4", "%4"), ("x%41", "xA")]
+        {
+            assert_eq!(percent_decode(input), expected, "{input}");
+        }
     }
 }

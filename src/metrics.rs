@@ -28,8 +28,6 @@ pub struct Metrics {
     duration_sum_ms: u64,
     pub connections_refused: u64,
     pub ws_messages_malformed: u64,
-    /// Finished tasks that left memory over TASK_MEMORY (to the journal, or forgotten early).
-    pub tasks_evicted: u64,
 }
 
 /// Point-in-time values the core knows and the metrics do not keep.
@@ -43,6 +41,8 @@ pub struct Gauges {
     pub finished_memory_bytes: usize,
     /// Finished tasks kept only in the journal.
     pub tasks_on_disk: usize,
+    /// Finished tasks that left memory over TASK_MEMORY (to the journal, or forgotten early).
+    pub tasks_evicted: u64,
     pub journal: Option<JournalGauges>,
     /// Cluster mode's database figures.
     pub cluster: Option<ClusterGauges>,
@@ -150,7 +150,7 @@ impl Metrics {
         counter_header(w, "relay_log_lines_dropped_total", "Log lines dropped because stderr could not keep up.");
         let _ = writeln!(w, "relay_log_lines_dropped_total {}", crate::log::dropped_lines());
         counter_header(w, "relay_tasks_evicted_total", "Finished tasks that left memory over TASK_MEMORY.");
-        let _ = writeln!(w, "relay_tasks_evicted_total {}", self.tasks_evicted);
+        let _ = writeln!(w, "relay_tasks_evicted_total {}", g.tasks_evicted);
         gauge(
             w,
             "relay_finished_tasks_memory_bytes",
@@ -250,6 +250,7 @@ mod tests {
             connections_open: 5,
             finished_memory_bytes: 6,
             tasks_on_disk: 7,
+            tasks_evicted: 0,
             journal: Some(JournalGauges { corrupt_records: 8, ..JournalGauges::default() }),
             cluster: Some(ClusterGauges { up: true, committed: 9, fenced: 10, ..ClusterGauges::default() }),
         };

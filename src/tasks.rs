@@ -1,7 +1,6 @@
-//! A task, its attempts, its states, and its JSON view. No I/O, no clock: times are passed in.
-//!
-//! Status changes are made only by `dispatch::Core` (one place, so a journal record can be
-//! emitted there); this module defines the data and how it reads.
+//! The leaf of shared types under the core and both stores: a task, its attempts, its states,
+//! the one task JSON writer and the one status → HTTP code map. No I/O, no clock: times are
+//! passed in. A task's status changes only in a store, at the core's word (`store`).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -10,7 +9,6 @@ use std::net::IpAddr;
 use serde_json::value::RawValue;
 
 use crate::timefmt::write_rfc3339_ms;
-use crate::timer::TimerHandle;
 
 pub type TaskId = u128;
 
@@ -98,8 +96,9 @@ pub struct ConnRef {
     pub generation: u32,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Status {
+    #[default]
     Pending,
     Dispatched,
     Done,
@@ -157,13 +156,13 @@ impl Outcome {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Attempt {
-    pub worker: ConnRef,
     pub client_id: u128,
     pub client_ip: IpAddr,
+    /// The node that ran it (cluster mode): its attempt_log entry names it (SPEC §11).
+    pub node: Option<Box<str>>,
     pub started_wall_ms: u64,
-    pub started_mono_ms: u64,
     pub outcome: Option<Outcome>,
     pub error: Option<Box<str>>,
     pub duration_ms: u64,
@@ -173,18 +172,38 @@ pub struct Attempt {
     pub restarted: bool,
 }
 
-/// Where a pending task waits.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+impl Attempt {
+    /// An attempt that started at `started_wall_ms` and has not ended.
+    pub fn new(client_id: u128, client_ip: IpAddr, started_wall_ms: u64) -> Attempt {
+        Attempt {
+            client_id,
+            client_ip,
+            node: None,
+            started_wall_ms,
+            outcome: None,
+            error: None,
+            duration_ms: 0,
+            answered: false,
+            restarted: false,
+        }
+    }
+}
+
+/// Where a pending task waits (the memory store's queues).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Place {
     /// Not in a queue (dispatched, final, or being moved).
+    #[default]
     Nowhere,
     /// Due, waiting for a worker with capacity.
     Ready,
-    /// Waiting for its `run_at`.
+    /// Waiting for its due time.
     Scheduled,
+    /// Taken by a claim; its attempt is about to start (or it is given back).
+    Claimed,
 }
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Task {
     pub id: TaskId,
     pub status: Status,
@@ -192,31 +211,25 @@ pub struct Task {
     /// What workers are sent; dropped once the task is final.
     pub payload: Option<Box<RawValue>>,
     pub created_wall_ms: u64,
-    pub created_mono_ms: u64,
     /// Set for tasks submitted with `delay`/`run_at`.
     pub run_at_wall_ms: Option<u64>,
-    /// When the task became (or becomes) due, on the monotonic clock.
-    pub due_mono_ms: u64,
+    /// When the task became (or becomes) due, wall clock: pending tasks are dispatched in this
+    /// order, ties in submission order (SPEC §7). A retry is due when its attempt ended.
+    pub due_wall_ms: u64,
     pub finished_wall_ms: Option<u64>,
     pub result: Option<Box<RawValue>>,
     pub error: Option<Box<str>>,
     pub attempts: Vec<Attempt>,
     pub max_retries: u32,
     pub timeout_ms: u64,
-    /// Position in the pending queues (due order, then submission order); a scheduled task
-    /// gets a new one when it falls due.
-    pub seq: u64,
     /// The submission sequence number: set once, never changed. Orders the listing (newest
-    /// first), is what a listing cursor points at, and breaks ties in due order after a restart.
+    /// first), is what a listing cursor points at, and breaks ties in due order.
     pub submit_seq: u64,
-    /// Which pending queue holds the task, if any.
+    /// Which pending queue holds the task, if any (the memory store's).
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
     /// long it takes (until TASK_TTL), rather than failing when none can take it.
     pub queued: bool,
-    pub attempt_timer: Option<TimerHandle>,
-    /// HTTP connections blocked in `wait=true` on this task.
-    pub waiters: Vec<ConnRef>,
     /// Read back from the journal at start: it waits for a worker however long it takes
     /// (it was accepted), like a `queue: true` task, retries included.
     pub restored: bool,
@@ -299,6 +312,12 @@ impl Task {
     /// Appends the task JSON of SPEC §4 to `s`. On the hot path of every answer: no
     /// formatting machinery, no allocation beyond `s` growing.
     pub fn write_json(&self, s: &mut String) {
+        self.write_json_with(s, false);
+    }
+
+    /// [`Task::write_json`], with the payload when `payload` (and the task still has it: a
+    /// task that is done drops it).
+    pub fn write_json_with(&self, s: &mut String, payload: bool) {
         s.reserve(320 + self.attempts.len() * 200 + self.result.as_ref().map_or(0, |r| r.get().len()));
         s.push_str("{\"task_id\":\"");
         push_uuid(s, self.id);
@@ -308,6 +327,10 @@ impl Task {
         if let Some(kind) = &self.kind {
             s.push_str(",\"kind\":");
             push_json_str(s, kind);
+        }
+        if payload && let Some(p) = &self.payload {
+            s.push_str(",\"payload\":");
+            s.push_str(p.get());
         }
         push_time(s, "created_at", Some(self.created_wall_ms));
         push_time(s, "run_at", self.run_at_wall_ms);
@@ -353,6 +376,10 @@ impl Task {
                 push_json_str(s, error);
             }
             push_time(s, "started_at", Some(a.started_wall_ms));
+            if let Some(node) = &a.node {
+                s.push_str(",\"node\":");
+                push_json_str(s, node);
+            }
             if a.outcome.is_some() {
                 s.push_str(",\"duration_ms\":");
                 push_u64(s, a.duration_ms);
@@ -361,6 +388,50 @@ impl Task {
         }
         s.push_str("]}");
     }
+}
+
+/// The HTTP status a task answers with: a submit (`post`) maps its status (done 200, failed
+/// 502, canceled 409, not final 202); `GET /tasks/{id}` is always 200 (SPEC §4). The one map.
+pub fn status_code(status: Status, post: bool) -> u16 {
+    if !post {
+        return 200;
+    }
+    match status {
+        Status::Done => 200,
+        Status::Failed => 502,
+        Status::Canceled => 409,
+        Status::Pending | Status::Dispatched => 202,
+    }
+}
+
+/// The task JSON as an answer: [`status_code`], held back until the journal has what it shows
+/// (`Response::lsn`).
+pub fn task_response(task: &Task, post: bool) -> crate::http::Response {
+    let mut body = String::new();
+    task.write_json(&mut body);
+    let mut response = crate::http::Response::json(status_code(task.status, post), body.into_bytes());
+    response.lsn = task.stored.lsn;
+    response
+}
+
+/// `GET /tasks/{id}?include=payload`: the task JSON with its payload, 200.
+pub fn task_response_with_payload(task: &Task) -> crate::http::Response {
+    let mut body = String::new();
+    task.write_json_with(&mut body, true);
+    let mut response = crate::http::Response::json(200, body.into_bytes());
+    response.lsn = task.stored.lsn;
+    response
+}
+
+/// `{"task_id": ..., "status": ...}`: what an async submit answers (202).
+pub fn accepted_json(id: TaskId, status: Status) -> Vec<u8> {
+    let mut s = String::with_capacity(80);
+    s.push_str("{\"task_id\":\"");
+    push_uuid(&mut s, id);
+    s.push_str("\",\"status\":\"");
+    s.push_str(status.as_str());
+    s.push_str("\"}");
+    s.into_bytes()
 }
 
 pub fn push_uuid(s: &mut String, id: u128) {
@@ -448,21 +519,17 @@ mod tests {
             kind: Some("http".into()),
             payload: Some(RawValue::from_string("{\"kind\":\"http\"}".into()).expect("raw")),
             created_wall_ms: 0,
-            created_mono_ms: 0,
             run_at_wall_ms: None,
-            due_mono_ms: 0,
+            due_wall_ms: 0,
             finished_wall_ms: None,
             result: None,
             error: None,
             attempts: Vec::new(),
             max_retries: 2,
             timeout_ms: 10_000,
-            seq: 0,
             submit_seq: 0,
             place: Place::Nowhere,
             queued: false,
-            attempt_timer: None,
-            waiters: Vec::new(),
             restored: false,
             idempotency: None,
             stored: Stored::default(),
@@ -471,11 +538,10 @@ mod tests {
 
     fn attempt(outcome: Option<Outcome>, error: Option<&str>) -> Attempt {
         Attempt {
-            worker: ConnRef { slot: 1, generation: 1 },
             client_id: 7,
             client_ip: "10.0.0.5".parse().expect("ip"),
+            node: None,
             started_wall_ms: 1_000,
-            started_mono_ms: 0,
             outcome,
             error: error.map(Into::into),
             duration_ms: 12,

@@ -521,7 +521,7 @@ struct Ready {
     secret: Vec<u8>,
     store: PathBuf,
     /// `DATABASE_URL`: the registry is the database's `relay_tokens` table (cluster mode).
-    database: Option<crate::cluster::url::DbParams>,
+    database: Option<crate::pg::url::DbParams>,
 }
 
 fn ready(config: impl FnOnce() -> Result<TokenConfig, crate::config::ConfigError>) -> Result<Ready, CliError> {
@@ -666,7 +666,7 @@ fn create(ready: &Ready, req: &CreateRequest, now_ms: u64, out: &mut String) -> 
         revoked_at: None,
     };
     match &ready.database {
-        Some(db) => crate::cluster::tokens::insert(db, &record).map_err(CliError::Failed)?,
+        Some(db) => crate::pg::tokens::insert(db, &record).map_err(CliError::Failed)?,
         None => modify(&ready.store, |registry| {
             registry.tokens.push(record);
             Ok(((), true))
@@ -722,7 +722,7 @@ fn printable(s: &str) -> String {
 fn list(ready: &Ready, json: bool, now_ms: u64, out: &mut String) -> Result<(), CliError> {
     let registry = match &ready.database {
         Some(db) => {
-            Registry { version: REGISTRY_VERSION, tokens: crate::cluster::tokens::load(db).map_err(CliError::Failed)? }
+            Registry { version: REGISTRY_VERSION, tokens: crate::pg::tokens::load(db).map_err(CliError::Failed)? }
         }
         None => load(&ready.store).map_err(CliError::Failed)?,
     };
@@ -780,8 +780,8 @@ fn list(ready: &Ready, json: bool, now_ms: u64, out: &mut String) -> Result<(), 
 
 fn revoke(ready: &Ready, jti: &str, now_ms: u64, out: &mut String) -> Result<(), CliError> {
     if let Some(db) = &ready.database {
-        use crate::cluster::tokens::Revoked;
-        let message = match crate::cluster::tokens::revoke(db, jti, now_ms).map_err(CliError::Failed)? {
+        use crate::pg::tokens::Revoked;
+        let message = match crate::pg::tokens::revoke(db, jti, now_ms).map_err(CliError::Failed)? {
             Revoked::Now(at) => format!("revoked: {jti} (at {at})"),
             Revoked::Before(at) => format!("already revoked: {jti} (at {at})"),
             Revoked::Unknown => {

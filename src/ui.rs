@@ -31,7 +31,7 @@ pub fn exists(name: &str) -> bool {
 /// The response for one dashboard file (404 for a name that is not one).
 pub fn asset(name: &str) -> Response {
     let Some((_, content_type, body)) = FILES.iter().find(|(n, _, _)| *n == name) else {
-        return crate::api::error(404, "no such dashboard file");
+        return crate::http::error(404, "no such dashboard file");
     };
     let mut r = Response::json(200, body.as_bytes().to_vec())
         .with_header("Content-Security-Policy", CSP)

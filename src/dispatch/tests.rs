@@ -43,24 +43,25 @@ impl FakeIo {
 }
 
 fn core() -> Core {
-    Core::new(
-        CoreConfig {
-            task_timeout_ms: 1_000,
-            max_retries: 2,
-            wait_timeout_ms: 5_000,
-            task_ttl_ms: 60_000,
-            max_pending: 100,
-            task_memory_bytes: 64 << 20,
-            max_pending_bytes: 1 << 20,
-        },
-        0,
-        1_000_000,
-    )
+    core_with(|_| {})
 }
 
-/// The broken worker of `send_failed_moves_the_task_on`.
-fn a_ref(_: &Attempt) -> ConnRef {
-    conn(0)
+/// A memory-only core at wall clock 1,000,000, its store's limits as `tune` sets them.
+fn core_with(tune: impl FnOnce(&mut crate::store::mem::MemConfig)) -> Core {
+    let mut mem = crate::store::mem::MemConfig {
+        task_ttl_ms: 60_000,
+        max_pending: 100,
+        max_pending_bytes: 1 << 20,
+        task_memory_bytes: 64 << 20,
+        task_timeout_ms: 1_000,
+        max_retries: 2,
+    };
+    tune(&mut mem);
+    let store = Store::Mem(Box::new(crate::store::mem::MemStore::new(mem, None)));
+    let cfg = CoreConfig { task_timeout_ms: 1_000, max_retries: 2, wait_timeout_ms: 5_000 };
+    let mut c = Core::new(cfg, store, 0, 1_000_000);
+    c.set_clock(0, 1_000_000);
+    c
 }
 
 fn conn(slot: u32) -> ConnRef {
@@ -73,7 +74,7 @@ fn payload(text: &str) -> Box<RawValue> {
 
 fn submit(core: &mut Core, io: &mut FakeIo, body: &str, kind: Option<&str>) -> Result<TaskId, SubmitError> {
     let p = payload(body);
-    core.submit(
+    core.submit_direct(
         io,
         NewTask {
             payload: &p,
@@ -178,12 +179,12 @@ fn send_failed_moves_the_task_on() {
     let id = submit(&mut c, &mut io, "{}", None).expect("accepted");
     let t = c.task(id).expect("task");
     assert_eq!(t.status, Status::Dispatched);
-    assert_eq!(t.attempts.last().map(|a| a.worker), Some(b), "ends up on the writable worker");
-    assert!(
-        t.attempts[..t.attempts.len() - 1]
-            .iter()
-            .all(|a| a.worker == a_ref(a) && a.outcome == Some(Outcome::SendFailed))
+    assert_eq!(
+        t.attempts.last().map(|a| a.client_ip.to_string()).as_deref(),
+        Some("10.0.0.2"),
+        "on the writable worker"
     );
+    assert!(t.attempts[..t.attempts.len() - 1].iter().all(|a| a.outcome == Some(Outcome::SendFailed)));
     assert_eq!(io.tasks_to(b), [id]);
 }
 
@@ -196,7 +197,7 @@ fn only_the_current_attempt_finishes_a_task() {
     let id = submit(&mut c, &mut io, "{}", None).expect("accepted");
     join(&mut c, &mut io, b, "10.0.0.2");
     // a times out; the task moves to b.
-    c.now_ms = 1_000;
+    c.set_clock(1_000, 1_001_000);
     let mut fired = Vec::new();
     c.wheel.advance(1_000, &mut fired);
     for t in fired {
@@ -224,14 +225,14 @@ fn waiters_are_answered_once_and_forgotten_on_close() {
     join(&mut c, &mut io, w, "10.0.0.1");
     let id = submit(&mut c, &mut io, "{}", None).expect("accepted");
     let (h1, h2) = (conn(10), conn(11));
-    assert!(c.wait(h1, id, true).is_none());
-    assert!(c.wait(h2, id, false).is_none());
+    assert!(c.wait(&mut io, h1, id, true).is_none());
+    assert!(c.wait(&mut io, h2, id, false).is_none());
     c.conn_closed(h2);
     result(&mut c, &mut io, w, id, true);
     assert_eq!(io.replies, [(h1, 200)]);
     assert!(!c.has_held());
     // A final task answers at once.
-    assert_eq!(c.wait(h1, id, true).map(|r| r.status), Some(200));
+    assert_eq!(c.wait(&mut io, h1, id, true).map(|r| r.status), Some(200));
 }
 
 #[test]
@@ -244,11 +245,11 @@ fn canceled_attempts_free_the_slot_and_notify_the_worker() {
     let first = submit(&mut c, &mut io, "1", None).expect("accepted");
     let second = submit(&mut c, &mut io, "2", None).expect("accepted");
     assert_eq!(c.task(second).expect("t").status, Status::Pending);
-    assert_eq!(c.cancel(&mut io, first), CancelResult::Canceled);
+    assert_eq!(c.cancel_direct(&mut io, first), CancelResult::Canceled);
     assert!(io.sent.iter().any(|(_, t)| t.contains("\"type\":\"cancel\"")));
     assert_eq!(io.tasks_to(w), [first, second], "the freed slot took the next task");
-    assert_eq!(c.cancel(&mut io, first), CancelResult::AlreadyFinal);
-    assert_eq!(c.cancel(&mut io, 42), CancelResult::NotFound);
+    assert_eq!(c.cancel_direct(&mut io, first), CancelResult::AlreadyFinal);
+    assert_eq!(c.cancel_direct(&mut io, 42), CancelResult::NotFound);
 }
 
 #[test]

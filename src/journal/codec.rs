@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use serde_json::value::RawValue;
 
 use super::crc::crc32c;
-use crate::tasks::{Attempt, ConnRef, Outcome, Place, Status, Stored, Task, TaskId};
+use crate::tasks::{Attempt, Outcome, Status, Stored, Task, TaskId};
 
 /// Every segment file starts with these 16 bytes: magic, format version, reserved.
 pub const SEGMENT_MAGIC: &[u8; 8] = b"relayjnl";
@@ -282,24 +282,19 @@ impl TaskImage {
             kind: self.kind,
             payload: self.payload,
             created_wall_ms: self.created_wall_ms,
-            created_mono_ms: 0,
             run_at_wall_ms: self.run_at_wall_ms,
-            due_mono_ms: 0,
+            due_wall_ms: self.run_at_wall_ms.unwrap_or(self.created_wall_ms),
             finished_wall_ms: self.finished_wall_ms,
             result: self.result,
             error: self.error,
             attempts: self.attempts,
             max_retries: self.max_retries,
             timeout_ms: self.timeout_ms,
-            seq: 0,
-            place: Place::Nowhere,
             queued: self.queued,
-            attempt_timer: None,
-            waiters: Vec::new(),
-            restored: false,
             submit_seq: self.submit_seq,
             idempotency: self.idempotency,
             stored,
+            ..Task::default()
         }
     }
 }
@@ -386,18 +381,7 @@ impl<'a> Dec<'a> {
 
 /// An attempt read back from the journal: no connection, and marked when a restart closed it.
 fn restored_attempt(client_id: u128, ip: IpAddr, started_wall_ms: u64) -> Attempt {
-    Attempt {
-        worker: ConnRef { slot: u32::MAX, generation: 0 },
-        client_id,
-        client_ip: ip,
-        started_wall_ms,
-        started_mono_ms: 0,
-        outcome: None,
-        error: None,
-        duration_ms: 0,
-        answered: false,
-        restarted: false,
-    }
+    Attempt::new(client_id, ip, started_wall_ms)
 }
 
 fn status_from(b: u8) -> Option<Status> {

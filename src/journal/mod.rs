@@ -442,7 +442,7 @@ impl Journal {
 mod tests {
     use super::codec::TaskImage;
     use super::*;
-    use crate::tasks::{Attempt, ConnRef, Status};
+    use crate::tasks::{Attempt, Status};
 
     fn task(id: TaskId, pad: usize) -> Task {
         TaskImage {
@@ -467,11 +467,10 @@ mod tests {
 
     fn attempt() -> Attempt {
         Attempt {
-            worker: ConnRef { slot: 1, generation: 1 },
             client_id: 7,
             client_ip: "127.0.0.1".parse().expect("ip"),
             started_wall_ms: 1,
-            started_mono_ms: 0,
+            node: None,
             outcome: None,
             error: None,
             duration_ms: 0,

@@ -516,7 +516,7 @@ pub fn replay(dir: &Path, budget_bytes: usize) -> io::Result<Replayed> {
 mod tests {
     use super::*;
     use crate::journal::codec::{RecordType, put_frame, segment_header};
-    use crate::tasks::{Attempt, ConnRef, Outcome, Place};
+    use crate::tasks::{Attempt, Outcome, Place};
     use serde_json::value::RawValue;
 
     struct Rng(u64);
@@ -536,11 +536,10 @@ mod tests {
         let n_attempts = rng.below(3) as usize;
         let attempts = (0..n_attempts)
             .map(|i| Attempt {
-                worker: ConnRef { slot: 1, generation: 1 },
                 client_id: u128::from(rng.next()),
                 client_ip: if i % 2 == 0 { "10.1.2.3".parse().expect("ip") } else { "::1".parse().expect("ip") },
+                node: None,
                 started_wall_ms: rng.next() >> 20,
-                started_mono_ms: 0,
                 outcome: Some(Outcome::ALL[rng.below(6) as usize]),
                 error: (rng.below(2) == 0).then(|| Box::from("it \"broke\"\n")),
                 duration_ms: rng.below(100_000),
@@ -555,20 +554,16 @@ mod tests {
             kind: (rng.below(4) != 0).then(|| Box::from(format!("k{}", rng.below(3)))),
             payload: (!status.is_final()).then(|| RawValue::from_string(payload).expect("json")),
             created_wall_ms: rng.next() >> 20,
-            created_mono_ms: 0,
             run_at_wall_ms: (rng.below(2) == 0).then(|| rng.next() >> 20),
-            due_mono_ms: 0,
+            due_wall_ms: 0,
             finished_wall_ms: status.is_final().then(|| rng.next() >> 20),
             result: (status == Status::Done).then(|| RawValue::from_string("[1,\"two\",{}]".into()).expect("json")),
             error: (status == Status::Failed).then(|| Box::from("no worker")),
             attempts,
             max_retries: rng.below(5) as u32,
             timeout_ms: rng.below(1 << 30),
-            seq: 0,
             place: Place::Nowhere,
             queued: rng.below(2) == 0,
-            attempt_timer: None,
-            waiters: Vec::new(),
             restored: false,
             submit_seq: rng.next() >> 1,
             idempotency: (rng.below(2) == 0).then(|| Box::new((Box::from("jti-1"), Box::from("key é")))),
@@ -626,11 +621,10 @@ mod tests {
                         None => put_frame(&mut bytes, seq, RecordType::AttemptEnd, |out| {
                             let mut a = task(id, Status::Done, &mut Rng(5)).attempts;
                             a.resize_with(1, || Attempt {
-                                worker: ConnRef { slot: 0, generation: 0 },
                                 client_id: 9,
                                 client_ip: "127.0.0.1".parse().expect("ip"),
                                 started_wall_ms: 1,
-                                started_mono_ms: 0,
+                                node: None,
                                 outcome: Some(Outcome::Timeout),
                                 error: Some(Box::from("late")),
                                 duration_ms: 5,

@@ -1,14 +1,15 @@
-//! Cluster mode's start (SPEC §11): the node's identity and the database threads. Everything
-//! after that runs through the core (`dispatch::cluster`), woken by the one `Waker`.
+//! Cluster mode's start (SPEC §11): the node's identity, the database threads, and the
+//! PostgreSQL task store over them. Everything after that runs through the one core, woken by
+//! the one `Waker`.
 
 use std::cell::RefCell;
 use std::rc::Rc;
 
 use super::*;
-use crate::cluster::db::{Db, DbConfig};
-use crate::cluster::node::Node;
-use crate::cluster::tokens::TokenCache;
-use crate::cluster::url::DbParams;
+use crate::pg::db::{Db, DbConfig};
+use crate::pg::tokens::TokenCache;
+use crate::pg::url::DbParams;
+use crate::store::pg::{PgConfig, PgStore};
 
 /// This host's name (for the node's name; `localhost` if it cannot be read).
 fn hostname() -> String {
@@ -31,7 +32,7 @@ pub(super) fn start_node(
     port: u16,
     waker: Arc<Waker>,
     tokens: Rc<RefCell<TokenCache>>,
-) -> Result<Node, StartError> {
+) -> Result<PgStore, StartError> {
     let id = uuid::Uuid::new_v4().hyphenated().to_string();
     let name = format!("{}:{port}", hostname());
     let mut db_cfg = DbConfig::new(params.clone(), id.clone(), cfg.pong_wait_ms, cfg.task_ttl_ms, cfg.max_retries);
@@ -45,5 +46,11 @@ pub(super) fn start_node(
         crate::log!(Level::Info, "cluster mode: DATA_DIR is not used (PostgreSQL keeps the tasks)");
     }
     crate::log!(Level::Info, "cluster node", node = name, node_id = id, database = params, lease_ms = lease_ms);
-    Ok(Node::new(id, name, db, lease_ms, tokens))
+    let pg_cfg = PgConfig {
+        task_timeout_ms: cfg.task_timeout_ms,
+        max_retries: cfg.max_retries,
+        max_pending: cfg.max_pending,
+        max_pending_bytes: cfg.max_pending_bytes,
+    };
+    Ok(PgStore::new(id, name, db, lease_ms, tokens, pg_cfg))
 }

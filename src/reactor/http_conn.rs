@@ -119,7 +119,7 @@ impl Server {
                 if journal_full && matches!(Route::of(&head.path), Route::Tasks | Route::TasksBatch) => {}
             Phase::Upload(up) if up.finishing || up.disk_bytes >= UPLOAD_WINDOW_BYTES || disk_full => {}
             Phase::Upload(_) => {
-                self.respond_and_close(r, crate::api::error(400, "the connection was closed before the upload ended"));
+                self.respond_and_close(r, crate::http::error(400, "the connection was closed before the upload ended"));
             }
             // What is left in the buffer (if anything) can never become a whole request.
             Phase::Idle | Phase::Head | Phase::Body { .. } => {
@@ -158,9 +158,9 @@ impl Server {
                 }
                 let Some(end) = http::find_head_end(&http.buf, http.scanned) else {
                     if !http::could_be_request(&http.buf) {
-                        self.respond_and_close(r, crate::api::error(400, "not an HTTP/1.x request"));
+                        self.respond_and_close(r, crate::http::error(400, "not an HTTP/1.x request"));
                     } else if http.buf.len() > MAX_HEAD_BYTES {
-                        self.respond_and_close(r, crate::api::error(431, "request head over 16 KiB"));
+                        self.respond_and_close(r, crate::http::error(431, "request head over 16 KiB"));
                     } else {
                         http.scanned = http.buf.len();
                     }
@@ -172,7 +172,7 @@ impl Server {
                     Err(e) => {
                         let status = e.status();
                         let msg = e.to_string();
-                        self.respond_and_close(r, crate::api::error(status, &msg));
+                        self.respond_and_close(r, crate::http::error(status, &msg));
                         return false;
                     }
                 };
@@ -218,13 +218,13 @@ impl Server {
                             }
                             Err(http::ChunkError::TooLarge) => {
                                 let msg = format!("body is over the limit of {limit} bytes");
-                                self.respond_and_close(r, crate::api::error(413, &msg));
+                                self.respond_and_close(r, crate::http::error(413, &msg));
                                 return false;
                             }
                             Err(http::ChunkError::Malformed(why)) => {
                                 self.respond_and_close(
                                     r,
-                                    crate::api::error(400, &format!("malformed chunked body: {why}")),
+                                    crate::http::error(400, &format!("malformed chunked body: {why}")),
                                 );
                                 return false;
                             }
@@ -303,7 +303,7 @@ impl Server {
             api.batch_step(core, &mut wire, r, &mut batch, &mut budget)
         };
         self.batch_budget = budget;
-        let durable = self.core.durable_lsn();
+        let durable = self.core.store.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return false };
         let State::Http(http) = &mut conn.state else { return false };
         let response = match answer {
@@ -432,7 +432,7 @@ impl Server {
             let (mut wire, core, api) = self.wire_and_api();
             api.handle(core, &mut wire, r, head, identity, body, open)
         };
-        let durable = self.core.durable_lsn();
+        let durable = self.core.store.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
         let client_ip = conn.client_ip;

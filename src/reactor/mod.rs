@@ -77,9 +77,6 @@ const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
 
 /// Batch bodies of MAX_BATCH_BYTES buffered at once; further batches wait to be read.
 const BATCH_BODIES_AT_ONCE: usize = 4;
-/// Journal bytes not yet durable beyond which new submits wait for the disk.
-const JOURNAL_BACKLOG_BYTES: u64 = 64 << 20;
-
 const CONTINUE_100: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 fn token(r: ConnRef) -> Token {
@@ -398,6 +395,61 @@ pub struct Server {
     batch_budget: usize,
 }
 
+/// An `Io` for the start, before any connection exists.
+struct NoIo;
+
+impl Io for NoIo {
+    fn send_text(&mut self, _: ConnRef, _: &[&str]) -> bool {
+        false
+    }
+    fn reply(&mut self, _: ConnRef, _: Response) {}
+}
+
+/// The memory store, with the journal of `DATA_DIR` replayed into it (or memory only).
+fn open_memory_store(cfg: &Config, wall_ms: u64, waker: &Arc<Waker>) -> Result<crate::store::Store, StartError> {
+    let mem_cfg = crate::store::mem::MemConfig {
+        task_ttl_ms: cfg.task_ttl_ms,
+        max_pending: cfg.max_pending,
+        max_pending_bytes: cfg.max_pending_bytes,
+        task_memory_bytes: cfg.task_memory_bytes,
+        task_timeout_ms: cfg.task_timeout_ms,
+        max_retries: cfg.max_retries,
+    };
+    let Some(dir) = &cfg.data_dir else {
+        return Ok(crate::store::Store::Mem(Box::new(crate::store::mem::MemStore::new(mem_cfg, None))));
+    };
+    let journal_waker = waker.clone();
+    let wake: crate::journal::thread::Wake = Arc::new(move || {
+        let _ = journal_waker.wake();
+    });
+    let (mut journal, replayed) =
+        crate::journal::Journal::open(dir, cfg.task_memory_bytes, wall_ms, wake).map_err(|e| match e {
+            crate::journal::OpenError::Unusable(m) => StartError::DataDir(m),
+            crate::journal::OpenError::Io(m) => StartError::Journal(m),
+        })?;
+    journal.set_segment_bytes(cfg.journal_segment_bytes);
+    let (records, skipped, truncated, elapsed) =
+        (replayed.records, replayed.skipped, replayed.truncated_bytes, replayed.elapsed);
+    let segments = replayed.segments.len();
+    let mut mem = crate::store::mem::MemStore::new(mem_cfg, Some(Box::new(journal)));
+    mem.set_clock(0, wall_ms);
+    let restored = mem.restore(replayed);
+    let level = if skipped > 0 { Level::Error } else { Level::Info };
+    crate::log!(
+        level,
+        "journal replayed",
+        data_dir = dir.display(),
+        tasks_restored = restored,
+        pending = mem.task_count(crate::tasks::Status::Pending),
+        records = records,
+        records_skipped = skipped,
+        torn_bytes_cut = truncated,
+        segments = segments,
+        replay_ms = elapsed.as_millis()
+    );
+    Ok(crate::store::Store::Mem(Box::new(mem)))
+}
+
 impl Server {
     /// Binds the listener and prepares the loop. Returns the server and the waker that
     /// helper threads (signals, later disk work) use to wake it.
@@ -408,21 +460,8 @@ impl Server {
         poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
         let local_addr = listener.local_addr()?;
         let started = Instant::now();
-        let mut core = Core::new(
-            CoreConfig {
-                task_timeout_ms: cfg.task_timeout_ms,
-                max_retries: cfg.max_retries,
-                wait_timeout_ms: cfg.wait_timeout_ms,
-                task_ttl_ms: cfg.task_ttl_ms,
-                max_pending: cfg.max_pending,
-                task_memory_bytes: cfg.task_memory_bytes,
-                max_pending_bytes: cfg.max_pending_bytes,
-            },
-            0,
-            crate::timefmt::wall_ms(),
-        );
         let auth = crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token);
-        let token_cache = std::rc::Rc::new(std::cell::RefCell::new(crate::cluster::tokens::TokenCache::default()));
+        let token_cache = std::rc::Rc::new(std::cell::RefCell::new(crate::pg::tokens::TokenCache::default()));
         let auth = match &cfg.database {
             // Cluster mode: the node's cache of the database's registry (its turn transactions
             // refresh it).
@@ -439,50 +478,35 @@ impl Server {
         let wake_disk: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
             let _ = disk_waker.wake();
         });
-        // Cluster mode keeps files in the database, where every node can read them.
-        let (store, node) = match &cfg.database {
+        let wall = crate::timefmt::wall_ms();
+        // The task store, chosen once: PostgreSQL (cluster mode, which also keeps files in the
+        // database, where every node can read them), or memory with the journal or without.
+        let (task_store, blobs) = match &cfg.database {
             Some(params) => {
-                let node = cluster::start_node(&cfg, params, local_addr.port(), waker.clone(), token_cache)?;
-                let store = crate::cluster::files::start(params.clone(), node.db.probe(), cfg.blob_ttl_ms, wake_disk)?;
-                (store, Some(node))
+                let pg = cluster::start_node(&cfg, params, local_addr.port(), waker.clone(), token_cache)?;
+                let probe = pg.probe();
+                let blobs = crate::pg::files::start(params.clone(), probe, cfg.blob_ttl_ms, wake_disk)?;
+                (crate::store::Store::Pg(Box::new(pg)), blobs)
             }
-            None => (Store::start(cfg.blob_dir.clone(), wake_disk)?, None),
+            None => (open_memory_store(&cfg, wall, &waker)?, Store::start(cfg.blob_dir.clone(), wake_disk)?),
         };
+        let store = blobs;
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
-        if let Some(node) = node {
-            core.storage = crate::dispatch::Storage::Cluster(Box::new(node));
-            core.wheel.arm(0, Timer::ClusterTick);
-        } else if let Some(dir) = &cfg.data_dir {
-            let journal_waker = waker.clone();
-            let wake: crate::journal::thread::Wake = Arc::new(move || {
-                let _ = journal_waker.wake();
-            });
-            let (mut journal, replayed) = crate::journal::Journal::open(dir, cfg.task_memory_bytes, core.wall_ms, wake)
-                .map_err(|e| match e {
-                    crate::journal::OpenError::Unusable(m) => StartError::DataDir(m),
-                    crate::journal::OpenError::Io(m) => StartError::Journal(m),
-                })?;
-            journal.set_segment_bytes(cfg.journal_segment_bytes);
-            let (records, skipped, truncated, elapsed) =
-                (replayed.records, replayed.skipped, replayed.truncated_bytes, replayed.elapsed);
-            let segments = replayed.segments.len();
-            core.storage = crate::dispatch::Storage::Journal(Box::new(journal));
-            let restored = core.restore(replayed);
-            let level = if skipped > 0 { Level::Error } else { Level::Info };
-            crate::log!(
-                level,
-                "journal replayed",
-                data_dir = dir.display(),
-                tasks_restored = restored,
-                pending = core.task_count(crate::tasks::Status::Pending),
-                records = records,
-                records_skipped = skipped,
-                torn_bytes_cut = truncated,
-                segments = segments,
-                replay_ms = elapsed.as_millis()
-            );
+        let mut core = Core::new(
+            CoreConfig {
+                task_timeout_ms: cfg.task_timeout_ms,
+                max_retries: cfg.max_retries,
+                wait_timeout_ms: cfg.wait_timeout_ms,
+            },
+            task_store,
+            0,
+            wall,
+        );
+        core.set_clock(0, wall);
+        {
             // Restored records (attempts a restart cut short) go out with the first turn.
-            core.end_turn();
+            let mut nothing = NoIo;
+            core.end_turn(&mut nothing);
         }
         let registry_waker = waker.clone();
         api.auth.start_registry_loader(Arc::new(move || {
@@ -528,8 +552,7 @@ impl Server {
 
     fn tick_clock(&mut self) {
         self.now_ms = self.started.elapsed().as_millis() as u64;
-        self.core.now_ms = self.now_ms;
-        self.core.wall_ms = crate::timefmt::wall_ms();
+        self.core.set_clock(self.now_ms, crate::timefmt::wall_ms());
     }
 
     fn wire(&mut self) -> (Wire<'_>, &mut Core) {
@@ -541,7 +564,7 @@ impl Server {
     fn wire_and_api(&mut self) -> (Wire<'_>, &mut Core, &Api) {
         (
             Wire {
-                durable_lsn: self.core.durable_lsn(),
+                durable_lsn: self.core.store.durable_lsn(),
                 conns: &mut self.conns,
                 dirty: &mut self.dirty,
                 again: &mut self.again,
@@ -563,7 +586,7 @@ impl Server {
                 Some(Duration::ZERO)
             } else {
                 // (Records the journal holds back go to its writer by their deadline.)
-                let held = self.core.journal_hold_deadline_ms();
+                let held = self.core.store.hold_deadline_ms();
                 let at = match (self.core.wheel.next_wakeup_ms(), held) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
@@ -585,7 +608,7 @@ impl Server {
                         self.on_journal()?;
                         {
                             let (mut wire, core) = self.wire();
-                            core.cluster_on_wake(&mut wire);
+                            core.on_wake(&mut wire);
                         }
                         if !self.journal_full() && !self.journal_blocked.is_empty() {
                             // Cluster mode: submits held back for the insert backlog resume.
@@ -617,28 +640,22 @@ impl Server {
             self.process_again();
             // The turn's records go to the journal (or, in cluster mode, the database) before
             // its answers are written, so the sync runs while the rest of the output leaves.
+            self.core.store.want_durable(std::mem::take(&mut self.gated.want));
             {
                 let (mut wire, core) = self.wire();
-                core.cluster_end_turn(&mut wire);
+                core.end_turn(&mut wire);
             }
-            self.core.want_durable(std::mem::take(&mut self.gated.want));
-            self.core.end_turn();
             self.flush_dirty();
             // (Cluster mode: the attempts handed back at shutdown are written first, unless the
             // database is unreachable or SHUTDOWN_TIMEOUT passed.)
-            let flushed = self.core.cluster_flushed() || self.shutdown_expired;
+            let flushed = self.core.store.flushed() || self.shutdown_expired;
             if self.shutdown_started
                 && flushed
                 && (self.conns.is_empty() || (self.core.wheel.is_empty() && self.gated.conns.is_empty()))
             {
                 // (With timers and journal waits gone, nothing could ever end the remaining
                 // connections.) Everything accepted is made durable before the exit.
-                if let crate::dispatch::Storage::Journal(j) = &mut self.core.storage {
-                    j.stop();
-                    if j.failed() {
-                        return Err(io::Error::other("the journal could not be written"));
-                    }
-                }
+                self.core.store.stop().map_err(io::Error::other)?;
                 crate::log!(Level::Info, "shutdown complete");
                 return Ok(());
             }
@@ -650,20 +667,12 @@ impl Server {
     /// The journal's threads woke the loop: answers it made durable leave, tasks read back are
     /// answered, and submits held back for the backlog resume. A failed write is fatal.
     fn on_journal(&mut self) -> io::Result<()> {
-        let Some(j) = self.core.journal() else { return Ok(()) };
+        let Some(j) = self.core.store.mem().and_then(|m| m.journal()) else { return Ok(()) };
         if j.failed() {
             return Err(io::Error::other("the journal could not be written (see the error above)"));
         }
         let durable = j.durable_lsn();
-        let backlog = j.backlog_bytes();
-        let mut reads = Vec::new();
-        while let Some(done) = j.try_read_done() {
-            reads.push(done);
-        }
-        for done in reads {
-            let (mut wire, core) = self.wire();
-            core.on_read_done(&mut wire, done);
-        }
+        let backlog_full = self.core.store.backlog_full();
         if durable != self.durable_seen {
             self.durable_seen = durable;
             let gated = std::mem::take(&mut self.gated.conns);
@@ -675,7 +684,7 @@ impl Server {
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }
         }
-        if backlog <= JOURNAL_BACKLOG_BYTES && !self.journal_blocked.is_empty() {
+        if !backlog_full && !self.journal_blocked.is_empty() {
             // Their requests' clock starts again (a body may still be on its way).
             let at = self.now_ms + self.cfg.header_timeout_ms;
             for r in std::mem::take(&mut self.journal_blocked) {
@@ -691,8 +700,7 @@ impl Server {
     /// Too many journal bytes wait for the disk (or, in cluster mode, submitted payloads for
     /// the database): new submits wait (backpressure).
     fn journal_full(&self) -> bool {
-        self.core.journal().is_some_and(|j| j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
-            || self.core.cluster_backlog_full()
+        self.core.store.backlog_full()
     }
 
     // ----- accepting -------------------------------------------------------------------------
@@ -821,12 +829,12 @@ impl Server {
                 }
                 Phase::Head | Phase::AuthWait(_) | Phase::Body { .. } => {
                     crate::log!(Level::Debug, "request timeout", client_ip = conn.client_ip);
-                    self.respond_and_close(r, crate::api::error(408, "request not complete within HEADER_TIMEOUT"));
+                    self.respond_and_close(r, crate::http::error(408, "request not complete within HEADER_TIMEOUT"));
                 }
                 Phase::Held { .. } | Phase::Batch { .. } => {}
                 Phase::Upload(_) => {
                     crate::log!(Level::Debug, "upload stalled", client_ip = conn.client_ip);
-                    self.respond_and_close(r, crate::api::error(408, "upload made no progress within HEADER_TIMEOUT"));
+                    self.respond_and_close(r, crate::http::error(408, "upload made no progress within HEADER_TIMEOUT"));
                 }
                 Phase::Download(_) => self.close_now(r, "download stalled"),
             },
@@ -899,7 +907,7 @@ impl Server {
     }
 
     fn flush(&mut self, r: ConnRef) {
-        let durable = self.core.durable_lsn();
+        let durable = self.core.store.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return };
         conn.release_gates(durable);
         let total = conn.out.len();

@@ -13,17 +13,17 @@ impl Server {
     /// `POST /files` passed its checks: stream the body to the disk thread.
     pub(super) fn start_upload(&mut self, r: ConnRef, head: Head) -> bool {
         if head.framing == Framing::Empty {
-            self.answer_early(r, &head, crate::api::error(400, "POST /files needs a multipart body"));
+            self.answer_early(r, &head, crate::http::error(400, "POST /files needs a multipart body"));
             return true;
         }
         let parse = match UploadParse::new(head.content_type.as_deref(), self.cfg.max_file_bytes) {
             Ok(p) => p,
             Err(UploadError::Bad(msg)) => {
-                self.answer_early(r, &head, crate::api::error(400, &msg));
+                self.answer_early(r, &head, crate::http::error(400, &msg));
                 return true;
             }
             Err(UploadError::TooLarge) => {
-                self.answer_early(r, &head, crate::api::error(413, "file over MAX_FILE_SIZE"));
+                self.answer_early(r, &head, crate::http::error(413, "file over MAX_FILE_SIZE"));
                 return true;
             }
         };
@@ -179,9 +179,9 @@ impl Server {
             Step::Finish(Err(e)) | Step::Fail(e) => {
                 let response = match e {
                     UploadError::TooLarge => {
-                        crate::api::error(413, &format!("file over MAX_FILE_SIZE ({} bytes)", self.cfg.max_file_bytes))
+                        crate::http::error(413, &format!("file over MAX_FILE_SIZE ({} bytes)", self.cfg.max_file_bytes))
                     }
-                    UploadError::Bad(msg) => crate::api::error(400, &msg),
+                    UploadError::Bad(msg) => crate::http::error(400, &msg),
                 };
                 self.respond_and_close(r, response);
                 false
@@ -192,11 +192,11 @@ impl Server {
     /// `GET`/`HEAD /files/{id}`: ask the disk thread to open the file.
     pub(super) fn start_download(&mut self, r: ConnRef, head: Head, file_id: Option<u128>) -> bool {
         let Some(file_id) = file_id else {
-            self.answer_early(r, &head, crate::api::error(404, "no such file"));
+            self.answer_early(r, &head, crate::http::error(404, "no such file"));
             return true;
         };
         if head.framing != Framing::Empty {
-            self.answer_early(r, &head, crate::api::error(400, "a file download takes no request body"));
+            self.answer_early(r, &head, crate::http::error(400, "a file download takes no request body"));
             return true;
         }
         let transfer = self.next_transfer;
@@ -339,10 +339,10 @@ impl Server {
     /// The store could not do its job: the disk (500), or in cluster mode the database (503,
     /// which the caller may retry, perhaps through another node).
     fn store_failed(&self, message: &str) -> Response {
-        if self.core.is_cluster() {
+        if self.core.store.pg().is_some() {
             Response::error(503, "database_unavailable", &format!("{message}: the database is unreachable"))
         } else {
-            crate::api::error(500, message)
+            crate::http::error(500, message)
         }
     }
 
@@ -363,7 +363,7 @@ impl Server {
             Err(e) => {
                 self.transfers.remove(&t);
                 let response = match e {
-                    OpenError::NotFound => crate::api::error(404, "no such file"),
+                    OpenError::NotFound => crate::http::error(404, "no such file"),
                     OpenError::Io(msg) => {
                         crate::log!(Level::Error, "cannot open a stored file", error = msg);
                         unreadable
@@ -381,7 +381,7 @@ impl Server {
             RangeAnswer::Unsatisfiable => {
                 self.transfers.remove(&t);
                 self.store.send(Job::Close { t });
-                let response = crate::api::error(416, "range not satisfiable")
+                let response = crate::http::error(416, "range not satisfiable")
                     .with_header("Content-Range", format!("bytes */{}", meta.size));
                 self.core.metrics.http_request(416);
                 write_response(&mut conn.out, response, close, head_only);

@@ -48,8 +48,8 @@ fn pg_harness_durable_option_turns_fsync_on() {
 // ---------------------------------------------------------------------------------------------
 // The wire client (src/cluster/wire.rs).
 
-use relay::cluster::url::parse as parse_url;
-use relay::cluster::wire::{Conn, Param, PgError, Stmt, Timeouts};
+use relay::pg::url::parse as parse_url;
+use relay::pg::wire::{Conn, Param, PgError, Stmt, Timeouts};
 
 fn connect(url: &str) -> Conn {
     let params = parse_url(url).expect("url");
@@ -192,7 +192,7 @@ fn pg_wire_a_dead_server_is_an_error_not_a_hang() {
 // ---------------------------------------------------------------------------------------------
 // Schema migrations (src/cluster/schema.rs).
 
-use relay::cluster::schema;
+use relay::pg::schema;
 
 #[test]
 fn pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together() {
@@ -235,8 +235,8 @@ fn pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together() {
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use relay::cluster::db::{Db, DbConfig, Failure, Health, Reply, Request, SendError};
-use relay::cluster::sql;
+use relay::pg::db::{Db, DbConfig, Failure, Health, Reply, Request, SendError};
+use relay::pg::sql;
 
 fn db_config(pg: &Pg, node: &str) -> DbConfig {
     let mut cfg = DbConfig::new(parse_url(&pg.url()).expect("url"), node.to_string(), 1_000, 3_600_000, 2);
@@ -290,7 +290,7 @@ fn pg_db_thread_answers_through_the_queue_and_wakes_the_loop() {
 
     let before = wakes.load(Ordering::SeqCst);
     let task = new_task("11111111-1111-4111-8111-111111111111", Some("http"), None);
-    db.send(Request { tag: 7, stmts: vec![sql::insert_tasks(&[task])] }).expect("send");
+    db.send(Request { tag: 7, stmts: vec![insert(&[task])] }).expect("send");
     let r = reply(&db, 7);
     let rows = r.result.expect("inserted");
     assert_eq!(rows[0].rows.len(), 1);
@@ -404,7 +404,18 @@ fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
         run_at_ms: 1_000,
         idem_owner: key.map(|_| "root".to_string()),
         idem_key: key.map(String::from),
+        runs_now: false,
     }
+}
+
+/// `INSERT_TASKS` with room for everything.
+fn insert(tasks: &[sql::NewTask]) -> Stmt {
+    sql::insert_tasks(tasks, 1 << 40, 1 << 50)
+}
+
+/// The rows of an `INSERT_TASKS` answer that were inserted.
+fn inserted(rows: &relay::pg::wire::Rows) -> usize {
+    rows.rows.iter().filter(|r| r.i64(1).is_some()).count()
 }
 
 fn uuid_n(n: u32) -> String {
@@ -441,8 +452,8 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     let Some(pg) = Pg::start("pg_sql_claim_with_skip_locked_hands_each_task_to_one_node") else { return };
     let mut c = migrated(&pg);
     let tasks: Vec<sql::NewTask> = (0..2000).map(|i| new_task(&uuid_n(i), Some("http"), None)).collect();
-    let out = c.pipeline(&[sql::insert_tasks(&tasks)]).expect("submit");
-    assert_eq!(out[0].rows.len(), 2000);
+    let out = c.pipeline(&[insert(&tasks)]).expect("submit");
+    assert_eq!(inserted(&out[0]), 2000);
     assert_eq!(pg.psql("select count(*) from relay_pending"), "2000");
 
     // A claim held open in a transaction: others skip its rows instead of waiting for them.
@@ -451,9 +462,7 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     let mut holder = connect(&pg.url());
     holder.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
     holder.simple("BEGIN").expect("begin");
-    let held = holder
-        .pipeline(&[sql::claim(NODE_A, "a", &for_worker(&uuid_n(9000), Some(&["http"]), 10), 2_000)])
-        .expect("claim");
+    let held = holder.pipeline(&[claim(NODE_A, &uuid_n(9000), Some(&["http"]), 10, 2_000)]).expect("claim");
     assert_eq!(held[0].rows.len(), 10);
 
     let claimers: Vec<_> = (0..4)
@@ -466,9 +475,7 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
                 let mut mine = Vec::new();
                 loop {
                     let started = Instant::now();
-                    let out = c
-                        .pipeline(&[sql::claim(&node, "n", &for_worker(&uuid_n(9001), Some(&["http"]), 25), 2_000)])
-                        .expect("claim");
+                    let out = c.pipeline(&[claim(&node, &uuid_n(9001), Some(&["http"]), 25, 2_000)]).expect("claim");
                     assert!(started.elapsed() < Duration::from_secs(2), "a claim never waits on locked rows");
                     if out[0].rows.is_empty() {
                         return mine;
@@ -490,9 +497,9 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     // Kinds, due times and the tried list filter the claim.
     let mut t = new_task(&uuid_n(5000), Some("file"), None);
     t.run_at_ms = 50_000;
-    c.pipeline(&[sql::insert_tasks(&[t, new_task(&uuid_n(5001), None, None)])]).expect("submit");
+    c.pipeline(&[insert(&[t, new_task(&uuid_n(5001), None, None)])]).expect("submit");
     let claim = |c: &mut Conn, kinds: Option<&[&str]>, now: u64| {
-        c.pipeline(&[sql::claim(NODE_A, "a", &for_worker(&uuid_n(9002), kinds, 10), now)]).expect("claim")[0].rows.len()
+        c.pipeline(&[claim(NODE_A, &uuid_n(9002), kinds, 10, now)]).expect("claim")[0].rows.len()
     };
     assert_eq!(claim(&mut c, Some(&["http"]), 60_000), 0, "no http task left");
     assert_eq!(claim(&mut c, Some(&["file"]), 40_000), 0, "not due yet");
@@ -502,16 +509,22 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
     assert_counts_match(&pg);
 }
 
-/// An idle worker of kind http (or `kinds`) with `slots` free.
-fn for_worker<'a>(client: &'a str, kinds: Option<&'a [&'a str]>, slots: u32) -> sql::ClaimFor<'a> {
-    sql::ClaimFor { client_id: client, client_ip: "127.0.0.1", kinds, free_slots: slots }
+/// A claim of up to `slots` tasks for one idle worker `client` of `node` (kinds `kinds`).
+fn claim(node: &str, client: &str, kinds: Option<&[&str]>, slots: u32, now_ms: u64) -> Stmt {
+    sql::claim(node, 1, kinds, now_ms, slots, &format!("{{{client}}}"))
 }
 
-/// Claims one http task for `client`, a worker of `node`: the attempt opens on it.
+fn runner(client: &str) -> sql::Runner {
+    sql::Runner { client_id: client.to_string(), client_ip: "127.0.0.1".into(), started_ms: 5_000 }
+}
+
+/// Claims one http task for `client`, a worker of `node`, and starts its attempt on it.
 fn claim_and_start(c: &mut Conn, node: &str, name: &str, client: &str) -> (String, u32) {
-    let out = c.pipeline(&[sql::claim(node, name, &for_worker(client, Some(&["http"]), 1), 10_000)]).expect("claim");
+    let out = c.pipeline(&[claim(node, client, Some(&["http"]), 1, 10_000)]).expect("claim");
     let row = out[0].rows.first().expect("a task to claim");
-    (row.text(0).expect("id").to_string(), row.i64(1).expect("attempt") as u32)
+    let (id, attempt) = (row.text(0).expect("id").to_string(), row.i64(1).expect("attempt") as u32);
+    c.pipeline(&[sql::attempt_started(node, name, &[(id.clone(), attempt, runner(client))])]).expect("start");
+    (id, attempt)
 }
 
 fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, client: &str) -> sql::Ended {
@@ -525,16 +538,17 @@ fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, cl
         status,
         result: (status == "done").then(|| r#"{"ok":true}"#.to_string()),
         final_error: (status == "failed").then(|| format!("{outcome} on {client}")),
-        client_id: client.to_string(),
-        client_ip: "127.0.0.1".into(),
+        runner: Some(runner(client)),
     }
 }
 
+/// (status, attempts in the log, the log) of a task.
 fn task_row(c: &mut Conn, id: &str) -> (String, u32, serde_json::Value) {
-    let out = c.pipeline(&[Stmt::new(sql::GET_TASK, vec![id.into()])]).expect("get");
+    let out = c.pipeline(&[Stmt::new(sql::GET_TASKS, vec![Param::Text(format!("{{{id}}}"))])]).expect("get");
     let row = &out[0].rows[0];
-    let log: serde_json::Value = serde_json::from_str(row.text(12).expect("log")).expect("json");
-    (row.text(1).expect("status").to_string(), row.i64(11).expect("attempt") as u32, log)
+    let log: serde_json::Value = serde_json::from_str(row.text(10).expect("log")).expect("json");
+    let n = log.as_array().map_or(0, Vec::len) as u32;
+    (row.text(1).expect("status").to_string(), n, log)
 }
 
 #[test]
@@ -542,37 +556,47 @@ fn pg_sql_fenced_completion_refuses_a_stale_node() {
     let Some(pg) = Pg::start("pg_sql_fenced_completion_refuses_a_stale_node") else { return };
     let mut c = migrated(&pg);
     let id = uuid_n(1);
-    c.pipeline(&[sql::insert_tasks(&[new_task(&id, Some("http"), None)])]).expect("submit");
+    c.pipeline(&[insert(&[new_task(&id, Some("http"), None)])]).expect("submit");
     heartbeat(&mut c, NODE_A, "node-a");
     heartbeat(&mut c, NODE_B, "node-b");
     let (wa, wb) = (uuid_n(0xa1), uuid_n(0xb1));
     let (got, attempt) = claim_and_start(&mut c, NODE_A, "node-a", &wa);
     assert_eq!((got.as_str(), attempt), (id.as_str(), 1));
 
-    // Node A goes silent past its lease; B's reaper gives the task back, naming A.
+    // Node A goes silent past its lease; B adopts its attempt (naming A) and closes it.
     c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
         .expect("age A");
-    let out = c.pipeline(&[sql::reap_dead_nodes(6_000, 2, 7_000)]).expect("reap");
+    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into()]);
+    let out = c.pipeline(std::slice::from_ref(&adopt)).expect("adopt");
     assert_eq!(out[0].rows.len(), 1);
+    assert_eq!((out[0].rows[0].text(0), out[0].rows[0].i64(1)), (Some(id.as_str()), Some(1)));
+    assert_eq!(out[0].rows[0].text(8), Some("node-a"), "the lost node is named");
+    assert!(c.pipeline(&[adopt]).expect("adopt")[0].rows.is_empty(), "adopted once");
+    let mut lost = ended(&id, 1, "disconnect", "pending", &wa);
+    lost.runner = None;
+    lost.error = Some("relay node node-a was lost".into());
+    assert_eq!(c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[lost])]).expect("close")[0].rows.len(), 1);
     let (status, _, log) = task_row(&mut c, &id);
     assert_eq!(status, "pending");
     assert_eq!(log[0]["outcome"], "disconnect");
+    assert_eq!(log[0]["client_id"], wa.as_str(), "the entry A wrote is kept");
     assert!(log[0]["error"].as_str().is_some_and(|e| e.contains("node-a")), "{log}");
 
     // B claims it for a worker A's attempt did not use: attempt 2.
-    let out = c.pipeline(&[sql::claim(NODE_B, "node-b", &for_worker(&wa, Some(&["http"]), 1), 10_000)]).expect("claim");
+    let out = c.pipeline(&[claim(NODE_B, &wa, Some(&["http"]), 1, 10_000)]).expect("claim");
     assert!(out[0].rows.is_empty(), "the only idle worker already tried it");
     let (_, attempt2) = claim_and_start(&mut c, NODE_B, "node-b", &wb);
     assert_eq!(attempt2, 2);
 
     // A comes back with its late answer: refused by the WHERE (node and attempt).
-    let stale = c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&id, 1, "done", "done", &wa)])]).expect("stale");
+    let stale = c.pipeline(&[sql::attempt_ended(NODE_A, "node-a", &[ended(&id, 1, "done", "done", &wa)])]).expect("s");
     assert!(stale[0].rows.is_empty(), "a stale node's write matches nothing");
-    let wrong_attempt = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 1, "done", "done", &wb)])]).expect("x");
+    let wrong_attempt =
+        c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[ended(&id, 1, "done", "done", &wb)])]).expect("x");
     assert!(wrong_attempt[0].rows.is_empty(), "an earlier attempt's answer matches nothing");
-    let ok = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &wb)])]).expect("done");
+    let ok = c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[ended(&id, 2, "done", "done", &wb)])]).expect("ok");
     assert_eq!(ok[0].rows.len(), 1);
-    let dup = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &wb)])]).expect("dup");
+    let dup = c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[ended(&id, 2, "done", "done", &wb)])]).expect("d");
     assert!(dup[0].rows.is_empty(), "a duplicate matches nothing");
 
     let (status, attempts, log) = task_row(&mut c, &id);
@@ -588,13 +612,13 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
     let Some(pg) = Pg::start("pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences") else { return };
     let mut c = migrated(&pg);
     let id = uuid_n(2);
-    c.pipeline(&[sql::insert_tasks(&[new_task(&id, Some("http"), None)])]).expect("submit");
+    c.pipeline(&[insert(&[new_task(&id, Some("http"), None)])]).expect("submit");
     let (w1, w2) = (uuid_n(0x11), uuid_n(0x22));
     claim_and_start(&mut c, NODE_A, "a", &w1);
-    let out = c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&id, 1, "failed", "pending", &w1)])]).expect("fail");
+    let out = c.pipeline(&[sql::attempt_ended(NODE_A, "a", &[ended(&id, 1, "failed", "pending", &w1)])]).expect("f");
     assert_eq!(out[0].rows[0].text(1), Some("pending"), "back to pending for a retry");
     assert_eq!(pg.psql(&format!("select tried::text from relay_pending where task_id = '{id}'")), format!("{{{w1}}}"));
-    let none = c.pipeline(&[sql::claim(NODE_B, "b", &for_worker(&w1, Some(&["http"]), 1), 10_000)]).expect("claim");
+    let none = c.pipeline(&[claim(NODE_B, &w1, Some(&["http"]), 1, 10_000)]).expect("claim");
     assert!(none[0].rows.is_empty(), "not to the worker that failed it");
     let (_, attempt) = claim_and_start(&mut c, NODE_B, "b", &w2);
     assert_eq!(attempt, 2);
@@ -611,7 +635,7 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
     assert_eq!(out[0].rows[0].text(0), Some(NODE_B));
     let again = cancel(&mut c, sql::array([Some("http")]).into());
     assert!(again[0].rows.is_empty(), "already final");
-    let late = c.pipeline(&[sql::attempt_ended(NODE_B, &[ended(&id, 2, "done", "done", &w2)])]).expect("late");
+    let late = c.pipeline(&[sql::attempt_ended(NODE_B, "b", &[ended(&id, 2, "done", "done", &w2)])]).expect("late");
     assert!(late[0].rows.is_empty());
     let (status, _, log) = task_row(&mut c, &id);
     assert_eq!(status, "canceled");
@@ -619,12 +643,13 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
 
     // A claim whose worker left before the task was sent is given back whole.
     let other = uuid_n(3);
-    c.pipeline(&[sql::insert_tasks(&[new_task(&other, Some("http"), None)])]).expect("submit");
-    let (got, attempt) = claim_and_start(&mut c, NODE_A, "a", &w1);
+    c.pipeline(&[insert(&[new_task(&other, Some("http"), None)])]).expect("submit");
+    let out = c.pipeline(&[claim(NODE_A, &w1, Some(&["http"]), 1, 10_000)]).expect("claim");
+    let (got, attempt) = (out[0].rows[0].text(0).expect("id").to_string(), out[0].rows[0].i64(1).expect("attempt"));
     assert_eq!((got.as_str(), attempt), (other.as_str(), 1));
-    let stale = c.pipeline(&[sql::unclaim(NODE_B, &[(&other, 1)])]).expect("unclaim");
+    let stale = c.pipeline(&[sql::unclaim(NODE_B, &[(other.clone(), 1)])]).expect("unclaim");
     assert!(stale[0].rows.is_empty(), "only the owner may give it back");
-    let back = c.pipeline(&[sql::unclaim(NODE_A, &[(&other, 1)])]).expect("unclaim");
+    let back = c.pipeline(&[sql::unclaim(NODE_A, &[(other.clone(), 1)])]).expect("unclaim");
     assert_eq!(back[0].rows.len(), 1);
     let (status, attempts, log) = task_row(&mut c, &other);
     assert_eq!((status.as_str(), attempts, log), ("pending", 0, serde_json::json!([])));
@@ -641,13 +666,15 @@ fn pg_sql_idempotency_keys_expiry_and_retention() {
     let repeat = new_task(&uuid_n(2), Some("http"), Some("k1"));
     let out = c
         .pipeline(&[
-            sql::insert_tasks(&[first]),
-            sql::insert_tasks(&[repeat, new_task(&uuid_n(3), Some("http"), Some("k2"))]),
+            insert(&[first]),
+            insert(&[repeat, new_task(&uuid_n(3), Some("http"), Some("k2"))]),
             Stmt::new(sql::IDEMPOTENT_LOOKUP, vec![sql::array([Some("root")]).into(), sql::array([Some("k1")]).into()]),
         ])
         .expect("submit");
-    assert_eq!(out[1].rows.len(), 1, "the repeat created nothing");
-    assert_eq!(out[1].rows[0].text(0), Some(uuid_n(3).as_str()));
+    assert_eq!(inserted(&out[1]), 1, "the repeat created nothing");
+    assert_eq!(out[1].rows[0].i64(1), None, "the repeat: not inserted");
+    assert_eq!(out[1].rows[0].bool(2), Some(true), "(there was room: its key was taken)");
+    assert_eq!(out[1].rows[1].text(0), Some(uuid_n(3).as_str()));
     assert_eq!(out[2].rows[0].text(2), Some(uuid_n(1).as_str()), "the key names the first task");
     assert_eq!(pg.psql("select count(*) from relay_pending"), "2");
 
@@ -659,12 +686,12 @@ fn pg_sql_idempotency_keys_expiry_and_retention() {
     let now = 1_000 + 3_600_001 + 3_600_001;
     let out = c.pipeline(&[sql::retention(now, 3_600_000)]).expect("retention");
     assert_eq!(out[0].affected, 2);
-    let out = c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(4), Some("http"), Some("k2"))])]).expect("reuse");
-    assert_eq!(out[0].rows.len(), 1, "a key lives as long as its task");
+    let out = c.pipeline(&[insert(&[new_task(&uuid_n(4), Some("http"), Some("k2"))])]).expect("reuse");
+    assert_eq!(inserted(&out[0]), 1, "a key lives as long as its task");
     assert_counts_match(&pg);
     // The node's session tags its changes: the counter rows are its own.
     c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");
-    c.pipeline(&[sql::insert_tasks(&[new_task(&uuid_n(5), Some("http"), None)])]).expect("submit");
+    c.pipeline(&[insert(&[new_task(&uuid_n(5), Some("http"), None)])]).expect("submit");
     assert_eq!(
         pg.psql(&format!("select n from relay_counters where node_id = '{NODE_A}' and status = 'pending'")),
         "1"
@@ -776,17 +803,17 @@ fn pg_bench_round_trips_pipelines_and_arrays() {
         let tasks = batch(1000);
         let started = Instant::now();
         for t in &tasks {
-            c.pipeline(&[sql::insert_tasks(std::slice::from_ref(t))]).expect("insert");
+            c.pipeline(&[insert(std::slice::from_ref(t))]).expect("insert");
         }
         let one_by_one = started.elapsed();
         let tasks = batch(1000);
-        let stmts: Vec<Stmt> = tasks.iter().map(|t| sql::insert_tasks(std::slice::from_ref(t))).collect();
+        let stmts: Vec<Stmt> = tasks.iter().map(|t| insert(std::slice::from_ref(t))).collect();
         let started = Instant::now();
         c.pipeline(&stmts).expect("pipeline");
         let pipelined = started.elapsed();
         let tasks = batch(1000);
         let started = Instant::now();
-        c.pipeline(&[sql::insert_tasks(&tasks)]).expect("array");
+        c.pipeline(&[insert(&tasks)]).expect("array");
         let array = started.elapsed();
         eprintln!(
             "round {round}: 1000 inserts: {one_by_one:?} as 1000 transactions, {pipelined:?} as one pipelined \
@@ -813,11 +840,10 @@ fn pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them() {
     let mut plain_file = new_task(&uuid_n(2), Some("file"), None);
     plain_file.queue = false;
     let queued_file = new_task(&uuid_n(3), Some("file"), None);
-    c.pipeline(&[sql::insert_tasks(&[plain, plain_file, queued_file, new_task(&uuid_n(4), Some("http"), None)])])
-        .expect("submit");
+    c.pipeline(&[insert(&[plain, plain_file, queued_file, new_task(&uuid_n(4), Some("http"), None)])]).expect("submit");
     // Task 1 (claimed first) fails on w1 and waits as a retry.
     claim_and_start(&mut c, NODE_A, "a", &w1);
-    c.pipeline(&[sql::attempt_ended(NODE_A, &[ended(&uuid_n(1), 1, "failed", "pending", &w1)])]).expect("retry");
+    c.pipeline(&[sql::attempt_ended(NODE_A, "a", &[ended(&uuid_n(1), 1, "failed", "pending", &w1)])]).expect("retry");
 
     let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
     let mut failed: Vec<(String, String)> = out[0]
@@ -991,12 +1017,13 @@ fn pg_bench_turn_transactions() {
             done += ends.len();
             let out = c
                 .pipeline(&[
-                    sql::insert_tasks(&tasks),
-                    sql::attempt_ended(NODE_A, &ends),
-                    sql::claim(NODE_A, "a", &for_worker(&worker, Some(&["http"]), batch as u32), 10_000),
+                    Stmt::new(sql::INSERT_LOCK, vec![]),
+                    insert(&tasks),
+                    sql::attempt_ended(NODE_A, "a", &ends),
+                    claim(NODE_A, &worker, Some(&["http"]), batch as u32, 10_000),
                 ])
                 .expect("turn");
-            claimed = out[2]
+            claimed = out[3]
                 .rows
                 .iter()
                 .map(|r| (r.text(0).unwrap_or("").to_string(), r.i64(1).unwrap_or(0) as u32))
@@ -1021,7 +1048,7 @@ fn pg_sql_nodes_silent_for_an_hour_are_forgotten_and_their_counts_folded() {
     heartbeat(&mut c, NODE_A, "node-a");
     heartbeat(&mut c, NODE_B, "node-b");
     let tasks: Vec<sql::NewTask> = (1..=3).map(|n| new_task(&uuid_n(n), Some("http"), None)).collect();
-    c.pipeline(&[sql::insert_tasks(&tasks)]).expect("insert");
+    c.pipeline(&[insert(&tasks)]).expect("insert");
     let rows_of = |node: &str| pg.psql(&format!("select count(*) from relay_counters where node_id = '{node}'"));
     assert_eq!(rows_of(NODE_A), "1");
     // A falls silent for two hours, B stays alive.

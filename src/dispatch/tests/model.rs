@@ -31,12 +31,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use relay::auth::Identity;
-use relay::dispatch::{CancelResult, Core, CoreConfig, Io, NewTask, ReadFor, Storage, SubmitError};
+use relay::dispatch::{CancelResult, Core, CoreConfig, Io, NewTask, SubmitError};
 use relay::http::Response;
 use relay::journal::Journal;
 use relay::journal::codec::RESTART_ERROR;
 use relay::metrics::Ignored;
+use relay::store::Store;
+use relay::store::mem::{MemConfig, MemStore};
 use relay::tasks::{ConnRef, Outcome, Status, Task, TaskId};
 use serde::Deserialize;
 use serde_json::Value;
@@ -390,6 +391,9 @@ struct MAttempt {
     duration: u64,
     restarted: bool,
     answered: bool,
+    /// It ended while the current process ran (the core remembers a bounded number of such
+    /// attempts, so a late answer is told from an unknown one after its task was forgotten).
+    ended_here: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -660,9 +664,7 @@ pub struct Harness {
 
 impl Drop for Harness {
     fn drop(&mut self) {
-        if let Storage::Journal(mut j) = std::mem::replace(&mut self.core.storage, Storage::Memory) {
-            j.stop();
-        }
+        let _ = self.core.store.stop();
         if let Some(dir) = &self.dir {
             let _ = std::fs::remove_dir_all(dir);
         }
@@ -671,20 +673,23 @@ impl Drop for Harness {
 
 impl Harness {
     fn core_config(cfg: &ModelConfig) -> CoreConfig {
-        CoreConfig {
-            task_timeout_ms: TASK_TIMEOUT_MS,
-            max_retries: cfg.max_retries,
-            wait_timeout_ms: WAIT_TIMEOUT_MS,
+        CoreConfig { task_timeout_ms: TASK_TIMEOUT_MS, max_retries: cfg.max_retries, wait_timeout_ms: WAIT_TIMEOUT_MS }
+    }
+
+    fn mem_config(cfg: &ModelConfig) -> MemConfig {
+        MemConfig {
             task_ttl_ms: cfg.task_ttl_ms,
             max_pending: cfg.max_pending,
-            task_memory_bytes: cfg.task_memory_bytes,
             max_pending_bytes: cfg.max_pending_bytes,
+            task_memory_bytes: cfg.task_memory_bytes,
+            task_timeout_ms: TASK_TIMEOUT_MS,
+            max_retries: cfg.max_retries,
         }
     }
 
     /// A core as the reactor makes one: monotonic clock at 0, the journal replayed into it.
     fn start_core(cfg: &ModelConfig, dir: Option<&Path>, wall: u64) -> Result<Core, Failure> {
-        let mut core = Core::new(Self::core_config(cfg), 0, wall);
+        let mut store = MemStore::new(Self::mem_config(cfg), None);
         if let Some(dir) = dir {
             let (mut journal, replayed) = Journal::open(dir, cfg.task_memory_bytes, wall, Arc::new(|| {}))
                 .map_err(|e| Failure { step: 0, check: "journal", detail: format!("cannot open: {e}") })?;
@@ -698,10 +703,13 @@ impl Harness {
             if cfg.small_segments {
                 journal.set_segment_bytes(0);
             }
-            core.storage = Storage::Journal(Box::new(journal));
-            core.restore(replayed);
-            core.end_turn();
+            store = MemStore::new(Self::mem_config(cfg), Some(Box::new(journal)));
+            store.set_clock(0, wall);
+            store.restore(replayed);
         }
+        let mut core = Core::new(Self::core_config(cfg), Store::Mem(Box::new(store)), 0, wall);
+        core.set_clock(0, wall);
+        core.end_turn(&mut ModelIo::default());
         Ok(core)
     }
 
@@ -762,8 +770,7 @@ impl Harness {
 
     fn set_clock(&mut self, wall: u64) {
         self.now = wall;
-        self.core.now_ms = wall - self.mono_base;
-        self.core.wall_ms = wall;
+        self.core.set_clock(wall - self.mono_base, wall);
     }
 
     // ----- the model's transitions -------------------------------------------------------------
@@ -775,6 +782,7 @@ impl Harness {
         a.outcome = Some(outcome);
         a.error = error;
         a.duration = now - a.started;
+        a.ended_here = true;
         let w = a.worker;
         self.workers[w].in_flight.retain(|&x| x != i);
         self.attempts_metric[outcome_index(outcome)] += 1;
@@ -879,6 +887,7 @@ impl Harness {
             duration: 0,
             restarted: false,
             answered: false,
+            ended_here: false,
         });
         self.workers[w].in_flight.push(i);
         self.stats.add(Seen::Dispatch);
@@ -1128,20 +1137,20 @@ impl Harness {
     /// once the journal thread reports the records on disk (they leave memory only then): so
     /// here too, within a deadline.
     fn end_turn(&mut self) -> Result<(), Failure> {
-        self.core.end_turn();
+        self.core.end_turn(&mut self.io);
         if self.core.journal().is_none() || self.core.finished_mem_bytes() <= self.cfg.task_memory_bytes {
             return Ok(());
         }
         let lsn = self.core.journal().map_or(0, Journal::lsn);
         // (No answer waits on them here: ask for the sync rather than wait out the writer's hold.)
-        self.core.want_durable(lsn);
-        self.core.end_turn();
+        self.core.store.want_durable(lsn);
+        self.core.end_turn(&mut self.io);
         let deadline = Instant::now() + Duration::from_secs(10);
-        while self.core.durable_lsn() < lsn {
+        while self.core.store.durable_lsn() < lsn {
             ensure!(Instant::now() < deadline, "journal", "records up to {lsn} never became durable");
             std::thread::sleep(Duration::from_micros(100));
         }
-        self.core.end_turn();
+        self.core.end_turn(&mut self.io);
         Ok(())
     }
 
@@ -1193,7 +1202,7 @@ impl Harness {
         } else {
             Ok(None)
         };
-        let got = self.core.submit(
+        let got = self.core.submit_direct(
             &mut self.io,
             NewTask { payload: &raw, kind, run_at_wall_ms: run_at, queue, timeout_ms, max_retries, idempotency },
         );
@@ -1360,8 +1369,11 @@ impl Harness {
         // SPEC §5: only the current attempt's worker finishes the task; a late answer (an earlier
         // attempt, or after the task became final or was canceled), a duplicate (a second answer
         // to one attempt) or an unknown one (a task this worker was never sent) is counted, never
-        // applied. A task the core no longer holds in memory cannot be told from one never sent.
-        match target.filter(|&i| self.tasks[i].gone == Gone::Live) {
+        // applied. A task the core no longer holds in memory is told from one never sent while
+        // the core remembers the attempt (it ended in this process).
+        let remembered =
+            |t: &MTask| t.gone == Gone::Live || t.attempts.iter().any(|a| a.client == client && a.ended_here);
+        match target.filter(|&i| remembered(&self.tasks[i])) {
             None => {
                 self.ignored[Ignored::Unknown as usize] += 1;
                 self.stats.add(Seen::Unknown);
@@ -1402,7 +1414,7 @@ impl Harness {
 
     fn cancel(&mut self, t: u8) -> Result<(), Failure> {
         let Some(i) = self.pick_task(t) else {
-            let got = self.core.cancel(&mut self.io, 0x4000_0000_0000_4000_8000_0000_0000_0001);
+            let got = self.core.cancel_direct(&mut self.io, 0x4000_0000_0000_4000_8000_0000_0000_0001);
             ensure!(got == CancelResult::NotFound, "cancel", "cancel of an unknown id: {got:?}");
             return Ok(());
         };
@@ -1423,12 +1435,16 @@ impl Harness {
                 CancelResult::Canceled
             }
             (Gone::Live, _) => CancelResult::AlreadyFinal,
-            // The API reads a task that left memory back from the journal; the core says so.
+            // A task that left memory is read back from the journal: final, 409.
+            (Gone::Evicted, _) => CancelResult::Later,
             _ => CancelResult::NotFound,
         };
         let id = self.tasks[i].id;
-        let got = self.core.cancel(&mut self.io, id);
+        let got = self.core.cancel_direct(&mut self.io, id);
         ensure!(got == expected, "cancel", "cancel of task {i}: expected {expected:?}, got {got:?}");
+        if got == CancelResult::Later {
+            return self.read_back_reply(i, relay::dispatch::DIRECT, 409);
+        }
         Ok(())
     }
 
@@ -1443,7 +1459,7 @@ impl Harness {
         self.next_wait_conn += 1;
         let conn = ConnRef { slot: 1_000 + self.next_wait_conn, generation: 1 };
         let id = self.tasks[i].id;
-        let got = self.core.wait(conn, id, post);
+        let got = self.core.wait(&mut self.io, conn, id, post);
         let status = self.tasks[i].status;
         if status.is_final() {
             let code = got.as_ref().map(|r| r.status);
@@ -1470,28 +1486,34 @@ impl Harness {
         self.next_wait_conn += 1;
         let conn = ConnRef { slot: 1_000 + self.next_wait_conn, generation: 1 };
         let id = self.tasks[i].id;
+        let at_once = self.core.get_direct(&mut self.io, conn, id);
         ensure!(
-            self.core.read_evicted(conn, id, ReadFor::Get, &Identity::Root),
+            at_once.is_none(),
             "read",
-            "task {i} left memory but cannot be read back"
+            "task {i} left memory but was answered at once: {:?}",
+            at_once.map(|r| r.status)
         );
+        self.read_back_reply(i, conn, 200)
+    }
+
+    /// The answer for task `i` read back from the journal reaches `conn` with `code`, and it is
+    /// the task's final JSON, byte for byte.
+    fn read_back_reply(&mut self, i: usize, conn: ConnRef, code: u16) -> Result<(), Failure> {
         // The reader thread answers and would wake the loop; wait for that, with a deadline.
         let deadline = Instant::now() + Duration::from_secs(10);
-        let done = loop {
-            if let Some(done) = self.core.journal().and_then(|j| j.try_read_done()) {
-                break done;
+        let pos = loop {
+            self.core.on_wake(&mut self.io);
+            if let Some(pos) =
+                self.io.events.iter().position(|e| matches!(e, Event::Reply { conn: c, .. } if *c == conn))
+            {
+                break pos;
             }
             ensure!(Instant::now() < deadline, "read", "the journal's reader never answered for task {i}");
             std::thread::sleep(Duration::from_micros(200));
         };
-        self.core.on_read_done(&mut self.io, done);
-        let Some(pos) = self.io.events.iter().position(|e| matches!(e, Event::Reply { conn: c, .. } if *c == conn))
-        else {
-            return Err(Failure { step: 0, check: "read", detail: format!("no answer for task {i} read back") });
-        };
         if let Event::Reply { status, body, .. } = self.io.events.remove(pos) {
             let body = String::from_utf8_lossy(&body);
-            ensure!(status == 200, "read", "task {i} read back: {status} {body}");
+            ensure!(status == code, "read", "task {i} read back: {status} {body}");
             let snapshot = self.tasks[i].snapshot.as_deref().unwrap_or_default();
             ensure!(body == snapshot, "final", "task {i} read back changed:\n  was {snapshot}\n  now {body}");
             self.stats.add(Seen::ReadBack);
@@ -1616,9 +1638,9 @@ impl Harness {
     /// relay stops (every record is on disk: a clean stop, or a crash after the last sync) and
     /// starts again `downtime_ms` later from the journal.
     fn restart(&mut self, downtime_ms: u64) -> Result<(), Failure> {
-        if let Storage::Journal(mut j) = std::mem::replace(&mut self.core.storage, Storage::Memory) {
-            j.stop();
-        }
+        let _ = self.core.store.stop();
+        // (The journal, and the lock on its directory, go with the old store.)
+        self.core.store = Store::Mem(Box::new(MemStore::new(Self::mem_config(&self.cfg), None)));
         let wall = self.now + downtime_ms;
         self.core = Self::start_core(&self.cfg, self.dir.as_deref(), wall)?;
         self.io = ModelIo::default();
@@ -1637,6 +1659,10 @@ impl Harness {
         self.stats.add(Seen::Restart);
         let ttl = self.cfg.task_ttl_ms;
         for t in &mut self.tasks {
+            // (The new process remembers no attempt it did not end itself.)
+            for a in &mut t.attempts {
+                a.ended_here = false;
+            }
             if !t.known() {
                 continue;
             }
@@ -1657,10 +1683,9 @@ impl Harness {
             t.status = Status::Pending;
             t.restored = true;
             t.scheduled = t.due > wall;
-            // SPEC §7 counts TASK_TTL in the queue from when a task fell due; the core's
-            // monotonic clock starts at 0 with the process, so a task that fell due before the
-            // restart counts from the restart (reported as a SPEC question, not changed).
-            t.expiry_base = t.due.max(wall);
+            // SPEC §7 counts TASK_TTL in the queue from when a task fell due (wall clock), also
+            // across a restart.
+            t.expiry_base = t.due;
         }
         self.begin_step();
         self.take_snapshots();
@@ -1812,13 +1837,8 @@ impl Harness {
             m.tasks_final,
             self.finals_metric
         );
-        ensure!(
-            m.tasks_evicted == self.evicted_metric,
-            "metrics",
-            "evicted {}, the model {}",
-            m.tasks_evicted,
-            self.evicted_metric
-        );
+        let evicted = self.core.gauges(0).tasks_evicted;
+        ensure!(evicted == self.evicted_metric, "metrics", "evicted {evicted}, the model {}", self.evicted_metric);
         Ok(())
     }
 
@@ -1864,10 +1884,13 @@ impl Harness {
             "task {i} is {:?} with open {last_open}",
             ct.status
         );
+        // A task that is done drops its payload; a failed or canceled one keeps it, to be run
+        // again (SPEC §13).
         ensure!(
-            ct.payload.is_some() != ct.status.is_final(),
+            ct.payload.is_some() != (ct.status == Status::Done),
             "payload",
-            "task {i} payload kept {}",
+            "task {i} ({:?}) payload kept {}",
+            ct.status,
             ct.payload.is_some()
         );
         // Against the model.

@@ -4,7 +4,7 @@ use super::*;
 
 fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId {
     let p = payload("{}");
-    core.submit(
+    core.submit_direct(
         io,
         NewTask {
             payload: &p,
@@ -21,8 +21,8 @@ fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId
 
 /// Advances both clocks to `now_ms` and fires what is due.
 fn advance(core: &mut Core, io: &mut FakeIo, now_ms: u64) {
-    core.wall_ms += now_ms - core.now_ms;
-    core.now_ms = now_ms;
+    let wall = core.wall_ms + (now_ms - core.now_ms);
+    core.set_clock(now_ms, wall);
     let mut fired = Vec::new();
     core.wheel.advance(now_ms, &mut fired);
     for t in fired {
@@ -97,19 +97,10 @@ fn full_worker_output_buffer_is_recorded_as_send_failed() {
 fn recheck_fragile_costs_waiting_tasks_times_workers() {
     // Issue 10 #8: every hello and every disconnect rechecked each waiting retry or plain task
     // against every worker. Now it looks only at kinds the worker stopped taking.
-    let mut c = Core::new(
-        CoreConfig {
-            task_timeout_ms: 1_000,
-            max_retries: 2,
-            wait_timeout_ms: 5_000,
-            task_ttl_ms: 60_000,
-            max_pending: 1 << 20,
-            max_pending_bytes: 1 << 30,
-            task_memory_bytes: 64 << 20,
-        },
-        0,
-        1_000_000,
-    );
+    let mut c = core_with(|m| {
+        m.max_pending = 1 << 20;
+        m.max_pending_bytes = 1 << 30;
+    });
     let mut io = FakeIo::default();
     let hello = r#"{"type":"hello","kinds":["a"],"concurrency":1}"#;
     for w in [conn(0), conn(1)] {
@@ -146,23 +137,11 @@ fn recheck_fragile_costs_waiting_tasks_times_workers() {
 #[test]
 fn max_pending_counts_tasks_whatever_their_payload_size() {
     // Issue 10 #10: MAX_PENDING_BYTES bounds the payload bytes waiting as pending.
-    let mut c = Core::new(
-        CoreConfig {
-            task_timeout_ms: 1_000,
-            max_retries: 2,
-            wait_timeout_ms: 5_000,
-            task_ttl_ms: 60_000,
-            max_pending: 100,
-            max_pending_bytes: 1_000,
-            task_memory_bytes: 64 << 20,
-        },
-        0,
-        1_000_000,
-    );
+    let mut c = core_with(|m| m.max_pending_bytes = 1_000);
     let mut io = FakeIo::default();
     let big = payload(&format!("\"{}\"", "x".repeat(398))); // 400 bytes of JSON text
     let queued = |c: &mut Core, io: &mut FakeIo| {
-        c.submit(
+        c.submit_direct(
             io,
             NewTask {
                 payload: &big,
@@ -178,7 +157,7 @@ fn max_pending_counts_tasks_whatever_their_payload_size() {
     let first = queued(&mut c, &mut io).expect("400 bytes wait");
     queued(&mut c, &mut io).expect("800 bytes wait");
     assert_eq!(queued(&mut c, &mut io), Err(SubmitError::QueueFull), "1,200 bytes would be over 1,000");
-    assert_eq!(c.cancel(&mut io, first), CancelResult::Canceled);
+    assert_eq!(c.cancel_direct(&mut io, first), CancelResult::Canceled);
     queued(&mut c, &mut io).expect("a canceled task's bytes are free again");
     // Dispatched tasks do not count: a worker takes both, and two more fit.
     join(&mut c, &mut io, conn(0), "10.0.0.1");
@@ -195,16 +174,18 @@ fn tasks_that_expired_while_relay_was_down_leave_nothing_in_the_listing_index() 
     let mut before = core();
     let mut io = FakeIo::default();
     let id = submit_queued(&mut before, &mut io, Some("k"));
-    assert_eq!(before.cancel(&mut io, id), CancelResult::Canceled);
+    assert_eq!(before.cancel_direct(&mut io, id), CancelResult::Canceled);
     let mut segment = segment_header().to_vec();
     put_frame(&mut segment, 1, RecordType::Task, |out| put_task(out, before.task(id).expect("task")));
     let replayed = crate::journal::replay::replay_bytes(&[(1, &segment)], 64 << 20);
     assert_eq!(replayed.tasks.len(), 1);
 
     // One TASK_TTL (60 s) and a bit later.
-    let mut after = Core::new(before.cfg.clone(), 0, before.wall_ms + 61_000);
-    assert_eq!(after.restore(replayed), 0, "nothing to restore: it expired");
+    let mut after = core();
+    after.set_clock(0, before.wall_ms + 61_000);
+    let restored = after.store.mem_mut().map(|m| m.restore(replayed));
+    assert_eq!(restored, Some(0), "nothing to restore: it expired");
     assert!(after.task(id).is_none());
     assert_eq!(after.task_count(Status::Canceled), 0);
-    assert_eq!(after.tasks_newest_first(u64::MAX).count(), 0, "a forgotten task left in the listing index");
+    assert_eq!(after.tasks_newest_first(u64::MAX).len(), 0, "a forgotten task left in the listing index");
 }

@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use super::*;
+use crate::journal::Journal;
 
 const TTL_MS: u64 = 10_000;
 
@@ -28,28 +29,28 @@ impl Drop for DataDir {
 
 /// relay starts at `wall_ms` on `dir`.
 fn start(dir: &DataDir, wall_ms: u64) -> Core {
-    let cfg = CoreConfig {
-        task_timeout_ms: 1_000,
-        max_retries: 2,
-        wait_timeout_ms: 5_000,
+    let cfg = CoreConfig { task_timeout_ms: 1_000, max_retries: 2, wait_timeout_ms: 5_000 };
+    let mem = crate::store::mem::MemConfig {
         task_ttl_ms: TTL_MS,
         max_pending: 100,
-        task_memory_bytes: 64 << 20,
         max_pending_bytes: 1 << 20,
+        task_memory_bytes: 64 << 20,
+        task_timeout_ms: 1_000,
+        max_retries: 2,
     };
-    let mut core = Core::new(cfg, 0, wall_ms);
     let (journal, replayed) = Journal::open(&dir.0, 64 << 20, wall_ms, Arc::new(|| {})).expect("the journal opens");
-    core.storage = Storage::Journal(Box::new(journal));
-    core.restore(replayed);
-    core.end_turn();
+    let mut store = crate::store::mem::MemStore::new(mem, Some(Box::new(journal)));
+    store.set_clock(0, wall_ms);
+    store.restore(replayed);
+    let mut core = Core::new(cfg, Store::Mem(Box::new(store)), 0, wall_ms);
+    core.set_clock(0, wall_ms);
+    core.end_turn(&mut FakeIo::default());
     core
 }
 
 /// relay stops: every record on disk, the journal's writer done (before the directory goes).
 fn stop(mut core: Core) {
-    if let Storage::Journal(mut j) = std::mem::replace(&mut core.storage, Storage::Memory) {
-        j.stop();
-    }
+    let _ = core.store.stop();
 }
 
 /// relay stops and starts again `downtime_ms` later.
@@ -70,8 +71,8 @@ fn queued(core: &mut Core, io: &mut FakeIo, max_retries: Option<u32>) -> TaskId 
         max_retries,
         idempotency: None,
     };
-    let id = core.submit(io, new).expect("queued");
-    core.end_turn();
+    let id = core.submit_direct(io, new).expect("queued");
+    core.end_turn(io);
     id
 }
 
@@ -112,10 +113,10 @@ fn a_task_forgotten_at_a_restart_stays_in_the_listing_index() {
     join(&mut c, &mut io, conn(0), "10.0.0.1");
     let id = queued(&mut c, &mut io, None);
     result(&mut c, &mut io, conn(0), id, true);
-    c.end_turn();
+    c.end_turn(&mut io);
     let c = restart(c, &dir, TTL_MS + 1);
     assert!(c.task(id).is_none(), "forgotten");
-    assert_eq!(c.tasks_newest_first(u64::MAX).count(), 0, "and not listed");
+    assert_eq!(c.tasks_newest_first(u64::MAX).len(), 0, "and not listed");
     stop(c);
 }
 
@@ -130,8 +131,8 @@ fn a_canceled_task_comes_back_pending_once_its_forget_record_is_deleted() {
     let stays = queued(&mut c, &mut io, None);
     let canceled = queued(&mut c, &mut io, None);
     let mut c = restart(c, &dir, 0);
-    assert_eq!(c.cancel(&mut io, canceled), CancelResult::Canceled);
-    c.end_turn();
+    assert_eq!(c.cancel_direct(&mut io, canceled), CancelResult::Canceled);
+    c.end_turn(&mut io);
     // Forgotten while down (its Forget record goes to a new segment), then two more starts.
     let c = restart(c, &dir, TTL_MS + 1);
     let c = restart(c, &dir, 0);

@@ -72,6 +72,11 @@ pub const LIVE_NODES: &str = "SELECT node_id::text, name, started_ms, heartbeat_
 // ---------------------------------------------------------------------------------------------
 // Submit: one transaction per loop turn carries every accepted task; 202 after its COMMIT.
 
+/// The lock every transaction that inserts tasks takes first (a statement of its own, so the
+/// insert's snapshot is taken after it): inserts of all nodes are serialized, so MAX_PENDING
+/// holds cluster-wide (SPEC §7). Claims and attempt ends do not take it.
+pub const INSERT_LOCK: &str = "SELECT pg_advisory_xact_lock(8245972963651339265)";
+
 /// One task to insert.
 #[derive(Debug, Clone)]
 pub struct NewTask {
@@ -85,170 +90,234 @@ pub struct NewTask {
     pub run_at_ms: u64,
     pub idem_owner: Option<String>,
     pub idem_key: Option<String>,
+    /// A worker of the inserting node can take it now: MAX_PENDING does not refuse it.
+    pub runs_now: bool,
 }
 
-/// Inserts the tasks and their pending rows in one statement. A task whose (owner, key) is
-/// already taken is not inserted (nor queued); it is missing from the returned `id, seq` rows,
-/// and [`IDEMPOTENT_LOOKUP`] in the same transaction tells which task holds the key.
-pub const INSERT_TASKS: &str = "WITH n AS (
+/// Inserts the tasks and their pending rows in one statement, in order, as long as room is
+/// left under $12 tasks and $13 payload bytes waiting (counted by `relay_pending_counts`, read
+/// under [`INSERT_LOCK`]; a task marked `runs_now` needs no room). A task whose (owner, key) is
+/// already taken is not inserted. Returns one row per task given: id, seq (NULL: not inserted),
+/// and whether there was room (not inserted but room: its key is taken — [`IDEMPOTENT_LOOKUP`]
+/// in the same transaction tells by which task).
+pub const INSERT_TASKS: &str = "WITH lim AS (
+       SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
+     ), n AS (
        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::int4[],
-                            $7::int8[], $8::int8[], $9::text[], $10::text[])
-         AS n(id, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key)
+                            $7::int8[], $8::int8[], $9::text[], $10::text[], $11::bool[]) WITH ORDINALITY
+         AS n(id, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key,
+              runs_now, ord)
+     ), room AS (
+       SELECT n.*, count(*) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord) AS cum_n,
+              coalesce(sum(octet_length(n.payload)) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord), 0) AS cum_b
+       FROM n
+     ), ok AS (
+       SELECT room.* FROM room, lim
+       WHERE room.runs_now OR (lim.n + room.cum_n <= $12::int8 AND lim.b + room.cum_b <= $13::int8)
      ), ins AS (
        INSERT INTO relay_tasks (id, status, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms,
                                 idem_owner, idem_key)
        SELECT id, 'pending', kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key
-       FROM n ORDER BY created_ms
+       FROM ok ORDER BY ord
        ON CONFLICT (idem_owner, idem_key) WHERE idem_key IS NOT NULL DO NOTHING
        RETURNING id, seq, kind, queue, run_at_ms, octet_length(payload) AS bytes
      ), pend AS (
        INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, payload_bytes)
        SELECT id, run_at_ms, seq, kind, queue, bytes FROM ins
      )
-     SELECT id::text, seq FROM ins";
+     SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
+     ORDER BY n.ord";
 
-pub fn insert_tasks(tasks: &[NewTask]) -> Stmt {
+pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64) -> Stmt {
     let num = |v: Option<u64>| v.map(|n| n.to_string());
     let timeouts: Vec<Option<String>> = tasks.iter().map(|t| num(t.timeout_ms)).collect();
     let retries: Vec<Option<String>> = tasks.iter().map(|t| num(t.max_retries.map(u64::from))).collect();
     let created: Vec<String> = tasks.iter().map(|t| t.created_ms.to_string()).collect();
     let run_at: Vec<String> = tasks.iter().map(|t| t.run_at_ms.to_string()).collect();
+    let flag = |b: bool| if b { "t" } else { "f" };
     Stmt::new(
         INSERT_TASKS,
         vec![
             arr(tasks.iter().map(|t| t.id.as_str())),
             arr_opt(tasks.iter().map(|t| t.kind.as_deref())),
             arr(tasks.iter().map(|t| t.payload.as_str())),
-            arr(tasks.iter().map(|t| if t.queue { "t" } else { "f" })),
+            arr(tasks.iter().map(|t| flag(t.queue))),
             arr_opt(timeouts.iter().map(Option::as_deref)),
             arr_opt(retries.iter().map(Option::as_deref)),
             arr(created.iter().map(String::as_str)),
             arr(run_at.iter().map(String::as_str)),
             arr_opt(tasks.iter().map(|t| t.idem_owner.as_deref())),
             arr_opt(tasks.iter().map(|t| t.idem_key.as_deref())),
+            arr(tasks.iter().map(|t| flag(t.runs_now))),
+            (max_pending.min(i64::MAX as u64) as i64).into(),
+            (max_pending_bytes.min(i64::MAX as u64) as i64).into(),
         ],
     )
 }
 
 /// $1 owners text[], $2 keys text[] → the tasks that hold those keys (repeat submits, and the
-/// check made before a keyed submit's body is read).
+/// check made for a keyed submit that will not be stored).
 pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text, t.status FROM relay_tasks t
      JOIN unnest($1::text[], $2::text[]) AS k(owner, key) ON t.idem_owner = k.owner AND t.idem_key = k.key";
-
-/// Pending count and payload bytes for MAX_PENDING / MAX_PENDING_BYTES (cached ≤ 1 s a node).
-pub const PENDING_TOTALS: &str = "SELECT count(*), coalesce(sum(payload_bytes), 0) FROM relay_pending";
 
 // ---------------------------------------------------------------------------------------------
 // Claim and dispatch.
 
-/// Claims up to $6 due tasks for one idle worker of this node and opens their attempt on it:
-/// the worker ($3 client id, $4 IP) declared no kinds ($5 NULL) and takes every task, those
-/// without a kind included ([`CLAIM_KINDS`] is the same for a worker with kinds), and must not
-/// have tried the task. The pending row goes, the task becomes dispatched to this node ($1, shown as $2 in the attempt_log), its attempt number (the
-/// fencing number) grows by one, the worker joins `tried`, and the attempt_log gains the entry
-/// (started at $8). $7 now_ms (due time). Rows locked by another claim are skipped, never
-/// waited for. A node sends one such statement per worker with free slots (limit = its free
-/// slots, in round-robin order), all in its turn transaction; a later statement of the same
-/// transaction does not see the tasks an earlier one took.
+/// Claims up to $5 due tasks (due at $4) for one group of this node's workers: those that
+/// declared no kinds ($3 NULL: [`CLAIM`] takes every task, those without a kind included) or the
+/// kinds $3 ([`CLAIM_KINDS`], a statement of its own so its plan walks `relay_pending_kind_due`),
+/// and not tried by every one of the group's workers $6 (client ids). The pending row goes, the
+/// task becomes dispatched to this node ($1), its attempt number (the fencing number) grows by
+/// one, and the node's running row is written. Which worker runs it is the node's choice: the
+/// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
+/// locked by another claim are skipped, never waited for.
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
-       WHERE $5::text[] IS NULL AND due_ms <= $7::int8 AND NOT ($3::uuid = ANY(tried))
+       WHERE $3::text[] IS NULL AND due_ms <= $4::int8 AND NOT (tried @> $6::uuid[])
        ORDER BY due_ms, seq
-       LIMIT $6::int4
+       LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
      ), d AS (
        DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
+       FROM d WHERE t.id = d.task_id AND t.status = 'pending'
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms
+     ), r AS (
+       INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1,
-       tried = t.tried || $3::uuid,
-       attempt_log = t.attempt_log || jsonb_build_array(jsonb_build_object(
-         'num', t.attempt + 1, 'client_id', $3::uuid, 'client_ip', $4::text, 'node', $2::text,
-         'started_ms', $8::int8))
-     FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq, t.tried::text,
-       t.created_ms";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u";
 
-/// [`CLAIM`] for a worker that declared kinds ($5): a statement of its own, so that its plan
-/// can look the kinds up in `relay_pending_kind_due` whatever plan the other one settled on.
+/// [`CLAIM`] for a group that declared kinds ($3).
 pub const CLAIM_KINDS: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
-       WHERE kind = ANY($5::text[]) AND due_ms <= $7::int8 AND NOT ($3::uuid = ANY(tried))
+       WHERE kind = ANY($3::text[]) AND due_ms <= $4::int8 AND NOT (tried @> $6::uuid[])
        ORDER BY due_ms, seq
-       LIMIT $6::int4
+       LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
      ), d AS (
        DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
+       FROM d WHERE t.id = d.task_id AND t.status = 'pending'
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms
+     ), r AS (
+       INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1,
-       tried = t.tried || $3::uuid,
-       attempt_log = t.attempt_log || jsonb_build_array(jsonb_build_object(
-         'num', t.attempt + 1, 'client_id', $3::uuid, 'client_ip', $4::text, 'node', $2::text,
-         'started_ms', $8::int8))
-     FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-     RETURNING t.id::text, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.queue, t.seq, t.tried::text,
-       t.created_ms";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u";
 
-/// One idle worker to claim for.
-#[derive(Debug, Clone)]
-pub struct ClaimFor<'a> {
-    pub client_id: &'a str,
-    pub client_ip: &'a str,
-    /// `None`: the worker declared no kinds and takes every task.
-    pub kinds: Option<&'a [&'a str]>,
-    pub free_slots: u32,
-}
-
-pub fn claim(node: &str, node_name: &str, w: &ClaimFor<'_>, now_ms: u64) -> Stmt {
+/// One claim: $2 echoes the group (so one statement's rows say whose they are).
+pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit: u32, takers: &str) -> Stmt {
     Stmt::new(
-        if w.kinds.is_some() { CLAIM_KINDS } else { CLAIM },
+        if kinds.is_some() { CLAIM_KINDS } else { CLAIM },
         vec![
             node.into(),
-            node_name.into(),
-            w.client_id.into(),
-            w.client_ip.into(),
-            w.kinds.map_or(Param::Null, |k| arr(k.iter().copied())),
-            i64::from(w.free_slots).into(),
-            (now_ms as i64).into(),
-            (now_ms as i64).into(),
+            i64::from(group).into(),
+            kinds.map_or(Param::Null, |k| arr(k.iter().copied())),
+            (now_ms.min(i64::MAX as u64) as i64).into(),
+            i64::from(limit).into(),
+            Param::Text(takers.to_string()),
         ],
     )
 }
 
-/// Gives back claimed tasks the node could not send after all (the worker left before the
-/// claim's answer arrived): pending again, with the attempt, its log entry and the worker's
-/// place in `tried` taken back. Fenced like every attempt write. $1 node, $2 ids, $3 attempts.
+/// Gives back claimed tasks the node did not start after all (the worker left, or has no room,
+/// before the claim's answer arrived): pending again, the attempt never happened. Fenced like
+/// every attempt write. $1 node, $2 ids, $3 attempts.
 pub const UNCLAIM: &str = "WITH u AS (
-       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1,
-         attempt_log = t.attempt_log - (t.attempt - 1),
-         tried = t.tried[1:cardinality(t.tried) - 1]
+       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1
        FROM unnest($2::uuid[], $3::int4[]) AS a(id, attempt)
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
+     ), r AS (
+       DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      )
      INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-     SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u RETURNING task_id::text";
+     SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u
+     ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
+
+pub fn unclaim(node: &str, claimed: &[(String, u32)]) -> Stmt {
+    let attempts: Vec<String> = claimed.iter().map(|c| c.1.to_string()).collect();
+    Stmt::new(
+        UNCLAIM,
+        vec![node.into(), arr(claimed.iter().map(|c| c.0.as_str())), arr(attempts.iter().map(String::as_str))],
+    )
+}
 
 /// After a transaction that claimed was lost (the connection broke: it may have committed),
 /// every task the database says this node ($1) runs but the node does not know ($2: the ids
 /// it runs) goes back to pending as [`UNCLAIM`] does: the node never sent it.
-pub const RELEASE_ORPHANS: &str = "WITH u AS (
-       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1,
-         attempt_log = t.attempt_log - (t.attempt - 1),
-         tried = t.tried[1:cardinality(t.tried) - 1]
-       WHERE t.owner_node = $1::uuid AND t.status = 'dispatched' AND NOT (t.id = ANY($2::uuid[]))
+pub const RELEASE_ORPHANS: &str = "WITH o AS (
+       DELETE FROM relay_running r WHERE r.owner_node = $1::uuid AND NOT (r.task_id = ANY($2::uuid[]))
+       RETURNING r.task_id, r.attempt
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1
+       FROM o WHERE t.id = o.task_id AND t.attempt = o.attempt AND t.owner_node = $1::uuid AND t.status = 'dispatched'
        RETURNING t.id, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
      )
      INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
      SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
-pub fn unclaim(node: &str, claimed: &[(&str, u32)]) -> Stmt {
-    let attempts: Vec<String> = claimed.iter().map(|c| c.1.to_string()).collect();
-    Stmt::new(UNCLAIM, vec![node.into(), arr(claimed.iter().map(|c| c.0)), arr(attempts.iter().map(String::as_str))])
-}
+/// Dead nodes' attempts: the running rows of nodes without a heartbeat within the lease ($2)
+/// pass to this node ($1), which closes each (`disconnect`, naming the lost node) and decides
+/// what becomes of its task as for one of its own workers. At most 1000 a run; rows another
+/// node is taking are skipped.
+pub const ADOPT_ORPHANS: &str = "WITH dead AS (
+       SELECT r.task_id, r.owner_node, r.attempt FROM relay_running r
+       WHERE r.owner_node <> $1::uuid AND NOT EXISTS (SELECT 1 FROM relay_nodes n
+         WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $2::int8)
+       LIMIT 1000 FOR UPDATE SKIP LOCKED
+     ), moved AS (
+       UPDATE relay_running r SET owner_node = $1::uuid FROM dead WHERE r.task_id = dead.task_id
+     ), u AS (
+       UPDATE relay_tasks t SET owner_node = $1::uuid
+       FROM dead WHERE t.id = dead.task_id AND t.attempt = dead.attempt AND t.status = 'dispatched'
+       RETURNING t.id, t.attempt, t.kind, t.timeout_ms, t.max_retries, t.tried, t.created_ms, dead.owner_node
+     )
+     SELECT u.id::text, u.attempt, u.kind, NULL::text, u.timeout_ms, u.max_retries, u.tried::text, u.created_ms,
+            coalesce(n.name, u.owner_node::text)
+     FROM u LEFT JOIN relay_nodes n ON n.node_id = u.owner_node";
 
 // ---------------------------------------------------------------------------------------------
-// Attempt outcomes.
+// Attempts.
+
+/// Writes the attempt_log entry of attempts this node started and still runs (who, where,
+/// when), and adds the worker to `tried`. Fenced by node ($1), attempt and status. $2 the
+/// node's name.
+pub const ATTEMPT_STARTED: &str = "UPDATE relay_tasks t SET
+       attempt_log = jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
+         jsonb_build_object('num', t.attempt, 'client_id', a.client_id, 'client_ip', a.client_ip, 'node', $2::text,
+                            'started_ms', a.started_ms), true),
+       tried = CASE WHEN a.client_id = ANY(t.tried) THEN t.tried ELSE t.tried || a.client_id END
+     FROM unnest($3::uuid[], $4::int4[], $5::uuid[], $6::text[], $7::int8[])
+       AS a(id, attempt, client_id, client_ip, started_ms)
+     WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'";
+
+/// Who ran an attempt (absent for a dead node's attempt this node closes).
+#[derive(Debug, Clone)]
+pub struct Runner {
+    pub client_id: String,
+    pub client_ip: String,
+    pub started_ms: u64,
+}
+
+pub fn attempt_started(node: &str, node_name: &str, started: &[(String, u32, Runner)]) -> Stmt {
+    let attempts: Vec<String> = started.iter().map(|s| s.1.to_string()).collect();
+    let at: Vec<String> = started.iter().map(|s| s.2.started_ms.to_string()).collect();
+    Stmt::new(
+        ATTEMPT_STARTED,
+        vec![
+            node.into(),
+            node_name.into(),
+            arr(started.iter().map(|s| s.0.as_str())),
+            arr(attempts.iter().map(String::as_str)),
+            arr(started.iter().map(|s| s.2.client_id.as_str())),
+            arr(started.iter().map(|s| s.2.client_ip.as_str())),
+            arr(at.iter().map(String::as_str)),
+        ],
+    )
+}
 
 /// How one attempt ended, as the node saw it.
 #[derive(Debug, Clone)]
@@ -267,18 +336,20 @@ pub struct Ended {
     pub result: Option<String>,
     /// For failed: the task's final error.
     pub final_error: Option<String>,
-    pub client_id: String,
-    pub client_ip: String,
+    pub runner: Option<Runner>,
 }
 
-/// Closes attempts: final ones set the status and result; retries go back to `relay_pending`
-/// (keeping `tried`, so the next claim picks a worker not tried yet, on any node). Fenced by
-/// node ($1), attempt and status: a stale write matches nothing and is missing from the
-/// returned ids.
+/// Closes attempts with their whole attempt_log entry (an attempt that started and ended
+/// between two transactions is written once, here): final ones set the status and result;
+/// retries go back to `relay_pending` in their place (keeping `tried`, so the next
+/// claim picks a worker not tried yet, on any node). Fenced by node ($1), attempt and status: a
+/// stale write matches nothing and is missing from the returned rows ([`GET_TASKS`]'s columns;
+/// the attempt_log only for final tasks, which a waiter may be answered with at once).
 pub const ATTEMPT_ENDED: &str = "WITH a AS (
-       SELECT * FROM unnest($2::uuid[], $3::int4[], $4::text[], $5::text[], $6::int8[], $7::int8[], $8::text[],
-                            $9::text[], $10::text[], $11::uuid[], $12::text[])
-         AS a(id, attempt, outcome, error, ended_ms, duration_ms, status, result, final_error, client_id, client_ip)
+       SELECT * FROM unnest($3::uuid[], $4::int4[], $5::text[], $6::text[], $7::int8[], $8::int8[], $9::text[],
+                            $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[])
+         AS a(id, attempt, outcome, error, ended_ms, duration_ms, status, result, final_error, client_id, client_ip,
+              started_ms)
      ), u AS (
        UPDATE relay_tasks t SET
          status = a.status,
@@ -286,29 +357,39 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
          finished_ms = CASE WHEN a.status = 'pending' THEN NULL ELSE a.ended_ms END,
          result = a.result,
          error = a.final_error,
-         client_id = a.client_id,
-         client_ip = a.client_ip,
+         client_id = coalesce(a.client_id, t.client_id),
+         client_ip = coalesce(a.client_ip, t.client_ip),
+         tried = CASE WHEN a.client_id IS NULL OR a.client_id = ANY(t.tried) THEN t.tried ELSE t.tried || a.client_id END,
          attempt_log = jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
            coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
-             || jsonb_strip_nulls(jsonb_build_object('outcome', a.outcome, 'error', a.error,
-                                                     'duration_ms', a.duration_ms)))
+             || jsonb_strip_nulls(jsonb_build_object('client_id', a.client_id, 'client_ip', a.client_ip,
+                  'node', CASE WHEN a.client_id IS NULL THEN NULL ELSE $2::text END, 'started_ms', a.started_ms,
+                  'outcome', a.outcome, 'error', a.error, 'duration_ms', a.duration_ms)), true)
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
-       RETURNING t.id, t.status, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
+       RETURNING t.id, t.status, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes, t.created_ms,
+                 t.run_at_ms, t.finished_ms, t.result, t.error, t.client_id, t.client_ip, t.attempt_log, a.ended_ms
+     ), run AS (
+       DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      ), requeue AS (
        INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
        SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u WHERE status = 'pending'
      )
-     SELECT id::text, status FROM u";
+     SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text, client_ip,
+            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END
+     FROM u";
 
-pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
+pub fn attempt_ended(node: &str, node_name: &str, ended: &[Ended]) -> Stmt {
     let attempts: Vec<String> = ended.iter().map(|e| e.attempt.to_string()).collect();
     let ends: Vec<String> = ended.iter().map(|e| e.ended_ms.to_string()).collect();
     let durations: Vec<String> = ended.iter().map(|e| e.duration_ms.to_string()).collect();
+    let starts: Vec<Option<String>> =
+        ended.iter().map(|e| e.runner.as_ref().map(|r| r.started_ms.to_string())).collect();
     Stmt::new(
         ATTEMPT_ENDED,
         vec![
             node.into(),
+            node_name.into(),
             arr(ended.iter().map(|e| e.id.as_str())),
             arr(attempts.iter().map(String::as_str)),
             arr(ended.iter().map(|e| e.outcome)),
@@ -318,8 +399,9 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
             arr(ended.iter().map(|e| e.status)),
             arr_opt(ended.iter().map(|e| e.result.as_deref())),
             arr_opt(ended.iter().map(|e| e.final_error.as_deref())),
-            arr(ended.iter().map(|e| e.client_id.as_str())),
-            arr(ended.iter().map(|e| e.client_ip.as_str())),
+            arr_opt(ended.iter().map(|e| e.runner.as_ref().map(|r| r.client_id.as_str()))),
+            arr_opt(ended.iter().map(|e| e.runner.as_ref().map(|r| r.client_ip.as_str()))),
+            arr_opt(starts.iter().map(Option::as_deref)),
         ],
     )
 }
@@ -327,129 +409,91 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
 // ---------------------------------------------------------------------------------------------
 // Reads.
 
-/// $1 task id → the task. `attempt_log` is JSON text; the node renders SPEC §4's JSON from it.
-pub const GET_TASK: &str = "SELECT id::text, status, kind, payload, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
-     FROM relay_tasks WHERE id = $1::uuid";
-
-/// $1 task ids → those tasks as the API shows them ([`GET_TASK`]'s columns but the payload,
-/// which no answer carries): every read of a turn in one statement.
+/// $1 task ids → those tasks as the API shows them (`store::pg::rows::col` names the columns;
+/// the payload only with `?include=payload`: [`GET_TASKS_PAYLOAD`]): every read of a turn in
+/// one statement.
 pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt, attempt_log::text, owner_node::text
+            client_id::text, client_ip, attempt_log::text
+     FROM relay_tasks WHERE id = ANY($1::uuid[])";
+
+/// [`GET_TASKS`] with the payload (a task that is done has none).
+pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
+            client_id::text, client_ip, attempt_log::text, CASE WHEN status = 'done' THEN NULL ELSE payload END
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
 /// $1 task ids → the final ones among them, with [`GET_TASKS`]'s columns (wait=true waiters
 /// ask after a `relay_finished` notification, after their own node ended attempts, and every
 /// second; the owner of canceled tasks asks after a `relay_cancel` notification). Written as a
-/// join on the ids so that every plan looks each id up by its key: `id = ANY(..) AND status
-/// IN (..)` let a generic plan intersect with the status index, which walks every finished
-/// task in the table.
+/// join on the ids so that every plan looks each id up by its key.
 pub const FINISHED_AMONG: &str =
     "SELECT t.id::text, t.status, t.kind, t.created_ms, t.run_at_ms, t.finished_ms, t.result,
-            t.error, t.client_id::text, t.client_ip, t.attempt, t.attempt_log::text, t.owner_node::text
+            t.error, t.client_id::text, t.client_ip, t.attempt_log::text
      FROM unnest($1::uuid[]) AS k(id) JOIN relay_tasks t ON t.id = k.id
      WHERE t.status IN ('done', 'failed', 'canceled')";
 
-/// Listing, newest first, one bounded walk down `relay_tasks_list` (every plan can use it: no
-/// optional condition touches the walk): the $8 tasks below the cursor ($4, $5: created_ms, seq;
-/// the largest int8s for the first page) are looked at, and those matching $1 status, $2 kind
-/// and $3 kinds allowed (NULL: any) are listed, $6 (limit + 1) at most, stopping at the first
-/// task past $7 bytes of results (results are up to MAX_MESSAGE_SIZE each). Columns: those of
-/// [`GET_TASKS`], `seq`, then on every row how many tasks the walk looked at and the (created_ms,
-/// seq) where it stopped (one row of NULL task columns when none matched): a page that ran out
-/// of walk continues from there, as a single node's listing does.
+/// Listing, newest first, one bounded walk down `relay_tasks_seq` (every plan can use it: no
+/// optional condition touches the walk): the $6 tasks below the cursor ($4: a submission
+/// number; the largest int8 for the first page) are looked at, and those matching $1 status,
+/// $2 kind and $3 kinds allowed (NULL: any) are listed, $5 (limit + 1) at most, stopping at the
+/// first task past $7 bytes of results (results are up to MAX_MESSAGE_SIZE each). Columns: those
+/// of [`GET_TASKS`], a NULL payload, `seq`, then on every row how many tasks the walk looked at
+/// and the seq where it stopped (one row of NULL task columns when none matched): a page that ran
+/// out of walk continues from there, as a single node's listing does.
 pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
-       SELECT id, status, kind, created_ms, seq FROM relay_tasks
-       WHERE (created_ms, seq) < ($4::int8, $5::int8)
-       ORDER BY created_ms DESC, seq DESC LIMIT $8::int4
+       SELECT id, status, kind, seq FROM relay_tasks
+       WHERE seq < $4::int8
+       ORDER BY seq DESC LIMIT $6::int4
      ), m AS (
        SELECT id FROM s
        WHERE ($1::text IS NULL OR status = $1::text)
          AND ($2::text IS NULL OR kind = $2::text)
          AND ($3::text[] IS NULL OR kind = ANY($3::text[]))
-       ORDER BY created_ms DESC, seq DESC LIMIT $6::int4
+       ORDER BY seq DESC LIMIT $5::int4
      ), page AS (
-       SELECT t.*, coalesce(sum(octet_length(t.result)) OVER (ORDER BY t.created_ms DESC, t.seq DESC
+       SELECT t.*, coalesce(sum(octet_length(t.result)) OVER (ORDER BY t.seq DESC
                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING), 0) AS before
        FROM m JOIN relay_tasks t ON t.id = m.id
      ), walked AS (
        SELECT count(*) AS n FROM s
      ), stop AS (
-       SELECT created_ms, seq FROM s ORDER BY created_ms, seq LIMIT 1
+       SELECT seq FROM s ORDER BY seq LIMIT 1
      )
      SELECT p.id::text, p.status, p.kind, p.created_ms, p.run_at_ms, p.finished_ms, p.result, p.error,
-            p.client_id::text, p.client_ip, p.attempt, p.attempt_log::text, p.owner_node::text, p.seq,
-            walked.n, stop.created_ms, stop.seq
+            p.client_id::text, p.client_ip, p.attempt_log::text, NULL::text, p.seq, walked.n, stop.seq
      FROM walked LEFT JOIN stop ON true LEFT JOIN page p ON p.before < $7::int8
-     ORDER BY p.created_ms DESC, p.seq DESC";
+     ORDER BY p.seq DESC";
 
 // ---------------------------------------------------------------------------------------------
 // Cancel.
 
 /// $1 task id, $2 now_ms, $3 kinds the caller may cancel (NULL: all, the root token): cancels a
-/// pending or dispatched task; returns the node that was running it (NULL if pending), so that
-/// node is told through `relay_cancel` to send `cancel` to its worker. No row: unknown, already
-/// final, or of a kind the caller may not touch.
+/// pending or dispatched task; returns the node that was running it (NULL if pending) and the
+/// attempt, so that node is told through `relay_cancel` to send `cancel` to its worker, and the
+/// time it was created (for the submit-to-final histogram). No row: unknown, already final, or
+/// of a kind the caller may not touch.
 pub const CANCEL: &str = "WITH old AS (
        SELECT id, status, owner_node, attempt FROM relay_tasks
        WHERE id = $1::uuid AND status IN ('pending', 'dispatched')
          AND ($3::text[] IS NULL OR kind = ANY($3::text[])) FOR UPDATE
      ), dp AS (
        DELETE FROM relay_pending p USING old WHERE p.task_id = old.id
+     ), dr AS (
+       DELETE FROM relay_running r USING old WHERE r.task_id = old.id
      ), u AS (
        UPDATE relay_tasks t SET status = 'canceled', owner_node = NULL, finished_ms = $2::int8,
          attempt_log = CASE WHEN old.status = 'dispatched' THEN
              jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
                coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
-                 || jsonb_build_object('outcome', 'canceled'))
+                 || jsonb_build_object('outcome', 'canceled'), true)
            ELSE t.attempt_log END
        FROM old WHERE t.id = old.id
-       RETURNING t.id
+       RETURNING t.id, t.created_ms
      )
-     SELECT old.owner_node::text, old.attempt, pg_notify('relay_cancel', old.id::text) FROM old JOIN u ON u.id = old.id";
+     SELECT old.owner_node::text, old.attempt, u.created_ms, pg_notify('relay_cancel', old.id::text)
+     FROM old JOIN u ON u.id = old.id";
 
 // ---------------------------------------------------------------------------------------------
 // Housekeeping (the database thread of every node; SKIP LOCKED keeps them from colliding).
-
-/// Dead nodes' attempts: every dispatched task whose owner has no heartbeat within the lease
-/// ($1) goes back to pending (or fails, retries used up: $2 default MAX_RETRIES), its attempt
-/// closed `disconnect` naming the lost node. $3 now_ms. At most 1000 a run.
-pub const REAP_DEAD_NODES: &str = "WITH dead AS (
-       SELECT t.id, coalesce((SELECT n.name FROM relay_nodes n WHERE n.node_id = t.owner_node),
-                             t.owner_node::text) AS node_name
-       FROM relay_tasks t
-       WHERE t.status = 'dispatched'
-         AND NOT EXISTS (SELECT 1 FROM relay_nodes n
-                         WHERE n.node_id = t.owner_node AND n.heartbeat_ms > relay_now_ms() - $1::int8)
-       LIMIT 1000 FOR UPDATE OF t SKIP LOCKED
-     ), u AS (
-       UPDATE relay_tasks t SET
-         status = CASE WHEN t.attempt > coalesce(t.max_retries, $2::int4) THEN 'failed' ELSE 'pending' END,
-         finished_ms = CASE WHEN t.attempt > coalesce(t.max_retries, $2::int4) THEN $3::int8 END,
-         error = CASE WHEN t.attempt > coalesce(t.max_retries, $2::int4)
-                      THEN 'relay node ' || dead.node_name || ' was lost' END,
-         owner_node = NULL,
-         attempt_log = jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
-           coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
-             || jsonb_build_object('outcome', 'disconnect',
-                  'error', 'relay node ' || dead.node_name || ' was lost (no heartbeat for '
-                           || $1::int8 || ' ms)'))
-       FROM dead
-       WHERE t.id = dead.id
-       RETURNING t.id, t.status, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
-     ), requeue AS (
-       INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-       SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u WHERE status = 'pending'
-       ON CONFLICT (task_id) DO NOTHING
-     ), gone AS (
-       DELETE FROM relay_workers w WHERE NOT EXISTS (SELECT 1 FROM relay_nodes n
-         WHERE n.node_id = w.node_id AND n.heartbeat_ms > relay_now_ms() - $1::int8)
-     )
-     SELECT id::text, status FROM u";
-
-pub fn reap_dead_nodes(lease_ms: u64, max_retries: u32, now_ms: i64) -> Stmt {
-    Stmt::new(REAP_DEAD_NODES, vec![(lease_ms as i64).into(), i64::from(max_retries).into(), now_ms.into()])
-}
 
 /// Waiting tasks that no live worker can take any more (SPEC §5): plain tasks (`queue` false)
 /// and retries (`tried` not empty) for which no active worker of a live node ($1 lease_ms) takes
@@ -491,6 +535,18 @@ pub const FORGET_NODES: &str = "WITH gone AS (
          AND NOT EXISTS (SELECT 1 FROM relay_nodes n
                          WHERE n.node_id = c.node_id AND n.heartbeat_ms > relay_now_ms() - 3600000)
        RETURNING c.status, c.n
+     ), pending_folded AS (
+       DELETE FROM relay_pending_counts c
+       WHERE c.node_id <> '00000000-0000-0000-0000-000000000000'::uuid
+         AND NOT EXISTS (SELECT 1 FROM relay_nodes n
+                         WHERE n.node_id = c.node_id AND n.heartbeat_ms > relay_now_ms() - 3600000)
+       RETURNING c.n, c.bytes
+     ), pending_zero AS (
+       INSERT INTO relay_pending_counts (node_id, n, bytes)
+       SELECT '00000000-0000-0000-0000-000000000000'::uuid, coalesce(sum(n), 0), coalesce(sum(bytes), 0)
+       FROM pending_folded HAVING count(*) > 0
+       ON CONFLICT (node_id) DO UPDATE SET n = relay_pending_counts.n + excluded.n,
+         bytes = relay_pending_counts.bytes + excluded.bytes
      )
      INSERT INTO relay_counters (node_id, status, n)
      SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status
@@ -513,11 +569,12 @@ pub fn expire_in_queue(now_ms: i64, task_ttl_ms: u64) -> Stmt {
     Stmt::new(EXPIRE_IN_QUEUE, vec![now_ms.into(), (task_ttl_ms as i64).into()])
 }
 
-/// Retention: finished tasks older than TASK_TTL go, in batches of 5000 (oldest first), so one
-/// run is a short transaction and autovacuum reclaims the space behind it. $1 now_ms, $2 ttl.
+/// Retention: finished tasks older than TASK_TTL go, in batches of 5000 (oldest submission
+/// first, walking `relay_tasks_seq`), so one run is a short transaction and autovacuum reclaims
+/// the space behind it. $1 now_ms, $2 ttl.
 pub const RETENTION: &str = "DELETE FROM relay_tasks WHERE id IN (
        SELECT id FROM relay_tasks WHERE finished_ms < $1::int8 - $2::int8
-       ORDER BY finished_ms LIMIT 5000 FOR UPDATE SKIP LOCKED)";
+       ORDER BY seq LIMIT 5000 FOR UPDATE SKIP LOCKED)";
 
 pub fn retention(now_ms: i64, task_ttl_ms: u64) -> Stmt {
     Stmt::new(RETENTION, vec![now_ms.into(), (task_ttl_ms as i64).into()])
@@ -624,20 +681,21 @@ pub const ALL: &[(&str, &str)] = &[
     ("SET_NODE", SET_NODE),
     ("HEARTBEAT", HEARTBEAT),
     ("LIVE_NODES", LIVE_NODES),
+    ("INSERT_LOCK", INSERT_LOCK),
     ("INSERT_TASKS", INSERT_TASKS),
     ("IDEMPOTENT_LOOKUP", IDEMPOTENT_LOOKUP),
-    ("PENDING_TOTALS", PENDING_TOTALS),
     ("CLAIM", CLAIM),
     ("CLAIM_KINDS", CLAIM_KINDS),
     ("UNCLAIM", UNCLAIM),
     ("RELEASE_ORPHANS", RELEASE_ORPHANS),
+    ("ADOPT_ORPHANS", ADOPT_ORPHANS),
+    ("ATTEMPT_STARTED", ATTEMPT_STARTED),
     ("ATTEMPT_ENDED", ATTEMPT_ENDED),
-    ("GET_TASK", GET_TASK),
     ("GET_TASKS", GET_TASKS),
+    ("GET_TASKS_PAYLOAD", GET_TASKS_PAYLOAD),
     ("FINISHED_AMONG", FINISHED_AMONG),
     ("LIST_TASKS", LIST_TASKS),
     ("CANCEL", CANCEL),
-    ("REAP_DEAD_NODES", REAP_DEAD_NODES),
     ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
     ("FORGET_NODES", FORGET_NODES),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),

@@ -1,42 +1,27 @@
-//! The core's side of durable storage (SPEC §7): restoring tasks after a restart, the memory
-//! budget for finished tasks (`TASK_MEMORY`), answers read back from the journal, and the
-//! compaction step of each turn. Still no I/O: the journal's threads do the disk work, and time
-//! comes from the reactor.
+//! The memory store's side of the journal (SPEC §7): restoring tasks after a restart, the
+//! memory budget for finished tasks (`TASK_MEMORY`), answers read back from the journal, and the
+//! compaction step of each turn. Still no I/O: the journal's threads do the disk work.
+
+use std::collections::HashSet;
+use std::hash::BuildHasherDefault;
 
 use super::*;
+use crate::journal::codec::{self as journal_codec, FrameAt, RESTART_ERROR, Record};
+use crate::journal::replay::Replayed;
+use crate::journal::thread::ReadDone;
+use crate::tasks::{Outcome, kind_hash};
 
-impl Core {
+type IdSet = HashSet<TaskId, BuildHasherDefault<IdHasher>>;
+
+impl MemStore {
     /// Every record up to this sequence number is on disk (memory-only mode: everything).
     pub fn durable_lsn(&self) -> u64 {
-        match &self.storage {
-            // (Cluster mode holds answers until their transaction's reply instead.)
-            Storage::Memory | Storage::Cluster(_) => u64::MAX,
-            Storage::Journal(j) => j.durable_lsn(),
-        }
-    }
-
-    pub fn journal(&self) -> Option<&Journal> {
-        match &self.storage {
-            Storage::Journal(j) => Some(j),
-            Storage::Memory | Storage::Cluster(_) => None,
-        }
-    }
-
-    pub fn evicted(&self, id: TaskId) -> Option<&Evicted> {
-        self.evicted.get(&id)
-    }
-
-    pub fn evicted_count(&self) -> usize {
-        self.evicted.len()
-    }
-
-    pub fn finished_mem_bytes(&self) -> usize {
-        self.finished_mem
+        self.journal.as_ref().map_or(u64::MAX, |j| j.durable_lsn())
     }
 
     /// An answer waits until the record `lsn` is durable (see [`Journal::want`]).
     pub fn want_durable(&mut self, lsn: u64) {
-        if let Storage::Journal(j) = &mut self.storage
+        if let Some(j) = &mut self.journal
             && lsn > 0
         {
             j.want(lsn);
@@ -44,11 +29,8 @@ impl Core {
     }
 
     /// When the journal's held-back records must go to its writer (the loop's clock, ms).
-    pub fn journal_hold_deadline_ms(&mut self) -> Option<u64> {
-        match &mut self.storage {
-            Storage::Journal(j) => j.hold_deadline_ms(),
-            Storage::Memory | Storage::Cluster(_) => None,
-        }
+    pub fn hold_deadline_ms(&mut self) -> Option<u64> {
+        self.journal.as_mut().and_then(|j| j.hold_deadline_ms())
     }
 
     /// Once per loop turn, after its work: finished tasks over the budget leave memory, a
@@ -56,9 +38,22 @@ impl Core {
     pub fn end_turn(&mut self) {
         self.evict_over_budget();
         self.compact_step();
-        if let Storage::Journal(j) = &mut self.storage {
+        if let Some(j) = &mut self.journal {
             j.now_ms = self.now_ms;
             j.end_turn();
+        }
+    }
+
+    /// The journal's threads woke the loop: tasks read back answer the requests waiting on them.
+    pub fn on_wake(&mut self) {
+        let mut done = Vec::new();
+        if let Some(j) = &self.journal {
+            while let Some(d) = j.try_read_done() {
+                done.push(d);
+            }
+        }
+        for d in done {
+            self.on_read_done(d);
         }
     }
 
@@ -80,31 +75,28 @@ impl Core {
             evicted += 1;
             let Some(task) = self.tasks.remove(&id) else { continue };
             self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
-            self.metrics.tasks_evicted += 1;
-            match &self.storage {
-                Storage::Journal(_) => {
-                    self.evicted.insert(
-                        id,
-                        Evicted {
-                            loc: task.stored.home,
-                            submit_seq: task.submit_seq,
-                            status: task.status,
-                            kind_hash: kind_hash(task.kind.as_deref()),
-                        },
+            self.tasks_evicted += 1;
+            if self.journal.is_some() {
+                self.evicted.insert(
+                    id,
+                    Evicted {
+                        loc: task.stored.home,
+                        submit_seq: task.submit_seq,
+                        status: task.status,
+                        kind_hash: kind_hash(task.kind.as_deref()),
+                    },
+                );
+            } else {
+                self.status_counts[task.status.index()] -= 1;
+                self.by_submission.remove(&task.submit_seq);
+                if !self.logged_forgetting {
+                    self.logged_forgetting = true;
+                    crate::log!(
+                        Level::Warn,
+                        "finished tasks over TASK_MEMORY are forgotten before TASK_TTL (memory-only mode; \
+                         set DATA_DIR to keep them on disk)",
+                        task_memory = self.cfg.task_memory_bytes
                     );
-                }
-                Storage::Memory | Storage::Cluster(_) => {
-                    self.status_counts[task.status.index()] -= 1;
-                    self.by_submission.remove(&task.submit_seq);
-                    if !self.logged_forgetting {
-                        self.logged_forgetting = true;
-                        crate::log!(
-                            Level::Warn,
-                            "finished tasks over TASK_MEMORY are forgotten before TASK_TTL (memory-only mode; \
-                             set DATA_DIR to keep them on disk)",
-                            task_memory = self.cfg.task_memory_bytes
-                        );
-                    }
                 }
             }
         }
@@ -114,7 +106,7 @@ impl Core {
     /// TASK_TTL ago (only unfinished ones can) are written again at the head, so that
     /// segment can go once those records are durable.
     fn compact_step(&mut self) {
-        let Storage::Journal(j) = &self.storage else { return };
+        let Some(j) = &self.journal else { return };
         let (seg, shard) = match self.compacting {
             Some(state) => state,
             None => match j.stale_segment(self.cfg.task_ttl_ms) {
@@ -151,7 +143,6 @@ impl Core {
         let Replayed { tasks, evicted, rehome, .. } = replayed;
         let (now, wall, ttl) = (self.now_ms, self.wall_ms, self.cfg.task_ttl_ms);
         let mut restored = 0;
-        let due_wall = |t: &Task| t.run_at_wall_ms.unwrap_or(0).max(t.created_wall_ms);
         self.tasks.reserve(tasks.len());
         // The listing index, built at the end in bulk from submission order.
         let mut listed: Vec<(u64, TaskId)> = Vec::with_capacity(tasks.len() + evicted.len());
@@ -173,12 +164,10 @@ impl Core {
             finished.push((light.finished_wall_ms, id));
             restored += 1;
         }
-        // Unfinished tasks (boxed: sorting moves pointers) go into the table in due order.
-        let mut unfinished: Vec<(u64, u64, Box<Task>)> = Vec::new();
+        let mut unfinished: Vec<Box<Task>> = Vec::new();
         for mut task in tasks {
             self.next_seq = self.next_seq.max(task.submit_seq);
             let (id, submit_seq) = (task.id, task.submit_seq);
-            task.created_mono_ms = now.saturating_sub(wall.saturating_sub(task.created_wall_ms));
             if task.status.is_final() {
                 let finished_wall = task.finished_wall_ms.unwrap_or(task.created_wall_ms);
                 let forget_wall = finished_wall.saturating_add(ttl);
@@ -186,20 +175,19 @@ impl Core {
                     self.forget_stale(id, task.stored);
                     continue;
                 }
-                if let Some(key) = task.idempotency.take() {
-                    self.remember_key(*key.clone(), id, forget_wall - wall);
-                    task.idempotency = Some(key);
+                if let Some(key) = &task.idempotency {
+                    self.remember_key((**key).clone(), id, forget_wall - wall);
                 }
                 self.status_counts[task.status.index()] += 1;
                 self.finished_mem += task.mem_bytes();
                 finished.push((finished_wall, id));
                 self.tasks.insert_boxed(id, task);
             } else {
-                if let Some(key) = task.idempotency.take() {
-                    self.remember_key(*key.clone(), id, ttl);
-                    task.idempotency = Some(key);
+                if let Some(key) = &task.idempotency {
+                    self.remember_key((**key).clone(), id, ttl);
                 }
-                unfinished.push((due_wall(&task), task.submit_seq, task));
+                task.due_wall_ms = task.run_at_wall_ms.unwrap_or(0).max(task.created_wall_ms);
+                unfinished.push(task);
             }
             // (Not before: a task whose TASK_TTL ran out while relay was down is not listed.)
             listed.push((submit_seq, id));
@@ -216,15 +204,10 @@ impl Core {
             let forget_at = now + finished_wall.saturating_add(ttl).saturating_sub(wall);
             self.finished.push_back((forget_at, id));
         }
-        if let Some(&(at, _)) = self.finished.front() {
-            self.ensure_sweep(at);
-        }
 
-        // Unfinished tasks: in due order, ties in submission order.
-        unfinished.sort_unstable_by_key(|(due, submit_seq, _)| (*due, *submit_seq));
+        // Unfinished tasks: due order is their queue key, so the order they go in is free.
         let rehome: IdSet = rehome.into_iter().collect();
-        for (due, _, mut task) in unfinished {
-            let seq = self.take_seq();
+        for mut task in unfinished {
             let id = task.id;
             let mut cut_short = false;
             if let Some(a) = task.attempts.last_mut().filter(|a| a.outcome.is_none()) {
@@ -236,8 +219,8 @@ impl Core {
             }
             task.status = Status::Pending;
             task.restored = true;
-            task.seq = seq;
-            task.due_mono_ms = now + due.saturating_sub(wall);
+            task.place = Place::Nowhere;
+            let due = task.due_wall_ms;
             self.status_counts[Status::Pending.index()] += 1;
             self.pending_bytes += task.payload.as_deref().map_or(0, |p| p.get().len());
             self.tasks.insert_boxed(id, task);
@@ -257,38 +240,36 @@ impl Core {
 
     /// A task the journal held that expired while relay was down.
     fn forget_stale(&mut self, id: TaskId, stored: Stored) {
-        if let Storage::Journal(j) = &mut self.storage {
+        if let Some(j) = &mut self.journal {
             j.forget(id, &stored);
         }
     }
 
-    fn remember_key(&mut self, key: (Box<str>, Box<str>), id: TaskId, lives_ms: u64) {
-        let expires = self.now_ms + lives_ms;
-        self.idempotency.insert(key.clone(), id);
-        self.idempotency_expiry.push_back((expires, key));
-        self.ensure_sweep(expires);
-    }
-
-    /// Reads a task that left memory back from the journal for `conn`; the answer comes later
-    /// through [`Io::reply`]. `false` if the task is not (or no longer) in the journal.
-    pub fn read_evicted(&mut self, conn: ConnRef, id: TaskId, purpose: ReadFor, identity: &Identity) -> bool {
-        let (Some(e), Storage::Journal(j)) = (self.evicted.get(&id), &self.storage) else { return false };
+    /// Reads a task that left memory back from the journal for `conn`; the answer comes later.
+    /// `false` if the task is not (or no longer) in the journal.
+    pub(super) fn read_evicted(
+        &mut self,
+        conn: ConnRef,
+        id: TaskId,
+        purpose: ReadFor,
+        scope: Option<&[String]>,
+    ) -> bool {
+        let (Some(e), Some(j)) = (self.evicted.get(&id), &self.journal) else { return false };
         let token = self.next_read;
         self.next_read += 1;
         j.read(token, e.loc);
-        self.reads.insert(token, PendingRead { conn, id, purpose, identity: identity.clone() });
+        self.reads.insert(token, PendingRead { conn, id, purpose, scope: scope.map(<[String]>::to_vec) });
         true
     }
 
-    /// Completes a listing page whose `plan` reached tasks that left memory: they are read back
-    /// (reader thread), and the page is answered through [`Io::reply`] once all are in.
-    pub fn read_page(
+    /// Completes a listing page whose plan reached tasks that left memory: they are read back
+    /// (reader thread), and the page is answered once all are in.
+    pub(super) fn read_page(
         &mut self,
-        io: &mut dyn Io,
         conn: ConnRef,
-        plan: crate::listing::Plan,
+        plan: listing::Plan,
         kind: Option<String>,
-        identity: &Identity,
+        scope: Option<&[String]>,
     ) {
         let page = self.next_read;
         self.next_read += 1;
@@ -296,15 +277,15 @@ impl Core {
         self.pages
             .insert(page, PendingPage { conn, pieces: plan.pieces, missing, next: plan.next, lsn: plan.lsn, kind });
         for (index, id) in plan.evicted {
-            if !self.read_evicted(conn, id, ReadFor::Page { page, index }, identity) {
+            if !self.read_evicted(conn, id, ReadFor::Page { page, index }, scope) {
                 // (Not expected: the plan was made this very turn.) Left out of the page.
-                self.finish_piece(io, page, index, None);
+                self.finish_piece(page, index, None);
             }
         }
     }
 
     /// One task of a page came back (`None`: left out); the page is answered when it is whole.
-    fn finish_piece(&mut self, io: &mut dyn Io, page: u64, index: usize, json: Option<String>) {
+    fn finish_piece(&mut self, page: u64, index: usize, json: Option<String>) {
         let Some(p) = self.pages.get_mut(&page) else { return };
         if let Some(slot) = p.pieces.get_mut(index) {
             *slot = json;
@@ -316,13 +297,12 @@ impl Core {
         if let Some(p) = self.pages.remove(&page) {
             let mut r = Response::json(200, crate::listing::render(&p.pieces, p.next));
             r.lsn = p.lsn;
-            self.metrics.http_request(200);
-            io.reply(p.conn, r);
+            self.answer(p.conn, r);
         }
     }
 
     /// The reader thread answered: the waiting request gets the task (or 404 if it went).
-    pub fn on_read_done(&mut self, io: &mut dyn Io, done: ReadDone) {
+    fn on_read_done(&mut self, done: ReadDone) {
         let Some(pending) = self.reads.remove(&done.token) else { return };
         let task = done.result.as_ref().ok().and_then(|bytes| match journal_codec::frame_at(bytes) {
             FrameAt::Valid { kind, payload, .. } => match journal_codec::decode(kind, payload) {
@@ -331,10 +311,11 @@ impl Core {
             },
             _ => None,
         });
+        let scope = pending.scope.as_deref();
         if let ReadFor::Page { page, index } = pending.purpose {
             let wanted = self.pages.get(&page).map(|p| p.kind.clone());
             let json = task.filter(|t| {
-                pending.identity.allows_kind(t.kind.as_deref())
+                in_scope(t.kind.as_deref(), scope)
                     && wanted.as_ref().is_some_and(|k| k.as_deref().is_none_or(|k| t.kind.as_deref() == Some(k)))
             });
             let json = json.map(|t| {
@@ -342,13 +323,12 @@ impl Core {
                 t.write_json(&mut s);
                 s
             });
-            self.finish_piece(io, page, index, json);
+            self.finish_piece(page, index, json);
             return;
         }
         let response = match task {
-            Some(task) if pending.identity.allows_kind(task.kind.as_deref()) => match pending.purpose {
-                ReadFor::Get => task_response(&task, false),
-                ReadFor::PostWait => task_response(&task, true),
+            Some(task) if in_scope(task.kind.as_deref(), scope) => match pending.purpose {
+                ReadFor::One { post } => task_response(&task, post),
                 ReadFor::Cancel => {
                     let mut r = task_response(&task, false);
                     r.status = 409;
@@ -356,7 +336,7 @@ impl Core {
                 }
                 ReadFor::Page { .. } => return,
             },
-            Some(_) => Response::error(404, "not_found", "no such task"),
+            Some(_) => not_found(),
             None if self.evicted.contains_key(&pending.id) => {
                 let why = done.result.err().unwrap_or_else(|| "the record read back is not this task".into());
                 crate::log!(
@@ -367,9 +347,8 @@ impl Core {
                 );
                 Response::error(500, "internal", "cannot read the task from the journal")
             }
-            None => Response::error(404, "not_found", "no such task"),
+            None => not_found(),
         };
-        self.metrics.http_request(response.status);
-        io.reply(pending.conn, response);
+        self.answer(pending.conn, response);
     }
 }

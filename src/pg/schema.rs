@@ -18,6 +18,7 @@ pub const MIGRATION_LOCK: i64 = 0x72_65_6c_61_79;
 pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "tasks, pending, nodes, workers, tokens, files", V1),
     (2, "listing scans one index; an index of the waiting tasks that can fail", V2),
+    (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
 ];
 
 /// The newest version this build knows.
@@ -191,6 +192,54 @@ const V2: &str = r#"
 DROP INDEX relay_tasks_list_status;
 DROP INDEX relay_tasks_list_kind;
 CREATE INDEX relay_pending_fragile ON relay_pending (due_ms) WHERE NOT queue OR cardinality(tried) > 0;
+"#;
+
+/// Version 3 (the one-core seam, docs/cluster.md §4): a task's state changes touch no index of
+/// `relay_tasks` (its only indexes are the key, the idempotency key and the submission order,
+/// none of which a state change moves), so they are HOT updates; the attempts running on each
+/// node are rows of their own (`relay_running`: the dead-node reaper's index and the fencing of
+/// orphans), and the pending tasks are counted per node by triggers, so an insert can check
+/// MAX_PENDING exactly under one advisory lock.
+const V3: &str = r#"
+CREATE TABLE relay_running (
+    task_id       uuid PRIMARY KEY,
+    owner_node    uuid NOT NULL,
+    attempt       int4 NOT NULL
+);
+INSERT INTO relay_running (task_id, owner_node, attempt)
+    SELECT id, owner_node, attempt FROM relay_tasks WHERE status = 'dispatched' AND owner_node IS NOT NULL;
+DROP INDEX relay_tasks_owner;
+DROP INDEX relay_tasks_finished;
+DROP INDEX relay_tasks_list;
+CREATE UNIQUE INDEX relay_tasks_seq ON relay_tasks (seq);
+
+CREATE TABLE relay_pending_counts (
+    node_id       uuid PRIMARY KEY,
+    n             int8 NOT NULL,
+    bytes         int8 NOT NULL
+);
+INSERT INTO relay_pending_counts (node_id, n, bytes)
+    SELECT '00000000-0000-0000-0000-000000000000'::uuid, count(*), coalesce(sum(payload_bytes), 0) FROM relay_pending;
+CREATE FUNCTION relay_pending_count_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_pending_counts (node_id, n, bytes)
+    SELECT relay_counter_node(), count(*), coalesce(sum(payload_bytes), 0) FROM new_rows HAVING count(*) > 0
+    ON CONFLICT (node_id) DO UPDATE SET n = relay_pending_counts.n + excluded.n,
+        bytes = relay_pending_counts.bytes + excluded.bytes;
+    RETURN NULL;
+END $$;
+CREATE FUNCTION relay_pending_count_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO relay_pending_counts (node_id, n, bytes)
+    SELECT relay_counter_node(), -count(*), -coalesce(sum(payload_bytes), 0) FROM old_rows HAVING count(*) > 0
+    ON CONFLICT (node_id) DO UPDATE SET n = relay_pending_counts.n + excluded.n,
+        bytes = relay_pending_counts.bytes + excluded.bytes;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER relay_pending_count_insert AFTER INSERT ON relay_pending
+    REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_pending_count_insert();
+CREATE TRIGGER relay_pending_count_delete AFTER DELETE ON relay_pending
+    REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_pending_count_delete();
 "#;
 
 /// What [`migrate`] did.

@@ -5,8 +5,9 @@
 //! once, so the API can answer 503 promptly.
 //!
 //! Two helper threads, each with its own connection:
-//! - `relay-db`: requests, the node heartbeat, and the housekeeping statements (lease reaper,
-//!   expiry, retention: `sql`); connects with exponential backoff and full jitter; runs the
+//! - `relay-db`: requests, the node heartbeat, and the housekeeping statements (waiting tasks
+//!   nobody can take, expiry, retention: `sql`; a dead node's attempts are adopted by a live
+//!   node's own transactions, whose core decides what becomes of them); connects with exponential backoff and full jitter; runs the
 //!   schema migrations on every connect (cheap when up to date: one lock, one read).
 //! - `relay-db-listen`: `LISTEN`s on the configured channels and raises a flag per channel; the
 //!   loop takes the flags (coalesced: a thousand NOTIFYs between two turns are one flag).
@@ -160,6 +161,10 @@ struct Shared {
     /// The backend PID of the `relay-db` session: what it notifies, this node knows already
     /// (the listener ignores it; the slow poll covers what housekeeping changed).
     own_pid: AtomicI32,
+    /// Set when the connection has been up for one lease: every live node has beaten since,
+    /// so a node without a heartbeat is dead (after a database restart the UNLOGGED heartbeats
+    /// are gone until every node beat again).
+    settled: AtomicBool,
 }
 
 impl Shared {
@@ -205,6 +210,7 @@ impl Db {
             wake,
             background: AtomicU64::new(0),
             own_pid: AtomicI32::new(0),
+            settled: AtomicBool::new(false),
         });
         let listen = cfg.listen.clone();
         let mut threads = Vec::new();
@@ -238,6 +244,11 @@ impl Db {
             Err(TrySendError::Full(req)) => Err(SendError::Busy(req)),
             Err(TrySendError::Disconnected(req)) => Err(SendError::Stopped(req)),
         }
+    }
+
+    /// The connection has been up for one lease: dead nodes can be told from live ones.
+    pub fn settled(&self) -> bool {
+        self.health() == Health::Ok && self.shared.settled.load(Ordering::SeqCst)
     }
 
     /// Transactions the database thread ran besides the loop's requests (heartbeats,
@@ -384,6 +395,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             }
         };
         let connected_at = Instant::now();
+        shared.settled.store(false, Ordering::SeqCst);
         shared.own_pid.store(conn.backend_pid(), Ordering::SeqCst);
         // Heartbeat before declaring health, so this node is alive in the table first.
         if let Err(e) = conn.pipeline(&[heartbeat(&cfg, started_ms)]) {
@@ -428,6 +440,9 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 // The reaper waits one lease after this node (re)connected: after a database
                 // restart the UNLOGGED heartbeats are gone until every live node beat again.
                 let reap = connected_at.elapsed() >= Duration::from_millis(cfg.lease_ms);
+                if reap && !shared.settled.swap(true, Ordering::SeqCst) {
+                    (shared.wake)();
+                }
                 broken = housekeeping(&cfg, &shared, &mut conn, reap);
             }
             if let Some(e) = broken {
@@ -490,18 +505,17 @@ fn flush_notifies(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<Pg
     conn.pipeline(&stmts).err().filter(PgError::is_fatal)
 }
 
-/// Reaper (when `reap`), queue expiry and retention, each its own transaction. Only a broken
-/// connection is returned; a refused statement is logged.
+/// Waiting tasks nobody can take (when `reap`: dead nodes are told from live ones), queue expiry
+/// and retention, each its own transaction. Only a broken connection is returned; a refused
+/// statement is logged.
 fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn, reap: bool) -> Option<PgError> {
     let now_ms = crate::timefmt::wall_ms() as i64;
     // (job, statement, channels to notify when it changed rows: tasks went back to pending, or
     // became final and may have waiters on any node)
     let mut jobs: Vec<(&str, Stmt, &[&str])> = Vec::new();
     if reap {
-        let reap = sql::reap_dead_nodes(cfg.lease_ms, cfg.max_retries, now_ms);
-        jobs.push(("reap", reap, &[sql::CHANNEL_PENDING, sql::CHANNEL_FINISHED]));
-        // Under the same grace rule: after a database restart the UNLOGGED worker registry is
-        // empty until every node wrote its workers again.
+        // After a database restart the UNLOGGED worker registry is empty until every node wrote
+        // its workers again: only once the connection settled.
         jobs.push(("unplaceable", sql::fail_unplaceable(cfg.lease_ms, now_ms), &[sql::CHANNEL_FINISHED]));
     }
     jobs.push(("expire", sql::expire_in_queue(now_ms, cfg.task_ttl_ms), &[sql::CHANNEL_FINISHED]));

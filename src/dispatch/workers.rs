@@ -1,0 +1,396 @@
+//! This node's workers: who they are, what they take, their capacity, the round-robin ring, and
+//! the groups a claim is made for (workers that declared the same kinds, with their free slots
+//! summed), kept up to date as workers come, change and go — so that a claim round costs the
+//! groups, not the workers, and "can anyone take this kind?" costs a lookup.
+//!
+//! Owned by the core; no I/O, no clock.
+
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::net::IpAddr;
+
+use crate::store::{MAX_TAKERS, WorkerInfo};
+use crate::tasks::{ConnRef, TaskId};
+
+/// Slots of one claim for a worker without a declared concurrency (the seed protocol: it may
+/// take any number, but one claim must not empty the queue into one socket).
+pub const UNLIMITED_SLOTS: u32 = 256;
+
+/// What one worker accepts, as far as eligibility goes (capacity aside).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Accepts {
+    /// Draining (`concurrency: 0`), or `kinds: []`.
+    Nothing,
+    /// No kinds declared: every task, also those without a kind.
+    All,
+    /// These kinds (sorted, without repeats).
+    Kinds(Vec<Box<str>>),
+}
+
+impl Accepts {
+    pub fn of(active: bool, kinds: Option<&[Box<str>]>) -> Accepts {
+        match kinds {
+            _ if !active => Accepts::Nothing,
+            None => Accepts::All,
+            Some([]) => Accepts::Nothing,
+            Some(kinds) => {
+                let mut ks: Vec<Box<str>> = kinds.to_vec();
+                ks.sort_unstable();
+                ks.dedup();
+                Accepts::Kinds(ks)
+            }
+        }
+    }
+
+    pub fn takes(&self, kind: Option<&str>) -> bool {
+        match self {
+            Accepts::Nothing => false,
+            Accepts::All => true,
+            Accepts::Kinds(kinds) => kind.is_some_and(|kind| kinds.iter().any(|k| &**k == kind)),
+        }
+    }
+
+    /// The kinds a worker accepting `self` took and one accepting `after` does not (`None`:
+    /// possibly any kind).
+    pub fn lost(&self, after: &Accepts) -> Option<Vec<Option<Box<str>>>> {
+        match (self, after) {
+            (Accepts::Nothing, _) | (_, Accepts::All) => Some(Vec::new()),
+            (Accepts::All, _) => None,
+            (Accepts::Kinds(kinds), _) => {
+                Some(kinds.iter().filter(|k| !after.takes(Some(k))).map(|k| Some(k.clone())).collect())
+            }
+        }
+    }
+}
+
+/// How many active workers take each kind.
+#[derive(Debug, Default)]
+pub struct Reach {
+    all: usize,
+    by_kind: HashMap<Box<str>, usize>,
+}
+
+impl Reach {
+    pub fn add(&mut self, accepts: &Accepts) {
+        match accepts {
+            Accepts::Nothing => {}
+            Accepts::All => self.all += 1,
+            Accepts::Kinds(kinds) => {
+                for k in kinds {
+                    *self.by_kind.entry(k.clone()).or_default() += 1;
+                }
+            }
+        }
+    }
+
+    pub fn remove(&mut self, accepts: &Accepts) {
+        match accepts {
+            Accepts::Nothing => {}
+            Accepts::All => self.all -= 1,
+            Accepts::Kinds(kinds) => {
+                for k in kinds {
+                    if let Some(n) = self.by_kind.get_mut(k) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.by_kind.remove(k);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Active workers that take tasks of `kind`.
+    pub fn count(&self, kind: Option<&str>) -> usize {
+        match kind {
+            // A worker that declared kinds never takes a task without one.
+            None => self.all,
+            Some(k) => self.all + self.by_kind.get(k).copied().unwrap_or(0),
+        }
+    }
+
+    /// The kinds some worker declared (for messages: which kinds are connected).
+    pub fn kinds(&self) -> impl Iterator<Item = &str> {
+        self.by_kind.keys().map(|k| &**k)
+    }
+
+    pub fn takes_all(&self) -> bool {
+        self.all > 0
+    }
+}
+
+#[derive(Debug)]
+pub struct Worker {
+    pub conn: ConnRef,
+    pub client_id: u128,
+    pub ip: IpAddr,
+    pub connected_wall_ms: u64,
+    /// `None` (no hello, or a hello without kinds): every kind.
+    pub kinds: Option<Vec<Box<str>>>,
+    /// `None`: unlimited (the seed protocol). `Some(0)`: draining.
+    pub concurrency: Option<u32>,
+    pub version: Option<Box<str>>,
+    pub in_flight: Vec<TaskId>,
+    /// Its first text message was read, or the hello grace passed: it may be sent tasks.
+    pub greeted: bool,
+    /// Its output buffer was full: no task for it until it drained (SPEC §5; no attempt lost).
+    pub starved: bool,
+    /// The group it is counted in and the free slots it adds there (see [`Groups`]).
+    listed: Option<(u32, u32)>,
+}
+
+impl Worker {
+    pub fn new(conn: ConnRef, client_id: u128, ip: IpAddr, connected_wall_ms: u64) -> Worker {
+        Worker {
+            conn,
+            client_id,
+            ip,
+            connected_wall_ms,
+            kinds: None,
+            concurrency: None,
+            version: None,
+            in_flight: Vec::new(),
+            greeted: false,
+            starved: false,
+            listed: None,
+        }
+    }
+
+    pub fn active(&self) -> bool {
+        self.concurrency != Some(0)
+    }
+
+    /// May be sent a task now (capacity and kind aside).
+    pub fn ready(&self) -> bool {
+        self.greeted && self.active() && !self.starved
+    }
+
+    pub fn accepts(&self, kind: Option<&str>) -> bool {
+        self.active()
+            && match &self.kinds {
+                None => true,
+                Some(kinds) => kind.is_some_and(|k| kinds.iter().any(|own| &**own == k)),
+            }
+    }
+
+    pub fn acceptance(&self) -> Accepts {
+        Accepts::of(self.active(), self.kinds.as_deref())
+    }
+
+    pub fn has_capacity(&self) -> bool {
+        self.concurrency.is_none_or(|c| self.in_flight.len() < c as usize)
+    }
+
+    /// Slots a claim may fill now.
+    fn free_slots(&self) -> u32 {
+        if !self.ready() {
+            return 0;
+        }
+        match self.concurrency {
+            Some(c) => c.saturating_sub(self.in_flight.len() as u32),
+            None => UNLIMITED_SLOTS.saturating_sub(self.in_flight.len() as u32).max(1),
+        }
+    }
+
+    pub fn info(&self, node: Option<&str>) -> WorkerInfo {
+        WorkerInfo {
+            client_id: self.client_id,
+            ip: self.ip.to_string(),
+            connected_wall_ms: self.connected_wall_ms,
+            active: self.active(),
+            in_flight: self.in_flight.len() as u32,
+            kinds: self.kinds.as_ref().map(|k| k.iter().map(|s| s.to_string()).collect()),
+            concurrency: self.concurrency,
+            version: self.version.as_ref().map(|v| v.to_string()),
+            node: node.map(str::to_string),
+            node_id: None,
+        }
+    }
+}
+
+/// Workers that accept the same kinds, with room: one claim asks for all of them.
+#[derive(Debug)]
+pub struct Group {
+    pub accepts: Accepts,
+    /// Free slots of the members (each counted at most [`UNLIMITED_SLOTS`]).
+    pub free: u64,
+    /// Slots of members with free slots.
+    pub members: BTreeSet<u32>,
+    /// Slots asked for by the claim not answered yet (a database's claims are in flight).
+    pub asked: u64,
+    /// Where the next claim's takers start among the members (they rotate).
+    pub next_taker: u32,
+}
+
+#[derive(Debug, Default)]
+pub struct Groups {
+    by_accepts: HashMap<Accepts, u32>,
+    pub groups: HashMap<u32, Group>,
+    next_id: u32,
+}
+
+impl Groups {
+    /// A worker's capacity or acceptance may have changed: its place in the groups follows.
+    /// Returns whether a claim may now find it something it could not before (it gained free
+    /// slots, or joined another group).
+    pub fn refresh(&mut self, slot: u32, w: &mut Worker) -> bool {
+        let free = w.free_slots();
+        let accepts = w.acceptance();
+        let want = (free > 0 && accepts != Accepts::Nothing).then_some(free);
+        let mut gained = want.is_some();
+        if let Some((gid, was)) = w.listed {
+            let same_group = want.is_some() && self.groups.get(&gid).is_some_and(|g| g.accepts == accepts);
+            if same_group && Some(was) == want {
+                return false;
+            }
+            gained = want.is_some_and(|f| !same_group || f > was);
+            if let Some(g) = self.groups.get_mut(&gid) {
+                g.free -= u64::from(was);
+                if !same_group {
+                    g.members.remove(&slot);
+                    if g.members.is_empty() && g.asked == 0 {
+                        self.by_accepts.remove(&g.accepts);
+                        self.groups.remove(&gid);
+                    }
+                }
+            }
+            w.listed = None;
+        }
+        let Some(free) = want else { return false };
+        let gid = match self.by_accepts.get(&accepts) {
+            Some(&gid) => gid,
+            None => {
+                self.next_id = self.next_id.wrapping_add(1);
+                let gid = self.next_id;
+                self.by_accepts.insert(accepts.clone(), gid);
+                self.groups.insert(gid, Group { accepts, free: 0, members: BTreeSet::new(), asked: 0, next_taker: 0 });
+                gid
+            }
+        };
+        if let Some(g) = self.groups.get_mut(&gid) {
+            g.free += u64::from(free);
+            g.members.insert(slot);
+        }
+        w.listed = Some((gid, free));
+        gained
+    }
+
+    /// A worker leaves: it is no longer counted.
+    pub fn remove(&mut self, slot: u32, w: &mut Worker) {
+        w.concurrency = Some(0);
+        self.refresh(slot, w);
+    }
+
+    /// Up to [`MAX_TAKERS`] members of a group, starting where the last claim's stopped.
+    pub fn takers(&mut self, gid: u32, client_of: impl Fn(u32) -> Option<u128>) -> Vec<u128> {
+        let Some(g) = self.groups.get_mut(&gid) else { return Vec::new() };
+        let start = g.next_taker;
+        let slots: Vec<u32> =
+            g.members.range(start..).chain(g.members.range(..start)).take(MAX_TAKERS).copied().collect();
+        if let Some(last) = slots.last() {
+            g.next_taker = last.wrapping_add(1);
+        }
+        slots.into_iter().filter_map(client_of).collect()
+    }
+
+    /// A group's claim was answered (or failed): it may claim again.
+    pub fn answered(&mut self, gid: u32) {
+        if let Some(g) = self.groups.get_mut(&gid) {
+            g.asked = 0;
+            if g.members.is_empty() && g.asked == 0 {
+                self.by_accepts.remove(&g.accepts);
+                self.groups.remove(&gid);
+            }
+        }
+    }
+
+    pub fn contains(&self, gid: u32, slot: u32) -> bool {
+        self.groups.get(&gid).is_some_and(|g| g.members.contains(&slot))
+    }
+}
+
+/// Distinct kinds, at most `max`, for a message ("connected workers take: ...").
+pub fn kinds_list(reach: &Reach, remote: &[WorkerInfo], max: usize) -> (Vec<String>, bool) {
+    let mut set: HashSet<&str> = reach.kinds().collect();
+    for w in remote.iter().filter(|w| w.active) {
+        for k in w.kinds.iter().flatten() {
+            set.insert(k);
+        }
+    }
+    let mut kinds: Vec<String> = set.into_iter().map(str::to_string).collect();
+    kinds.sort_unstable();
+    let more = kinds.len() > max;
+    kinds.truncate(max);
+    (kinds, more)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kinds(ks: &[&str]) -> Accepts {
+        Accepts::Kinds(ks.iter().map(|k| Box::from(*k)).collect())
+    }
+
+    #[test]
+    fn counts_follow_workers() {
+        let mut reach = Reach::default();
+        let a = Accepts::of(true, Some(&[Box::from("b"), Box::from("a"), Box::from("a")]));
+        assert_eq!(a, kinds(&["a", "b"]), "sorted, repeats count once");
+        reach.add(&a);
+        reach.add(&Accepts::All);
+        assert_eq!((reach.count(Some("a")), reach.count(Some("c")), reach.count(None)), (2, 1, 1));
+        reach.remove(&Accepts::All);
+        assert_eq!((reach.count(Some("a")), reach.count(None)), (1, 0));
+        reach.remove(&a);
+        assert!(reach.by_kind.is_empty(), "keys go with their last worker");
+        assert_eq!(Accepts::of(false, None), Accepts::Nothing);
+        assert_eq!(Accepts::of(true, Some(&[])), Accepts::Nothing);
+    }
+
+    #[test]
+    fn lost_kinds() {
+        let sorted = |v: Option<Vec<Option<Box<str>>>>| {
+            v.map(|mut v| {
+                v.sort();
+                v
+            })
+        };
+        let some = |ks: &[&str]| Some(ks.iter().map(|k| Some(Box::from(*k))).collect::<Vec<_>>());
+        assert_eq!(Accepts::All.lost(&Accepts::All), Some(vec![]));
+        assert_eq!(Accepts::All.lost(&Accepts::Nothing), None);
+        assert_eq!(Accepts::All.lost(&kinds(&["a"])), None);
+        assert_eq!(sorted(kinds(&["a", "b", "z"]).lost(&kinds(&["b"]))), some(&["a", "z"]));
+        assert_eq!(kinds(&["a"]).lost(&Accepts::All), Some(vec![]));
+        assert_eq!(Accepts::Nothing.lost(&Accepts::Nothing), Some(vec![]));
+    }
+
+    #[test]
+    fn groups_sum_free_slots_of_workers_that_take_the_same() {
+        let ip: IpAddr = "127.0.0.1".parse().expect("ip");
+        let mut groups = Groups::default();
+        let mut w1 = Worker::new(ConnRef { slot: 1, generation: 1 }, 11, ip, 0);
+        let mut w2 = Worker::new(ConnRef { slot: 2, generation: 1 }, 22, ip, 0);
+        for (slot, w) in [(1, &mut w1), (2, &mut w2)] {
+            w.greeted = true;
+            w.concurrency = Some(3);
+            w.kinds = Some(vec!["b".into(), "a".into()]);
+            groups.refresh(slot, w);
+        }
+        assert_eq!(groups.groups.len(), 1);
+        let (&gid, g) = groups.groups.iter().next().expect("a group");
+        assert_eq!((g.free, g.members.len()), (6, 2));
+        w1.in_flight.push(7);
+        groups.refresh(1, &mut w1);
+        assert_eq!(groups.groups[&gid].free, 5);
+        w1.starved = true;
+        groups.refresh(1, &mut w1);
+        assert_eq!((groups.groups[&gid].free, groups.groups[&gid].members.len()), (3, 1));
+        assert_eq!(groups.takers(gid, |s| Some(u128::from(s) * 11)), vec![22]);
+        w2.kinds = None;
+        groups.refresh(2, &mut w2);
+        assert!(!groups.groups.contains_key(&gid), "an empty group goes");
+        assert_eq!(groups.groups.len(), 1);
+        groups.remove(2, &mut w2);
+        assert!(groups.groups.is_empty());
+    }
+}

@@ -1,0 +1,846 @@
+//! The memory store: every task relay knows, in memory, made durable by the journal when
+//! `DATA_DIR` is set (`durable.rs`). It answers the seam's operations at once — its events are
+//! ready when a call returns — so a submit is answered in the loop turn that read it.
+//!
+//! It keeps the task table, the pending queues (due order, ties in submission order: SPEC §7),
+//! the schedule, the idempotency keys, the listing index, the tasks that expire, and which
+//! waiting tasks may lose their last worker (`fragile.rs`). It decides nothing about workers:
+//! the core says who runs what and what an attempt's end means.
+//!
+//! Time comes in through [`MemStore::set_clock`]; nothing here reads a clock or touches a file
+//! (the journal's threads do).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::BuildHasherDefault;
+
+use serde_json::value::RawValue;
+
+use super::{
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask, Next, ReadHow, Refusal, StoreHealth, Takers,
+    WorkerInfo,
+};
+use crate::http::Response;
+use crate::journal::Journal;
+use crate::log::Level;
+use crate::metrics::Ignored;
+use crate::tasks::{
+    Attempt, ConnRef, Evicted, IdHasher, Place, Status, Stored, Task, TaskId, TaskTable, task_response, uuid_string,
+};
+use fragile::{Fragile, KindKey};
+
+mod durable;
+mod fragile;
+mod listing;
+
+/// (token identity, `Idempotency-Key` header).
+type IdempotencyKey = (Box<str>, Box<str>);
+
+/// A pending queue's order: due time (wall clock), then submission.
+type QueueKey = (u64, u64);
+
+/// How far one claim may look past tasks its takers all tried (retries waiting for another
+/// worker) before it stops.
+const MAX_CLAIM_SKIP: usize = 4096;
+
+/// Tasks carried forward by one compaction step (bounded work per loop turn).
+const COMPACT_TASKS_PER_TURN: usize = 4096;
+/// Finished tasks evicted from memory per loop turn at most.
+const EVICT_PER_TURN: usize = 8192;
+/// Journal bytes waiting for the disk beyond which new submits wait (backpressure).
+pub const JOURNAL_BACKLOG_BYTES: u64 = 64 << 20;
+
+#[derive(Debug, Clone)]
+pub struct MemConfig {
+    pub task_ttl_ms: u64,
+    pub max_pending: usize,
+    /// Payload bytes (JSON text as received) of the tasks waiting as pending, at most.
+    pub max_pending_bytes: usize,
+    /// Memory for finished tasks (`TASK_MEMORY`); beyond it the oldest leave memory.
+    pub task_memory_bytes: usize,
+    pub task_timeout_ms: u64,
+    pub max_retries: u32,
+}
+
+/// How a task read back from the journal is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadFor {
+    /// A read of one task (`post`: a submit's codes).
+    One { post: bool },
+    /// `DELETE`: the task is final already, 409.
+    Cancel,
+    /// One task of a listing page: `page` names it, `index` is its place.
+    Page { page: u64, index: usize },
+}
+
+struct PendingRead {
+    conn: ConnRef,
+    id: TaskId,
+    purpose: ReadFor,
+    scope: Option<Vec<String>>,
+}
+
+/// A listing page waiting for tasks read back from the journal.
+struct PendingPage {
+    conn: ConnRef,
+    pieces: Vec<Option<String>>,
+    missing: usize,
+    next: Option<u64>,
+    lsn: u64,
+    /// The page's `kind` filter, checked exactly once a task is read back.
+    kind: Option<String>,
+}
+
+/// Small, fast, non-cryptographic generator for task ids (xoshiro256**), seeded from the OS.
+pub struct Rng([u64; 4]);
+
+impl Rng {
+    pub fn from_os() -> Rng {
+        let a = uuid::Uuid::new_v4().as_u128();
+        let b = uuid::Uuid::new_v4().as_u128();
+        Rng([a as u64 | 1, (a >> 64) as u64, b as u64, (b >> 64) as u64])
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let result = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        result
+    }
+    /// A random version-4 UUID.
+    pub fn uuid(&mut self) -> u128 {
+        let raw = (u128::from(self.next_u64()) << 64) | u128::from(self.next_u64());
+        (raw & !(0xF << 76) & !(0x3 << 62)) | (0x4 << 76) | (0x2 << 62)
+    }
+}
+
+/// Whether a task of `kind` is visible to a caller scoped to `scope` (`None`: every kind; a
+/// scoped caller never sees tasks without a kind).
+pub fn in_scope(kind: Option<&str>, scope: Option<&[String]>) -> bool {
+    scope.is_none_or(|kinds| kind.is_some_and(|k| kinds.iter().any(|own| own == k)))
+}
+
+pub struct MemStore {
+    cfg: MemConfig,
+    now_ms: u64,
+    wall_ms: u64,
+    tasks: TaskTable,
+    status_counts: [usize; Status::COUNT],
+    /// Payload bytes of the tasks whose status is pending (bounded by MAX_PENDING_BYTES).
+    pending_bytes: usize,
+    ready_all: BTreeMap<QueueKey, TaskId>,
+    ready_kind: HashMap<Box<str>, BTreeMap<QueueKey, TaskId>>,
+    /// Ready tasks that fail when no untried worker that could take them is connected.
+    fragile: Fragile,
+    scheduled: BTreeMap<QueueKey, TaskId>,
+    /// Final tasks in finishing order, with the time (monotonic) they are forgotten.
+    finished: VecDeque<(u64, TaskId)>,
+    idempotency: HashMap<IdempotencyKey, TaskId>,
+    idempotency_expiry: VecDeque<(u64, IdempotencyKey)>,
+    /// The earliest time a due task may expire in the queue (monotonic), if one waits.
+    next_expiry_ms: Option<u64>,
+    /// Every known task by its submission sequence number, for the listing (newest first).
+    by_submission: BTreeMap<u64, TaskId>,
+    next_seq: u64,
+    rng: Rng,
+    journal: Option<Box<Journal>>,
+    /// Finished tasks that left memory; read back from the journal on demand.
+    evicted: HashMap<TaskId, Evicted, BuildHasherDefault<IdHasher>>,
+    /// Memory held by finished tasks still in `tasks` (estimate, see `Task::mem_bytes`).
+    finished_mem: usize,
+    /// Index into `finished` of the oldest task that may still be in memory.
+    evict_next: usize,
+    reads: HashMap<u64, PendingRead>,
+    pages: HashMap<u64, PendingPage>,
+    next_read: u64,
+    /// Compaction: the stale segment being cleared and the next task-table shard to scan.
+    compacting: Option<(u32, usize)>,
+    /// The newest stale segment a finished compaction pass cleared.
+    compacted_upto: u32,
+    logged_forgetting: bool,
+    events: Vec<Event>,
+    /// Finished tasks evicted from memory (`relay_tasks_evicted_total`).
+    pub tasks_evicted: u64,
+}
+
+impl MemStore {
+    pub fn new(cfg: MemConfig, journal: Option<Box<Journal>>) -> MemStore {
+        MemStore {
+            cfg,
+            now_ms: 0,
+            wall_ms: 0,
+            tasks: TaskTable::default(),
+            status_counts: [0; Status::COUNT],
+            pending_bytes: 0,
+            ready_all: BTreeMap::new(),
+            ready_kind: HashMap::new(),
+            fragile: Fragile::default(),
+            scheduled: BTreeMap::new(),
+            finished: VecDeque::new(),
+            idempotency: HashMap::new(),
+            idempotency_expiry: VecDeque::new(),
+            next_expiry_ms: None,
+            by_submission: BTreeMap::new(),
+            next_seq: 0,
+            rng: Rng::from_os(),
+            journal,
+            evicted: HashMap::default(),
+            finished_mem: 0,
+            evict_next: 0,
+            reads: HashMap::new(),
+            pages: HashMap::new(),
+            next_read: 1,
+            compacting: None,
+            compacted_upto: 0,
+            logged_forgetting: false,
+            events: Vec::new(),
+            tasks_evicted: 0,
+        }
+    }
+
+    pub fn set_clock(&mut self, now_ms: u64, wall_ms: u64) {
+        self.now_ms = now_ms;
+        self.wall_ms = wall_ms;
+    }
+
+    // ----- queries (the model test and the gauges read them) ------------------------------
+
+    pub fn task(&self, id: TaskId) -> Option<&Task> {
+        self.tasks.get(&id)
+    }
+
+    pub fn evicted(&self, id: TaskId) -> Option<&Evicted> {
+        self.evicted.get(&id)
+    }
+
+    pub fn evicted_count(&self) -> usize {
+        self.evicted.len()
+    }
+
+    pub fn finished_mem_bytes(&self) -> usize {
+        self.finished_mem
+    }
+
+    pub fn task_count(&self, status: Status) -> usize {
+        self.status_counts[status.index()]
+    }
+
+    /// Tasks by submission, newest first, strictly below submission number `below`.
+    pub fn tasks_newest_first(&self, below: u64) -> impl Iterator<Item = (u64, TaskId)> + '_ {
+        self.by_submission.range(..below).rev().map(|(&seq, &id)| (seq, id))
+    }
+
+    pub fn journal(&self) -> Option<&Journal> {
+        self.journal.as_deref()
+    }
+
+    pub fn journal_mut(&mut self) -> Option<&mut Journal> {
+        self.journal.as_deref_mut()
+    }
+
+    pub fn health(&self) -> StoreHealth {
+        let mut counts = [0u64; Status::COUNT];
+        for (c, n) in counts.iter_mut().zip(self.status_counts) {
+            *c = n as u64;
+        }
+        StoreHealth { counts, node: None, database_up: None, journal_up: self.journal.as_ref().map(|_| true) }
+    }
+
+    // ----- inserts ---------------------------------------------------------------------------
+
+    pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
+        if let Some((owner, key)) = new.idempotency
+            && let Some(id) = self.key_holder(owner, key)
+        {
+            let status = self.status_of(id).unwrap_or(Status::Pending);
+            self.events.push(Event::KeyHeld { to, id, status });
+            return;
+        }
+        let bytes = new.payload.get().len();
+        if !new.runs_now
+            && (self.task_count(Status::Pending) >= self.cfg.max_pending
+                || self.pending_bytes + bytes > self.cfg.max_pending_bytes)
+        {
+            self.events.push(Event::NotInserted { to, why: Refusal::QueueFull });
+            return;
+        }
+        let mut id = self.rng.uuid();
+        while self.tasks.contains_key(&id) || self.evicted.contains_key(&id) {
+            id = self.rng.uuid();
+        }
+        let seq = self.take_seq();
+        let due_wall_ms = new.run_at_wall_ms.map_or(self.wall_ms, |at| at.max(self.wall_ms));
+        let task = Task {
+            id,
+            status: Status::Pending,
+            kind: new.kind.map(Box::from),
+            payload: Some(new.payload.to_owned()),
+            created_wall_ms: self.wall_ms,
+            run_at_wall_ms: new.run_at_wall_ms,
+            due_wall_ms,
+            max_retries: new.max_retries.unwrap_or(self.cfg.max_retries),
+            timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
+            submit_seq: seq,
+            queued: new.queue || new.run_at_wall_ms.is_some(),
+            idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
+            ..Task::default()
+        };
+        self.tasks.insert(id, task);
+        self.record(id, Rec::Whole);
+        self.by_submission.insert(seq, id);
+        self.status_counts[Status::Pending.index()] += 1;
+        self.pending_bytes += bytes;
+        crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
+        if let Some((owner, key)) = new.idempotency {
+            self.remember_key((Box::from(owner), Box::from(key)), id, self.cfg.task_ttl_ms);
+        }
+        self.events.push(Event::Inserted { to, id });
+        if due_wall_ms > self.wall_ms {
+            self.schedule(id);
+        } else {
+            self.enqueue_ready(id);
+            self.events.push(Event::Ready);
+        }
+    }
+
+    pub fn lookup_key(&mut self, owner: &str, key: &str, conn: ConnRef, wait: bool, missing: Response) {
+        let held = self.key_holder(owner, key).map(|id| (id, self.status_of(id).unwrap_or(Status::Pending)));
+        self.events.push(Event::Key { conn, wait, held, missing });
+    }
+
+    /// The task an `Idempotency-Key` of this token identity names, if it still exists.
+    fn key_holder(&self, owner: &str, key: &str) -> Option<TaskId> {
+        let id = *self.idempotency.get(&(Box::from(owner), Box::from(key)))?;
+        (self.tasks.contains_key(&id) || self.evicted.contains_key(&id)).then_some(id)
+    }
+
+    fn status_of(&self, id: TaskId) -> Option<Status> {
+        self.tasks.get(&id).map(|t| t.status).or_else(|| self.evicted.get(&id).map(|e| e.status))
+    }
+
+    fn take_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    fn remember_key(&mut self, key: IdempotencyKey, id: TaskId, lives_ms: u64) {
+        let expires = self.now_ms + lives_ms;
+        self.idempotency.insert(key.clone(), id);
+        self.idempotency_expiry.push_back((expires, key));
+    }
+
+    // ----- queues ------------------------------------------------------------------------------
+
+    fn enqueue_ready(&mut self, id: TaskId) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        task.place = Place::Ready;
+        let key = (task.due_wall_ms, task.submit_seq);
+        let attempts = task.attempts.len();
+        let fragile = (attempts > 0 || !task.queued) && !task.restored;
+        self.ready_all.insert(key, id);
+        if fragile {
+            self.fragile.insert(task.kind.as_deref(), id, attempts);
+        }
+        if let Some(kind) = &task.kind {
+            self.ready_kind.entry(kind.clone()).or_default().insert(key, id);
+        }
+        if attempts == 0 {
+            // A first attempt expires TASK_TTL after it fell due.
+            let at = self.now_ms + (task.due_wall_ms + self.cfg.task_ttl_ms).saturating_sub(self.wall_ms);
+            if self.next_expiry_ms.is_none_or(|e| at < e) {
+                self.next_expiry_ms = Some(at);
+            }
+        }
+    }
+
+    fn schedule(&mut self, id: TaskId) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        task.place = Place::Scheduled;
+        self.scheduled.insert((task.due_wall_ms, task.submit_seq), id);
+    }
+
+    /// Takes a pending task out of whichever queue holds it.
+    fn unqueue(&mut self, id: TaskId) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        let key = (task.due_wall_ms, task.submit_seq);
+        match task.place {
+            Place::Ready => {
+                self.ready_all.remove(&key);
+                if let Some(kind) = &task.kind
+                    && let Some(q) = self.ready_kind.get_mut(kind)
+                {
+                    q.remove(&key);
+                    if q.is_empty() {
+                        self.ready_kind.remove(kind);
+                    }
+                }
+                self.fragile.remove(task.kind.as_deref(), id, task.attempts.len());
+            }
+            Place::Scheduled => {
+                self.scheduled.remove(&key);
+            }
+            Place::Claimed | Place::Nowhere => {}
+        }
+        task.place = Place::Nowhere;
+    }
+
+    /// The one place a task's status changes.
+    fn set_status(&mut self, id: TaskId, status: Status) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        if task.status == status {
+            return;
+        }
+        debug_assert!(!task.status.is_final(), "a final task never changes status");
+        let bytes = task.payload.as_deref().map_or(0, |p| p.get().len());
+        if task.status == Status::Pending {
+            self.pending_bytes -= bytes;
+        } else if status == Status::Pending {
+            self.pending_bytes += bytes;
+        }
+        self.status_counts[task.status.index()] -= 1;
+        self.status_counts[status.index()] += 1;
+        task.status = status;
+    }
+
+    // ----- claims and attempts -----------------------------------------------------------------
+
+    pub fn claim(&mut self, ask: &ClaimAsk<'_>) {
+        let ids = self.claimable(ask);
+        let mut tasks = Vec::with_capacity(ids.len());
+        for id in ids {
+            self.unqueue(id);
+            let Some(task) = self.tasks.get_mut(&id) else { continue };
+            let Some(payload) = task.payload.clone() else { continue };
+            task.place = Place::Claimed;
+            tasks.push(Claimed {
+                id,
+                attempt: task.attempts.len() as u32 + 1,
+                kind: task.kind.clone(),
+                payload,
+                timeout_ms: task.timeout_ms,
+                max_retries: task.max_retries,
+                tried: task.attempts.iter().map(|a| a.client_id).collect(),
+                counted: task.attempts.iter().filter(|a| !a.restarted).count() as u32,
+                created_wall_ms: task.created_wall_ms,
+            });
+        }
+        self.events.push(Event::Claimed { group: ask.group, tasks });
+    }
+
+    /// The ready tasks a claim takes, in due order: of its kinds, and not tried by every taker.
+    fn claimable(&self, ask: &ClaimAsk<'_>) -> Vec<TaskId> {
+        let limit = ask.limit as usize;
+        if limit == 0 {
+            return Vec::new();
+        }
+        let takeable = |id: &TaskId| {
+            self.tasks.get(id).is_some_and(|t| t.attempts.is_empty() || ask.takers.iter().any(|&c| !t.tried(c)))
+        };
+        let mut out = Vec::new();
+        let mut skipped = 0;
+        let mut take = |id: TaskId| {
+            if takeable(&id) {
+                out.push(id);
+            } else {
+                skipped += 1;
+            }
+            out.len() < limit && skipped < MAX_CLAIM_SKIP
+        };
+        match ask.kinds {
+            None => {
+                for &id in self.ready_all.values() {
+                    if !take(id) {
+                        break;
+                    }
+                }
+            }
+            Some([kind]) => {
+                for &id in self.ready_kind.get(kind).into_iter().flat_map(BTreeMap::values) {
+                    if !take(id) {
+                        break;
+                    }
+                }
+            }
+            Some(kinds) => {
+                // The due order across the worker's kinds: merge their queues.
+                let mut heads: Vec<_> =
+                    kinds.iter().filter_map(|k| self.ready_kind.get(k)).map(|q| q.iter().peekable()).collect();
+                loop {
+                    let next = heads
+                        .iter_mut()
+                        .enumerate()
+                        .filter_map(|(i, h)| h.peek().map(|(key, _)| (**key, i)))
+                        .min()
+                        .map(|(_, i)| i);
+                    let Some(i) = next else { break };
+                    let Some((_, &id)) = heads[i].next() else { break };
+                    if !take(id) {
+                        break;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    pub fn give_back(&mut self, id: TaskId, attempt: u32) {
+        let Some(task) = self.tasks.get(&id) else { return };
+        if task.place == Place::Claimed && task.attempts.len() as u32 + 1 == attempt {
+            self.enqueue_ready(id);
+        }
+    }
+
+    pub fn attempt_started(&mut self, id: TaskId, attempt: u32, start: &AttemptStart<'_>) {
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        if task.place != Place::Claimed || task.attempts.len() as u32 + 1 != attempt {
+            debug_assert!(false, "an attempt starts only on a claimed task");
+            return;
+        }
+        task.place = Place::Nowhere;
+        let mut a = Attempt::new(start.client_id, start.client_ip, start.started_wall_ms);
+        a.node = start.node.map(Box::from);
+        task.attempts.push(a);
+        self.set_status(id, Status::Dispatched);
+        self.record(id, Rec::AttemptStarted);
+    }
+
+    pub fn attempt_ended(&mut self, id: TaskId, attempt: u32, end: &AttemptEnd<'_>, next: Next<'_>) {
+        let Some(task) = self.tasks.get_mut(&id) else {
+            self.events.push(Event::Fenced { id, attempt });
+            return;
+        };
+        let open = task.status == Status::Dispatched
+            && task.attempts.len() as u32 == attempt
+            && task.attempts.last().is_some_and(|a| a.outcome.is_none());
+        if !open {
+            self.events.push(Event::Fenced { id, attempt });
+            return;
+        }
+        if let Some(a) = task.attempts.last_mut() {
+            a.outcome = Some(end.outcome);
+            a.error = end.error.map(Box::from);
+            a.duration_ms = end.duration_ms;
+            a.answered |= matches!(end.outcome, crate::tasks::Outcome::Done | crate::tasks::Outcome::Failed);
+        }
+        match next {
+            Next::Retry => {
+                // (It keeps its place: due order is the order it fell due in, SPEC §7.)
+                self.set_status(id, Status::Pending);
+                self.record(id, Rec::AttemptEnded);
+                self.enqueue_ready(id);
+                self.events.push(Event::Ready);
+            }
+            Next::Done { result } => self.finalize(id, Status::Done, Some(result.to_owned()), None),
+            Next::Failed { error } => self.finalize(id, Status::Failed, None, Some(error)),
+        }
+    }
+
+    /// A result for a task its worker no longer runs: `late` or `duplicate` when the worker
+    /// ran it, `None` when this store does not know that it did.
+    pub fn stray(&mut self, id: TaskId, client_id: u128) -> Option<Ignored> {
+        let task = self.tasks.get_mut(&id)?;
+        let a = task.attempts.iter_mut().rev().find(|a| a.client_id == client_id)?;
+        let why = if a.answered { Ignored::Duplicate } else { Ignored::Late };
+        a.answered = true;
+        Some(why)
+    }
+
+    /// A task becomes final: its record is written, and it is kept for TASK_TTL.
+    fn finalize(&mut self, id: TaskId, status: Status, result: Option<Box<RawValue>>, error: Option<&str>) {
+        debug_assert!(status.is_final());
+        self.unqueue(id);
+        self.set_status(id, status);
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        task.finished_wall_ms = Some(self.wall_ms);
+        // A task that is done never runs again: its payload is not kept for TASK_TTL (a failed
+        // or canceled one keeps it, to be run again, SPEC §13).
+        if status == Status::Done {
+            task.payload = None;
+        }
+        task.attempts.shrink_to_fit();
+        task.result = result;
+        task.error = error.map(Box::from);
+        self.finished_mem += task.mem_bytes();
+        let took_ms = self.wall_ms.saturating_sub(task.created_wall_ms);
+        self.record(id, Rec::Whole);
+        self.finished.push_back((self.now_ms + self.cfg.task_ttl_ms, id));
+        crate::log!(Level::Debug, "task final", task_id = uuid_string(id), status = status.as_str());
+        self.events.push(Event::Final { id, status, took_ms: Some(took_ms) });
+    }
+
+    pub fn fail_unplaceable(&mut self, takers: &dyn Takers, kinds: Option<&[KindKey]>) {
+        if self.fragile.is_empty() {
+            return;
+        }
+        let mut hopeless = Vec::new();
+        for kind in self.fragile.kinds_among(kinds) {
+            let count = takers.count(kind.as_deref());
+            if count == 0 {
+                hopeless.extend(self.fragile.all_of(&kind));
+            } else {
+                for id in self.fragile.retries_with_at_least(&kind, count) {
+                    let Some(t) = self.tasks.get(&id) else { continue };
+                    let tried: Vec<u128> = t.attempts.iter().map(|a| a.client_id).collect();
+                    if !takers.untried(kind.as_deref(), &tried) {
+                        hopeless.push(id);
+                    }
+                }
+            }
+        }
+        for id in hopeless {
+            let error = self
+                .tasks
+                .get(&id)
+                .and_then(Task::last_error)
+                .unwrap_or("no connected worker can take this task any more")
+                .to_string();
+            self.finalize(id, Status::Failed, None, Some(&error));
+        }
+    }
+
+    // ----- cancel and reads ------------------------------------------------------------------
+
+    pub fn cancel(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef) {
+        let Some(task) = self.tasks.get_mut(&id) else {
+            if !self.read_evicted(conn, id, ReadFor::Cancel, scope) {
+                self.answer(conn, not_found());
+            }
+            return;
+        };
+        if !in_scope(task.kind.as_deref(), scope) {
+            self.answer(conn, not_found());
+            return;
+        }
+        match task.status {
+            Status::Pending => {}
+            Status::Dispatched => {
+                let wall = self.wall_ms;
+                let attempt = task.attempts.len() as u32;
+                if let Some(a) = task.attempts.last_mut().filter(|a| a.outcome.is_none()) {
+                    a.outcome = Some(crate::tasks::Outcome::Canceled);
+                    a.duration_ms = wall.saturating_sub(a.started_wall_ms);
+                }
+                self.events.push(Event::Stop { id, attempt });
+            }
+            _ => {
+                let mut r = task_response(task, false);
+                r.status = 409;
+                self.answer(conn, r);
+                return;
+            }
+        }
+        self.finalize(id, Status::Canceled, None, None);
+        if let Some(task) = self.tasks.get(&id) {
+            let r = task_response(task, false);
+            self.answer(conn, r);
+        }
+    }
+
+    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+        let post = matches!(how, ReadHow::Wait { post: true } | ReadHow::Release { post: true });
+        match self.tasks.get(&id) {
+            Some(task) if !in_scope(task.kind.as_deref(), scope) => self.answer(conn, not_found()),
+            Some(task) if matches!(how, ReadHow::Wait { .. }) && !task.status.is_final() => {
+                self.events.push(Event::NotFinal { conn, id, post });
+            }
+            Some(task) => {
+                let r = match how {
+                    ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(task),
+                    _ => task_response(task, post),
+                };
+                self.answer(conn, r);
+            }
+            None => {
+                if !self.read_evicted(conn, id, ReadFor::One { post }, scope) {
+                    self.answer(conn, not_found());
+                }
+            }
+        }
+    }
+
+    fn answer(&mut self, conn: ConnRef, response: Response) {
+        self.events.push(Event::Answer { conn, response });
+    }
+
+    pub fn watch(&mut self, _id: TaskId) {}
+
+    pub fn unwatch(&mut self, _id: TaskId) {}
+
+    pub fn list_workers(&mut self, conn: ConnRef) {
+        self.events.push(Event::Clients { conn, remote: Vec::new() });
+    }
+
+    pub fn worker_changed(&mut self, _w: &WorkerInfo) {}
+
+    pub fn worker_gone(&mut self, _client_id: u128) {}
+
+    pub fn remote_workers(&self) -> &[WorkerInfo] {
+        &[]
+    }
+
+    pub fn take_events(&mut self, out: &mut Vec<Event>) {
+        out.append(&mut self.events);
+    }
+
+    // ----- time --------------------------------------------------------------------------------
+
+    pub fn next_timer_ms(&self) -> Option<u64> {
+        let due = self.scheduled.first_key_value().map(|(&(due, _), _)| self.now_ms + due.saturating_sub(self.wall_ms));
+        let sweep =
+            [self.finished.front().map(|f| f.0), self.idempotency_expiry.front().map(|f| f.0), self.next_expiry_ms];
+        due.into_iter().chain(sweep.into_iter().flatten()).min()
+    }
+
+    pub fn on_timer(&mut self) {
+        self.on_schedule();
+        self.on_sweep();
+    }
+
+    fn on_schedule(&mut self) {
+        let mut any = false;
+        while let Some((&(due, seq), &id)) = self.scheduled.first_key_value() {
+            if due > self.wall_ms {
+                break;
+            }
+            self.scheduled.remove(&(due, seq));
+            if let Some(task) = self.tasks.get_mut(&id) {
+                task.place = Place::Nowhere;
+                self.enqueue_ready(id);
+                any = true;
+            }
+        }
+        if any {
+            self.events.push(Event::Ready);
+        }
+    }
+
+    fn on_sweep(&mut self) {
+        let now = self.now_ms;
+        while let Some(&(at, id)) = self.finished.front() {
+            if at > now {
+                break;
+            }
+            self.finished.pop_front();
+            self.evict_next = self.evict_next.saturating_sub(1);
+            self.forget(id);
+        }
+        while let Some((at, _)) = self.idempotency_expiry.front() {
+            if *at > now {
+                break;
+            }
+            if let Some((_, key)) = self.idempotency_expiry.pop_front() {
+                // A key lives as long as its task (a task delayed past TASK_TTL keeps it).
+                match self.idempotency.get(&key) {
+                    Some(id) if self.tasks.contains_key(id) || self.evicted.contains_key(id) => {
+                        self.idempotency_expiry.push_back((now + self.cfg.task_ttl_ms, key));
+                    }
+                    _ => {
+                        self.idempotency.remove(&key);
+                    }
+                }
+            }
+        }
+        if self.next_expiry_ms.is_some_and(|at| at <= now) {
+            self.expire_in_queue();
+        }
+    }
+
+    /// Pending tasks expire TASK_TTL after they fell due; the queue is in due order. A retry
+    /// waiting for an untried worker's capacity does not expire: it ends when no untried
+    /// worker is left (with its last error) or runs when one frees up.
+    fn expire_in_queue(&mut self) {
+        let (now, wall, ttl) = (self.now_ms, self.wall_ms, self.cfg.task_ttl_ms);
+        let mut expired = Vec::new();
+        self.next_expiry_ms = None;
+        for (&(due, _), &id) in &self.ready_all {
+            let Some(task) = self.tasks.get(&id) else { continue };
+            if !task.attempts.is_empty() {
+                continue;
+            }
+            if due + ttl > wall {
+                self.next_expiry_ms = Some(now + (due + ttl - wall));
+                break;
+            }
+            expired.push(id);
+        }
+        for id in expired {
+            self.finalize(id, Status::Failed, None, Some("expired in queue"));
+        }
+    }
+
+    /// TASK_TTL has passed since the task finished: it is gone, from memory and journal.
+    fn forget(&mut self, id: TaskId) {
+        let stored = if let Some(task) = self.tasks.get(&id).filter(|t| t.status.is_final()) {
+            self.status_counts[task.status.index()] -= 1;
+            self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
+            let stored = task.stored;
+            self.by_submission.remove(&task.submit_seq);
+            self.tasks.remove(&id);
+            stored
+        } else if let Some(e) = self.evicted.remove(&id) {
+            self.status_counts[e.status.index()] -= 1;
+            self.by_submission.remove(&e.submit_seq);
+            Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] }
+        } else {
+            return;
+        };
+        if let Some(j) = &mut self.journal {
+            j.forget(id, &stored);
+        }
+    }
+
+    // ----- the store's availability ------------------------------------------------------------
+
+    pub fn unavailable(&self, _write: bool) -> Option<Response> {
+        None
+    }
+
+    pub fn backlog_full(&self) -> bool {
+        self.journal.as_ref().is_some_and(|j| j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
+    }
+
+    pub fn flushed(&self) -> bool {
+        true
+    }
+
+    pub fn stop(&mut self) -> Result<(), String> {
+        if let Some(j) = &mut self.journal {
+            j.stop();
+            if j.failed() {
+                return Err("the journal could not be written".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Which record a task change needs.
+#[derive(Clone, Copy)]
+enum Rec {
+    Whole,
+    AttemptStarted,
+    AttemptEnded,
+}
+
+impl MemStore {
+    /// Writes the record a change of task `id` needs (nothing in memory-only mode).
+    fn record(&mut self, id: TaskId, rec: Rec) {
+        let Some(j) = &mut self.journal else { return };
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        let mut stored = task.stored;
+        match rec {
+            Rec::Whole => j.task(task, &mut stored),
+            Rec::AttemptStarted => j.attempt_started(task, &mut stored),
+            Rec::AttemptEnded => j.attempt_ended(task, &mut stored),
+        }
+        task.stored = stored;
+    }
+}
+
+fn not_found() -> Response {
+    Response::error(404, "not_found", "no such task")
+}

@@ -1,0 +1,1276 @@
+//! The PostgreSQL store (SPEC §11, docs/cluster.md §4–§5): PostgreSQL is the source of truth,
+//! shared by every node. The seam's operations are queued here, and every loop turn's records —
+//! inserts, claims, attempt starts and ends, give-backs, cancels, worker rows, the reads held
+//! requests wait for — leave as ONE transaction, one in flight at a time (group commit). Their
+//! [`Event`]s arrive when it commits: a 202 only after COMMIT, a 503 when it failed.
+//!
+//! Which task, in which order, for which group of workers: the claim statements. Which worker,
+//! what an attempt's end means: the core's, told here as records. Nothing here decides a retry.
+//! Still no I/O on the loop: `pg::db` runs the transactions on its thread and wakes the loop.
+
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::rc::Rc;
+
+use super::{
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask, Next, ReadHow, Refusal, StoreHealth, Takers,
+    WorkerInfo,
+};
+use crate::http::Response;
+use crate::log::Level;
+use crate::metrics::ClusterGauges;
+use crate::pg::db::{Db, Failure, Health, Reply, Request};
+use crate::pg::sql;
+use crate::pg::tokens::TokenCache;
+use crate::pg::wire::{Param, Row, Rows, Stmt};
+use crate::tasks::{ConnRef, Status, TaskId, parse_id, uuid_string};
+use node::{
+    CancelReq, ClaimReq, DbStats, EndRec, InsertRec, KeyLookup, ListReq, MAX_CLAIMS_PER_TXN, MAX_INSERT_BACKLOG_BYTES,
+    MAX_READS_PER_TXN, MAX_REFUSALS, MAX_WORKERS_GONE, Part, REFUSED_UNHEALTHY, ReadReq, STALL_MS, Sent,
+};
+use rows::{ccol, storable, storable_lossy, uuid_array};
+
+pub mod node;
+pub mod rows;
+
+/// The answer while the database cannot be used.
+pub fn unavailable() -> Response {
+    Response::error(503, "database_unavailable", "the database is unreachable; try again")
+}
+
+/// The answer when the connection broke during a transaction that may have committed.
+pub fn lost_response() -> Response {
+    Response::error(
+        503,
+        "database_unavailable",
+        "the database connection broke during the transaction (it may have committed: retry with the same \
+         Idempotency-Key)",
+    )
+}
+
+fn not_found() -> Response {
+    Response::error(404, "not_found", "no such task")
+}
+
+fn rows_of(rows: &[Rows], i: usize) -> &[Row] {
+    rows.get(i).map_or(&[], |r| r.rows.as_slice())
+}
+
+/// What the store needs of the configuration.
+#[derive(Debug, Clone)]
+pub struct PgConfig {
+    pub task_timeout_ms: u64,
+    pub max_retries: u32,
+    pub max_pending: usize,
+    pub max_pending_bytes: usize,
+}
+
+/// The start of an attempt this node runs: written with the next transaction (or with its end).
+#[derive(Debug, Clone)]
+struct Start {
+    attempt: u32,
+    runner: sql::Runner,
+    written: bool,
+}
+
+pub struct PgStore {
+    pub id: String,
+    pub name: String,
+    db: Db,
+    lease_ms: u64,
+    tokens: Rc<RefCell<TokenCache>>,
+    cfg: PgConfig,
+    now_ms: u64,
+    wall_ms: u64,
+    rng: super::mem::Rng,
+    /// Health as the loop last saw it.
+    health: Health,
+    next_tag: u64,
+    sent: Option<Sent>,
+    /// Transactions refused in a row (`/healthz` is 503 from [`REFUSED_UNHEALTHY`]).
+    refused_in_a_row: u32,
+
+    // ----- what the next transaction carries
+    lookups: Vec<KeyLookup>,
+    inserts: VecDeque<InsertRec>,
+    /// Payload bytes in `inserts`.
+    insert_bytes: usize,
+    claims: Vec<ClaimReq>,
+    starts: HashMap<TaskId, Start>,
+    ended: Vec<EndRec>,
+    unclaim: Vec<(String, u32)>,
+    cancels: Vec<CancelReq>,
+    reads: Vec<ReadReq>,
+    lists: Vec<ListReq>,
+    worker_reads: Vec<ConnRef>,
+    /// Ids to look up with `FINISHED_AMONG` (waited-for tasks, and this node's running tasks
+    /// after a cancel notification).
+    check_finished: HashSet<TaskId>,
+    watched: HashSet<TaskId>,
+    workers_dirty: HashMap<u128, WorkerInfo>,
+    /// Rows whose only change is `in_flight`: written with the slow poll, not every turn.
+    workers_later: HashMap<u128, WorkerInfo>,
+    /// This node's workers as their rows were last queued.
+    workers_written: HashMap<u128, WorkerInfo>,
+    workers_gone: Vec<u128>,
+    /// Delete every row of this node's but its current workers' (`RESYNC_WORKERS`).
+    workers_resync: bool,
+
+    /// A claiming transaction was lost: release what the database says this node runs and the
+    /// node does not know.
+    orphans: bool,
+    want_counts: bool,
+    want_workers: bool,
+    want_tokens: bool,
+    want_adopt: bool,
+
+    // ----- timers of the store's own tick
+    next_tick_ms: u64,
+    next_tokens_ms: u64,
+    next_cache_ms: u64,
+    next_poll_ms: u64,
+    next_adopt_ms: u64,
+    /// When the earliest task scheduled from this node falls due (monotonic).
+    due_ms: Option<u64>,
+
+    // ----- caches
+    /// Cluster-wide counts by status (`Status::index` order), from `COUNTS`.
+    counts: [u64; Status::COUNT],
+    remote: Vec<WorkerInfo>,
+    /// Attempts this node runs (claimed, not ended): task → attempt number.
+    running: HashMap<TaskId, u32>,
+    /// Groups whose last claim found fewer tasks than asked: no claim for them until tasks are
+    /// queued somewhere (a notification, this node's own inserts) or the slow poll.
+    starved: HashSet<u32>,
+    /// Tasks the last commit made final, as it returned them: a waiter's read of one is
+    /// answered from here (one read fewer per `wait=true` task).
+    fresh_final: HashMap<TaskId, crate::tasks::Task>,
+    /// Tasks the last commit inserted, with when its transaction was sent: a wait that starts
+    /// on one needs no look for its end unless an end was announced since.
+    fresh_inserted: HashMap<TaskId, u64>,
+    /// When the last `relay_finished` notification was taken (monotonic).
+    finished_noted_ms: u64,
+    pub stats: DbStats,
+    events: Vec<Event>,
+}
+
+impl PgStore {
+    pub fn new(
+        id: String,
+        name: String,
+        db: Db,
+        lease_ms: u64,
+        tokens: Rc<RefCell<TokenCache>>,
+        cfg: PgConfig,
+    ) -> PgStore {
+        PgStore {
+            id,
+            name,
+            db,
+            lease_ms,
+            tokens,
+            cfg,
+            now_ms: 0,
+            wall_ms: 0,
+            rng: super::mem::Rng::from_os(),
+            health: Health::Unreachable,
+            next_tag: 1,
+            sent: None,
+            refused_in_a_row: 0,
+            lookups: Vec::new(),
+            inserts: VecDeque::new(),
+            insert_bytes: 0,
+            claims: Vec::new(),
+            starts: HashMap::new(),
+            ended: Vec::new(),
+            unclaim: Vec::new(),
+            cancels: Vec::new(),
+            reads: Vec::new(),
+            lists: Vec::new(),
+            worker_reads: Vec::new(),
+            check_finished: HashSet::new(),
+            watched: HashSet::new(),
+            workers_dirty: HashMap::new(),
+            workers_later: HashMap::new(),
+            workers_written: HashMap::new(),
+            workers_gone: Vec::new(),
+            workers_resync: true,
+
+            orphans: true,
+            want_counts: true,
+            want_workers: true,
+            want_tokens: true,
+            want_adopt: false,
+            next_tick_ms: 0,
+            next_tokens_ms: 0,
+            next_cache_ms: 0,
+            next_poll_ms: 0,
+            next_adopt_ms: 0,
+            due_ms: None,
+            counts: [0; Status::COUNT],
+            remote: Vec::new(),
+            running: HashMap::new(),
+            starved: HashSet::new(),
+            fresh_final: HashMap::new(),
+            fresh_inserted: HashMap::new(),
+            finished_noted_ms: 0,
+            stats: DbStats::default(),
+            events: Vec::new(),
+        }
+    }
+
+    pub fn set_clock(&mut self, now_ms: u64, wall_ms: u64) {
+        self.now_ms = now_ms;
+        self.wall_ms = wall_ms;
+    }
+
+    /// The database answers: connected, the transaction in flight (if any) younger than
+    /// [`STALL_MS`] (a database that stops answering without closing the connection — a
+    /// partition — is noticed by the database thread only after its I/O timeout), and not
+    /// refusing every transaction.
+    fn usable(&self) -> bool {
+        self.db.health() == Health::Ok
+            && self.sent.as_ref().is_none_or(|s| self.now_ms.saturating_sub(s.at_ms) < STALL_MS)
+            && self.refused_in_a_row < REFUSED_UNHEALTHY
+    }
+
+    pub fn unavailable(&self, _write: bool) -> Option<Response> {
+        (!self.usable()).then(unavailable)
+    }
+
+    pub fn backlog_full(&self) -> bool {
+        self.insert_bytes > MAX_INSERT_BACKLOG_BYTES
+    }
+
+    pub fn health(&self) -> StoreHealth {
+        StoreHealth {
+            counts: self.counts,
+            node: Some(self.name.clone()),
+            database_up: Some(self.usable()),
+            journal_up: None,
+        }
+    }
+
+    pub fn gauges(&self) -> ClusterGauges {
+        ClusterGauges {
+            up: self.db.health() == Health::Ok,
+            committed: self.stats.committed,
+            refused: self.stats.refused,
+            lost: self.stats.lost,
+            unreachable: self.stats.unreachable,
+            statements: self.stats.statements,
+            background: self.db.background_transactions(),
+            tasks_inserted: self.stats.tasks_inserted,
+            tasks_claimed: self.stats.tasks_claimed,
+            attempts_ended: self.stats.attempts_ended,
+            fenced: self.stats.fenced,
+        }
+    }
+
+    /// Nothing is in flight or waiting to be written (shutdown waits for this).
+    pub fn flushed(&self) -> bool {
+        self.sent.is_none()
+            && (self.db.health() != Health::Ok
+                || (self.ended.is_empty()
+                    && self.unclaim.is_empty()
+                    && self.inserts.is_empty()
+                    && self.workers_gone.is_empty()))
+    }
+
+    pub fn stop(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
+    pub fn tokens(&self) -> &Rc<RefCell<TokenCache>> {
+        &self.tokens
+    }
+
+    /// The database's health as other threads (the files thread) can see it.
+    pub fn probe(&self) -> crate::pg::db::HealthProbe {
+        self.db.probe()
+    }
+
+    // ----- operations --------------------------------------------------------------------------
+
+    pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
+        if !self.usable() {
+            self.events.push(Event::NotInserted { to, why: Refusal::Unavailable });
+            return;
+        }
+        let id = self.rng.uuid();
+        let run_at = new.run_at_wall_ms.unwrap_or(self.wall_ms);
+        let row = sql::NewTask {
+            id: uuid_string(id),
+            kind: new.kind.map(str::to_string),
+            payload: new.payload.get().to_string(),
+            queue: new.queue || new.run_at_wall_ms.is_some(),
+            timeout_ms: new.timeout_ms,
+            max_retries: new.max_retries,
+            created_ms: self.wall_ms,
+            run_at_ms: run_at,
+            idem_owner: new.idempotency.map(|(o, _)| o.to_string()),
+            idem_key: new.idempotency.map(|(_, k)| k.to_string()),
+            runs_now: new.runs_now,
+        };
+        if run_at > self.wall_ms {
+            // Due later: this node looks for it then (the slow poll finds the others' tasks,
+            // and this node's later ones, within a second of their time).
+            let due = self.now_ms + (run_at - self.wall_ms);
+            if self.due_ms.is_none_or(|at| due < at || at <= self.now_ms) {
+                self.due_ms = Some(due);
+            }
+        }
+        self.insert_bytes += row.payload.len();
+        self.inserts.push_back(InsertRec { row, id, to });
+    }
+
+    pub fn lookup_key(&mut self, owner: &str, key: &str, conn: ConnRef, wait: bool, missing: Response) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        self.lookups.push(KeyLookup { conn, owner: owner.to_string(), key: key.to_string(), wait, missing });
+    }
+
+    pub fn claim(&mut self, ask: &ClaimAsk<'_>) {
+        if self.starved.contains(&ask.group) || !self.usable() || self.claims.len() >= MAX_CLAIMS_PER_TXN {
+            self.events.push(Event::Claimed { group: ask.group, tasks: Vec::new() });
+            return;
+        }
+        let kinds = ask.kinds.map(|k| k.iter().filter(|k| storable(k)).map(|k| k.to_string()).collect());
+        let takers = uuid_array(ask.takers.iter().copied());
+        self.claims.push(ClaimReq { group: ask.group, kinds, limit: ask.limit, takers });
+    }
+
+    pub fn give_back(&mut self, id: TaskId, attempt: u32) {
+        self.running.remove(&id);
+        self.unclaim.push((uuid_string(id), attempt));
+    }
+
+    pub fn attempt_started(&mut self, id: TaskId, attempt: u32, start: &AttemptStart<'_>) {
+        let runner = sql::Runner {
+            client_id: uuid_string(start.client_id),
+            client_ip: start.client_ip.to_string(),
+            started_ms: start.started_wall_ms,
+        };
+        self.starts.insert(id, Start { attempt, runner, written: false });
+    }
+
+    pub fn attempt_ended(&mut self, id: TaskId, attempt: u32, end: &AttemptEnd<'_>, next: Next<'_>) {
+        self.running.remove(&id);
+        let runner = self.starts.remove(&id).filter(|s| s.attempt == attempt).map(|s| s.runner);
+        let (status, result, final_error) = match next {
+            Next::Retry => ("pending", None, None),
+            Next::Done { result } => ("done", Some(result.get().to_string()), None),
+            Next::Failed { error } => ("failed", None, Some(storable_lossy(error))),
+        };
+        let ended = sql::Ended {
+            id: uuid_string(id),
+            attempt,
+            outcome: end.outcome.as_str(),
+            error: end.error.map(storable_lossy),
+            ended_ms: end.ended_wall_ms,
+            duration_ms: end.duration_ms,
+            status,
+            result,
+            final_error,
+            runner,
+        };
+        let final_status = status != "pending";
+        if final_status && self.watched.contains(&id) {
+            self.check_finished.insert(id);
+        }
+        self.ended.push(EndRec { ended, refusals: 0, final_status });
+    }
+
+    pub fn cancel(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        self.cancels.push(CancelReq { conn, id, scope: scope.map(<[String]>::to_vec) });
+    }
+
+    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+        if let (Some(task), ReadHow::Release { post }) = (self.fresh_final.get(&id), how)
+            && crate::store::mem::in_scope(task.kind.as_deref(), scope)
+        {
+            let response = crate::tasks::task_response(task, post);
+            self.events.push(Event::Answer { conn, response });
+            return;
+        }
+        if !self.usable() || self.reads.len() >= MAX_READS_PER_TXN * 4 {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        self.reads.push(ReadReq { conn, id, scope: scope.map(<[String]>::to_vec), how });
+    }
+
+    pub fn list(&mut self, q: &crate::listing::Query, scope: Option<&[String]>, conn: ConnRef) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        self.lists.push(ListReq {
+            conn,
+            scope: scope.map(<[String]>::to_vec),
+            status: q.status.map(Status::as_str),
+            kind: q.kind.clone(),
+            below: q.below,
+            limit: q.limit,
+        });
+    }
+
+    pub fn watch(&mut self, id: TaskId) {
+        self.watched.insert(id);
+        // It may have become final before the watch began — unless it was inserted by the last
+        // commit and no end was announced since.
+        match self.fresh_inserted.remove(&id) {
+            Some(sent_ms) if self.finished_noted_ms < sent_ms => {}
+            _ => {
+                self.check_finished.insert(id);
+            }
+        }
+    }
+
+    pub fn unwatch(&mut self, id: TaskId) {
+        self.watched.remove(&id);
+    }
+
+    pub fn list_workers(&mut self, conn: ConnRef) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        self.worker_reads.push(conn);
+    }
+
+    pub fn worker_changed(&mut self, w: &WorkerInfo) {
+        self.workers_later.remove(&w.client_id);
+        self.workers_written.insert(w.client_id, w.clone());
+        self.workers_dirty.insert(w.client_id, w.clone());
+    }
+
+    /// Only a worker's `in_flight` changed: its row follows with the slow poll.
+    pub fn worker_busy(&mut self, client_id: u128, in_flight: u32) {
+        if let Some(w) = self.workers_written.get_mut(&client_id) {
+            w.in_flight = in_flight;
+            if !self.workers_dirty.contains_key(&client_id) {
+                self.workers_later.insert(client_id, w.clone());
+            }
+        }
+    }
+
+    pub fn worker_gone(&mut self, client_id: u128) {
+        self.workers_written.remove(&client_id);
+        self.workers_later.remove(&client_id);
+        self.workers_dirty.remove(&client_id);
+        if self.workers_gone.len() < MAX_WORKERS_GONE {
+            self.workers_gone.push(client_id);
+        } else {
+            self.workers_gone.clear();
+            self.workers_resync = true;
+        }
+    }
+
+    pub fn remote_workers(&self) -> &[WorkerInfo] {
+        &self.remote
+    }
+
+    /// The database fails waiting tasks nobody can take (`FAIL_UNPLACEABLE`, run by every
+    /// node's housekeeping against the cluster's worker rows).
+    pub fn fail_unplaceable(&mut self, _takers: &dyn Takers, _kinds: Option<&[Option<Box<str>>]>) {}
+
+    pub fn take_events(&mut self, out: &mut Vec<Event>) {
+        out.append(&mut self.events);
+    }
+
+    // ----- time --------------------------------------------------------------------------------
+
+    pub fn next_timer_ms(&self) -> Option<u64> {
+        Some(self.due_ms.map_or(self.next_tick_ms, |d| d.min(self.next_tick_ms)))
+    }
+
+    /// The store's own timer: periodic refreshes, the slow poll behind notifications, dead
+    /// nodes' attempts, and tasks scheduled from this node falling due.
+    pub fn on_timer(&mut self) {
+        let now = self.now_ms;
+        if self.due_ms.is_some_and(|d| d <= now) {
+            self.due_ms = None;
+            self.unstarve();
+        }
+        if now < self.next_tick_ms {
+            return;
+        }
+        self.next_tick_ms = now + node::TICK_MS;
+        if now >= self.next_tokens_ms {
+            self.want_tokens = true;
+            self.next_tokens_ms = now + node::TOKEN_REFRESH_MS;
+        }
+        if now >= self.next_cache_ms {
+            self.want_counts = true;
+            self.want_workers = true;
+            self.next_cache_ms = now + node::CACHE_REFRESH_MS;
+        }
+        if now >= self.next_adopt_ms && self.db.settled() {
+            self.want_adopt = true;
+            self.next_adopt_ms = now + node::ADOPT_MS;
+        }
+        if now >= self.next_poll_ms {
+            self.next_poll_ms = now + node::POLL_MS;
+            let later: Vec<(u128, WorkerInfo)> = self.workers_later.drain().collect();
+            self.workers_dirty.extend(later);
+            let watched: Vec<TaskId> = self.watched.iter().copied().collect();
+            self.check_finished.extend(watched);
+            self.unstarve();
+        }
+    }
+
+    /// Tasks may wait for this node's idle workers: every group may claim again.
+    fn unstarve(&mut self) {
+        if !self.starved.is_empty() {
+            self.starved.clear();
+        }
+        self.events.push(Event::Ready);
+    }
+
+    fn has_work(&self) -> bool {
+        !self.lookups.is_empty()
+            || !self.inserts.is_empty()
+            || !self.claims.is_empty()
+            || self.starts.values().any(|s| !s.written)
+            || !self.ended.is_empty()
+            || !self.unclaim.is_empty()
+            || !self.cancels.is_empty()
+            || !self.reads.is_empty()
+            || !self.lists.is_empty()
+            || !self.worker_reads.is_empty()
+            || !self.check_finished.is_empty()
+            || !self.workers_dirty.is_empty()
+            || !self.workers_gone.is_empty()
+            || self.workers_resync
+            || self.orphans
+            || self.want_counts
+            || self.want_workers
+            || self.want_tokens
+            || self.want_adopt
+    }
+
+    fn take_tag(&mut self) -> u64 {
+        let t = self.next_tag;
+        self.next_tag += 1;
+        t
+    }
+
+    // ----- the turn transaction ------------------------------------------------------------------
+
+    /// End of a loop turn: everything the turn wants stored or read leaves as one transaction,
+    /// unless one is in flight (then it waits and leaves with the next turn's records).
+    pub fn end_turn(&mut self) {
+        if self.sent.is_some() {
+            if !self.usable() {
+                // Stalled: what waits behind the transaction in flight is answered 503 now
+                // (the transaction's own requests get its outcome when it comes).
+                self.fail_queued();
+            }
+            return;
+        }
+        if self.db.health() != Health::Ok {
+            self.fail_queued();
+            return;
+        }
+        if !self.has_work() {
+            return;
+        }
+        let (stmts, parts) = self.build();
+        if stmts.is_empty() {
+            return;
+        }
+        let tag = self.take_tag();
+        self.stats.statements += stmts.len() as u64;
+        match self.db.send(Request { tag, stmts }) {
+            Ok(()) => self.sent = Some(Sent { tag, parts, at_ms: self.now_ms }),
+            Err(_) => {
+                self.stats.unreachable += 1;
+                self.fail_parts(parts, &Failure::Unreachable);
+            }
+        }
+    }
+
+    /// The statements of the next transaction, and what each is for.
+    fn build(&mut self) -> (Vec<Stmt>, Vec<Part>) {
+        let mut stmts: Vec<Stmt> = Vec::new();
+        let mut parts: Vec<Part> = Vec::new();
+        let mut notify_pending = false;
+        let mut notify_finished = false;
+        let (wall, node_id) = (self.wall_ms, self.id.clone());
+
+        if !self.lookups.is_empty() {
+            let lookups = std::mem::take(&mut self.lookups);
+            stmts.push(idempotent_lookup(lookups.iter().map(|l| (l.owner.as_str(), l.key.as_str()))));
+            parts.push(Part::Lookups(lookups));
+        }
+        // A record refused alone before travels alone (it cannot keep the others out).
+        if let Some(i) = self.ended.iter().position(|r| r.refusals >= MAX_REFUSALS) {
+            let rec = self.ended.remove(i);
+            stmts.push(sql::attempt_ended(&node_id, &self.name, std::slice::from_ref(&rec.ended)));
+            parts.push(Part::Ended(vec![rec]));
+            return (stmts, parts);
+        }
+        if !self.inserts.is_empty() {
+            let batch = node::take_inserts(&mut self.inserts, &mut self.insert_bytes);
+            let rows: Vec<sql::NewTask> = batch.iter().map(|r| r.row.clone()).collect();
+            stmts.push(Stmt::new(sql::INSERT_LOCK, vec![]));
+            parts.push(Part::InsertLock);
+            stmts.push(sql::insert_tasks(&rows, self.cfg.max_pending as u64, self.cfg.max_pending_bytes as u64));
+            let keys: Vec<(String, String)> =
+                rows.iter().filter_map(|r| Some((r.idem_owner.clone()?, r.idem_key.clone()?))).collect();
+            parts.push(Part::Insert(batch));
+            if !keys.is_empty() {
+                stmts.push(idempotent_lookup(keys.iter().map(|(o, k)| (o.as_str(), k.as_str()))));
+                parts.push(Part::InsertKeys);
+            }
+            notify_pending = true;
+            // Tasks join the queue in this transaction: every idle group may find one (its
+            // own notification does not come back to this node).
+            self.starved.clear();
+        }
+        if !self.ended.is_empty() {
+            let recs = std::mem::take(&mut self.ended);
+            let ended: Vec<sql::Ended> = recs.iter().map(|r| r.ended.clone()).collect();
+            stmts.push(sql::attempt_ended(&node_id, &self.name, &ended));
+            notify_pending |= recs.iter().any(|r| !r.final_status);
+            notify_finished |= recs.iter().any(|r| r.final_status);
+            if recs.iter().any(|r| !r.final_status) {
+                self.starved.clear();
+            }
+            parts.push(Part::Ended(recs));
+        }
+        let unwritten: Vec<(String, u32, sql::Runner)> = self
+            .starts
+            .iter_mut()
+            .filter(|(_, s)| !s.written)
+            .map(|(id, s)| {
+                s.written = true;
+                (uuid_string(*id), s.attempt, s.runner.clone())
+            })
+            .collect();
+        if !unwritten.is_empty() {
+            let ids: Vec<(TaskId, u32)> = unwritten.iter().filter_map(|(id, a, _)| Some((parse_id(id)?, *a))).collect();
+            stmts.push(sql::attempt_started(&node_id, &self.name, &unwritten));
+            parts.push(Part::Started(ids));
+        }
+        if !self.unclaim.is_empty() {
+            let back = std::mem::take(&mut self.unclaim);
+            stmts.push(sql::unclaim(&node_id, &back));
+            parts.push(Part::Unclaim(back));
+            notify_pending = true;
+            self.starved.clear();
+        }
+        if self.orphans {
+            self.orphans = false;
+            let known: Vec<TaskId> = self.running.keys().chain(self.starts.keys()).copied().collect();
+            stmts.push(Stmt::new(sql::RELEASE_ORPHANS, vec![node_id.as_str().into(), Param::Text(uuid_array(known))]));
+            parts.push(Part::Orphans);
+            notify_pending = true;
+        }
+        for c in std::mem::take(&mut self.cancels) {
+            let scope = c.scope.as_ref().map_or(Param::Null, |k| text_array(k));
+            stmts.push(Stmt::new(sql::CANCEL, vec![uuid_string(c.id).into(), (wall as i64).into(), scope]));
+            stmts.push(Stmt::new(sql::GET_TASKS, vec![Param::Text(uuid_array([c.id]))]));
+            parts.push(Part::Cancel(c));
+            parts.push(Part::CancelRead);
+            notify_finished = true;
+        }
+        if std::mem::take(&mut self.workers_resync) {
+            self.workers_gone.clear();
+            let connected: Vec<u128> = self.workers_written.keys().copied().collect();
+            stmts.push(Stmt::new(
+                sql::RESYNC_WORKERS,
+                vec![node_id.as_str().into(), Param::Text(uuid_array(connected))],
+            ));
+            parts.push(Part::ResyncWorkers);
+        }
+        if !self.workers_gone.is_empty() {
+            let gone = std::mem::take(&mut self.workers_gone);
+            stmts.push(Stmt::new(sql::DELETE_WORKERS, vec![Param::Text(uuid_array(gone.iter().copied()))]));
+            parts.push(Part::DeleteWorkers(gone));
+        }
+        if !self.workers_dirty.is_empty() {
+            let dirty: Vec<WorkerInfo> = self.workers_dirty.drain().map(|(_, w)| w).collect();
+            stmts.push(upsert_workers(&node_id, &dirty));
+            parts.push(Part::UpsertWorkers(dirty.iter().map(|w| w.client_id).collect()));
+        }
+        for c in std::mem::take(&mut self.claims) {
+            let kinds: Option<Vec<&str>> = c.kinds.as_ref().map(|k| k.iter().map(String::as_str).collect());
+            stmts.push(sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers));
+            parts.push(Part::Claim(c));
+        }
+        if std::mem::take(&mut self.want_adopt) {
+            stmts.push(Stmt::new(sql::ADOPT_ORPHANS, vec![node_id.as_str().into(), (self.lease_ms as i64).into()]));
+            parts.push(Part::Adopt);
+        }
+        if !self.check_finished.is_empty() {
+            let ids: Vec<TaskId> = self.check_finished.drain().collect();
+            stmts.push(Stmt::new(sql::FINISHED_AMONG, vec![Param::Text(uuid_array(ids.iter().copied()))]));
+            parts.push(Part::Finished(ids));
+        }
+        if !self.reads.is_empty() {
+            let n = self.reads.len().min(MAX_READS_PER_TXN);
+            let reads: Vec<ReadReq> = self.reads.drain(..n).collect();
+            let (with, without): (Vec<ReadReq>, Vec<ReadReq>) =
+                reads.into_iter().partition(|r| matches!(r.how, ReadHow::Get { payload: true }));
+            for (reads, sql) in [(without, sql::GET_TASKS), (with, sql::GET_TASKS_PAYLOAD)] {
+                if reads.is_empty() {
+                    continue;
+                }
+                let ids: HashSet<TaskId> = reads.iter().map(|r| r.id).collect();
+                stmts.push(Stmt::new(sql, vec![Param::Text(uuid_array(ids))]));
+                parts.push(Part::Reads(reads));
+            }
+        }
+        let n = self.lists.len().min(MAX_READS_PER_TXN);
+        for l in self.lists.drain(..n) {
+            let scope = l.scope.as_ref().map_or(Param::Null, |k| text_array(k));
+            stmts.push(Stmt::new(
+                sql::LIST_TASKS,
+                vec![
+                    l.status.map_or(Param::Null, Param::from),
+                    l.kind.as_deref().map_or(Param::Null, Param::from),
+                    scope,
+                    (l.below.min(i64::MAX as u64) as i64).into(),
+                    (l.limit as i64 + 1).into(),
+                    (crate::listing::MAX_SCAN as i64).into(),
+                    (crate::listing::MAX_PAGE_BYTES as i64).into(),
+                ],
+            ));
+            parts.push(Part::List(l));
+        }
+        if !self.worker_reads.is_empty() || std::mem::take(&mut self.want_workers) {
+            stmts.push(Stmt::new(sql::LIST_WORKERS, vec![(self.lease_ms as i64).into()]));
+            parts.push(Part::Workers(std::mem::take(&mut self.worker_reads)));
+        }
+        if std::mem::take(&mut self.want_counts) {
+            stmts.push(Stmt::new(sql::COUNTS, vec![]));
+            parts.push(Part::Counts);
+        }
+        if std::mem::take(&mut self.want_tokens) {
+            let high = self.tokens.borrow().high_water();
+            stmts.push(Stmt::new(sql::TOKEN_CHANGES, vec![high.into()]));
+            parts.push(Part::Tokens);
+        }
+        for (flag, channel) in [(notify_pending, sql::CHANNEL_PENDING), (notify_finished, sql::CHANNEL_FINISHED)] {
+            if flag {
+                stmts.push(Stmt::new(sql::NOTIFY, vec![channel.into()]));
+                parts.push(Part::Notify);
+            }
+        }
+        (stmts, parts)
+    }
+
+    /// The database is unreachable: held requests are answered 503 at once; records (attempt
+    /// ends, worker rows) stay queued for when it returns.
+    fn fail_queued(&mut self) {
+        let mut parts = Vec::new();
+        if !self.lookups.is_empty() {
+            parts.push(Part::Lookups(std::mem::take(&mut self.lookups)));
+        }
+        if !self.inserts.is_empty() {
+            self.insert_bytes = 0;
+            parts.push(Part::Insert(self.inserts.drain(..).collect()));
+        }
+        for c in std::mem::take(&mut self.cancels) {
+            parts.push(Part::Cancel(c));
+        }
+        if !self.reads.is_empty() {
+            parts.push(Part::Reads(std::mem::take(&mut self.reads)));
+        }
+        for l in std::mem::take(&mut self.lists) {
+            parts.push(Part::List(l));
+        }
+        if !self.worker_reads.is_empty() {
+            parts.push(Part::Workers(std::mem::take(&mut self.worker_reads)));
+        }
+        for c in std::mem::take(&mut self.claims) {
+            parts.push(Part::Claim(c));
+        }
+        if !parts.is_empty() {
+            self.fail_parts(parts, &Failure::Unreachable);
+        }
+    }
+
+    /// A transaction failed (or was never sent): held requests get 503, records are queued
+    /// again (fenced writes: sending one twice is harmless), claims answer empty.
+    fn fail_parts(&mut self, parts: Vec<Part>, why: &Failure) {
+        let refused = matches!(why, Failure::Refused(_));
+        let (answer, refusal) = match why {
+            Failure::Lost(_) => (lost_response(), Refusal::Lost),
+            _ => (unavailable(), Refusal::Unavailable),
+        };
+        for part in parts {
+            match part {
+                Part::Lookups(ls) => {
+                    for l in ls {
+                        self.events.push(Event::Answer { conn: l.conn, response: answer.clone() });
+                    }
+                }
+                Part::Insert(items) => {
+                    for r in items {
+                        self.events.push(Event::NotInserted { to: r.to, why: refusal });
+                    }
+                }
+                Part::Ended(recs) => {
+                    for mut r in recs {
+                        r.refusals = r.refusals.saturating_add(u8::from(refused));
+                        if r.refusals == MAX_REFUSALS {
+                            crate::log!(
+                                Level::Error,
+                                "the database keeps refusing an attempt's end; it is written alone from now on",
+                                task_id = r.ended.id
+                            );
+                        }
+                        if r.final_status
+                            && let Some(id) = parse_id(&r.ended.id)
+                            && self.watched.contains(&id)
+                        {
+                            self.check_finished.insert(id);
+                        }
+                        self.ended.push(r);
+                    }
+                }
+                Part::Started(ids) => {
+                    for (id, attempt) in ids {
+                        if let Some(s) = self.starts.get_mut(&id).filter(|s| s.attempt == attempt) {
+                            s.written = false;
+                        }
+                    }
+                }
+                Part::Unclaim(back) => self.unclaim.extend(back),
+                Part::Orphans => self.orphans = true,
+                Part::Adopt => {}
+                Part::Cancel(c) => self.events.push(Event::Answer { conn: c.conn, response: answer.clone() }),
+                Part::DeleteWorkers(gone) => self.workers_gone.extend(gone),
+                Part::ResyncWorkers => self.workers_resync = true,
+                Part::UpsertWorkers(_) => self.workers_resync = true,
+                Part::Claim(c) => {
+                    // Lost: the claim may have committed; what the database gave this node and
+                    // it never saw goes back (`RELEASE_ORPHANS`).
+                    if matches!(why, Failure::Lost(_)) {
+                        self.orphans = true;
+                    }
+                    self.events.push(Event::Claimed { group: c.group, tasks: Vec::new() });
+                }
+                Part::Reads(rs) => {
+                    for r in rs {
+                        self.events.push(Event::Answer { conn: r.conn, response: answer.clone() });
+                    }
+                }
+                Part::List(l) => self.events.push(Event::Answer { conn: l.conn, response: answer.clone() }),
+                Part::Workers(conns) => {
+                    for conn in conns {
+                        self.events.push(Event::Answer { conn, response: answer.clone() });
+                    }
+                    self.want_workers = true;
+                }
+                Part::Counts => self.want_counts = true,
+                Part::Tokens => self.want_tokens = true,
+                Part::Finished(ids) => self.check_finished.extend(ids),
+                Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
+            }
+        }
+        // Every group may claim again once the database answers.
+        if refused || matches!(why, Failure::Lost(_)) {
+            self.events.push(Event::Ready);
+        }
+    }
+
+    // ----- what the database says ------------------------------------------------------------
+
+    /// The database threads woke the loop: health changes, replies, notifications.
+    pub fn on_wake(&mut self) {
+        let health = self.db.health();
+        if health != self.health {
+            self.health = health;
+            crate::log!(Level::Info, "database health", node = self.name, database = health.as_str());
+            if health == Health::Ok {
+                // After an outage (or a database restart, which empties the UNLOGGED worker
+                // table) the node writes its workers again and catches up on what it missed.
+                self.want_counts = true;
+                self.want_workers = true;
+                self.want_tokens = true;
+                self.workers_resync = true;
+                self.workers_gone.clear();
+                let all: Vec<(u128, WorkerInfo)> =
+                    self.workers_written.iter().map(|(&id, w)| (id, w.clone())).collect();
+                self.workers_dirty.extend(all);
+                let watched: Vec<TaskId> = self.watched.iter().copied().collect();
+                self.check_finished.extend(watched);
+                self.unstarve();
+            }
+        }
+        let mut replies: Vec<Reply> = Vec::new();
+        self.db.take_replies(&mut replies);
+        self.fresh_final.clear();
+        self.fresh_inserted.clear();
+        for reply in replies {
+            let Some(sent) = self.sent.take_if(|s| s.tag == reply.tag) else { continue };
+            match reply.result {
+                Ok(rows) => {
+                    self.stats.committed += 1;
+                    self.refused_in_a_row = 0;
+                    self.on_committed(sent.parts, &rows, sent.at_ms);
+                }
+                Err(failure) => {
+                    match &failure {
+                        Failure::Refused(e) => {
+                            self.stats.refused += 1;
+                            self.refused_in_a_row += 1;
+                            crate::log!(Level::Error, "the database refused a transaction", error = e);
+                        }
+                        Failure::Lost(e) => {
+                            self.stats.lost += 1;
+                            crate::log!(Level::Warn, "a database transaction was lost", error = e);
+                        }
+                        Failure::Unreachable => self.stats.unreachable += 1,
+                    }
+                    self.fail_parts(sent.parts, &failure);
+                }
+            }
+        }
+        for channel in self.db.take_notified() {
+            match channel {
+                sql::CHANNEL_PENDING => self.unstarve(),
+                sql::CHANNEL_CANCEL => {
+                    let running: Vec<TaskId> = self.running.keys().copied().collect();
+                    self.check_finished.extend(running);
+                }
+                sql::CHANNEL_TOKENS => self.want_tokens = true,
+                sql::CHANNEL_FINISHED => {
+                    self.finished_noted_ms = self.now_ms;
+                    let watched: Vec<TaskId> = self.watched.iter().copied().collect();
+                    self.check_finished.extend(watched);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The transaction committed: each part gets its rows.
+    fn on_committed(&mut self, parts: Vec<Part>, rows: &[Rows], sent_ms: u64) {
+        let mut parts = parts.into_iter().enumerate().peekable();
+        while let Some((i, part)) = parts.next() {
+            let here = rows_of(rows, i);
+            match part {
+                Part::Lookups(ls) => {
+                    let found = held_keys(here);
+                    for l in ls {
+                        let held = found.get(&(l.owner.as_str(), l.key.as_str())).copied();
+                        self.events.push(Event::Key { conn: l.conn, wait: l.wait, held, missing: l.missing });
+                    }
+                }
+                Part::Insert(items) => {
+                    let holders = match parts.peek() {
+                        Some((j, Part::InsertKeys)) => held_keys(rows_of(rows, *j))
+                            .into_iter()
+                            .map(|((o, k), v)| ((o.to_string(), k.to_string()), v))
+                            .collect(),
+                        _ => HashMap::new(),
+                    };
+                    self.on_inserted(items, here, &holders, sent_ms);
+                }
+                Part::Ended(recs) => self.on_ended(recs, here),
+                Part::Claim(c) => self.on_claimed(c, here),
+                Part::Adopt => self.on_adopted(here),
+                Part::Orphans => {
+                    if !here.is_empty() {
+                        crate::log!(
+                            Level::Warn,
+                            "claimed tasks this node never received went back to pending",
+                            count = here.len()
+                        );
+                    }
+                }
+                Part::Cancel(c) => {
+                    let canceled = here.first();
+                    let task_row = parts.peek().and_then(|(j, _)| rows_of(rows, *j).first());
+                    self.on_canceled(c, canceled, task_row);
+                }
+                Part::Finished(_) => {
+                    for row in here {
+                        let Some(t) = rows::task(row) else { continue };
+                        if let Some(attempt) = self.running.remove(&t.id) {
+                            // Over elsewhere (canceled on some node, or reaped while this node
+                            // was cut off): the worker is told to stop.
+                            self.starts.remove(&t.id);
+                            self.events.push(Event::Stop { id: t.id, attempt });
+                        }
+                        self.events.push(Event::Final { id: t.id, status: t.status, took_ms: None });
+                    }
+                }
+                Part::Reads(reads) => self.on_reads(reads, here),
+                Part::List(l) => {
+                    let body = rows::list_page(here, l.limit, crate::listing::MAX_SCAN);
+                    self.events.push(Event::Answer { conn: l.conn, response: Response::json(200, body) });
+                }
+                Part::Workers(conns) => {
+                    let all: Vec<WorkerInfo> = here.iter().filter_map(rows::worker).collect();
+                    let own = parse_id(&self.id);
+                    self.remote = all.into_iter().filter(|w| w.node_id != own).collect();
+                    for conn in conns {
+                        self.events.push(Event::Clients { conn, remote: self.remote.clone() });
+                    }
+                }
+                Part::Counts => {
+                    let mut counts = [0u64; Status::COUNT];
+                    for row in here {
+                        let st = row.text(0).and_then(rows::status_of);
+                        if let (Some(st), Some(n)) = (st, row.i64(1)) {
+                            counts[st.index()] = u64::try_from(n).unwrap_or(0);
+                        }
+                    }
+                    self.counts = counts;
+                }
+                Part::Tokens => {
+                    // (Stamped with the wall clock, which the API checks tokens against.)
+                    let now = self.wall_ms;
+                    let changes = here.iter().filter_map(|r| Some((r.text(0)?, r.bool(1)?, r.i64(2)?)));
+                    self.tokens.borrow_mut().apply(changes, now);
+                    if here.len() >= 10_000 {
+                        self.want_tokens = true;
+                    }
+                }
+                Part::InsertLock
+                | Part::InsertKeys
+                | Part::Started(_)
+                | Part::Unclaim(_)
+                | Part::CancelRead
+                | Part::DeleteWorkers(_)
+                | Part::ResyncWorkers
+                | Part::UpsertWorkers(_)
+                | Part::Notify => {}
+            }
+        }
+    }
+
+    fn on_inserted(
+        &mut self,
+        items: Vec<InsertRec>,
+        here: &[Row],
+        holders: &HashMap<(String, String), (TaskId, Status)>,
+        sent_ms: u64,
+    ) {
+        // One row per task given, in order: id, seq (NULL: not inserted), room.
+        let by_id: HashMap<&str, (bool, bool)> =
+            here.iter().filter_map(|r| Some((r.text(0)?, (r.i64(1).is_some(), r.bool(2) == Some(true))))).collect();
+        let mut inserted = 0;
+        for r in items {
+            let (stored, room) = by_id.get(r.row.id.as_str()).copied().unwrap_or((false, true));
+            let key = r.row.idem_owner.clone().zip(r.row.idem_key.clone());
+            if stored {
+                inserted += 1;
+                self.fresh_inserted.insert(r.id, sent_ms);
+                self.events.push(Event::Inserted { to: r.to, id: r.id });
+            } else if let Some(&(id, status)) = key.as_ref().and_then(|k| holders.get(k)) {
+                self.events.push(Event::KeyHeld { to: r.to, id, status });
+            } else if !room {
+                self.events.push(Event::NotInserted { to: r.to, why: Refusal::QueueFull });
+            } else {
+                self.events.push(Event::NotInserted { to: r.to, why: Refusal::Unavailable });
+            }
+        }
+        self.stats.tasks_inserted += inserted;
+    }
+
+    fn on_ended(&mut self, recs: Vec<EndRec>, here: &[Row]) {
+        // Rows: the tasks whose attempt the database took, as `GET_TASKS` has them.
+        let applied: HashMap<&str, u64> = here
+            .iter()
+            .filter_map(|r| Some((r.text(rows::col::ID)?, rows::ms(r, rows::col::CREATED_MS).unwrap_or(0))))
+            .collect();
+        for row in here {
+            if let Some(t) = rows::task(row).filter(|t| t.status.is_final() && self.watched.contains(&t.id)) {
+                self.fresh_final.insert(t.id, t);
+            }
+        }
+        self.stats.attempts_ended += applied.len() as u64;
+        for r in recs {
+            let Some(id) = parse_id(&r.ended.id) else { continue };
+            match applied.get(r.ended.id.as_str()) {
+                Some(&created) if r.final_status => {
+                    let status = rows::status_of(r.ended.status).unwrap_or(Status::Failed);
+                    let took = r.ended.ended_ms.saturating_sub(created);
+                    self.events.push(Event::Final { id, status, took_ms: Some(took) });
+                }
+                Some(_) => self.events.push(Event::Ready),
+                None => {
+                    self.stats.fenced += 1;
+                    self.events.push(Event::Fenced { id, attempt: r.ended.attempt });
+                }
+            }
+        }
+    }
+
+    fn on_claimed(&mut self, c: ClaimReq, here: &[Row]) {
+        let mut tasks = Vec::with_capacity(here.len());
+        for row in here {
+            let Some(claimed) = claimed_of(row, &self.cfg) else { continue };
+            self.running.insert(claimed.id, claimed.attempt);
+            tasks.push(claimed);
+        }
+        self.stats.tasks_claimed += tasks.len() as u64;
+        if (tasks.len() as u32) < c.limit {
+            // The queue has nothing more for them; a notification or the slow poll says when.
+            self.starved.insert(c.group);
+        }
+        self.events.push(Event::Claimed { group: c.group, tasks });
+    }
+
+    fn on_adopted(&mut self, here: &[Row]) {
+        let mut by_node: HashMap<String, Vec<Claimed>> = HashMap::new();
+        for row in here {
+            let Some(mut claimed) = claimed_of(row, &self.cfg) else { continue };
+            // The attempt that was running is the one to close: it is not started again.
+            claimed.attempt = claimed.attempt.max(1);
+            claimed.counted = claimed.attempt - 1;
+            let lost = row.text(8).unwrap_or("?").to_string();
+            by_node.entry(lost).or_default().push(claimed);
+        }
+        for (lost, tasks) in by_node {
+            crate::log!(Level::Warn, "attempts of a lost node adopted", node = lost, count = tasks.len());
+            let error = format!("relay node {lost} was lost (no heartbeat for {} ms)", self.lease_ms);
+            self.events.push(Event::Orphaned { tasks, error });
+        }
+    }
+
+    fn on_canceled(&mut self, c: CancelReq, canceled: Option<&Row>, task_row: Option<&Row>) {
+        let owner = canceled.and_then(|r| r.text(0)).map(str::to_string);
+        let task = task_row.filter(|row| rows::in_scope(row, c.scope.as_deref())).and_then(rows::task);
+        let response = match task {
+            Some(task) => {
+                if let Some(row) = canceled {
+                    if owner.as_deref() == Some(self.id.as_str())
+                        && let Some(attempt) = self.running.remove(&c.id)
+                    {
+                        self.starts.remove(&c.id);
+                        self.events.push(Event::Stop { id: c.id, attempt });
+                    }
+                    let took = self.wall_ms.saturating_sub(rows::ms(row, 2).unwrap_or(self.wall_ms));
+                    self.events.push(Event::Final { id: c.id, status: Status::Canceled, took_ms: Some(took) });
+                    crate::tasks::task_response(&task, false)
+                } else {
+                    let mut r = crate::tasks::task_response(&task, false);
+                    r.status = 409;
+                    r
+                }
+            }
+            None => not_found(),
+        };
+        self.events.push(Event::Answer { conn: c.conn, response });
+    }
+
+    fn on_reads(&mut self, reads: Vec<ReadReq>, here: &[Row]) {
+        let by_id: HashMap<TaskId, &Row> = here.iter().filter_map(|r| Some((rows::row_id(r)?, r))).collect();
+        for r in reads {
+            let row = by_id.get(&r.id).copied().filter(|row| rows::in_scope(row, r.scope.as_deref()));
+            let Some(task) = row.and_then(rows::task) else {
+                self.events.push(Event::Answer { conn: r.conn, response: not_found() });
+                continue;
+            };
+            let response = match r.how {
+                ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(&task),
+                ReadHow::Get { payload: false } => crate::tasks::task_response(&task, false),
+                ReadHow::Release { post } => crate::tasks::task_response(&task, post),
+                ReadHow::Wait { post } if !task.status.is_final() => {
+                    self.events.push(Event::NotFinal { conn: r.conn, id: r.id, post });
+                    continue;
+                }
+                ReadHow::Wait { post } => crate::tasks::task_response(&task, post),
+            };
+            self.events.push(Event::Answer { conn: r.conn, response });
+        }
+    }
+}
+
+/// A claimed task from a `CLAIM`/`ADOPT_ORPHANS` row.
+fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
+    let id = row.text(ccol::ID).and_then(parse_id)?;
+    let attempt = u32::try_from(row.i64(ccol::ATTEMPT)?).ok()?;
+    let payload = match row.text(ccol::PAYLOAD) {
+        Some(p) => serde_json::value::RawValue::from_string(p.to_string()).ok()?,
+        None => serde_json::value::RawValue::from_string("null".into()).ok()?,
+    };
+    let tried = row.text(ccol::TRIED).map(rows::parse_uuid_array).unwrap_or_default();
+    Some(Claimed {
+        id,
+        attempt,
+        kind: row.text(ccol::KIND).map(Box::from),
+        payload,
+        timeout_ms: rows::ms(row, ccol::TIMEOUT_MS).unwrap_or(cfg.task_timeout_ms),
+        max_retries: row.i64(ccol::MAX_RETRIES).and_then(|v| u32::try_from(v).ok()).unwrap_or(cfg.max_retries),
+        counted: attempt.saturating_sub(1),
+        tried,
+        created_wall_ms: rows::ms(row, ccol::CREATED_MS).unwrap_or(0),
+    })
+}
+
+/// `(owner, key) → (task id, status)` from `IDEMPOTENT_LOOKUP` rows.
+fn held_keys(rows: &[Row]) -> HashMap<(&str, &str), (TaskId, Status)> {
+    rows.iter()
+        .filter_map(|r| {
+            let id = parse_id(r.text(2)?)?;
+            let status = rows::status_of(r.text(3)?)?;
+            Some(((r.text(0)?, r.text(1)?), (id, status)))
+        })
+        .collect()
+}
+
+fn idempotent_lookup<'a>(keys: impl Iterator<Item = (&'a str, &'a str)> + Clone) -> Stmt {
+    Stmt::new(
+        sql::IDEMPOTENT_LOOKUP,
+        vec![
+            Param::Text(sql::array(keys.clone().map(|(o, _)| Some(o)))),
+            Param::Text(sql::array(keys.map(|(_, k)| Some(k)))),
+        ],
+    )
+}
+
+fn text_array(items: &[String]) -> Param {
+    Param::Text(sql::array(items.iter().filter(|s| storable(s)).map(|s| Some(s.as_str()))))
+}
+
+/// This node's workers' rows for `UPSERT_WORKERS`.
+fn upsert_workers(node_id: &str, ws: &[WorkerInfo]) -> Stmt {
+    let ids: Vec<String> = ws.iter().map(|w| uuid_string(w.client_id)).collect();
+    let at: Vec<String> = ws.iter().map(|w| w.connected_wall_ms.to_string()).collect();
+    let kinds: Vec<Option<String>> = ws
+        .iter()
+        .map(|w| {
+            w.kinds.as_ref().map(|k| {
+                let ks: Vec<&str> = k.iter().map(String::as_str).filter(|s| storable(s)).collect();
+                serde_json::to_string(&ks).unwrap_or_else(|_| "[]".into())
+            })
+        })
+        .collect();
+    let conc: Vec<Option<String>> =
+        ws.iter().map(|w| w.concurrency.map(|c| c.min(i32::MAX as u32).to_string())).collect();
+    let in_flight: Vec<String> = ws.iter().map(|w| w.in_flight.to_string()).collect();
+    let active: Vec<&str> = ws.iter().map(|w| if w.active { "t" } else { "f" }).collect();
+    let versions: Vec<Option<String>> = ws.iter().map(|w| w.version.as_deref().map(storable_lossy)).collect();
+    let text = |v: &[String]| Param::Text(sql::array(v.iter().map(|s| Some(s.as_str()))));
+    let opt = |v: &[Option<String>]| Param::Text(sql::array(v.iter().map(|s| s.as_deref())));
+    let ips: Vec<String> = ws.iter().map(|w| w.ip.clone()).collect();
+    Stmt::new(
+        sql::UPSERT_WORKERS,
+        vec![
+            node_id.into(),
+            text(&ids),
+            text(&ips),
+            text(&at),
+            opt(&kinds),
+            opt(&conc),
+            text(&in_flight),
+            Param::Text(sql::array(active.iter().map(|s| Some(*s)))),
+            opt(&versions),
+        ],
+    )
+}
