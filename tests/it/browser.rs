@@ -79,6 +79,12 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
     relay.wait_status(&xss, "done", Duration::from_secs(5));
     let r = relay.submit(r#"{"payload":{"kind":"report"},"delay":"1h"}"#);
     let delayed = r.json()["task_id"].as_str().expect("task_id").to_string();
+    // The chart fills in what finished before the page opened, in 2 s steps back to relay's
+    // start: give it a few of those.
+    let up = poll_until(Duration::from_secs(10), || {
+        request(relay.addr, "GET", "/healthz", &[], None).json()["uptime_s"].as_u64().is_some_and(|s| s >= 5)
+    });
+    assert!(up, "relay's uptime never reached 5 s");
 
     let artifacts = artifacts_dir();
     std::fs::create_dir_all(&artifacts).expect("artifacts dir");
