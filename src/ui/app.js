@@ -18,7 +18,7 @@ const CHART_POINTS = 150; // 5 minutes at one sample per 2 s
 const CURSOR_HISTORY = 10000;
 const EMPTY_HOPS = 20; // pages followed when a filter matched nothing in a page's scan budget
 const W = 600;
-const H = 140;
+const H = 190;
 const SVG = 'http://www.w3.org/2000/svg';
 
 const $ = (id) => document.getElementById(id);
@@ -96,7 +96,7 @@ async function api(method, path) {
   const type = res.headers.get('Content-Type') || '';
   const body = type.startsWith('application/json') ? await res.json() : await res.text();
   if (!res.ok && !(method === 'DELETE' && res.status === 409)) throw new ApiError(res.status, body);
-  return { status: res.status, body };
+  return { status: res.status, body, date: res.headers.get('Date') };
 }
 
 function explain(err) {
@@ -108,11 +108,25 @@ function explain(err) {
 }
 
 // ----- overview: counts and the chart ----------------------------------------------------------
+//
+// The chart shows tasks finished per second, from the counters relay_tasks_total in /metrics:
+// each poll adds one interval (its counts and length). So that it is not empty for the first
+// seconds, the last minutes are filled in once from the task list (one page, newest first:
+// the finished_at of the done and failed tasks on it, counted in POLL_MS buckets, back as far
+// as that page and relay's uptime reach). Done and failed are drawn in two lanes, each on its
+// own scale: one failure a second next to a thousand done still fills its lane, where on a
+// shared axis it would be a flat line under the done curve.
 
-const samples = []; // {t, done, failed}: counter values, at most CHART_POINTS + 1
+let health = null; // the last /healthz answer
+let base = null; // the first /metrics sample: {t (Date.now()), done, failed}
+let last = null; // the latest /metrics sample
+const points = []; // {t: end (ms, this page's clock), dt: ms, done, failed: counts}, oldest first
+let seeded = 0; // buckets that came from the task list
+let seedState = 'no'; // 'no' | 'busy' | 'done'
 
 async function pollHealth() {
   const { body } = await api('GET', '/healthz');
+  health = body;
   for (const s of ['pending', 'dispatched', 'done', 'failed', 'canceled']) {
     $('count-' + s).textContent = String(body.tasks[s]);
   }
@@ -127,26 +141,76 @@ function metricValue(text, series) {
   return NaN;
 }
 
+function resetChart() {
+  base = null;
+  last = null;
+  points.length = 0;
+  seeded = 0;
+  seedState = 'no';
+}
+
 async function pollMetrics() {
   const { body } = await api('GET', '/metrics');
   const done = metricValue(body, 'relay_tasks_total{status="done"}');
   const failed = metricValue(body, 'relay_tasks_total{status="failed"}');
   if (Number.isNaN(done) || Number.isNaN(failed)) return;
-  const last = samples[samples.length - 1];
-  if (last && (done < last.done || failed < last.failed)) samples.length = 0; // relay restarted
-  samples.push({ t: performance.now(), done, failed });
-  while (samples.length > CHART_POINTS + 1) samples.shift();
+  const now = Date.now();
+  if (last && (done < last.done || failed < last.failed)) resetChart(); // relay restarted
+  if (!base) {
+    base = { t: now, done, failed };
+  } else if (now > last.t) {
+    points.push({ t: now, dt: now - last.t, done: done - last.done, failed: failed - last.failed });
+    trimPoints();
+  }
+  last = { t: now, done, failed };
   drawChart();
 }
 
-function rates() {
-  const out = [];
-  for (let i = 1; i < samples.length; i++) {
-    const dt = (samples[i].t - samples[i - 1].t) / 1000;
-    if (dt <= 0) continue;
-    out.push({ done: (samples[i].done - samples[i - 1].done) / dt, failed: (samples[i].failed - samples[i - 1].failed) / dt });
+function trimPoints() {
+  if (!points.length) return;
+  const oldest = points[points.length - 1].t - CHART_POINTS * POLL_MS;
+  while (points.length > CHART_POINTS || points[0].t <= oldest) points.shift();
+}
+
+// Fills in the minutes before the first sample from one page of the task list. Only with the
+// root token: a scoped token lists its own kinds, and the counters count every kind.
+async function seedChart() {
+  if (seedState !== 'no' || !base || !token() || workersAccess !== 'root') return;
+  seedState = 'busy';
+  try {
+    const res = await api('GET', '/tasks?limit=1000');
+    const tasks = Array.isArray(res.body.tasks) ? res.body.tasks : [];
+    // relay's clock, from the answer's Date header when there is one (to the second).
+    const serverDate = Date.parse(res.date || '');
+    const skew = Number.isNaN(serverDate) ? 0 : serverDate - Date.now();
+    let from = base.t - CHART_POINTS * POLL_MS;
+    if (health && typeof health.uptime_s === 'number') from = Math.max(from, base.t - health.uptime_s * 1000);
+    if (res.body.next_cursor && tasks.length) {
+      // Older tasks exist that this page did not show: count only where the page is complete.
+      const oldest = Math.min(...tasks.map((t) => Date.parse(t.created_at)).filter((x) => !Number.isNaN(x)));
+      if (Number.isFinite(oldest)) from = Math.max(from, oldest - skew);
+    }
+    const n = Math.max(0, Math.floor((base.t - from) / POLL_MS));
+    const buckets = [];
+    for (let i = 0; i < n; i++) buckets.push({ t: base.t - (n - 1 - i) * POLL_MS, dt: POLL_MS, done: 0, failed: 0 });
+    for (const t of tasks) {
+      if (t.status !== 'done' && t.status !== 'failed') continue;
+      const at = Date.parse(t.finished_at) - skew;
+      if (Number.isNaN(at) || at >= base.t) continue; // after the first sample: the counters have it
+      const i = n - 1 - Math.floor((base.t - at) / POLL_MS);
+      if (i >= 0) buckets[i][t.status]++;
+    }
+    points.unshift(...buckets);
+    seeded = buckets.length;
+    const chart = $('chart');
+    chart.dataset.seededDone = String(buckets.reduce((n, b) => n + b.done, 0));
+    chart.dataset.seededFailed = String(buckets.reduce((n, b) => n + b.failed, 0));
+    trimPoints();
+    seedState = 'done';
+    drawChart();
+  } catch {
+    seedState = 'no'; // tried again on the next poll
   }
-  return out;
 }
 
 function niceMax(v) {
@@ -156,45 +220,87 @@ function niceMax(v) {
   return 10 * p;
 }
 
+function fmtRate(r) {
+  return r >= 100 ? Math.round(r).toLocaleString() : r.toFixed(r >= 10 ? 1 : 2).replace(/\.?0+$/, '');
+}
+
 function drawChart() {
   const chart = $('chart');
   clear(chart);
   // Drawn in the element's own pixels, so the labels are not stretched.
-  const W = Math.max(300, Math.round(chart.clientWidth || 600));
+  const W = Math.max(280, Math.round(chart.clientWidth || 600));
   chart.setAttribute('viewBox', '0 0 ' + W + ' ' + H);
-  const r = rates();
-  const max = niceMax(Math.max(1, ...r.map((x) => Math.max(x.done, x.failed))));
-  for (const f of [0, 0.5, 1]) {
-    const y = H - 12 - f * (H - 24);
-    chart.appendChild(svg('line', { x1: 0, x2: W, y1: y, y2: y, class: 'grid' }));
-    const label = svg('text', { x: 4, y: y - 2, class: 'axis-label' });
-    label.textContent = (max * f).toLocaleString() + '/s';
-    chart.appendChild(label);
-  }
+  chart.dataset.points = String(points.length);
+  chart.dataset.seeded = String(seeded);
+  const rates = points.map((p) => ({ t: p.t, done: (p.done * 1000) / p.dt, failed: (p.failed * 1000) / p.dt }));
+  const now = points.length ? points[points.length - 1].t : Date.now();
   // The time axis spans what has been seen (one minute at least, five at most), so a page
   // opened a moment ago already shows a useful picture.
-  const span = Math.max(30, r.length);
-  const step = W / span;
-  const offset = W - r.length * step;
-  const since = svg('text', { x: W - 4, y: H - 2, class: 'axis-label', 'text-anchor': 'end' });
-  since.textContent = 'last ' + Math.round((span * POLL_MS) / 1000) + ' s';
-  chart.appendChild(since);
-  for (const key of ['done', 'failed']) {
-    const pts = r.map((x, i) => (offset + (i + 1) * step).toFixed(1) + ',' + (H - 12 - (x[key] / max) * (H - 24)).toFixed(1));
-    if (pts.length) chart.appendChild(svg('polyline', { points: pts.join(' '), class: key }));
+  const first = points.length ? points[0].t - points[0].dt : now;
+  const span = Math.min(CHART_POINTS * POLL_MS, Math.max(60000, now - first));
+  const x = (t) => W - ((now - t) / span) * W;
+  const lanes = [
+    { key: 'done', top: 16, bottom: 104, label: 'done' },
+    { key: 'failed', top: 128, bottom: 172, label: 'failed' },
+  ];
+  const peaks = {};
+  for (const lane of lanes) {
+    const peak = Math.max(0, ...rates.map((r) => r[lane.key]));
+    peaks[lane.key] = peak;
+    const max = niceMax(peak);
+    const y = (v) => lane.bottom - (v / max) * (lane.bottom - lane.top);
+    chart.appendChild(svg('line', { x1: 0, x2: W, y1: lane.top, y2: lane.top, class: 'grid' }));
+    chart.appendChild(svg('line', { x1: 0, x2: W, y1: lane.bottom, y2: lane.bottom, class: 'grid base' }));
+    const label = svg('text', { x: 4, y: lane.top - 3, class: 'axis-label' });
+    label.textContent = lane.label + ': ' + max.toLocaleString() + '/s';
+    chart.appendChild(label);
+    if (!rates.length) continue;
+    const pts = [];
+    rates.forEach((r, i) => {
+      // Each interval as a step: flat over the time it covers.
+      pts.push(x(points[i].t - points[i].dt).toFixed(1) + ',' + y(r[lane.key]).toFixed(1));
+      pts.push(x(r.t).toFixed(1) + ',' + y(r[lane.key]).toFixed(1));
+    });
+    const area = [x(points[0].t - points[0].dt).toFixed(1) + ',' + lane.bottom, ...pts, x(now).toFixed(1) + ',' + lane.bottom];
+    chart.appendChild(svg('polygon', { points: area.join(' '), class: 'area ' + lane.key }));
+    chart.appendChild(svg('polyline', { points: pts.join(' '), class: lane.key }));
   }
-  const now = r[r.length - 1];
-  $('chart-now').textContent = now ? 'now: ' + now.done.toFixed(1) + ' done/s, ' + now.failed.toFixed(1) + ' failed/s' : '';
+  const axis = (text, xPos, anchor) => {
+    const t = svg('text', { x: xPos, y: H - 4, class: 'axis-label', 'text-anchor': anchor });
+    t.textContent = text;
+    chart.appendChild(t);
+  };
+  axis(Math.round(span / 1000) + ' s ago', 4, 'start');
+  axis('now', W - 4, 'end');
+  if (seeded && points.length > seeded) {
+    // Where the task list's counts end and the counters' begin.
+    const xs = x(points[seeded - 1].t);
+    chart.appendChild(svg('line', { x1: xs, x2: xs, y1: lanes[0].top, y2: lanes[1].bottom, class: 'seam' }));
+  }
+  const r = rates[rates.length - 1];
+  let text = '';
+  if (r) {
+    const inView = points.reduce((a, p) => ({ done: a.done + p.done, failed: a.failed + p.failed }), { done: 0, failed: 0 });
+    const share = inView.failed ? (inView.failed * 100) / (inView.done + inView.failed) : 0;
+    text = 'now: ' + fmtRate(r.done) + ' done/s, ' + fmtRate(r.failed) + ' failed/s · ' + (share && share < 1 ? share.toFixed(2) : share.toFixed(1)) + ' % failed in view';
+  } else {
+    text = token() ? 'collecting the first interval…' : 'collecting… (the root API token also shows the minutes before)';
+  }
+  $('chart-now').textContent = text;
+  chart.setAttribute('aria-label', 'Tasks finished per second, last ' + Math.round(span / 1000) + ' s: done up to ' +
+    fmtRate(peaks.done || 0) + '/s, failed up to ' + fmtRate(peaks.failed || 0) + '/s. ' + text);
 }
 
 // ----- workers ----------------------------------------------------------------------------------
 
 let workers = [];
 let workersPage = 0;
+let workersAccess = 'unknown'; // 'root' once /clients answered, 'denied' on 403
 
 async function pollWorkers() {
   if (!token()) {
     workers = [];
+    workersAccess = 'unknown';
     $('workers-note').textContent = 'Type the API token to see workers.';
     renderWorkers();
     return;
@@ -202,9 +308,11 @@ async function pollWorkers() {
   try {
     const { body } = await api('GET', '/clients');
     workers = Array.isArray(body.clients) ? body.clients : [];
+    workersAccess = 'root';
     $('workers-note').textContent = body.count + ' connected';
   } catch (err) {
     workers = [];
+    workersAccess = err.status === 403 ? 'denied' : 'unknown';
     $('workers-note').textContent = err.status === 403 ? 'Workers are shown to the root API token only.' : explain(err);
   }
   renderWorkers();
@@ -220,7 +328,7 @@ function renderWorkers() {
     tr.appendChild(cell(w.client_id, 'mono'));
     tr.appendChild(cell(w.ip, 'mono'));
     tr.appendChild(cell(fmtTime(w.connected_at)));
-    tr.appendChild(cell(Array.isArray(w.kinds) ? (w.kinds.length ? w.kinds.join(', ') : '(none)') : 'any'));
+    tr.appendChild(cell(Array.isArray(w.kinds) ? (w.kinds.length ? w.kinds.join(', ') : '(none)') : 'any', 'text'));
     tr.appendChild(cell(w.in_flight + ' / ' + (w.concurrency === undefined ? '∞' : w.concurrency)));
     tr.appendChild(cell(w.active ? 'active' : 'draining'));
     tr.appendChild(cell(w.version === undefined ? '' : w.version));
@@ -292,7 +400,7 @@ function renderTasks(tasks) {
     const st = el('td');
     st.appendChild(statusBadge(t.status));
     tr.appendChild(st);
-    tr.appendChild(cell(t.kind === undefined ? '' : t.kind));
+    tr.appendChild(cell(t.kind === undefined ? '' : t.kind, 'kind'));
     tr.appendChild(cell(fmtTime(t.created_at)));
     tr.appendChild(cell(t.attempts));
     tr.appendChild(cell(fmtTime(t.finished_at)));
@@ -327,20 +435,72 @@ function field(dl, name, value) {
   dl.appendChild(el('dd', null, value));
 }
 
-async function loadTask(id) {
+// A task's payload is asked for once, when its page opens (it never changes, and may be up to
+// MAX_MESSAGE_SIZE); the refreshes of a running task leave it out.
+async function loadTask(id, withPayload) {
+  const path = '/tasks/' + encodeURIComponent(id) + (withPayload ? '?include=payload' : '');
   try {
-    const { body } = await api('GET', '/tasks/' + encodeURIComponent(id));
+    const { body } = await api('GET', path);
+    if (withPayload) showPayload(body);
     renderTask(body);
+    $('t-missing').hidden = true;
     banner('');
   } catch (err) {
     currentTask = null;
     $('t-id').textContent = id;
     $('t-status').textContent = '';
+    $('t-status').className = 'status';
     clear($('t-fields'));
     clear($('t-attempts'));
     $('t-result').textContent = '';
     $('t-cancel').hidden = true;
-    banner(err.status === 404 ? 'No such task (or not visible to this token).' : explain(err), true);
+    showPayload({});
+    if (err.status === 404) {
+      $('t-missing').textContent = 'No such task: ' + id + '. It may never have existed, have expired (finished tasks are kept ' +
+        'for TASK_TTL), or be of a kind this token may not see.';
+      $('t-missing').hidden = false;
+      banner('');
+    } else {
+      $('t-missing').hidden = true;
+      banner(explain(err), true);
+    }
+  }
+}
+
+// The fold appears only when relay sent the payload (older relays leave it out).
+function showPayload(t) {
+  const has = t && typeof t === 'object' && Object.prototype.hasOwnProperty.call(t, 'payload');
+  $('t-payload-fold').hidden = !has;
+  $('t-payload-fold').open = false;
+  $('t-payload').textContent = has ? JSON.stringify(t.payload, null, 2) : '';
+}
+
+// ----- search by task id ---------------------------------------------------------------------------
+
+const TASK_ID = /[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}/i;
+
+// Takes the id out of whatever was pasted (a bare id, a task URL, a line of JSON or a log).
+async function findTask(text) {
+  const note = $('find-note');
+  const m = text.match(TASK_ID);
+  if (!m) {
+    note.textContent = text.trim() ? 'That is not a task id (a task id looks like 3f2c1a9e-7b1d-4c2e-9a4f-0d6e8b5c7a21).' : '';
+    return;
+  }
+  const id = m[0].toLowerCase();
+  if (!token()) {
+    note.textContent = 'Type the API token first: tasks are shown to a token only.';
+    return;
+  }
+  note.textContent = 'Looking for ' + id + '…';
+  try {
+    await api('GET', '/tasks/' + encodeURIComponent(id));
+    note.textContent = '';
+    $('find-id').value = '';
+    if (location.hash === '#/task/' + id) route();
+    else location.hash = '#/task/' + id;
+  } catch (err) {
+    note.textContent = err.status === 404 ? 'No such task: ' + id + ' (or not visible to this token).' : explain(err);
   }
 }
 
@@ -419,7 +579,7 @@ function route() {
   $('task-view').hidden = !m;
   $('t-note').textContent = '';
   if (m) {
-    loadTask(decodeURIComponent(m[1]));
+    loadTask(decodeURIComponent(m[1]), true);
   } else {
     currentTask = null;
     loadTasks();
@@ -430,12 +590,12 @@ let tick = 0;
 
 async function poll() {
   try {
-    await Promise.all([pollHealth(), pollMetrics()]);
-    if (tick % WORKERS_EVERY === 0) await pollWorkers();
+    await Promise.all([pollHealth(), pollMetrics(), tick % WORKERS_EVERY === 0 ? pollWorkers() : null]);
+    await seedChart();
     // The first page of the list follows new tasks; later pages stay where the user put them.
     if (!$('overview').hidden && list.index === 0 && tick % WORKERS_EVERY === 1) await loadTasks();
     if (!$('task-view').hidden && currentTask && (currentTask.status === 'pending' || currentTask.status === 'dispatched')) {
-      await loadTask(currentTask.task_id);
+      await loadTask(currentTask.task_id, false);
     }
     if ($('banner').classList.contains('error') && $('banner').textContent.startsWith('relay did not answer')) banner('');
   } catch (err) {
@@ -468,7 +628,8 @@ function start() {
     if (value) sessionStorage.setItem(TOKEN_KEY, value);
     banner('');
     checkToken();
-    pollWorkers();
+    // With the root token the chart fills in the minutes before at once.
+    pollWorkers().then(seedChart);
     resetList();
     route();
   });
@@ -506,7 +667,14 @@ function start() {
     renderWorkers();
   });
   $('t-cancel').addEventListener('click', cancelTask);
-  $('t-refresh').addEventListener('click', () => currentTask && loadTask(currentTask.task_id));
+  $('t-refresh').addEventListener('click', () => currentTask && loadTask(currentTask.task_id, false));
+  $('find').addEventListener('submit', (e) => {
+    e.preventDefault();
+    findTask($('find-id').value);
+  });
+  $('find-id').addEventListener('input', () => {
+    $('find-note').textContent = '';
+  });
   window.addEventListener('hashchange', route);
   checkToken();
   route();

@@ -43,7 +43,7 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
     if let Some(why) = missing_browser_tools() {
         return skip_or_fail(name, &why);
     }
-    let relay = Relay::start_with(&[("TASK_TIMEOUT", "5s")]);
+    let relay = Relay::start_with(&[&[("TASK_TIMEOUT", "5s")], STEADY_HEARTBEAT].concat());
     let hello = |v: &str| Some(json!({"type": "hello", "concurrency": 8, "version": v}));
     let flaky =
         FakeWorker::connect(&relay, hello("scripted-flaky/1"), Auto::Fail("upstream refused the connection".into()));
@@ -79,6 +79,12 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
     relay.wait_status(&xss, "done", Duration::from_secs(5));
     let r = relay.submit(r#"{"payload":{"kind":"report"},"delay":"1h"}"#);
     let delayed = r.json()["task_id"].as_str().expect("task_id").to_string();
+    // The chart fills in what finished before the page opened, in 2 s steps back to relay's
+    // start: give it a few of those.
+    let up = poll_until(Duration::from_secs(10), || {
+        request(relay.addr, "GET", "/healthz", &[], None).json()["uptime_s"].as_u64().is_some_and(|s| s >= 5)
+    });
+    assert!(up, "relay's uptime never reached 5 s");
 
     let artifacts = artifacts_dir();
     std::fs::create_dir_all(&artifacts).expect("artifacts dir");
@@ -103,13 +109,19 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
         .expect("spawn node");
 
     // Traffic for the live chart while the browser looks (bounded by the deadline).
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + Duration::from_secs(180);
     let mut n = 0u32;
+    let mut lost = None;
     let status = loop {
         if let Some(status) = node.try_wait().expect("wait node") {
             break Some(status);
         }
-        if Instant::now() > deadline {
+        // Everything the page is checked on needs both workers: a lost one is the failure to
+        // report, with relay's reason, rather than whatever the page shows without it.
+        if (flaky.is_closed() || good.is_closed()) && lost.is_none() {
+            lost = Some(worker_losses(&relay.log_text()));
+        }
+        if Instant::now() > deadline || lost.is_some() {
             let _ = node.kill();
             let _ = node.wait();
             break None;
@@ -123,9 +135,17 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
     let _ = std::fs::remove_dir_all(&user_data);
     let log = std::fs::read_to_string(artifacts.join("browser.log")).unwrap_or_default();
     eprintln!("{log}");
-    assert!(status.is_some(), "the browser test did not finish within 120 s");
+    if let Some(why) = lost {
+        panic!("a worker was disconnected while the browser ran:\n{why}");
+    }
+    assert!(status.is_some(), "the browser test did not finish within 180 s");
     assert!(status.is_some_and(|s| s.success()), "the browser test failed (artefacts in {})", artifacts.display());
     assert!(artifacts.join("dashboard.png").exists(), "screenshot written");
+    assert!(
+        !flaky.is_closed() && !good.is_closed(),
+        "both workers stayed connected: {}",
+        worker_losses(&relay.log_text())
+    );
     eprintln!("screenshots: {}", artifacts.display());
     drop((flaky, good));
 }

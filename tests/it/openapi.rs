@@ -29,14 +29,15 @@ fn schemathesis_finds_nothing_the_document_does_not_allow() {
     if Command::new("schemathesis").arg("--version").stdout(Stdio::null()).status().map_or(true, |s| !s.success()) {
         return skip_or_fail(name, "schemathesis is not installed (pip install schemathesis)");
     }
-    let relay = Relay::start_with(&[
-        ("WAIT_TIMEOUT", "1s"),
-        ("TASK_TIMEOUT", "1s"),
-        ("MAX_FILE_SIZE", "65536"),
-        ("LOG_LEVEL", "info"),
-    ]);
-    let _worker =
-        FakeWorker::connect(&relay, Some(serde_json::json!({"type": "hello", "concurrency": 64})), Auto::Echo);
+    // The worker must outlive schemathesis's start, however cold: see STEADY_HEARTBEAT.
+    let relay = Relay::start_with(
+        &[
+            &[("WAIT_TIMEOUT", "1s"), ("TASK_TIMEOUT", "1s"), ("MAX_FILE_SIZE", "65536"), ("LOG_LEVEL", "info")],
+            STEADY_HEARTBEAT,
+        ]
+        .concat(),
+    );
+    let worker = FakeWorker::connect(&relay, Some(serde_json::json!({"type": "hello", "concurrency": 64})), Auto::Echo);
     relay.wait_clients(1, |c| c["concurrency"] == 64);
 
     let doc = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/openapi.yaml");
@@ -67,11 +68,17 @@ fn schemathesis_finds_nothing_the_document_does_not_allow() {
     cmd.env("SCHEMATHESIS_HOOKS", "relay_hooks").env("PYTHONPATH", hooks);
     let mut child = cmd.env("NO_COLOR", "1").stdin(Stdio::null()).stdout(out).stderr(err).spawn().expect("spawn");
     let deadline = Instant::now() + DEADLINE;
+    let mut lost = None;
     let status = loop {
         if let Some(s) = child.try_wait().expect("wait") {
             break Some(s);
         }
-        if Instant::now() > deadline {
+        // Without its worker every submit answers 503 no_worker: report that, with relay's
+        // reason, instead of what schemathesis makes of it.
+        if worker.is_closed() {
+            lost = Some(worker_losses(&relay.log_text()));
+        }
+        if Instant::now() > deadline || lost.is_some() {
             let _ = child.kill();
             let _ = child.wait();
             break None;
@@ -80,6 +87,9 @@ fn schemathesis_finds_nothing_the_document_does_not_allow() {
     };
     let log = std::fs::read_to_string(&log_path).unwrap_or_default();
     eprintln!("{log}");
+    if let Some(why) = lost {
+        panic!("the worker was disconnected while schemathesis ran:\n{why}");
+    }
     assert!(status.is_some(), "schemathesis did not finish within {DEADLINE:?}");
     assert!(status.is_some_and(|s| s.success()), "schemathesis found problems (log: {})", log_path.display());
     // relay itself must still be alive and well after the run.

@@ -79,6 +79,26 @@ const DEFAULTS: &[(&str, &str)] = &[
     ("JOURNAL_SEGMENT_SIZE", "1048576"),
 ];
 
+/// Heartbeat for tests whose workers must stay connected while a heavy external program
+/// (Chromium, schemathesis) starts and runs beside them on the same two cores: relay's own
+/// defaults (SPEC §2), in place of DEFAULTS' 200 ms / 1 s, which are there so that the tests
+/// of dead workers run fast. With 1 s, any stall of a second of relay or of the test process
+/// (a cold start of the program) had relay drop every worker for silence, for good: a stalled
+/// relay sends no pings, and its next turn counts the time it was stalled as the workers'
+/// silence. Those tests then failed with "0 connected" and 503 `no_worker`.
+pub const STEADY_HEARTBEAT: &[(&str, &str)] = &[("PING_INTERVAL", "2s"), ("PONG_WAIT", "6s")];
+
+/// What relay said about workers leaving, for a failure message: its log lines that tell a
+/// disconnect or a dead heartbeat.
+pub fn worker_losses(log: &str) -> String {
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("disconnected") || l.contains("PONG_WAIT") || l.contains("silent"))
+        .take(10)
+        .collect();
+    if lines.is_empty() { "relay logged no worker leaving".into() } else { lines.join("\n") }
+}
+
 pub fn relay_bin() -> &'static str {
     env!("CARGO_BIN_EXE_relay")
 }
