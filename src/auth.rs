@@ -88,7 +88,7 @@ enum Registry {
     /// Cluster mode: the node's cache of the database's `relay_tokens`, which the node's turn
     /// transactions refresh (refused as `Unavailable` once older than 1 s: fail closed), and
     /// the cache generation the waiting requests were last woken for.
-    Db(Rc<RefCell<crate::pg::tokens::TokenCache>>, Cell<u64>),
+    Db(Rc<RefCell<crate::tokens::pg::TokenCache>>, Cell<u64>),
 }
 
 fn digest(token: &str) -> [u8; 32] {
@@ -126,7 +126,7 @@ impl Auth {
 
     /// Cluster mode: scoped JWTs are looked up in `cache`, the node's view of the database's
     /// registry (its refreshes are stamped with the wall clock).
-    pub fn with_db_tokens(mut self, secret: Option<&str>, cache: Rc<RefCell<crate::pg::tokens::TokenCache>>) -> Auth {
+    pub fn with_db_tokens(mut self, secret: Option<&str>, cache: Rc<RefCell<crate::tokens::pg::TokenCache>>) -> Auth {
         self.scoped = secret
             .map(|secret| Scoped { secret: secret.as_bytes().to_vec(), registry: Registry::Db(cache, Cell::new(0)) });
         self

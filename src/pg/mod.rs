@@ -15,6 +15,6 @@ pub mod db;
 pub mod files;
 pub mod schema;
 pub mod sql;
-pub mod tokens;
+
 pub mod url;
 pub mod wire;

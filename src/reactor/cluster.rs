@@ -7,9 +7,9 @@ use std::rc::Rc;
 
 use super::*;
 use crate::pg::db::{Db, DbConfig};
-use crate::pg::tokens::TokenCache;
 use crate::pg::url::DbParams;
 use crate::store::pg::{PgConfig, PgStore};
+use crate::tokens::pg::TokenCache;
 
 /// This host's name (for the node's name; `localhost` if it cannot be read).
 fn hostname() -> String {

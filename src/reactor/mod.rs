@@ -461,7 +461,7 @@ impl Server {
         let local_addr = listener.local_addr()?;
         let started = Instant::now();
         let auth = crate::auth::Auth::new(&cfg.api_token, &cfg.worker_token);
-        let token_cache = std::rc::Rc::new(std::cell::RefCell::new(crate::pg::tokens::TokenCache::default()));
+        let token_cache = std::rc::Rc::new(std::cell::RefCell::new(crate::tokens::pg::TokenCache::default()));
         let auth = match &cfg.database {
             // Cluster mode: the node's cache of the database's registry (its turn transactions
             // refresh it).

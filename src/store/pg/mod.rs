@@ -21,9 +21,9 @@ use crate::log::Level;
 use crate::metrics::ClusterGauges;
 use crate::pg::db::{Db, Failure, Health, Reply, Request};
 use crate::pg::sql;
-use crate::pg::tokens::TokenCache;
 use crate::pg::wire::{Param, Row, Rows, Stmt};
 use crate::tasks::{ConnRef, Status, TaskId, parse_id, uuid_string};
+use crate::tokens::pg::TokenCache;
 use node::{
     CancelReq, ClaimReq, DbStats, EndRec, InsertRec, KeyLookup, ListReq, MAX_CLAIMS_PER_TXN, MAX_INSERT_BACKLOG_BYTES,
     MAX_READS_PER_TXN, MAX_REFUSALS, MAX_WORKERS_GONE, Part, REFUSED_UNHEALTHY, ReadReq, STALL_MS, Sent,

@@ -7,10 +7,10 @@
 
 use std::collections::HashMap;
 
-use super::schema;
-use super::sql;
-use super::url::DbParams;
-use super::wire::{Conn, Param, PgError, Stmt, Timeouts};
+use crate::pg::schema;
+use crate::pg::sql;
+use crate::pg::url::DbParams;
+use crate::pg::wire::{Conn, Param, PgError, Stmt, Timeouts};
 use crate::timefmt::{parse_rfc3339_ms, rfc3339_ms};
 use crate::tokens::{Lookup, Record};
 
