@@ -443,7 +443,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 if reap && !shared.settled.swap(true, Ordering::SeqCst) {
                     (shared.wake)();
                 }
-                broken = housekeeping(&cfg, &shared, &mut conn, reap);
+                broken = housekeeping(&cfg, &shared, &mut conn);
             }
             if let Some(e) = broken {
                 crate::log!(Level::Warn, "database connection lost", error = &e);
@@ -505,21 +505,15 @@ fn flush_notifies(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<Pg
     conn.pipeline(&stmts).err().filter(PgError::is_fatal)
 }
 
-/// Waiting tasks nobody can take (when `reap`: dead nodes are told from live ones), queue expiry
-/// and retention, each its own transaction. Only a broken connection is returned; a refused
-/// statement is logged.
-fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn, reap: bool) -> Option<PgError> {
+/// Nodes silent for an hour and expired files, each its own transaction. Only a broken
+/// connection is returned; a refused statement is logged.
+fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<PgError> {
     let now_ms = crate::timefmt::wall_ms() as i64;
     // (job, statement, channels to notify when it changed rows: tasks went back to pending, or
     // became final and may have waiters on any node)
     let mut jobs: Vec<(&str, Stmt, &[&str])> = Vec::new();
-    if reap {
-        // After a database restart the UNLOGGED worker registry is empty until every node wrote
-        // its workers again: only once the connection settled.
-        jobs.push(("unplaceable", sql::fail_unplaceable(cfg.lease_ms, now_ms), &[sql::CHANNEL_FINISHED]));
-    }
-    jobs.push(("expire", sql::expire_in_queue(now_ms, cfg.task_ttl_ms), &[sql::CHANNEL_FINISHED]));
-    jobs.push(("retention", sql::retention(now_ms, cfg.task_ttl_ms), &[]));
+    // (Waiting tasks that expire or that nobody can take, and retention, are the nodes' own
+    // transactions, on their clock: `store::pg`.)
     jobs.push(("nodes", Stmt::new(sql::FORGET_NODES, vec![]), &[]));
     if cfg.files_housekeeping {
         jobs.push(("files", Stmt::new(sql::FILE_EXPIRE, vec![now_ms.into()]), &[]));

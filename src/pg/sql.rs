@@ -493,13 +493,14 @@ pub const CANCEL: &str = "WITH old AS (
      FROM old JOIN u ON u.id = old.id";
 
 // ---------------------------------------------------------------------------------------------
-// Housekeeping (the database thread of every node; SKIP LOCKED keeps them from colliding).
+// Housekeeping: every node's turn transactions, once a second, on the node's clock (and the
+// database thread's, for nodes and files); SKIP LOCKED keeps nodes from colliding.
 
 /// Waiting tasks that no live worker can take any more (SPEC §5): plain tasks (`queue` false)
 /// and retries (`tried` not empty) for which no active worker of a live node ($1 lease_ms) takes
 /// the kind without having tried it. They fail: a retry with its last attempt's error, a plain
-/// task with `no connected worker can take this task any more`. $2 now_ms. Run after workers
-/// leave (a `relay_workers` delete) and by housekeeping.
+/// task with `no connected worker can take this task any more`. $2 now_ms. Run after a worker
+/// of this node left (its `relay_workers` row deleted) and once a second.
 pub const FAIL_UNPLACEABLE: &str = "WITH live AS (
        SELECT w.client_id, w.kinds FROM relay_workers w JOIN relay_nodes n ON n.node_id = w.node_id
        WHERE n.heartbeat_ms > relay_now_ms() - $1::int8 AND w.active
@@ -518,7 +519,7 @@ pub const FAIL_UNPLACEABLE: &str = "WITH live AS (
                     THEN coalesce(t.attempt_log -> (t.attempt - 1) ->> 'error', 'no untried worker can take this task')
                     ELSE 'no connected worker can take this task any more' END
      FROM f WHERE t.id = f.task_id AND t.status = 'pending'
-     RETURNING t.id::text, t.error";
+     RETURNING t.id::text, t.error, t.created_ms";
 
 pub fn fail_unplaceable(lease_ms: u64, now_ms: i64) -> Stmt {
     Stmt::new(FAIL_UNPLACEABLE, vec![(lease_ms as i64).into(), now_ms.into()])
@@ -563,18 +564,19 @@ pub const EXPIRE_IN_QUEUE: &str = "WITH e AS (
        RETURNING p.task_id
      )
      UPDATE relay_tasks t SET status = 'failed', error = 'expired in queue', finished_ms = $1::int8
-     FROM e WHERE t.id = e.task_id AND t.status = 'pending'";
+     FROM e WHERE t.id = e.task_id AND t.status = 'pending'
+     RETURNING t.id::text, t.created_ms";
 
 pub fn expire_in_queue(now_ms: i64, task_ttl_ms: u64) -> Stmt {
     Stmt::new(EXPIRE_IN_QUEUE, vec![now_ms.into(), (task_ttl_ms as i64).into()])
 }
 
-/// Retention: finished tasks older than TASK_TTL go, in batches of 5000 (oldest submission
+/// Retention: finished tasks older than TASK_TTL go, in batches of 1000 (oldest submission
 /// first, walking `relay_tasks_seq`), so one run is a short transaction and autovacuum reclaims
 /// the space behind it. $1 now_ms, $2 ttl.
 pub const RETENTION: &str = "DELETE FROM relay_tasks WHERE id IN (
        SELECT id FROM relay_tasks WHERE finished_ms < $1::int8 - $2::int8
-       ORDER BY seq LIMIT 5000 FOR UPDATE SKIP LOCKED)";
+       ORDER BY seq LIMIT 1000 FOR UPDATE SKIP LOCKED)";
 
 pub fn retention(now_ms: i64, task_ttl_ms: u64) -> Stmt {
     Stmt::new(RETENTION, vec![now_ms.into(), (task_ttl_ms as i64).into()])

@@ -476,6 +476,14 @@ impl Store {
         }
     }
 
+    /// Nothing in flight and nothing queued (a memory store always is).
+    pub fn idle(&self) -> bool {
+        match self {
+            Store::Mem(_) => true,
+            Store::Pg(s) => s.idle(),
+        }
+    }
+
     /// Shutdown: the store's threads stop once what was accepted is written.
     pub fn stop(&mut self) -> Result<(), String> {
         each!(self, s => s.stop())

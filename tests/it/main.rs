@@ -16,6 +16,7 @@ mod ops;
 mod pg_cluster;
 mod regressions;
 mod review;
+mod store;
 mod tasks_api;
 mod tokens;
 mod websocket;

@@ -59,6 +59,7 @@ fn rows_of(rows: &[Rows], i: usize) -> &[Row] {
 /// What the store needs of the configuration.
 #[derive(Debug, Clone)]
 pub struct PgConfig {
+    pub task_ttl_ms: u64,
     pub task_timeout_ms: u64,
     pub max_retries: u32,
     pub max_pending: usize,
@@ -123,6 +124,10 @@ pub struct PgStore {
     want_workers: bool,
     want_tokens: bool,
     want_adopt: bool,
+    /// Expiry in the queue and retention are due (once a second, on this node's clock).
+    want_housekeeping: bool,
+    /// Waiting tasks may have lost their last worker (a worker left; once a second).
+    want_unplaceable: bool,
 
     // ----- timers of the store's own tick
     next_tick_ms: u64,
@@ -139,9 +144,10 @@ pub struct PgStore {
     remote: Vec<WorkerInfo>,
     /// Attempts this node runs (claimed, not ended): task → attempt number.
     running: HashMap<TaskId, u32>,
-    /// Groups whose last claim found fewer tasks than asked: no claim for them until tasks are
-    /// queued somewhere (a notification, this node's own inserts) or the slow poll.
-    starved: HashSet<u32>,
+    /// Groups whose last claim found fewer tasks than asked, with the takers it was for: no claim
+    /// for them (for the same takers) until tasks are queued somewhere (a notification, this
+    /// node's own inserts) or the slow poll.
+    starved: HashMap<u32, String>,
     /// Tasks the last commit made final, as it returned them: a waiter's read of one is
     /// answered from here (one read fewer per `wait=true` task).
     fresh_final: HashMap<TaskId, crate::tasks::Task>,
@@ -201,6 +207,8 @@ impl PgStore {
             want_workers: true,
             want_tokens: true,
             want_adopt: false,
+            want_housekeeping: false,
+            want_unplaceable: false,
             next_tick_ms: 0,
             next_tokens_ms: 0,
             next_cache_ms: 0,
@@ -210,7 +218,7 @@ impl PgStore {
             counts: [0; Status::COUNT],
             remote: Vec::new(),
             running: HashMap::new(),
-            starved: HashSet::new(),
+            starved: HashMap::new(),
             fresh_final: HashMap::new(),
             fresh_inserted: HashMap::new(),
             finished_noted_ms: 0,
@@ -281,6 +289,11 @@ impl PgStore {
         Ok(())
     }
 
+    /// Nothing in flight and nothing queued for a transaction (tests drive the store to this).
+    pub fn idle(&self) -> bool {
+        self.sent.is_none() && !self.has_work()
+    }
+
     pub fn tokens(&self) -> &Rc<RefCell<TokenCache>> {
         &self.tokens
     }
@@ -333,12 +346,13 @@ impl PgStore {
     }
 
     pub fn claim(&mut self, ask: &ClaimAsk<'_>) {
-        if self.starved.contains(&ask.group) || !self.usable() || self.claims.len() >= MAX_CLAIMS_PER_TXN {
+        let takers = uuid_array(ask.takers.iter().copied());
+        let starved = self.starved.get(&ask.group).is_some_and(|t| *t == takers);
+        if starved || !self.usable() || self.claims.len() >= MAX_CLAIMS_PER_TXN {
             self.events.push(Event::Claimed { group: ask.group, tasks: Vec::new() });
             return;
         }
         let kinds = ask.kinds.map(|k| k.iter().filter(|k| storable(k)).map(|k| k.to_string()).collect());
-        let takers = uuid_array(ask.takers.iter().copied());
         self.claims.push(ClaimReq { group: ask.group, kinds, limit: ask.limit, takers });
     }
 
@@ -477,9 +491,11 @@ impl PgStore {
         &self.remote
     }
 
-    /// The database fails waiting tasks nobody can take (`FAIL_UNPLACEABLE`, run by every
-    /// node's housekeeping against the cluster's worker rows).
-    pub fn fail_unplaceable(&mut self, _takers: &dyn Takers, _kinds: Option<&[Option<Box<str>>]>) {}
+    /// The database fails waiting tasks nobody can take (`FAIL_UNPLACEABLE`, against the
+    /// cluster's worker rows: after this node's worker rows changed, and once a second).
+    pub fn fail_unplaceable(&mut self, _takers: &dyn Takers, _kinds: Option<&[Option<Box<str>>]>) {
+        self.want_unplaceable = true;
+    }
 
     pub fn take_events(&mut self, out: &mut Vec<Event>) {
         out.append(&mut self.events);
@@ -512,9 +528,15 @@ impl PgStore {
             self.want_workers = true;
             self.next_cache_ms = now + node::CACHE_REFRESH_MS;
         }
-        if now >= self.next_adopt_ms && self.db.settled() {
-            self.want_adopt = true;
+        if now >= self.next_adopt_ms {
             self.next_adopt_ms = now + node::ADOPT_MS;
+            self.want_housekeeping = true;
+            // (Dead nodes are told from live ones once this node's connection settled: after a
+            // database restart the UNLOGGED heartbeats and worker rows are gone a while.)
+            if self.db.settled() {
+                self.want_adopt = true;
+                self.want_unplaceable = true;
+            }
         }
         if now >= self.next_poll_ms {
             self.next_poll_ms = now + node::POLL_MS;
@@ -554,6 +576,8 @@ impl PgStore {
             || self.want_workers
             || self.want_tokens
             || self.want_adopt
+            || self.want_housekeeping
+            || (self.want_unplaceable && self.db.settled())
     }
 
     fn take_tag(&mut self) -> u64 {
@@ -709,6 +733,20 @@ impl PgStore {
         if std::mem::take(&mut self.want_adopt) {
             stmts.push(Stmt::new(sql::ADOPT_ORPHANS, vec![node_id.as_str().into(), (self.lease_ms as i64).into()]));
             parts.push(Part::Adopt);
+        }
+        if self.want_unplaceable && self.db.settled() {
+            self.want_unplaceable = false;
+            // (After this transaction's worker rows: a worker that left counts no more.)
+            stmts.push(sql::fail_unplaceable(self.lease_ms, wall as i64));
+            parts.push(Part::Failed);
+            notify_finished = true;
+        }
+        if std::mem::take(&mut self.want_housekeeping) {
+            stmts.push(sql::expire_in_queue(wall as i64, self.cfg.task_ttl_ms));
+            parts.push(Part::Failed);
+            stmts.push(sql::retention(wall as i64, self.cfg.task_ttl_ms));
+            parts.push(Part::Notify);
+            notify_finished = true;
         }
         if !self.check_finished.is_empty() {
             let ids: Vec<TaskId> = self.check_finished.drain().collect();
@@ -874,6 +912,7 @@ impl PgStore {
                 }
                 Part::Counts => self.want_counts = true,
                 Part::Tokens => self.want_tokens = true,
+                Part::Failed => {}
                 Part::Finished(ids) => self.check_finished.extend(ids),
                 Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
             }
@@ -1008,6 +1047,15 @@ impl PgStore {
                     }
                 }
                 Part::Reads(reads) => self.on_reads(reads, here),
+                Part::Failed => {
+                    // Rows: id, (error,) created_ms of tasks that failed waiting.
+                    for row in here {
+                        let Some(id) = row.text(0).and_then(parse_id) else { continue };
+                        let created = row.i64(row.len() - 1).and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
+                        let took = self.wall_ms.saturating_sub(created);
+                        self.events.push(Event::Final { id, status: Status::Failed, took_ms: Some(took) });
+                    }
+                }
                 Part::List(l) => {
                     let body = rows::list_page(here, l.limit, crate::listing::MAX_SCAN);
                     self.events.push(Event::Answer { conn: l.conn, response: Response::json(200, body) });
@@ -1120,7 +1168,7 @@ impl PgStore {
         self.stats.tasks_claimed += tasks.len() as u64;
         if (tasks.len() as u32) < c.limit {
             // The queue has nothing more for them; a notification or the slow poll says when.
-            self.starved.insert(c.group);
+            self.starved.insert(c.group, c.takers.clone());
         }
         self.events.push(Event::Claimed { group: c.group, tasks });
     }

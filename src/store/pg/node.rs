@@ -26,7 +26,7 @@ pub const TOKEN_REFRESH_MS: u64 = 500;
 pub const CACHE_REFRESH_MS: u64 = 1_000;
 /// The safety net behind notifications: idle workers claim, waiters look, this often.
 pub const POLL_MS: u64 = 1_000;
-/// How often a node looks for dead nodes' attempts to adopt.
+/// How often a node looks for dead nodes' attempts to adopt, and runs expiry and retention.
 pub const ADOPT_MS: u64 = 1_000;
 /// The store's own timer.
 pub const TICK_MS: u64 = 250;
@@ -134,6 +134,8 @@ pub enum Part {
     Workers(Vec<ConnRef>),
     Counts,
     Tokens,
+    /// Tasks that failed waiting (`EXPIRE_IN_QUEUE`, `FAIL_UNPLACEABLE`).
+    Failed,
     Notify,
 }
 
