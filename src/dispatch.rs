@@ -464,6 +464,8 @@ impl Core {
         }
         let task = self.store_task(io, new);
         self.store.insert(&task, InsertTo::Submit { conn, wait });
+        // (A database claims for idle workers in the transaction that inserts.)
+        self.claim_wanted |= task.runs_now;
         self.end(io)
     }
 
@@ -642,6 +644,7 @@ impl Core {
                 }
                 let task = self.store_task(io, &new);
                 self.store.insert(&task, InsertTo::Batch { batch, index });
+                self.claim_wanted |= task.runs_now;
             }
         }
     }
@@ -964,6 +967,11 @@ impl Core {
     /// Tasks claimed for a group: each goes to the next of its workers round-robin (for its
     /// kind) that has room and has not tried it, or back to the store.
     fn on_claimed(&mut self, io: &mut dyn Io, group: u32, tasks: Vec<Claimed>) {
+        let asked = self.groups.groups.get(&group).map_or(0, |g| g.asked);
+        if asked > 0 && tasks.len() as u64 >= asked {
+            // A full claim: more may wait (a database's next transaction asks again).
+            self.claim_wanted = true;
+        }
         self.groups.answered(group);
         for c in tasks {
             if self.shutting_down {

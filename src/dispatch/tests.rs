@@ -260,5 +260,6 @@ fn human_durations() {
 }
 
 mod model;
+mod model_runs;
 mod regressions;
 mod restarts;

@@ -120,10 +120,10 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
        SELECT id, 'pending', kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key
        FROM ok ORDER BY ord
        ON CONFLICT (idem_owner, idem_key) WHERE idem_key IS NOT NULL DO NOTHING
-       RETURNING id, seq, kind, queue, run_at_ms, octet_length(payload) AS bytes
+       RETURNING id, seq, kind, queue, greatest(run_at_ms, created_ms) AS due_ms, octet_length(payload) AS bytes
      ), pend AS (
        INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, payload_bytes)
-       SELECT id, run_at_ms, seq, kind, queue, bytes FROM ins
+       SELECT id, due_ms, seq, kind, queue, bytes FROM ins
      )
      SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
      ORDER BY n.ord";
@@ -170,7 +170,7 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 /// task becomes dispatched to this node ($1), its attempt number (the fencing number) grows by
 /// one, and the node's running row is written. Which worker runs it is the node's choice: the
 /// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
-/// locked by another claim are skipped, never waited for.
+/// locked by another claim are skipped, never waited for; the rows come back in due order.
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
        WHERE $3::text[] IS NULL AND due_ms <= $4::int8 AND NOT (tried @> $6::uuid[])
@@ -178,15 +178,17 @@ pub const CLAIM: &str = "WITH c AS (
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.due_ms, p.seq
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.due_ms,
+                 d.seq
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u
+     ORDER BY due_ms, seq";
 
 /// [`CLAIM`] for a group that declared kinds ($3).
 pub const CLAIM_KINDS: &str = "WITH c AS (
@@ -196,15 +198,17 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.due_ms, p.seq
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.due_ms,
+                 d.seq
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u
+     ORDER BY due_ms, seq";
 
 /// One claim: $2 echoes the group (so one statement's rows say whose they are).
 pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit: u32, takers: &str) -> Stmt {
@@ -228,12 +232,13 @@ pub const UNCLAIM: &str = "WITH u AS (
        UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1
        FROM unnest($2::uuid[], $3::int4[]) AS a(id, attempt)
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
-       RETURNING t.id, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
+       RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms, t.seq, t.kind, t.queue, t.tried,
+                 octet_length(t.payload) AS bytes
      ), r AS (
        DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      )
      INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-     SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u
+     SELECT id, due_ms, seq, kind, queue, tried, bytes FROM u
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 pub fn unclaim(node: &str, claimed: &[(String, u32)]) -> Stmt {
@@ -253,10 +258,11 @@ pub const RELEASE_ORPHANS: &str = "WITH o AS (
      ), u AS (
        UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1
        FROM o WHERE t.id = o.task_id AND t.attempt = o.attempt AND t.owner_node = $1::uuid AND t.status = 'dispatched'
-       RETURNING t.id, t.run_at_ms, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes
+       RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms, t.seq, t.kind, t.queue, t.tried,
+                 octet_length(t.payload) AS bytes
      )
      INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-     SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u
+     SELECT id, due_ms, seq, kind, queue, tried, bytes FROM u
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 /// Dead nodes' attempts: the running rows of nodes without a heartbeat within the lease ($2)
@@ -373,7 +379,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
        DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      ), requeue AS (
        INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-       SELECT id, run_at_ms, seq, kind, queue, tried, bytes FROM u WHERE status = 'pending'
+       SELECT id, greatest(run_at_ms, created_ms), seq, kind, queue, tried, bytes FROM u WHERE status = 'pending'
      )
      SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text, client_ip,
             CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END

@@ -11,6 +11,7 @@ mod hostile;
 mod http_protocol;
 mod journal;
 mod listing;
+mod model_pg;
 mod openapi;
 mod ops;
 mod pg_cluster;

@@ -38,6 +38,19 @@ use relay::journal::codec::RESTART_ERROR;
 use relay::metrics::Ignored;
 use relay::store::Store;
 use relay::store::mem::{MemConfig, MemStore};
+
+/// A PostgreSQL store for the model, given by the integration tests (`tests/it/model_pg.rs`),
+/// which own the server and read the database directly.
+pub trait PgBackend {
+    /// A store over a clean database.
+    fn store(&mut self, cfg: &ModelConfig) -> Store;
+    /// Waits (at most `within`) for the store's threads to wake the loop.
+    fn wait_wake(&self, within: Duration);
+    /// Every task the database holds, as the store reads them.
+    fn tasks(&mut self) -> HashMap<TaskId, Task>;
+    /// Every task id in submission order, newest first.
+    fn listed(&mut self) -> Vec<TaskId>;
+}
 use relay::tasks::{ConnRef, Outcome, Status, Task, TaskId};
 use serde::Deserialize;
 use serde_json::Value;
@@ -639,6 +652,11 @@ fn scratch_dir() -> PathBuf {
 pub struct Harness {
     cfg: ModelConfig,
     core: Core,
+    /// The PostgreSQL store's backend (`None`: the memory store), and the tasks it held at the
+    /// last look.
+    pg: Option<Box<dyn PgBackend>>,
+    db_tasks: HashMap<TaskId, Task>,
+    db_listed: Vec<TaskId>,
     io: ModelIo,
     dir: Option<PathBuf>,
     ctx: Ctx,
@@ -714,14 +732,37 @@ impl Harness {
     }
 
     pub fn new(cfg: ModelConfig) -> Result<Harness, Failure> {
+        Self::with(cfg, None)
+    }
+
+    /// A harness over PostgreSQL: no journal, no restarts, and no task forgotten within a
+    /// sequence (the database forgets by its housekeeping, up to a second late), so `cfg`'s
+    /// TASK_TTL must be longer than a sequence.
+    #[allow(dead_code)] // (tests/it/model_pg.rs)
+    pub fn new_pg(cfg: ModelConfig, backend: Box<dyn PgBackend>) -> Result<Harness, Failure> {
+        Self::with(cfg, Some(backend))
+    }
+
+    fn with(cfg: ModelConfig, mut pg: Option<Box<dyn PgBackend>>) -> Result<Harness, Failure> {
         // Thousands of sequences would print a line per worker, hello and task otherwise (the
         // level is global; nothing in the unit tests reads the log).
         relay::log::set_level(relay::log::Level::Error);
-        let dir = cfg.journal.then(scratch_dir);
-        let core = Self::start_core(&cfg, dir.as_deref(), WALL_START_MS)?;
-        Ok(Harness {
+        let dir = (cfg.journal && pg.is_none()).then(scratch_dir);
+        let core = match &mut pg {
+            Some(backend) => {
+                let store = backend.store(&cfg);
+                let mut core = Core::new(Self::core_config(&cfg), store, 0, WALL_START_MS);
+                core.set_clock(0, WALL_START_MS);
+                core
+            }
+            None => Self::start_core(&cfg, dir.as_deref(), WALL_START_MS)?,
+        };
+        let mut h = Harness {
             cfg,
             core,
+            pg,
+            db_tasks: HashMap::new(),
+            db_listed: Vec::new(),
             io: ModelIo::default(),
             dir,
             ctx: Ctx::default(),
@@ -741,7 +782,80 @@ impl Harness {
             evicted_metric: 0,
             answers: 0,
             stats: Stats::default(),
+        };
+        h.settle()?;
+        Ok(h)
+    }
+
+    /// With PostgreSQL, drives the store until its transactions are sent and answered (a
+    /// memory store answers at once); then the core's frames and replies are all in `io`.
+    fn settle(&mut self) -> Result<(), Failure> {
+        let Some(pg) = &self.pg else { return Ok(()) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            self.core.end_turn(&mut self.io);
+            if self.core.store.idle() {
+                return Ok(());
+            }
+            ensure!(Instant::now() < deadline, "store", "the PostgreSQL store never became idle");
+            pg.wait_wake(Duration::from_millis(50));
+            self.core.on_wake(&mut self.io);
+        }
+    }
+
+    /// The answer to `conn`: `immediate`, or (PostgreSQL) the reply it gets once the store
+    /// answered.
+    fn answer_for(&mut self, conn: ConnRef, immediate: Option<Response>) -> Result<Option<Response>, Failure> {
+        if immediate.is_some() || self.pg.is_none() {
+            return Ok(immediate);
+        }
+        self.settle()?;
+        let Some(pos) = self.io.events.iter().position(|e| matches!(e, Event::Reply { conn: c, .. } if *c == conn))
+        else {
+            return Ok(None);
+        };
+        match self.io.events.remove(pos) {
+            Event::Reply { status, body, .. } => Ok(Some(Response::json(status, body))),
+            _ => Ok(None),
+        }
+    }
+
+    /// `DELETE /tasks/{id}` as the root token, answered at once or once the store answered.
+    fn cancel_core(&mut self, id: TaskId) -> Result<CancelResult, Failure> {
+        if self.pg.is_none() {
+            return Ok(self.core.cancel_direct(&mut self.io, id));
+        }
+        let immediate = self.core.cancel(&mut self.io, relay::dispatch::DIRECT, id, None);
+        Ok(match self.answer_for(relay::dispatch::DIRECT, immediate)?.map(|r| r.status) {
+            Some(200) => CancelResult::Canceled,
+            Some(409) => CancelResult::AlreadyFinal,
+            Some(_) => CancelResult::NotFound,
+            None => CancelResult::Later,
         })
+    }
+
+    /// The core's task `id`: in memory, or as the database had it at the last look.
+    fn task_of(&self, id: TaskId) -> Option<&Task> {
+        match &self.pg {
+            Some(_) => self.db_tasks.get(&id),
+            None => self.core.task(id),
+        }
+    }
+
+    /// With PostgreSQL: the database's tasks and counts as they are now.
+    fn look(&mut self) -> Result<(), Failure> {
+        if self.pg.is_none() {
+            return Ok(());
+        }
+        if let Store::Pg(p) = &mut self.core.store {
+            p.refresh();
+        }
+        self.settle()?;
+        if let Some(pg) = &mut self.pg {
+            self.db_tasks = pg.tasks();
+            self.db_listed = pg.listed();
+        }
+        Ok(())
     }
 
     fn alive_workers(&self) -> Vec<usize> {
@@ -1028,7 +1142,7 @@ impl Harness {
     fn observe_evictions(&mut self) -> Result<(), Failure> {
         for i in 0..self.tasks.len() {
             let t = &self.tasks[i];
-            if !matches!(t.gone, Gone::Live | Gone::Unsure) || self.core.task(t.id).is_some() {
+            if !matches!(t.gone, Gone::Live | Gone::Unsure) || self.task_of(t.id).is_some() {
                 if t.gone == Gone::Unsure {
                     self.tasks[i].gone = Gone::Live;
                 }
@@ -1114,6 +1228,7 @@ impl Harness {
     }
 
     fn end_step(&mut self) -> Result<(), Failure> {
+        self.settle()?;
         self.absorb()?;
         self.resolve()?;
         for t in self.tasks.iter().filter(|t| t.waiting()) {
@@ -1127,8 +1242,16 @@ impl Harness {
                 }
             }
         }
-        self.take_snapshots();
+        // (A memory store's snapshot is taken before the turn's end may evict the task; a
+        // database's once the step's transactions are in.)
+        if self.pg.is_none() {
+            self.take_snapshots();
+        }
         self.end_turn()?;
+        self.look()?;
+        if self.pg.is_some() {
+            self.take_snapshots();
+        }
         self.observe_evictions()?;
         self.check()
     }
@@ -1202,10 +1325,9 @@ impl Harness {
         } else {
             Ok(None)
         };
-        let got = self.core.submit_direct(
-            &mut self.io,
-            NewTask { payload: &raw, kind, run_at_wall_ms: run_at, queue, timeout_ms, max_retries, idempotency },
-        );
+        let new = NewTask { payload: &raw, kind, run_at_wall_ms: run_at, queue, timeout_ms, max_retries, idempotency };
+        let immediate = self.core.submit(&mut self.io, relay::dispatch::DIRECT, &new, false);
+        let got = relay::dispatch::submit_answer(self.answer_for(relay::dispatch::DIRECT, immediate)?);
         match (expected, got) {
             (Ok(Some(i)), Ok(id)) => {
                 self.stats.add(Seen::Repeat);
@@ -1414,7 +1536,7 @@ impl Harness {
 
     fn cancel(&mut self, t: u8) -> Result<(), Failure> {
         let Some(i) = self.pick_task(t) else {
-            let got = self.core.cancel_direct(&mut self.io, 0x4000_0000_0000_4000_8000_0000_0000_0001);
+            let got = self.cancel_core(0x4000_0000_0000_4000_8000_0000_0000_0001)?;
             ensure!(got == CancelResult::NotFound, "cancel", "cancel of an unknown id: {got:?}");
             return Ok(());
         };
@@ -1440,7 +1562,7 @@ impl Harness {
             _ => CancelResult::NotFound,
         };
         let id = self.tasks[i].id;
-        let got = self.core.cancel_direct(&mut self.io, id);
+        let got = self.cancel_core(id)?;
         ensure!(got == expected, "cancel", "cancel of task {i}: expected {expected:?}, got {got:?}");
         if got == CancelResult::Later {
             return self.read_back_reply(i, relay::dispatch::DIRECT, 409);
@@ -1459,7 +1581,9 @@ impl Harness {
         self.next_wait_conn += 1;
         let conn = ConnRef { slot: 1_000 + self.next_wait_conn, generation: 1 };
         let id = self.tasks[i].id;
-        let got = self.core.wait(&mut self.io, conn, id, post);
+        let immediate = self.core.wait(&mut self.io, conn, id, post);
+        // (A database answers a wait on a final task once it read it.)
+        let got = if self.tasks[i].status.is_final() { self.answer_for(conn, immediate)? } else { immediate };
         let status = self.tasks[i].status;
         if status.is_final() {
             let code = got.as_ref().map(|r| r.status);
@@ -1700,8 +1824,18 @@ impl Harness {
     fn take_snapshots(&mut self) {
         for t in &mut self.tasks {
             if t.status.is_final() && t.snapshot.is_none() {
-                let mut json = String::new();
-                if self.core.write_task_json(t.id, &mut json) {
+                let json = match &self.pg {
+                    Some(_) => self.db_tasks.get(&t.id).map(|task| {
+                        let mut s = String::new();
+                        task.write_json(&mut s);
+                        s
+                    }),
+                    None => {
+                        let mut s = String::new();
+                        self.core.write_task_json(t.id, &mut s).then_some(s)
+                    }
+                };
+                if let Some(json) = json {
                     t.snapshot = Some(json);
                 }
             }
@@ -1713,7 +1847,7 @@ impl Harness {
         for (i, t) in self.tasks.iter().enumerate() {
             if !t.known() {
                 ensure!(
-                    self.core.task(t.id).is_none() && self.core.evicted(t.id).is_none(),
+                    self.task_of(t.id).is_none() && self.core.evicted(t.id).is_none(),
                     "expiry",
                     "task {i} should be forgotten (finished {:?}, now {})",
                     t.finished,
@@ -1722,7 +1856,7 @@ impl Harness {
                 continue;
             }
             counts[t.status.index()] += 1;
-            match self.core.task(t.id) {
+            match self.task_of(t.id) {
                 Some(ct) => self.check_task(i, t, ct)?,
                 None => {
                     let status = self.core.evicted(t.id).map(|e| e.status);
@@ -1757,8 +1891,12 @@ impl Harness {
         }
         let mut listed = [0usize; Status::COUNT];
         let mut seen = Vec::new();
-        for (_, id) in self.core.tasks_newest_first(u64::MAX) {
-            let status = self.core.task(id).map(|t| t.status).or_else(|| self.core.evicted(id).map(|e| e.status));
+        let listed_ids: Vec<TaskId> = match &self.pg {
+            Some(_) => self.db_listed.clone(),
+            None => self.core.tasks_newest_first(u64::MAX).into_iter().map(|(_, id)| id).collect(),
+        };
+        for id in listed_ids {
+            let status = self.task_of(id).map(|t| t.status).or_else(|| self.core.evicted(id).map(|e| e.status));
             let Some(status) = status else {
                 return Err(Failure { step: 0, check: "counts", detail: format!("listed task {id:x} does not exist") });
             };
@@ -1846,7 +1984,7 @@ impl Harness {
     /// fields with the model's frozen copy; this runs at restarts and at the end).
     fn check_snapshots(&self) -> Result<(), Failure> {
         for (i, t) in self.tasks.iter().enumerate() {
-            if let (Some(snapshot), Some(ct)) = (&t.snapshot, self.core.task(t.id)) {
+            if let (Some(snapshot), Some(ct)) = (&t.snapshot, self.task_of(t.id)) {
                 let mut json = String::new();
                 ct.write_json(&mut json);
                 ensure!(&json == snapshot, "final", "final task {i} changed:\n  was {snapshot}\n  now {json}");
@@ -1896,8 +2034,15 @@ impl Harness {
         // Against the model.
         ensure!(ct.kind.as_deref() == t.kind.as_deref(), "task", "task {i} kind {:?}", ct.kind);
         ensure!(ct.created_wall_ms == t.created, "task", "task {i} created_at");
-        ensure!(ct.run_at_wall_ms == t.run_at, "task", "task {i} run_at {:?}, not {:?}", ct.run_at_wall_ms, t.run_at);
-        ensure!(ct.max_retries == t.max_retries && ct.timeout_ms == t.timeout_ms, "task", "task {i} limits");
+        // (A database keeps a due time, not whether `run_at` was given: one equal to the
+        // submission reads as none; and the task JSON shows neither limit.)
+        let run_at = if self.pg.is_some() { t.run_at.filter(|&at| at != t.created) } else { t.run_at };
+        ensure!(ct.run_at_wall_ms == run_at, "task", "task {i} run_at {:?}, not {:?}", ct.run_at_wall_ms, run_at);
+        ensure!(
+            self.pg.is_some() || (ct.max_retries == t.max_retries && ct.timeout_ms == t.timeout_ms),
+            "task",
+            "task {i} limits"
+        );
         ensure!(
             ct.finished_wall_ms == t.finished,
             "task",
@@ -1956,9 +2101,23 @@ pub fn run_ops(cfg: &ModelConfig, ops: &[Op]) -> Result<(), Failure> {
 
 /// [`run_ops`], adding what the run reached to `stats`.
 pub fn run_counting(cfg: &ModelConfig, ops: &[Op], stats: &mut Stats) -> Result<(), Failure> {
+    run_with(cfg, ops, stats, None)
+}
+
+/// [`run_counting`] over the memory store, or over PostgreSQL through `pg`.
+pub fn run_with(
+    cfg: &ModelConfig,
+    ops: &[Op],
+    stats: &mut Stats,
+    pg: Option<Box<dyn PgBackend>>,
+) -> Result<(), Failure> {
     let current = std::cell::Cell::new(0);
+    let mut pg = Some(pg);
     let run = std::panic::AssertUnwindSafe(|| {
-        let mut h = Harness::new(cfg.clone())?;
+        let mut h = match pg.take().flatten() {
+            Some(backend) => Harness::new_pg(cfg.clone(), backend)?,
+            None => Harness::new(cfg.clone())?,
+        };
         let result = ops.iter().enumerate().try_for_each(|(step, op)| {
             current.set(step);
             h.apply(op).map_err(|f| Failure { step, ..f })
@@ -1975,6 +2134,20 @@ pub fn run_counting(cfg: &ModelConfig, ops: &[Op], stats: &mut Stats) -> Result<
             .unwrap_or_default();
         Err(Failure { step: current.get(), check: "panic", detail: what })
     })
+}
+
+/// A sequence for PostgreSQL (see [`Harness::new_pg`]): seed `seed`'s configuration without a
+/// journal, its tasks kept an hour, and `len` operations for it.
+#[allow(dead_code)] // (tests/it/model_pg.rs)
+pub fn sequence_pg(seed: u64, len: usize) -> (ModelConfig, Vec<Op>) {
+    let mut s = Seeded::new(seed);
+    let mut cfg = config_from(&mut s);
+    cfg.journal = false;
+    cfg.small_segments = false;
+    cfg.task_ttl_ms = 3_600_000;
+    cfg.task_memory_bytes = 64 << 20;
+    let ops = (0..len).map(|_| op_from(&mut s, false)).collect();
+    (cfg, ops)
 }
 
 /// The configuration and operations of seed `seed` (`len` operations).
@@ -2038,198 +2211,3 @@ pub fn check_seed(seed: u64, len: usize, stats: &mut Stats) {
 }
 
 // ----- cargo test --------------------------------------------------------------------------------
-
-/// Operations per generated sequence (`MODEL_OPS` to change it).
-#[cfg(test)]
-fn sequence_ops() -> usize {
-    std::env::var("MODEL_OPS").ok().and_then(|s| s.parse().ok()).unwrap_or(60)
-}
-
-/// Seeds `[from, from + count)`; `MODEL_SEQUENCES` scales every range (e.g. 10 for ten times as
-/// many), `MODEL_SEED` runs that one seed alone (with the same `MODEL_OPS` it failed with).
-/// Returns what the sequences reached.
-#[cfg(test)]
-fn check_seeds(from: u64, count: u64) -> Option<Stats> {
-    let mut stats = Stats::default();
-    if let Some(seed) = std::env::var("MODEL_SEED").ok().and_then(|s| s.parse::<u64>().ok()) {
-        if (from..from + count).contains(&seed) {
-            check_seed(seed, sequence_ops(), &mut stats);
-        }
-        return None;
-    }
-    let scale = std::env::var("MODEL_SEQUENCES").ok().and_then(|s| s.parse::<u64>().ok()).unwrap_or(1).max(1);
-    for seed in from * scale..(from + count) * scale {
-        check_seed(seed, sequence_ops(), &mut stats);
-    }
-    Some(stats)
-}
-
-/// Each range of seeds reaches every behaviour the model knows at least `min` times.
-#[cfg(test)]
-fn assert_reached(stats: Option<Stats>, min: u64) {
-    let Some(stats) = stats else { return };
-    let report: Vec<String> = Seen::ALL.iter().map(|s| format!("{s:?} {}", stats.get(*s))).collect();
-    eprintln!("dispatch model reached: {}", report.join(", "));
-    for s in Seen::ALL {
-        assert!(
-            stats.get(s) >= min,
-            "the sequences reached {s:?} only {} times (want {min}): {report:?}",
-            stats.get(s)
-        );
-    }
-}
-
-// 3,000 sequences in four parts (the test harness runs them side by side).
-#[test]
-fn model_sequences_0() {
-    assert_reached(check_seeds(0, 750), 1);
-}
-
-#[test]
-fn model_sequences_1() {
-    assert_reached(check_seeds(750, 750), 1);
-}
-
-#[test]
-fn model_sequences_2() {
-    assert_reached(check_seeds(1_500, 750), 1);
-}
-
-#[test]
-fn model_sequences_3() {
-    assert_reached(check_seeds(2_250, 750), 1);
-}
-
-/// The fuzz target's decoder: any bytes are a sequence (here, random ones).
-#[test]
-fn byte_sequences_follow_the_model() {
-    for seed in 0..16 {
-        let mut s = Seeded::new(seed ^ 0xF00D);
-        let bytes: Vec<u8> = (0..300).map(|_| s.byte()).collect();
-        if let Err(f) = run_bytes(&bytes) {
-            panic!("bytes of seed {seed}: {f}");
-        }
-    }
-}
-
-/// The sequences the model found bugs with, shrunk, each named after its bug (the fixes have
-/// direct tests in `restarts.rs`).
-#[cfg(test)]
-mod found {
-    use super::Op::*;
-    use super::When::*;
-    use super::{ModelConfig, run_ops};
-
-    fn check(cfg: ModelConfig, ops: &[super::Op]) {
-        if let Err(f) = run_ops(&cfg, ops) {
-            panic!("{f}");
-        }
-    }
-
-    #[test]
-    fn a_second_restart_makes_the_attempt_the_first_cut_short_use_up_a_retry() {
-        let cfg = ModelConfig {
-            journal: true,
-            small_segments: false,
-            max_retries: 3,
-            task_ttl_ms: 12000,
-            max_pending: 8,
-            max_pending_bytes: 1048576,
-            task_memory_bytes: 3000,
-        };
-        check(
-            cfg,
-            &[
-                Connect,
-                Answer { w: 213, t: 72, done: true },
-                Submit {
-                    kind: Some(1),
-                    queue: true,
-                    when: Now,
-                    max_retries: Some(0),
-                    timeout_ms: None,
-                    key: None,
-                    pad: 2,
-                },
-                Restart { downtime_ms: 5000 },
-                Restart { downtime_ms: 0 },
-            ],
-        );
-    }
-
-    #[test]
-    fn a_task_forgotten_at_a_restart_stays_in_the_listing_index() {
-        let cfg = ModelConfig {
-            journal: true,
-            small_segments: false,
-            max_retries: 2,
-            task_ttl_ms: 12000,
-            max_pending: 3,
-            max_pending_bytes: 1048576,
-            task_memory_bytes: 67108864,
-        };
-        check(
-            cfg,
-            &[
-                Submit {
-                    kind: Some(2),
-                    queue: true,
-                    when: Now,
-                    max_retries: Some(1),
-                    timeout_ms: None,
-                    key: None,
-                    pad: 1,
-                },
-                Connect,
-                Answer { w: 104, t: 58, done: false },
-                Answer { w: 3, t: 222, done: true },
-                Advance { ms: 5000 },
-                Advance { ms: 1001 },
-                Advance { ms: 3000 },
-                Restart { downtime_ms: 1500 },
-                Restart { downtime_ms: 1500 },
-            ],
-        );
-    }
-
-    #[test]
-    fn a_canceled_task_comes_back_pending_once_its_forget_record_is_deleted() {
-        let cfg = ModelConfig {
-            journal: true,
-            small_segments: true,
-            max_retries: 3,
-            task_ttl_ms: 4000,
-            max_pending: 3,
-            max_pending_bytes: 1048576,
-            task_memory_bytes: 67108864,
-        };
-        check(
-            cfg,
-            &[
-                Submit {
-                    kind: Some(2),
-                    queue: true,
-                    when: Now,
-                    max_retries: None,
-                    timeout_ms: None,
-                    key: Some((1, 2)),
-                    pad: 1,
-                },
-                Submit {
-                    kind: Some(2),
-                    queue: true,
-                    when: Now,
-                    max_retries: Some(3),
-                    timeout_ms: Some(3000),
-                    key: None,
-                    pad: 3,
-                },
-                Restart { downtime_ms: 0 },
-                Cancel { t: 167 },
-                Restart { downtime_ms: 30000 },
-                Restart { downtime_ms: 0 },
-                Restart { downtime_ms: 30000 },
-            ],
-        );
-    }
-}

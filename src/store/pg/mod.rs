@@ -135,8 +135,9 @@ pub struct PgStore {
     next_cache_ms: u64,
     next_poll_ms: u64,
     next_adopt_ms: u64,
-    /// When the earliest task scheduled from this node falls due (monotonic).
-    due_ms: Option<u64>,
+    /// When tasks scheduled from this node fall due (monotonic; the earliest
+    /// [`node::MAX_DUE_TIMES`] — the slow poll finds the rest, and other nodes' tasks).
+    due_ms: std::collections::BTreeSet<u64>,
 
     // ----- caches
     /// Cluster-wide counts by status (`Status::index` order), from `COUNTS`.
@@ -214,7 +215,7 @@ impl PgStore {
             next_cache_ms: 0,
             next_poll_ms: 0,
             next_adopt_ms: 0,
-            due_ms: None,
+            due_ms: std::collections::BTreeSet::new(),
             counts: [0; Status::COUNT],
             remote: Vec::new(),
             running: HashMap::new(),
@@ -289,6 +290,13 @@ impl PgStore {
         Ok(())
     }
 
+    /// Reads the cached counts and the cluster's workers with the next transaction (they are
+    /// otherwise at most a second old; the dispatch model compares them every step).
+    pub fn refresh(&mut self) {
+        self.want_counts = true;
+        self.want_workers = true;
+    }
+
     /// Nothing in flight and nothing queued for a transaction (tests drive the store to this).
     pub fn idle(&self) -> bool {
         self.sent.is_none() && !self.has_work()
@@ -329,12 +337,16 @@ impl PgStore {
             // Due later: this node looks for it then (the slow poll finds the others' tasks,
             // and this node's later ones, within a second of their time).
             let due = self.now_ms + (run_at - self.wall_ms);
-            if self.due_ms.is_none_or(|at| due < at || at <= self.now_ms) {
-                self.due_ms = Some(due);
+            self.due_ms.insert(due);
+            if self.due_ms.len() > node::MAX_DUE_TIMES {
+                self.due_ms.pop_last();
             }
         }
         self.insert_bytes += row.payload.len();
         self.inserts.push_back(InsertRec { row, id, to });
+        // The task joins the queue with this turn's transaction: every idle group may find it
+        // (its own notification does not come back to this node).
+        self.starved.clear();
     }
 
     pub fn lookup_key(&mut self, owner: &str, key: &str, conn: ConnRef, wait: bool, missing: Response) {
@@ -358,6 +370,7 @@ impl PgStore {
 
     pub fn give_back(&mut self, id: TaskId, attempt: u32) {
         self.running.remove(&id);
+        self.starved.clear();
         self.unclaim.push((uuid_string(id), attempt));
     }
 
@@ -391,6 +404,9 @@ impl PgStore {
             runner,
         };
         let final_status = status != "pending";
+        if !final_status {
+            self.starved.clear();
+        }
         if final_status && self.watched.contains(&id) {
             self.check_finished.insert(id);
         }
@@ -504,15 +520,17 @@ impl PgStore {
     // ----- time --------------------------------------------------------------------------------
 
     pub fn next_timer_ms(&self) -> Option<u64> {
-        Some(self.due_ms.map_or(self.next_tick_ms, |d| d.min(self.next_tick_ms)))
+        Some(self.due_ms.first().map_or(self.next_tick_ms, |&d| d.min(self.next_tick_ms)))
     }
 
     /// The store's own timer: periodic refreshes, the slow poll behind notifications, dead
     /// nodes' attempts, and tasks scheduled from this node falling due.
     pub fn on_timer(&mut self) {
         let now = self.now_ms;
-        if self.due_ms.is_some_and(|d| d <= now) {
-            self.due_ms = None;
+        if self.due_ms.first().is_some_and(|&d| d <= now) {
+            while self.due_ms.first().is_some_and(|&d| d <= now) {
+                self.due_ms.pop_first();
+            }
             self.unstarve();
         }
         if now < self.next_tick_ms {
@@ -655,9 +673,6 @@ impl PgStore {
                 parts.push(Part::InsertKeys);
             }
             notify_pending = true;
-            // Tasks join the queue in this transaction: every idle group may find one (its
-            // own notification does not come back to this node).
-            self.starved.clear();
         }
         if !self.ended.is_empty() {
             let recs = std::mem::take(&mut self.ended);
@@ -665,9 +680,6 @@ impl PgStore {
             stmts.push(sql::attempt_ended(&node_id, &self.name, &ended));
             notify_pending |= recs.iter().any(|r| !r.final_status);
             notify_finished |= recs.iter().any(|r| r.final_status);
-            if recs.iter().any(|r| !r.final_status) {
-                self.starved.clear();
-            }
             parts.push(Part::Ended(recs));
         }
         let unwritten: Vec<(String, u32, sql::Runner)> = self
@@ -689,7 +701,6 @@ impl PgStore {
             stmts.push(sql::unclaim(&node_id, &back));
             parts.push(Part::Unclaim(back));
             notify_pending = true;
-            self.starved.clear();
         }
         if self.orphans {
             self.orphans = false;

@@ -28,6 +28,8 @@ pub const CACHE_REFRESH_MS: u64 = 1_000;
 pub const POLL_MS: u64 = 1_000;
 /// How often a node looks for dead nodes' attempts to adopt, and runs expiry and retention.
 pub const ADOPT_MS: u64 = 1_000;
+/// Due times of tasks scheduled from this node kept for its timer at most.
+pub const MAX_DUE_TIMES: usize = 4096;
 /// The store's own timer.
 pub const TICK_MS: u64 = 250;
 /// A record the database refused this many times travels alone from then on (so it cannot keep
