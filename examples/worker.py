@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A relay worker in Python, written from README.md's "WebSocket protocol" section alone.
+"""A relay worker in Python, written from docs/protocol.md alone.
 
 Needs Python 3.9+ and the `websockets` package (python3 -m pip install websockets).
 

@@ -1,5 +1,5 @@
 //! The Python example worker (`examples/worker.py`, standard library + `websockets`) against
-//! the real relay: proof that README's protocol section is enough to write a worker.
+//! the real relay: proof that docs/protocol.md is enough to write a worker.
 
 use std::path::Path;
 use std::time::Duration;
