@@ -353,7 +353,7 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
 /// The text of `relay-worker --help`.
 pub fn help_text() -> String {
     let mut out = String::from(
-        "relay-worker — runs relay tasks (kinds: http, file) over a WebSocket to relay.\n\n\
+        "relay-worker — runs relay tasks (kinds: http, file, echo) over a WebSocket to relay.\n\n\
          Usage:\n  relay-worker               run (configured by the environment)\n  \
          relay-worker --help | --version\n\nEnvironment:\n",
     );

@@ -19,7 +19,7 @@
 //!
 //! fn main() -> std::process::ExitCode {
 //!     // Reads RELAY_URL, TOKEN, CONCURRENCY, ... (exit 2 when invalid), keeps the built-in
-//!     // `http` and `file` kinds, adds `shout`, runs until SIGTERM/SIGINT.
+//!     // `http`, `file` and `echo` kinds, adds `shout`, runs until SIGTERM/SIGINT.
 //!     relay_worker::main_with(|worker: &mut Worker| {
 //!         worker.register("shout", shout);
 //!     })
@@ -28,7 +28,7 @@
 //!
 //! Modules: `config` (environment → Config), `link` (the WebSocket: connect over ws/wss),
 //! `runner` (connection states, reconnect with backoff, draining), `pool` (bounded threads,
-//! `catch_unwind`), `protocol` (messages, pure), `kinds` (built-in http and file), `tls`
+//! `catch_unwind`), `protocol` (messages, pure), `kinds` (built-in http, file, echo), `tls`
 //! (rustls roots), `signals` (SIGTERM/SIGINT → a flag). No async runtime here: reqwest's
 //! blocking client keeps its own internally.
 
@@ -141,14 +141,15 @@ impl Worker {
         self
     }
 
-    /// Registers the built-in `http` and `file` kinds (SPEC §8). Fails when `CA_FILE` cannot be
-    /// loaded or the HTTP client cannot be built.
+    /// Registers the built-in `http`, `file` and `echo` kinds (SPEC §8; `echo` returns its spec).
+    /// Fails when `CA_FILE` cannot be loaded or the HTTP client cannot be built.
     pub fn register_builtin_kinds(&mut self) -> Result<&mut Worker, Error> {
         let tls = tls::client_config(self.config.ca_file.as_deref())?;
         let http = kinds::http::HttpKind::new(&self.config, (*tls).clone())?;
         let file = kinds::file::FileKind::new(&self.config, (*tls).clone())?;
         self.register("http", move |id, spec| http.run(id, spec));
         self.register("file", move |id, spec| file.run(id, spec));
+        self.register("echo", kinds::echo::run);
         Ok(self)
     }
 

@@ -19,7 +19,7 @@ fn hello_announces_kinds_concurrency_and_version_and_token_is_sent() {
     assert_eq!(conn.uri, format!("/ws?token={WRK}"));
     let hello = conn.recv(Duration::from_secs(5)).expect("hello first");
     assert_eq!(hello["type"], "hello");
-    assert_eq!(hello["kinds"], json!(["file", "http"]));
+    assert_eq!(hello["kinds"], json!(["echo", "file", "http"]));
     assert_eq!(hello["concurrency"], 3);
     assert!(hello["version"].as_str().is_some_and(|v| v.starts_with("relay-worker/")), "{hello}");
     assert!(!worker.proc.log_text().contains(WRK), "the token never appears in logs");
@@ -111,7 +111,7 @@ fn wss_through_a_tls_proxy_trusting_ca_file() {
     let ca = proxy.ca_file.to_str().expect("path").to_string();
     let worker = Worker::start(&url, &[("CA_FILE", &ca)]);
     worker.wait_connected();
-    relay.wait_clients(1, Duration::from_secs(5), |c| c["kinds"] == json!(["file", "http"]));
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["kinds"] == json!(["echo", "file", "http"]));
     let target = Target::start(|_, _| Reply::json(200, &json!({"via": "wss"})));
     let task = relay.run_task(json!({"kind": "http", "spec": {"url": target.url("/")}}));
     assert_eq!(task["result"]["body"], json!({"via": "wss"}), "{task}");
