@@ -362,6 +362,7 @@ pub fn help_text() -> String {
     }
     out.push_str(
         "\nDurations use Go syntax (500ms, 2s, 1m30s). Invalid values stop startup (exit 2).\n\
+         relay answering 401 (TOKEN is not its WORKER_TOKEN) is final: no retry, exit 2.\n\
          SIGTERM/SIGINT: stop taking tasks, finish running ones within SHUTDOWN_TIMEOUT, exit 0.\n",
     );
     out
