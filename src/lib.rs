@@ -2,7 +2,7 @@
 //!
 //! The server is one single-threaded mio reactor (`reactor`) around pure modules: HTTP parsing
 //! (`http`), the API (`api`), the dispatcher (`dispatch`), tasks (`tasks`), timers (`timer`).
-//! See ARCHITECTURE.md for the codemap and the invariants.
+//! See README.md for the codemap and the invariants.
 
 // The dispatch model test (src/dispatch/tests/model.rs) names the crate `relay::` as the fuzz
 // target that shares it does.
