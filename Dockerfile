@@ -4,7 +4,7 @@
 #   docker run -p 8080:8080 -e API_TOKEN=... -e WORKER_TOKEN=... -v relay-data:/data relay
 #   docker run -e RELAY_URL=ws://relay:8080/ws -e TOKEN=... --entrypoint /relay-worker relay
 #
-# The build stage runs the same command as README "Quickstart" (static-pie, LTO, stripped);
+# The build stage runs the same command as docs/operating.md "Static binaries" (static-pie, LTO, stripped);
 # the final image holds the two binaries, an empty /data owned by the unprivileged user, and
 # nothing else: no shell, no libc, no CA store (the worker compiles the web PKI roots in).
 # Randomness comes from /dev/urandom (a static glibc binary cannot look up getrandom(2) at run

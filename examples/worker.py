@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""A relay worker in Python, written from README.md's "WebSocket protocol" section alone.
+"""A relay worker in Python, written from docs/protocol.md alone.
 
 Needs Python 3.9+ and the `websockets` package (python3 -m pip install websockets).
 
@@ -11,7 +11,8 @@ Kinds:
   sleep  spec {"ms": N}: waits N ms, result {"slept_ms": N}
 
 It says hello with its kinds and concurrency, runs tasks on a thread pool, answers each with a
-result, reconnects with exponential backoff and jitter, and on SIGTERM/SIGINT says hello with
+result, reconnects with exponential backoff and jitter (but exits 2 when relay refuses TOKEN
+with 401: no retry can fix that), and on SIGTERM/SIGINT says hello with
 concurrency 0, refuses tasks that still arrive ("worker shutting down"), lets running tasks
 finish, and exits 0. Pings are answered by the websockets library.
 """
@@ -165,7 +166,16 @@ def main():
                 if time.monotonic() - started > 10:
                     delay = 0.25  # the connection was stable: start the backoff over
                 reason = "closed by relay"
-        except (OSError, ConnectionClosed, InvalidHandshake, InvalidURI, TimeoutError) as e:
+        except InvalidHandshake as e:
+            # websockets >= 14: InvalidStatus(.response.status_code); older: InvalidStatusCode.
+            status = getattr(getattr(e, "response", None), "status_code", None) or getattr(e, "status_code", None)
+            if status == 401:
+                # Final: relay refuses this token however often it is tried.
+                print("worker.py: relay refused TOKEN (HTTP 401): set it to relay's WORKER_TOKEN", file=sys.stderr)
+                pool.shutdown(wait=True)
+                return 2
+            reason = f"{type(e).__name__}: {e}"
+        except (OSError, ConnectionClosed, InvalidURI, TimeoutError) as e:
             reason = f"{type(e).__name__}: {e}"
         wait = delay / 2 + random.random() * delay / 2
         log("disconnected", reason=reason, retry_in_ms=int(wait * 1000))

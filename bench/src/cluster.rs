@@ -322,7 +322,7 @@ impl Postgres {
             "max_wal_senders=0",
             "logging_collector=off",
             "log_min_messages=log",
-            // What README "Cluster" asks of a production server: the queue table churns, and
+            // What docs/operating.md ("Cluster mode") asks of a production server: the queue table churns, and
             // the statistics of fresh tables must catch up within seconds (cached plans follow).
             "autovacuum_naptime=1s",
         ] {

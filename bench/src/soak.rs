@@ -1,7 +1,7 @@
 //! `relay-bench soak`: minutes of mixed load against the release relay while workers join, die
 //! and misbehave, then the accounting. Run by `scripts/soak.sh`.
 //!
-//! Workers: real `relay-worker` processes (kinds `http` and `file`) that the chaos thread kills
+//! Workers: real `relay-worker` processes (kinds `http`, `file`, `echo`) that the chaos thread kills
 //! with SIGKILL, drains with SIGTERM, restarts, and adds for a while; and fake workers (kind
 //! `echo`) over real WebSockets: good ones that leave and rejoin, a black hole that takes tasks
 //! and never answers, a dropper that cuts its connection in the middle of every other task, and

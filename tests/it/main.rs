@@ -6,6 +6,7 @@ mod support;
 mod browser;
 mod cluster;
 mod dispatch;
+mod docs_examples;
 mod files;
 mod hostile;
 mod http_protocol;

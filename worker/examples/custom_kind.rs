@@ -1,13 +1,13 @@
-//! A worker with a kind of its own, next to the built-in `http` and `file` kinds.
+//! A worker with a kind of its own, next to the built-in `http`, `file` and `echo` kinds.
 //!
 //! Run relay, then:
 //!
 //! ```sh
 //! RELAY_URL=ws://localhost:8080/ws TOKEN=wtok cargo run -p relay-worker --example custom_kind
-//! curl -s -H "Authorization: Bearer atok" \
+//! curl -sS -H "Authorization: Bearer atok" \
 //!   -d '{"payload":{"kind":"word_count","spec":{"text":"to be or not to be"}}}' \
 //!   "localhost:8080/tasks?wait=true"
-//! # ... "result":{"words":6,"distinct":4,"top":"be"} ...
+//! # ... "result":{"distinct":4,"top":"be","words":6} ...
 //! ```
 
 use std::collections::BTreeMap;

@@ -353,7 +353,7 @@ pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
 /// The text of `relay-worker --help`.
 pub fn help_text() -> String {
     let mut out = String::from(
-        "relay-worker — runs relay tasks (kinds: http, file) over a WebSocket to relay.\n\n\
+        "relay-worker — runs relay tasks (kinds: http, file, echo) over a WebSocket to relay.\n\n\
          Usage:\n  relay-worker               run (configured by the environment)\n  \
          relay-worker --help | --version\n\nEnvironment:\n",
     );
@@ -362,6 +362,7 @@ pub fn help_text() -> String {
     }
     out.push_str(
         "\nDurations use Go syntax (500ms, 2s, 1m30s). Invalid values stop startup (exit 2).\n\
+         relay answering 401 (TOKEN is not its WORKER_TOKEN) is final: no retry, exit 2.\n\
          SIGTERM/SIGINT: stop taking tasks, finish running ones within SHUTDOWN_TIMEOUT, exit 0.\n",
     );
     out

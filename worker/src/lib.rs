@@ -19,7 +19,7 @@
 //!
 //! fn main() -> std::process::ExitCode {
 //!     // Reads RELAY_URL, TOKEN, CONCURRENCY, ... (exit 2 when invalid), keeps the built-in
-//!     // `http` and `file` kinds, adds `shout`, runs until SIGTERM/SIGINT.
+//!     // `http`, `file` and `echo` kinds, adds `shout`, runs until SIGTERM/SIGINT.
 //!     relay_worker::main_with(|worker: &mut Worker| {
 //!         worker.register("shout", shout);
 //!     })
@@ -28,7 +28,7 @@
 //!
 //! Modules: `config` (environment → Config), `link` (the WebSocket: connect over ws/wss),
 //! `runner` (connection states, reconnect with backoff, draining), `pool` (bounded threads,
-//! `catch_unwind`), `protocol` (messages, pure), `kinds` (built-in http and file), `tls`
+//! `catch_unwind`), `protocol` (messages, pure), `kinds` (built-in http, file, echo), `tls`
 //! (rustls roots), `signals` (SIGTERM/SIGINT → a flag). No async runtime here: reqwest's
 //! blocking client keeps its own internally.
 
@@ -63,19 +63,32 @@ use serde_json::value::RawValue;
 
 pub use crate::config::{AllowHosts, Config, ConfigError};
 
-/// Why a task failed; its text is the `error` relay records for the attempt.
+/// Why a task failed; its text is the `error` relay records for the attempt. Returned by
+/// `run` too, when the worker cannot go on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Error {
     message: String,
+    config: bool,
 }
 
 impl Error {
     pub fn new(message: impl Into<String>) -> Error {
-        Error { message: message.into() }
+        Error { message: message.into(), config: false }
+    }
+
+    /// An error of the worker's configuration: no retry can fix it (relay refused `TOKEN`, a
+    /// value is invalid). `main_with` exits 2 on it.
+    pub fn config(message: impl Into<String>) -> Error {
+        Error { message: message.into(), config: true }
     }
 
     pub fn message(&self) -> &str {
         &self.message
+    }
+
+    /// Whether this is a configuration error (see [`Error::config`]).
+    pub fn is_config(&self) -> bool {
+        self.config
     }
 }
 
@@ -89,31 +102,31 @@ impl std::error::Error for Error {}
 
 impl From<String> for Error {
     fn from(message: String) -> Error {
-        Error { message }
+        Error::new(message)
     }
 }
 
 impl From<&str> for Error {
     fn from(message: &str) -> Error {
-        Error { message: message.to_string() }
+        Error::new(message)
     }
 }
 
 impl From<serde_json::Error> for Error {
     fn from(e: serde_json::Error) -> Error {
-        Error { message: format!("bad spec: {e}") }
+        Error::new(format!("bad spec: {e}"))
     }
 }
 
 impl From<std::io::Error> for Error {
     fn from(e: std::io::Error) -> Error {
-        Error { message: e.to_string() }
+        Error::new(e.to_string())
     }
 }
 
 impl From<ConfigError> for Error {
     fn from(e: ConfigError) -> Error {
-        Error { message: e.to_string() }
+        Error::config(e.to_string())
     }
 }
 
@@ -141,14 +154,15 @@ impl Worker {
         self
     }
 
-    /// Registers the built-in `http` and `file` kinds (SPEC §8). Fails when `CA_FILE` cannot be
-    /// loaded or the HTTP client cannot be built.
+    /// Registers the built-in `http`, `file` and `echo` kinds (SPEC §8; `echo` returns its spec).
+    /// Fails when `CA_FILE` cannot be loaded or the HTTP client cannot be built.
     pub fn register_builtin_kinds(&mut self) -> Result<&mut Worker, Error> {
         let tls = tls::client_config(self.config.ca_file.as_deref())?;
         let http = kinds::http::HttpKind::new(&self.config, (*tls).clone())?;
         let file = kinds::file::FileKind::new(&self.config, (*tls).clone())?;
         self.register("http", move |id, spec| http.run(id, spec));
         self.register("file", move |id, spec| file.run(id, spec));
+        self.register("echo", kinds::echo::run);
         Ok(self)
     }
 
@@ -171,6 +185,7 @@ impl Worker {
     }
 
     /// Runs until `stop` becomes true, then drains as `run` does. For embedding and tests.
+    /// Fails with a configuration error ([`Error::is_config`]) when relay refuses the token.
     pub fn run_until(self, stop: &AtomicBool) -> Result<(), Error> {
         runner::run(self.config, self.kinds, stop)
     }
@@ -178,7 +193,8 @@ impl Worker {
 
 /// A whole worker program: `--help`/`--version`, configuration from the environment (exit 2
 /// with a message naming the variable when invalid), the built-in kinds plus whatever
-/// `register` adds, and `run`. Exit 0 after a graceful shutdown, 1 on a runtime failure.
+/// `register` adds, and `run`. Exit 0 after a graceful shutdown, 2 when relay refuses `TOKEN`
+/// (a 401 on connect is final), 1 on another runtime failure.
 pub fn main_with(register: impl FnOnce(&mut Worker)) -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
@@ -211,6 +227,10 @@ pub fn main_with(register: impl FnOnce(&mut Worker)) -> ExitCode {
     register(&mut worker);
     match worker.run() {
         Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.is_config() => {
+            eprintln!("relay-worker: {e}");
+            ExitCode::from(2)
+        }
         Err(e) => {
             log!(log::Level::Error, "worker failed", error = e);
             ExitCode::from(1)

@@ -7,6 +7,8 @@
 //! the read timeout drops to `poll_interval_ms`, so the runner's loop wakes up to send results
 //! even when relay is quiet; tungstenite and rustls both keep partial frames/records across
 //! such timeouts. This module connects and hands the socket over; the runner owns the states.
+//! A 401 to the upgrade is told apart from every other failure (`ConnectError::TokenRefused`):
+//! it is the one answer a retry cannot change.
 
 use std::io::{self, Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream, ToSocketAddrs};
@@ -76,12 +78,34 @@ pub fn ws_config(max_message_bytes: usize) -> WebSocketConfig {
         .accept_unmasked_frames(false)
 }
 
-/// Connects, upgrades and returns the WebSocket, ready for the runner's loop. The error text
-/// never contains the token.
-pub fn connect(cfg: &Config, tls: Option<&Arc<ClientConfig>>) -> Result<Ws, String> {
+/// Why a connection could not be made.
+#[derive(Debug, PartialEq, Eq)]
+pub enum ConnectError {
+    /// relay answered the upgrade with 401: the worker token is not relay's `WORKER_TOKEN`.
+    /// Trying again cannot help, so the runner stops.
+    TokenRefused,
+    /// Anything else (no route, refused, timed out, TLS, another status): worth a retry. The
+    /// text never contains the token.
+    Failed(String),
+}
+
+impl From<String> for ConnectError {
+    fn from(text: String) -> ConnectError {
+        ConnectError::Failed(text)
+    }
+}
+
+impl From<&str> for ConnectError {
+    fn from(text: &str) -> ConnectError {
+        ConnectError::Failed(text.to_string())
+    }
+}
+
+/// Connects, upgrades and returns the WebSocket, ready for the runner's loop.
+pub fn connect(cfg: &Config, tls: Option<&Arc<ClientConfig>>) -> Result<Ws, ConnectError> {
     let url = cfg.ws_url_with_token();
     let tcp = connect_tcp(&url, Duration::from_millis(cfg.connect_timeout_ms))?;
-    let io_err = |what: &str, e: io::Error| format!("{what}: {e}");
+    let io_err = |what: &str, e: io::Error| ConnectError::Failed(format!("{what}: {e}"));
     tcp.set_nodelay(true).map_err(|e| io_err("set_nodelay", e))?;
     tcp.set_read_timeout(Some(Duration::from_millis(cfg.connect_timeout_ms))).map_err(|e| io_err("timeout", e))?;
     tcp.set_write_timeout(Some(Duration::from_millis(cfg.write_timeout_ms))).map_err(|e| io_err("timeout", e))?;
@@ -96,13 +120,15 @@ pub fn connect(cfg: &Config, tls: Option<&Arc<ClientConfig>>) -> Result<Ws, Stri
     };
     let (ws, _response) =
         client_with_config(url.as_str(), stream, Some(ws_config(cfg.max_message_bytes))).map_err(|e| match e {
-            HandshakeError::Interrupted(_) => "handshake timed out".to_string(),
-            HandshakeError::Failure(tungstenite::Error::Http(resp)) => {
-                let hint = if resp.status().as_u16() == 401 { " (check TOKEN)" } else { "" };
-                format!("relay refused the upgrade: HTTP {}{hint}", resp.status())
+            HandshakeError::Interrupted(_) => "handshake timed out".into(),
+            HandshakeError::Failure(tungstenite::Error::Http(resp)) if resp.status().as_u16() == 401 => {
+                ConnectError::TokenRefused
             }
-            HandshakeError::Failure(tungstenite::Error::Io(e)) => e.to_string(),
-            HandshakeError::Failure(e) => format!("handshake failed: {e}"),
+            HandshakeError::Failure(tungstenite::Error::Http(resp)) => {
+                format!("relay refused the upgrade: HTTP {}", resp.status()).into()
+            }
+            HandshakeError::Failure(tungstenite::Error::Io(e)) => e.to_string().into(),
+            HandshakeError::Failure(e) => format!("handshake failed: {e}").into(),
         })?;
     ws.get_ref()
         .tcp()

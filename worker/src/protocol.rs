@@ -1,4 +1,4 @@
-//! The worker side of relay's WebSocket protocol (README "WebSocket protocol"): parsing what
+//! The worker side of relay's WebSocket protocol (docs/protocol.md): parsing what
 //! relay sends and building what the worker answers. Pure: text in, values out, no I/O.
 
 use serde::Deserialize;

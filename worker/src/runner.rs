@@ -1,7 +1,8 @@
 //! The runner: the one thread that owns the link. It connects, says `hello`, reads tasks and
 //! hands them to the pool, sends finished results, answers pings, notices a dead relay, and
 //! reconnects with exponential backoff and jitter. One log line per change of state:
-//! `starting`, `connected`, `connect failed`, `disconnected`, `draining`, `stopped`.
+//! `starting`, `connected`, `connect failed`, `token refused`, `disconnected`, `draining`,
+//! `stopped`.
 //!
 //! Connection identity: every connection gets a generation (`conn_gen`), and every task
 //! carries the generation it arrived on. relay knows a worker by its connection (a new
@@ -11,6 +12,10 @@
 //! happen once, not half), but its result is dropped with a `result dropped` log line: sent on a
 //! new connection relay would only count it as `unknown`. That keeps the policy bounded — no
 //! result is stored beyond its task.
+//!
+//! A 401 on connect (`TOKEN` is not relay's `WORKER_TOKEN`) is final: no retry; running tasks
+//! of an earlier connection finish as in a drain, then `run` fails with a configuration error
+//! (exit 2 from `main_with`).
 //!
 //! Shutdown (the stop flag, set by SIGTERM/SIGINT): `hello` with concurrency 0 (relay stops
 //! sending tasks), a task that still arrives is answered `failed` / `worker shutting down`,
@@ -29,7 +34,7 @@ use tungstenite::Message;
 use tungstenite::protocol::CloseFrame;
 use tungstenite::protocol::frame::coding::CloseCode;
 
-use crate::link::{self, Ws};
+use crate::link::{self, ConnectError, Ws};
 use crate::log::Level;
 use crate::pool::{Finished, Job, Pool};
 use crate::protocol::{self, ServerMsg};
@@ -66,6 +71,7 @@ pub fn run(cfg: Config, kinds: BTreeMap<String, Handler>, stop: &AtomicBool) -> 
         drain_deadline: None,
         stop,
         backoff,
+        token_refused: false,
     };
     runner.main_loop();
     if runner.in_flight.is_empty()
@@ -73,8 +79,15 @@ pub fn run(cfg: Config, kinds: BTreeMap<String, Handler>, stop: &AtomicBool) -> 
     {
         pool.join();
     }
+    if runner.token_refused {
+        let url = runner.cfg.relay_url_for_logs();
+        return Err(Error::config(format!("{TOKEN_REFUSED} (HTTP 401 from {url})")));
+    }
     Ok(())
 }
+
+/// What a 401 on connect means, for the log and the exit message.
+const TOKEN_REFUSED: &str = "relay refused the worker token: set TOKEN to relay's WORKER_TOKEN";
 
 /// How a connection ended.
 enum End {
@@ -98,6 +111,8 @@ struct Runner<'a> {
     drain_deadline: Option<Instant>,
     stop: &'a AtomicBool,
     backoff: Backoff,
+    /// relay answered 401 on connect: the worker stops (exit 2), after its running tasks.
+    token_refused: bool,
 }
 
 impl Runner<'_> {
@@ -141,7 +156,14 @@ impl Runner<'_> {
                         }
                     }
                 }
-                Err(error) => {
+                Err(ConnectError::TokenRefused) => {
+                    // Final: relay will refuse this token however often it is tried. Tasks still
+                    // running from an earlier connection finish first, as when draining.
+                    log!(Level::Error, "token refused", url = url, error = TOKEN_REFUSED);
+                    self.token_refused = true;
+                    self.start_drain("token refused");
+                }
+                Err(ConnectError::Failed(error)) => {
                     let delay = self.backoff.next(random());
                     log!(Level::Warn, "connect failed", url = url, error = error, retry_in_ms = delay);
                     self.wait(Duration::from_millis(delay));
@@ -153,16 +175,24 @@ impl Runner<'_> {
     /// Notices the stop flag once: starts the grace period. Returns whether draining.
     fn check_stop(&mut self) -> bool {
         if self.drain_deadline.is_none() && self.stop.load(Ordering::SeqCst) {
-            self.drain_deadline = Some(Instant::now() + Duration::from_millis(self.cfg.shutdown_timeout_ms));
-            log!(
-                Level::Info,
-                "draining",
-                reason = signals::received().unwrap_or("stop requested"),
-                in_flight = self.in_flight.len(),
-                grace_ms = self.cfg.shutdown_timeout_ms
-            );
+            self.start_drain(signals::received().unwrap_or("stop requested"));
         }
         self.drain_deadline.is_some()
+    }
+
+    /// Starts the grace period: no new connection, running tasks may finish.
+    fn start_drain(&mut self, reason: &str) {
+        if self.drain_deadline.is_some() {
+            return;
+        }
+        self.drain_deadline = Some(Instant::now() + Duration::from_millis(self.cfg.shutdown_timeout_ms));
+        log!(
+            Level::Info,
+            "draining",
+            reason = reason,
+            in_flight = self.in_flight.len(),
+            grace_ms = self.cfg.shutdown_timeout_ms
+        );
     }
 
     /// While draining: true (and logs `stopped`) once nothing runs or the grace period is over.

@@ -1,7 +1,8 @@
-//! The built-in kinds of `relay-worker`: `http` (one HTTP request) and `file` (download from
-//! relay, hash, upload back). Each is a struct whose `run` has the handler signature, so the
-//! library registers them like any user kind.
+//! The built-in kinds of `relay-worker`: `http` (one HTTP request), `file` (download from
+//! relay, hash, upload back) and `echo` (the spec back, offline). Each `run` has the handler
+//! signature, so the library registers them like any user kind.
 
+pub mod echo;
 pub mod file;
 pub mod http;
 pub(crate) mod multipart;

@@ -27,7 +27,9 @@ fn http_task_returns_status_headers_and_json_body() {
     let relay = Relay::start();
     let worker = Worker::start(&relay.ws_url(), &[]);
     worker.wait_connected();
-    relay.wait_clients(1, Duration::from_secs(5), |c| c["kinds"] == json!(["file", "http"]) && c["concurrency"] == 16);
+    relay.wait_clients(1, Duration::from_secs(5), |c| {
+        c["kinds"] == json!(["echo", "file", "http"]) && c["concurrency"] == 16
+    });
 
     let task = relay.run_task(json!({"kind": "http", "spec": {
         "method": "post", "url": target.url("/things"),

@@ -19,7 +19,7 @@ fn hello_announces_kinds_concurrency_and_version_and_token_is_sent() {
     assert_eq!(conn.uri, format!("/ws?token={WRK}"));
     let hello = conn.recv(Duration::from_secs(5)).expect("hello first");
     assert_eq!(hello["type"], "hello");
-    assert_eq!(hello["kinds"], json!(["file", "http"]));
+    assert_eq!(hello["kinds"], json!(["echo", "file", "http"]));
     assert_eq!(hello["concurrency"], 3);
     assert!(hello["version"].as_str().is_some_and(|v| v.starts_with("relay-worker/")), "{hello}");
     assert!(!worker.proc.log_text().contains(WRK), "the token never appears in logs");
@@ -111,7 +111,7 @@ fn wss_through_a_tls_proxy_trusting_ca_file() {
     let ca = proxy.ca_file.to_str().expect("path").to_string();
     let worker = Worker::start(&url, &[("CA_FILE", &ca)]);
     worker.wait_connected();
-    relay.wait_clients(1, Duration::from_secs(5), |c| c["kinds"] == json!(["file", "http"]));
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["kinds"] == json!(["echo", "file", "http"]));
     let target = Target::start(|_, _| Reply::json(200, &json!({"via": "wss"})));
     let task = relay.run_task(json!({"kind": "http", "spec": {"url": target.url("/")}}));
     assert_eq!(task["result"]["body"], json!({"via": "wss"}), "{task}");
@@ -147,18 +147,47 @@ fn result_of_a_lost_connection_is_dropped_not_sent_on_the_next() {
 }
 
 #[test]
-fn wrong_token_is_reported_and_retried() {
+fn wrong_token_is_final_exit_2_naming_token() {
     crate::require_relay!();
     let relay = Relay::start();
-    let worker = Worker::start(&relay.ws_url(), &[("TOKEN", "not-the-token")]);
-    assert!(
-        worker.proc.wait_log("HTTP 401 Unauthorized (check TOKEN)", Duration::from_secs(10)),
-        "{}",
-        worker.proc.log_text()
-    );
-    assert!(worker.proc.wait_log("retry_in_ms=", Duration::from_secs(1)));
-    assert!(!worker.proc.log_text().contains("not-the-token"), "the token never appears in logs");
+    let mut worker = Worker::start(&relay.ws_url(), &[("TOKEN", "not-the-token")]);
+    let status = worker.proc.wait_exit(Duration::from_secs(10));
+    let log = worker.proc.log_text();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "a 401 on connect ends the worker with 2:\n{log}");
+    assert!(log.contains("relay-worker: relay refused the worker token: set TOKEN to relay's WORKER_TOKEN"), "{log}");
+    assert!(log.contains("HTTP 401"), "{log}");
+    assert_eq!(worker.proc.count_log("msg=\"token refused\""), 1, "one try, no retry:\n{log}");
+    assert!(!log.contains("retry_in_ms="), "no retry is scheduled:\n{log}");
+    assert!(!log.contains("not-the-token"), "the token never appears in logs");
     assert_eq!(relay.clients()["count"], 0);
+}
+
+/// relay starts refusing the token while a task runs (its token was changed, say): the task
+/// still runs to its end, and then the worker stops with 2 instead of retrying forever.
+#[test]
+fn token_refused_on_reconnect_lets_the_running_task_finish_then_exits_2() {
+    let target =
+        Target::start(|_, _| Reply::After(Duration::from_millis(1500), Box::new(Reply::json(200, &json!({})))));
+    let fake = FakeRelay::start();
+    let mut worker = Worker::start(&fake.ws_url(), &[]);
+    let mut conn = fake.accept(Duration::from_secs(10)).expect("worker connects");
+    conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    conn.send(
+        &json!({"type": "task", "task_id": "t-1", "payload": {"kind": "http", "spec": {"url": target.url("/slow")}}}),
+    );
+    assert!(poll_until(Duration::from_secs(10), || target.hits.lock().expect("hits").len() == 1), "the task started");
+    conn.cut();
+
+    let request = fake.refuse_next(401, Duration::from_secs(10)).expect("the worker tries again once");
+    assert!(request.starts_with("GET /ws?token="), "{request}");
+    let status = worker.proc.wait_exit(Duration::from_secs(15));
+    let log = worker.proc.log_text();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "{log}");
+    let refused = log.find("msg=\"token refused\"").expect("token refused logged");
+    let finished = log.find("msg=\"result dropped\" task_id=t-1").expect("the running task finished");
+    let stopped = log.find("msg=stopped reason=drained").expect("stopped after draining");
+    assert!(refused < finished && finished < stopped, "refused, then the task ended, then the worker stopped:\n{log}");
+    assert!(fake.refuse_next(401, Duration::from_millis(300)).is_none(), "no further try");
 }
 
 /// A relay that stops reading (so the worker's ping gets no pong, and nothing else arrives)

@@ -5,6 +5,7 @@
 mod support;
 
 mod cli;
+mod echo_kind;
 mod files;
 mod http_kind;
 mod library;

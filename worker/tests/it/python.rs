@@ -1,5 +1,5 @@
 //! The Python example worker (`examples/worker.py`, standard library + `websockets`) against
-//! the real relay: proof that README's protocol section is enough to write a worker.
+//! the real relay: proof that docs/protocol.md is enough to write a worker.
 
 use std::path::Path;
 use std::time::Duration;
@@ -37,4 +37,22 @@ fn python_example_worker_runs_tasks_and_drains() {
     assert_eq!((task["status"].as_str(), &task["result"]), (Some("done"), &json!({"slept_ms": 2000})), "{task}");
     let status = worker.wait_exit(Duration::from_secs(10)).expect("worker.py exits after draining");
     assert_eq!(status.code(), Some(0), "{}", worker.log_text());
+}
+
+#[test]
+fn python_example_worker_stops_on_a_wrong_token() {
+    crate::require_relay!();
+    if let Some(why) = python_missing() {
+        skip_or_fail(&why);
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/worker.py");
+    let relay = Relay::start();
+    let url = relay.ws_url();
+    let mut worker = spawn_python(&script, &[("RELAY_URL", &url), ("TOKEN", "not-the-token")]);
+    let status = worker.wait_exit(Duration::from_secs(15));
+    let log = worker.log_text();
+    assert_eq!(status.and_then(|s| s.code()), Some(2), "a 401 is final for worker.py too:\n{log}");
+    assert!(log.contains("relay refused TOKEN (HTTP 401)"), "{log}");
+    assert!(!log.contains("retry_in_ms"), "{log}");
 }

@@ -59,6 +59,37 @@ impl FakeRelay {
     }
 }
 
+impl FakeRelay {
+    /// Accepts the next connection within `within`, reads its request head and answers it
+    /// with `status` and no upgrade (as relay answers a wrong token with 401). Returns the
+    /// request line, or `None` when no connection came.
+    pub fn refuse_next(&self, status: u16, within: Duration) -> Option<String> {
+        use std::io::{Read, Write};
+        let deadline = Instant::now() + within;
+        let mut stream = loop {
+            match self.listener.accept() {
+                Ok((s, _)) => break s,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(10)),
+                Err(_) => return None,
+            }
+        };
+        stream.set_nonblocking(false).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+        let mut head = Vec::new();
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") && head.len() < 16 * 1024 {
+            match stream.read(&mut byte) {
+                Ok(1) => head.push(byte[0]),
+                _ => return None,
+            }
+        }
+        let answer = format!("HTTP/1.1 {status} Refused\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+        stream.write_all(answer.as_bytes()).ok()?;
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        String::from_utf8_lossy(&head).lines().next().map(str::to_string)
+    }
+}
+
 impl FakeConn {
     pub fn send(&mut self, msg: &Value) {
         self.ws.send(Message::text(msg.to_string())).expect("send to worker");
