@@ -270,8 +270,9 @@ struct Incoming<'a> {
     status: Option<std::borrow::Cow<'a, str>>,
     #[serde(borrow, default)]
     data: Option<&'a RawValue>,
-    #[serde(default)]
-    error: Option<String>,
+    // (Borrowed: a long error is cut, not copied whole first.)
+    #[serde(borrow, default)]
+    error: Option<std::borrow::Cow<'a, str>>,
     #[serde(default)]
     kinds: Option<Vec<String>>,
     #[serde(default)]
@@ -756,7 +757,12 @@ impl Core {
                 let id = msg.task_id.as_deref().and_then(crate::tasks::parse_id);
                 let outcome = match msg.status.as_deref() {
                     Some("done") => Ok(msg.data.map(RawValue::to_owned)),
-                    Some("failed") => Err(msg.error.unwrap_or_else(|| "worker reported failure".into())),
+                    // Cut to 64 KiB (SPEC §7): the attempt log holds every one, and the journal's
+                    // record of the task holds the log.
+                    Some("failed") => Err(msg.error.as_deref().map_or_else(
+                        || "worker reported failure".into(),
+                        |e| journal_codec::cut_error(e).into_owned(),
+                    )),
                     _ => {
                         self.metrics.ws_messages_malformed += 1;
                         crate::log!(Level::Warn, "result without status done/failed ignored");
