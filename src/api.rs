@@ -241,7 +241,10 @@ impl Api {
                 Ok(accept_key) => Handled::Upgrade { accept_key },
                 Err(response) => Handled::Respond(response),
             },
-            Route::Healthz => Handled::Respond(Response::json(200, core.health_json())),
+            // (503 while the journal cannot write: SPEC §7.)
+            Route::Healthz => {
+                Handled::Respond(Response::json(if core.journal_writable() { 200 } else { 503 }, core.health_json()))
+            }
             Route::Metrics => {
                 let text = core.metrics.render(&core.gauges(connections_open));
                 let mut r = Response::json(200, text.into_bytes());
@@ -328,6 +331,9 @@ impl Api {
         // payload is not compared (SPEC §4).
         if let Some(id) = key.and_then(|k| core.idempotent_task(identity.owner_key(), k)) {
             return self.answer_submit(core, conn, id, wait, identity);
+        }
+        if let Some(r) = core.journal_unavailable() {
+            return Handled::Respond(r);
         }
         let parsed = match parse_submit(body, core.wall_ms) {
             Ok(p) => p,
@@ -485,6 +491,12 @@ impl Api {
         if core.is_cluster() {
             return self.cluster_batch_step(core, conn, batch);
         }
+        if batch.next == 0
+            && let Some(r) = core.journal_unavailable()
+        {
+            // (A batch the journal fills under way answers its remaining items one by one.)
+            return Some(Handled::Respond(r));
+        }
         let end = (batch.next + *budget).min(batch.items.len());
         *budget -= end - batch.next;
         for i in batch.next..end {
@@ -536,6 +548,9 @@ fn submit_item(
         let msg = format!("item of {} bytes is over MAX_MESSAGE_SIZE ({max_bytes} bytes)", item.len());
         return Err(("bad_request", msg));
     }
+    if !core.journal_writable() {
+        return Err(("journal_unavailable", "the journal cannot write (no space on the disk of DATA_DIR)".to_string()));
+    }
     let parsed = parse_submit(item, core.wall_ms).map_err(|m| ("bad_request", m))?;
     if !identity.allows_kind(parsed.kind.as_deref()) {
         let msg = match parsed.kind.as_deref() {
@@ -569,6 +584,11 @@ fn visible(core: &Core, id: TaskId, identity: &Identity) -> bool {
 }
 
 fn cancel(core: &mut Core, io: &mut dyn Io, id: TaskId) -> Response {
+    if core.task(id).is_some_and(|t| !t.status.is_final())
+        && let Some(r) = core.journal_unavailable()
+    {
+        return r;
+    }
     let status = match core.cancel(io, id) {
         CancelResult::Canceled => 200,
         CancelResult::AlreadyFinal => 409,

@@ -419,6 +419,8 @@ impl Core {
                 syncs: j.syncs(),
                 records: j.records_written,
                 corrupt_records: j.records_skipped_at_start,
+                full: !j.writable(),
+                deletes_failing: j.deletes_failing(),
             }),
             cluster: self.node().map(|n| crate::metrics::ClusterGauges {
                 up: n.db.health() == crate::cluster::db::Health::Ok,
@@ -486,8 +488,14 @@ impl Core {
 
     pub fn health_json(&self) -> Vec<u8> {
         let c = |st: Status| self.task_count(st);
+        // With a journal, its state: a full disk makes relay unavailable for writes (503).
+        let (status, journal) = match self.journal() {
+            Some(j) if !j.writable() => ("unavailable", ",\"journal\":\"full\""),
+            Some(_) => ("ok", ",\"journal\":\"ok\""),
+            None => ("ok", ""),
+        };
         format!(
-            "{{\"status\":\"ok\",\"clients\":{},\"active_clients\":{},\"tasks\":{{\"pending\":{},\"dispatched\":{},\
+            "{{\"status\":\"{status}\"{journal},\"clients\":{},\"active_clients\":{},\"tasks\":{{\"pending\":{},\"dispatched\":{},\
              \"done\":{},\"failed\":{},\"canceled\":{}}},\"uptime_s\":{}}}",
             self.workers_connected(),
             self.workers_active(),
@@ -1065,7 +1073,8 @@ impl Core {
     /// fits in their output) and were not tried.
     fn pick_for(&mut self, io: &mut dyn Io, kind: Option<&str>, tried: &[u128], frame_bytes: usize) -> Option<u32> {
         let n = self.order.len();
-        if n == 0 {
+        // (A full journal: no attempt starts; `on_journal_state` fills the workers again.)
+        if n == 0 || !self.journal_writable() {
             return None;
         }
         let key = kind.unwrap_or(NO_KIND);
@@ -1320,7 +1329,8 @@ impl Core {
             node.claim_check = true;
             return;
         }
-        if self.shutting_down {
+        // (A full journal: no attempt starts; `on_journal_state` comes back here.)
+        if self.shutting_down || !self.journal_writable() {
             return;
         }
         loop {

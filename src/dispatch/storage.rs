@@ -22,6 +22,34 @@ impl Core {
         }
     }
 
+    /// Can the journal write now? (Memory-only and cluster mode: always.) While it cannot
+    /// (a full disk), requests that must write are refused and no attempt starts (SPEC §7).
+    pub fn journal_writable(&self) -> bool {
+        self.journal().is_none_or(Journal::writable)
+    }
+
+    /// The answer to a request that must write while the journal cannot (`None`: it can).
+    pub fn journal_unavailable(&self) -> Option<Response> {
+        (!self.journal_writable()).then(|| {
+            Response::error(
+                503,
+                "journal_unavailable",
+                "the journal cannot write (no space on the disk of DATA_DIR); reads go on, try again later",
+            )
+        })
+    }
+
+    /// The journal's threads woke the loop: once it can write again, idle workers get the
+    /// tasks that waited meanwhile.
+    pub fn on_journal_state(&mut self, io: &mut dyn Io) {
+        let Storage::Journal(j) = &mut self.storage else { return };
+        if j.take_writable_again() {
+            for slot in self.order.clone() {
+                self.fill(io, slot);
+            }
+        }
+    }
+
     pub fn evicted(&self, id: TaskId) -> Option<&Evicted> {
         self.evicted.get(&id)
     }
@@ -115,6 +143,10 @@ impl Core {
     /// segment can go once those records are durable.
     fn compact_step(&mut self) {
         let Storage::Journal(j) = &self.storage else { return };
+        if !j.writable() {
+            // (Rewriting tasks now would only grow what waits for the disk.)
+            return;
+        }
         let (seg, shard) = match self.compacting {
             Some(state) => state,
             None => match j.stale_segment(self.cfg.task_ttl_ms) {

@@ -656,6 +656,7 @@ impl Server {
         }
         let durable = j.durable_lsn();
         let backlog = j.backlog_bytes();
+        let writable = j.writable();
         let mut reads = Vec::new();
         while let Some(done) = j.try_read_done() {
             reads.push(done);
@@ -675,7 +676,14 @@ impl Server {
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }
         }
-        if backlog <= JOURNAL_BACKLOG_BYTES && !self.journal_blocked.is_empty() {
+        {
+            // The journal can write again: idle workers get the tasks that waited.
+            let (mut wire, core) = self.wire();
+            core.on_journal_state(&mut wire);
+        }
+        // (A journal that cannot write refuses submits with 503: those waiting for the disk
+        // to catch up go on to get that answer.)
+        if (backlog <= JOURNAL_BACKLOG_BYTES || !writable) && !self.journal_blocked.is_empty() {
             // Their requests' clock starts again (a body may still be on its way).
             let at = self.now_ms + self.cfg.header_timeout_ms;
             for r in std::mem::take(&mut self.journal_blocked) {
@@ -691,7 +699,8 @@ impl Server {
     /// Too many journal bytes wait for the disk (or, in cluster mode, submitted payloads for
     /// the database): new submits wait (backpressure).
     fn journal_full(&self) -> bool {
-        self.core.journal().is_some_and(|j| j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
+        // (Only while the journal can write: one that cannot answers 503 instead of waiting.)
+        self.core.journal().is_some_and(|j| j.writable() && j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
             || self.core.cluster_backlog_full()
     }
 
