@@ -888,7 +888,8 @@ fn a_failed_segment_delete_is_retried_and_no_newer_segment_goes_before_it() {
     let args = ["-P", first_s, "-e", "trace=unlink,unlinkat", "-e", "inject=unlink,unlinkat:error=EROFS:when=1..3"];
     let env = [("DATA_DIR", dir.path()), ("JOURNAL_SEGMENT_SIZE", "4096"), ("TASK_TTL", "1s")];
     let Some(mut relay) = crate::support::strace::Traced::start(TEST, &args, &env) else { return };
-    let worker = FakeWorker::connect_url(&relay.ws_url(), None, Auto::Echo).expect("worker");
+    // (A hello at once: without one the worker waits out a grace that TASK_TTL=1s can outlast.)
+    let worker = FakeWorker::connect_url(&relay.ws_url(), Some(json!({"type": "hello"})), Auto::Echo).expect("worker");
     let auth = format!("Bearer {API}");
     let mut ids = Vec::new();
     for i in 0..120 {
@@ -903,9 +904,11 @@ fn a_failed_segment_delete_is_retried_and_no_newer_segment_goes_before_it() {
         "segment 1 was never deleted: a failed deletion is not retried\n{}",
         relay.log_text()
     );
+    // (The line follows the deletion: wait for it to reach the log.)
+    let retried = "removed a compacted segment after failed tries\" segment=1 tries=4";
+    assert!(poll_until(Duration::from_secs(5), || relay.log_text().contains(retried)), "{}", relay.log_text());
     let log = relay.log_text();
     assert!(log.contains("cannot remove a compacted segment"), "the injected failure did not happen:\n{log}");
-    assert!(log.contains("removed a compacted segment after failed tries\" segment=1 tries=4"), "{log}");
     drop(worker);
     relay.signal("TERM");
     assert!(relay.wait_exit(Duration::from_secs(10)).expect("relay exits").success());
