@@ -254,9 +254,9 @@ impl Api {
                 None => return Handled::Respond(unauthorized()),
             },
         };
-        let writes = route == Route::Tasks && head.method == Method::Post
-            || matches!(route, Route::Task(_)) && head.method == Method::Delete;
-        if let Some(r) = core.store.unavailable(writes) {
+        // (A store that cannot read answers 503 here; one that cannot write refuses what would
+        // write — not an idempotent repeat, not the cancel of a final task — itself.)
+        if let Some(r) = core.store.unavailable(false) {
             return Handled::Respond(r);
         }
         let answer = match route {

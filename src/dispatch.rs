@@ -87,8 +87,6 @@ const MAX_CLAIM: u32 = 256;
 const CLAIMS_PER_TURN: usize = 4096;
 /// Attempts remembered after they ended, to tell `late` and `duplicate` from `unknown`.
 const RECENT_RESULTS: usize = 65_536;
-/// Longest worker `error` text kept (SPEC §7: every record within the journal's limits).
-pub const MAX_ERROR_BYTES: usize = 64 * 1024;
 /// Kinds named in a `no_worker` message at most.
 const MAX_KINDS_NAMED: usize = 10;
 
@@ -190,8 +188,9 @@ struct Incoming<'a> {
     status: Option<std::borrow::Cow<'a, str>>,
     #[serde(borrow, default)]
     data: Option<&'a RawValue>,
-    #[serde(default)]
-    error: Option<String>,
+    // (Borrowed: a long error is cut, not copied whole first.)
+    #[serde(borrow, default)]
+    error: Option<std::borrow::Cow<'a, str>>,
     #[serde(default)]
     kinds: Option<Vec<String>>,
     #[serde(default)]
@@ -317,6 +316,8 @@ impl Core {
                     syncs: j.syncs(),
                     records: j.records_written,
                     corrupt_records: j.records_skipped_at_start,
+                    full: !j.writable(),
+                    deletes_failing: j.deletes_failing(),
                 });
             }
             Store::Pg(p) => g.cluster = Some(p.gauges()),
@@ -817,7 +818,12 @@ impl Core {
                 let id = msg.task_id.as_deref().and_then(crate::tasks::parse_id);
                 let outcome = match msg.status.as_deref() {
                     Some("done") => Ok(msg.data.map(RawValue::to_owned)),
-                    Some("failed") => Err(cut_error(msg.error.unwrap_or_else(|| "worker reported failure".into()))),
+                    // Cut to 64 KiB (SPEC §7): the attempt log holds every one, and the journal's
+                    // record of the task holds the log.
+                    Some("failed") => Err(msg
+                        .error
+                        .as_deref()
+                        .map_or_else(|| "worker reported failure".into(), |e| crate::tasks::cut_error(e).into_owned())),
                     _ => {
                         self.metrics.ws_messages_malformed += 1;
                         crate::log!(Level::Warn, "result without status done/failed ignored");
@@ -1259,7 +1265,14 @@ impl Core {
                     let item = match why {
                         Refusal::QueueFull => ("queue_full", "MAX_PENDING tasks are already waiting".to_string()),
                         Refusal::Unavailable | Refusal::Lost => {
-                            ("unavailable", "the store could not keep this task; try again".to_string())
+                            let r = self.refusal_response(why);
+                            let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_default();
+                            let code = match v["error"].as_str() {
+                                Some("journal_unavailable") => "journal_unavailable",
+                                Some("database_unavailable") => "database_unavailable",
+                                _ => "unavailable",
+                            };
+                            (code, v["message"].as_str().unwrap_or("the task could not be stored").to_string())
                         }
                     };
                     self.batch_done(batch, index, Err(item));
@@ -1451,19 +1464,6 @@ impl Core {
 
 fn null_value() -> Box<RawValue> {
     RawValue::from_string("null".into()).unwrap_or_else(|_| unreachable!("null is JSON"))
-}
-
-/// A worker's error text, cut to [`MAX_ERROR_BYTES`] on a character boundary.
-fn cut_error(mut error: String) -> String {
-    if error.len() > MAX_ERROR_BYTES {
-        let mut end = MAX_ERROR_BYTES;
-        while !error.is_char_boundary(end) {
-            end -= 1;
-        }
-        error.truncate(end);
-        error.push_str(" [cut]");
-    }
-    error
 }
 
 /// Sends the advisory `cancel` for `id` to a worker.

@@ -75,6 +75,10 @@ pub struct JournalGauges {
     pub records: u64,
     /// Damaged records or regions skipped when the journal was read at start.
     pub corrupt_records: u64,
+    /// The journal cannot write now (a full disk): writes answer 503.
+    pub full: bool,
+    /// Segment deletions waiting for a retry after one failed.
+    pub deletes_failing: u64,
 }
 
 impl Metrics {
@@ -177,6 +181,18 @@ impl Metrics {
                 "Damaged journal records or regions skipped at start (a torn tail is not counted).",
             );
             let _ = writeln!(w, "relay_journal_corrupt_records_total {}", j.corrupt_records);
+            gauge(
+                w,
+                "relay_journal_full",
+                "1 while the journal cannot write (no space or quota): writes answer 503 journal_unavailable.",
+                usize::from(j.full),
+            );
+            gauge(
+                w,
+                "relay_journal_deletes_failing",
+                "Compacted segments waiting for a retry of their deletion (newer ones wait behind them).",
+                j.deletes_failing as usize,
+            );
         }
         if let Some(c) = &g.cluster {
             gauge(w, "relay_db_up", "1 while the database can be used (cluster mode).", usize::from(c.up));

@@ -434,6 +434,34 @@ pub fn accepted_json(id: TaskId, status: Status) -> Vec<u8> {
     s.into_bytes()
 }
 
+/// A worker's `error` text is cut to this many bytes (SPEC §7): an attempt log holds one per
+/// attempt, and a task's record holds the whole log.
+pub const MAX_ERROR_BYTES: usize = 64 << 10;
+
+/// What a cut error text ends with (the number is the bytes left out).
+pub const CUT_MARK: &str = "… [cut: ";
+
+/// `text` as relay keeps it: at most [`MAX_ERROR_BYTES`] bytes, cut at a character boundary,
+/// with a note of how much was left out. The core cuts where a worker's error arrives, so what
+/// a caller sees is what a restart reads back; the journal's encoders cut again, so no record
+/// can carry more whatever the core did.
+pub fn cut_error(text: &str) -> std::borrow::Cow<'_, str> {
+    if text.len() <= MAX_ERROR_BYTES {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    // Room for the note: the mark, up to 20 digits and " bytes]".
+    let mut keep = MAX_ERROR_BYTES - CUT_MARK.len() - 27;
+    while !text.is_char_boundary(keep) {
+        keep -= 1;
+    }
+    let mut out = String::with_capacity(MAX_ERROR_BYTES);
+    out.push_str(&text[..keep]);
+    out.push_str(CUT_MARK);
+    out.push_str(&(text.len() - keep).to_string());
+    out.push_str(" bytes]");
+    std::borrow::Cow::Owned(out)
+}
+
 pub fn push_uuid(s: &mut String, id: u128) {
     let mut buf = uuid::Uuid::encode_buffer();
     s.push_str(uuid::Uuid::from_u128(id).hyphenated().encode_lower(&mut buf));

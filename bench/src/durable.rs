@@ -30,7 +30,12 @@ use crate::workers::Pool;
 use crate::{Opts, RESULT_DATA};
 
 /// The scenarios this module adds (all of them run under `all`).
-pub const SCENARIOS: &[&str] = &["durable", "js", "js-new", "js-sync", "slowloris", "batch", "finished"];
+pub const SCENARIOS: &[&str] = &["durable", "js", "js-new", "js-sync", "slowloris", "batch", "finished", "restarts"];
+
+/// Tasks submitted before each stop in `restarts` ("a few tasks").
+const RESTART_TASKS: usize = 3;
+/// Starts in `restarts`: the first, then five restarts.
+const RESTART_STARTS: usize = 6;
 
 /// A generous bound on one batch request (100,000 tasks should take well under a second).
 const BATCH_TIMEOUT: Duration = Duration::from_secs(60);
@@ -222,6 +227,18 @@ pub struct SlowRun {
     pub open_before: u64,
 }
 
+/// One start of `restarts`: the start, then DATA_DIR after the stop that followed.
+pub struct RestartRun {
+    /// Spawn to `listening` (replay included).
+    pub startup: Duration,
+    pub replay_ms: Option<u64>,
+    pub records: Option<u64>,
+    /// DATA_DIR after the stop: apparent bytes, allocated bytes, files.
+    pub bytes: u64,
+    pub disk_bytes: u64,
+    pub files: usize,
+}
+
 pub struct BatchRun {
     pub size: u64,
     /// Per batch: seconds from the first byte written to the last byte of the 202.
@@ -274,6 +291,8 @@ pub struct DurableResults {
     pub slowloris: Vec<SlowRun>,
     pub batch: Option<BatchRun>,
     pub finished: Vec<FinishedRun>,
+    /// `restarts`, one entry per start.
+    pub restarts: Vec<RestartRun>,
     pub js_default_version: String,
     pub js_sync_version: String,
 }
@@ -505,6 +524,53 @@ fn batch_replay(opts: &Opts, disk: &mut Disk) -> Result<BatchRun, String> {
     })
 }
 
+/// `restarts`: a small host's day. relay on a fresh DATA_DIR with the default JOURNAL_SEGMENT_SIZE,
+/// [`RESTART_TASKS`] queued tasks, a stop (SIGTERM), and so on for [`RESTART_STARTS`] starts:
+/// each start's spawn to `listening` and replay time, and DATA_DIR's size after each stop.
+fn restarts(opts: &Opts, disk: &mut Disk) -> Result<Vec<RestartRun>, String> {
+    let dir = disk.fresh("journal-restarts")?;
+    let env = [("DATA_DIR", dir.env()), ("LOG_LEVEL", "info".into())];
+    let body = b"{\"payload\":{\"kind\":\"later\",\"n\":1},\"queue\":true}";
+    let req = build_request("POST", "/tasks", Some(API_TOKEN), body);
+    let mut runs = Vec::new();
+    for _ in 0..RESTART_STARTS {
+        let mut relay = start_relay(opts, &opts.relay, &env)?;
+        let startup = relay.startup;
+        let log = relay.log_tail();
+        let line = log.lines().find(|l| l.contains("journal replayed")).unwrap_or_default().to_string();
+        let mut conn = HttpConn::connect(relay.addr, IO_TIMEOUT)?;
+        for _ in 0..RESTART_TASKS {
+            let resp = conn.request(&req)?;
+            if resp.status != 202 {
+                return Err(format!("submit: status {}", resp.status));
+            }
+        }
+        drop(conn);
+        // As on a host where relay runs a while between restarts: its background work on
+        // the journal (a segment being prepared ahead) is done before the stop.
+        let settled = Instant::now() + Duration::from_secs(60);
+        let mut quiet = 0;
+        while quiet < 3 && Instant::now() < settled {
+            let preparing = dir.0.join("next-segment.preparing").exists();
+            quiet = if preparing { 0 } else { quiet + 1 };
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        check_alive(&mut relay)?;
+        relay.stop();
+        let (bytes, disk_bytes) = du(&dir.0);
+        let files = std::fs::read_dir(&dir.0).map_or(0, |rd| rd.count());
+        runs.push(RestartRun {
+            startup,
+            replay_ms: log_field(&line, "replay_ms"),
+            records: log_field(&line, "records"),
+            bytes,
+            disk_bytes,
+            files,
+        });
+    }
+    Ok(runs)
+}
+
 /// `--finished-tasks` tasks submitted (pipelined) to a durable relay whose workers answer them
 /// all; relay's RSS growth per finished task, with `task_memory` (None: the default budget).
 fn finished(opts: &Opts, disk: &mut Disk, task_memory: Option<u64>) -> Result<FinishedRun, String> {
@@ -668,6 +734,14 @@ pub fn once(
         ));
         d.batch = keep(failures, "batch + replay", batch_replay(opts, disk));
     }
+    if want("restarts")
+        && let Some(disk) = disk(d, opts, failures)
+    {
+        step(&format!(
+            "relay durable restarts: {RESTART_TASKS} tasks before each stop, {RESTART_STARTS} starts on one DATA_DIR"
+        ));
+        d.restarts = keep(failures, "restarts", restarts(opts, disk)).unwrap_or_default();
+    }
     if want("finished") {
         for tm in [Some(crate::scenarios::TASK_MEMORY_ALL), None] {
             let Some(disk) = disk(d, opts, failures) else { break };
@@ -789,6 +863,20 @@ pub fn figures(t: &mut String, opts: &Opts, d: &DurableResults) {
                 r.store_bytes as f64 / 1048576.0
             );
         }
+    }
+    for (i, r) in d.restarts.iter().enumerate() {
+        let what = if i == 0 { "first start".to_string() } else { format!("restart {i}") };
+        let _ = writeln!(
+            t,
+            "| {what} ({} tasks journaled before it): spawn to `listening` / `replay_ms` / records / DATA_DIR after the stop: apparent, du, files | {} ms / {} ms / {} / {:.2} MiB, {:.2} MiB, {} |",
+            i * RESTART_TASKS,
+            ms(r.startup),
+            r.replay_ms.map_or("?".into(), |v| v.to_string()),
+            r.records.map_or("?".into(), |v| v.to_string()),
+            r.bytes as f64 / 1048576.0,
+            r.disk_bytes as f64 / 1048576.0,
+            r.files
+        );
     }
     if let Some(b) = &d.batch {
         let list = |xs: &[f64], k: f64| xs.iter().map(|x| format!("{:.0}", x * k)).collect::<Vec<_>>().join(", ");

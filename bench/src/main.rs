@@ -48,6 +48,8 @@ scenarios (default: all):
             then a restart on that journal (replay time)
   finished  --finished-tasks tasks run to done on a durable relay: RSS per finished task,
             with TASK_MEMORY at 16 GiB, then at its default
+  restarts  a durable relay started 6 times on one DATA_DIR with 3 tasks submitted each time:
+            spawn to listening, replay time and DATA_DIR's size after each stop
   all       every one of the above
 
 options:

@@ -23,6 +23,16 @@ pub const FRAME_PREFIX_BYTES: usize = 8;
 /// MAX_MESSAGE_SIZE each stays far below; anything above is damage).
 pub const MAX_FRAME_LEN: usize = 1 << 30;
 
+/// The largest record payload the journal writes: a frame's `len` also counts `seq` and `type`.
+/// Every encoder keeps within it, so replay never takes an acknowledged record for damage.
+pub const MAX_RECORD_BYTES: usize = MAX_FRAME_LEN - 9;
+
+pub use crate::tasks::{CUT_MARK, MAX_ERROR_BYTES, cut_error};
+
+/// What an attempt's error says in a record that had to leave it out to stay within
+/// [`MAX_RECORD_BYTES`] (only an attempt log of thousands of long errors gets there).
+pub const ERROR_LEFT_OUT: &str = "[error text left out: the task's attempt log reached the journal's record limit]";
+
 /// The error a restart writes into the attempt it closes.
 pub const RESTART_ERROR: &str = "relay restarted while this attempt was running";
 
@@ -165,8 +175,90 @@ fn outcome_code(o: Option<Outcome>) -> u8 {
     o.map_or(0, |o| Outcome::ALL.iter().position(|x| *x == o).map_or(0, |i| i as u8 + 1))
 }
 
-/// The whole state of `task` (the payload only while it is not final).
+/// The whole state of `task` (the payload only while it is not final), within
+/// [`MAX_RECORD_BYTES`].
 pub fn put_task(out: &mut Vec<u8>, t: &Task) {
+    put_task_within(out, t, MAX_RECORD_BYTES);
+}
+
+fn ip_len(ip: IpAddr) -> usize {
+    if ip.is_ipv4() { 5 } else { 17 }
+}
+
+/// Bytes an error takes in a record (cut as [`cut_error`] cuts it).
+fn error_len(e: &str) -> usize {
+    if e.len() <= MAX_ERROR_BYTES { e.len() } else { cut_error(e).len() }
+}
+
+/// Bytes one attempt takes in a Task record, its error `error_bytes` long (if it has one).
+fn attempt_len(a: &Attempt, error_bytes: Option<usize>) -> usize {
+    16 + ip_len(a.client_ip) + 8 + 1 + 8 + 1 + error_bytes.map_or(0, |n| 4 + n)
+}
+
+/// Bytes of a Task record's payload without its attempts (their count included).
+fn task_fixed_len(t: &Task) -> usize {
+    let s = |x: Option<usize>| x.map_or(0, |n| 4 + n);
+    16 + 2
+        + 1
+        + 8
+        + 8
+        + 4
+        + 8
+        + t.run_at_wall_ms.map_or(0, |_| 8)
+        + t.finished_wall_ms.map_or(0, |_| 8)
+        + s(t.kind.as_ref().map(|k| k.len()))
+        + s(t.payload.as_ref().map(|p| p.get().len()))
+        + s(t.result.as_ref().map(|r| r.get().len()))
+        + s(t.error.as_deref().map(error_len))
+        + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
+        + 4
+}
+
+/// How a Task record fits in `limit`: the first `left_out` attempts carry [`ERROR_LEFT_OUT`]
+/// instead of their error, and the first `skipped` are not written at all.
+fn fit_attempts(t: &Task, limit: usize) -> (usize, usize) {
+    let n = t.attempts.len();
+    let fixed = task_fixed_len(t);
+    // The common case at a glance: even every attempt at its largest fits.
+    if fixed.saturating_add(n.saturating_mul(attempt_len_max())) <= limit {
+        return (0, 0);
+    }
+    let mut total = fixed + t.attempts.iter().map(|a| attempt_len(a, a.error.as_deref().map(error_len))).sum::<usize>();
+    let mut left_out = 0;
+    while total > limit && left_out < n {
+        if let Some(e) = t.attempts[left_out].error.as_deref() {
+            let len = error_len(e);
+            if len > ERROR_LEFT_OUT.len() {
+                total -= len - ERROR_LEFT_OUT.len();
+            }
+        }
+        left_out += 1;
+    }
+    // (Beyond any real attempt log: tens of millions of attempts.) The newest one stays.
+    let mut skipped = 0;
+    while total > limit && skipped + 1 < n {
+        let a = &t.attempts[skipped];
+        total -= attempt_len(a, a.error.as_deref().map(|e| error_len(e).min(ERROR_LEFT_OUT.len())));
+        skipped += 1;
+    }
+    (left_out, skipped)
+}
+
+/// The largest an attempt can take in a record.
+const fn attempt_len_max() -> usize {
+    16 + 17 + 8 + 1 + 8 + 1 + 4 + MAX_ERROR_BYTES
+}
+
+fn put_error(out: &mut Vec<u8>, e: &str) {
+    put_str(out, &cut_error(e));
+}
+
+/// [`put_task`] within `limit` bytes of payload: an attempt log too long for it loses the
+/// error texts of its oldest attempts first, then its oldest attempts. Payload and result are
+/// bounded by MAX_MESSAGE_SIZE (256 MiB) and errors by [`MAX_ERROR_BYTES`], so only a log of
+/// many thousands of attempts can reach the limit.
+pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
+    let (left_out, skipped) = fit_attempts(t, limit);
     let mut flags = 0u16;
     let set = |flags: &mut u16, bit: u16, on: bool| {
         if on {
@@ -204,23 +296,27 @@ pub fn put_task(out: &mut Vec<u8>, t: &Task) {
         put_str(out, r.get());
     }
     if let Some(e) = &t.error {
-        put_str(out, e);
+        put_error(out, e);
     }
     if let Some(idem) = &t.idempotency {
         put_str(out, &idem.0);
         put_str(out, &idem.1);
     }
-    put_u32(out, t.attempts.len() as u32);
-    for a in &t.attempts {
+    put_u32(out, (t.attempts.len() - skipped) as u32);
+    for (i, a) in t.attempts.iter().enumerate().skip(skipped) {
         put_u128(out, a.client_id);
         put_ip(out, a.client_ip);
         put_u64(out, a.started_wall_ms);
         out.push(outcome_code(a.outcome));
         put_u64(out, a.duration_ms);
         match &a.error {
+            Some(e) if i < left_out && error_len(e) > ERROR_LEFT_OUT.len() => {
+                out.push(1);
+                put_str(out, ERROR_LEFT_OUT);
+            }
             Some(e) => {
                 out.push(1);
-                put_str(out, e);
+                put_error(out, e);
             }
             None => out.push(0),
         }
@@ -243,7 +339,7 @@ pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
     match &a.error {
         Some(e) => {
             out.push(1);
-            put_str(out, e);
+            put_error(out, e);
         }
         None => out.push(0),
     }
@@ -496,6 +592,88 @@ mod tests {
         assert!(decode(RecordType::Forget as u8, &p).is_none());
         assert!(decode(99, &[]).is_none());
         assert!(decode(RecordType::Task as u8, &[1, 2, 3]).is_none());
+    }
+
+    #[test]
+    fn a_long_error_is_cut_to_64_kib_at_a_character_boundary_and_says_so() {
+        assert!(matches!(cut_error("short"), std::borrow::Cow::Borrowed("short")));
+        let exact = "x".repeat(MAX_ERROR_BYTES);
+        assert!(matches!(cut_error(&exact), std::borrow::Cow::Borrowed(_)), "64 KiB exactly is kept whole");
+        for pad in 0..4 {
+            // Multi-byte characters at every alignment: the cut never splits one.
+            let long = format!("{}{}", "a".repeat(pad), "é€😀".repeat(MAX_ERROR_BYTES / 4));
+            let cut = cut_error(&long);
+            assert!(cut.len() <= MAX_ERROR_BYTES, "{}", cut.len());
+            let (kept, note) = cut.split_once(CUT_MARK).expect("marked");
+            assert!(long.starts_with(kept) && kept.len() > MAX_ERROR_BYTES - 64);
+            assert_eq!(note, format!("{} bytes]", long.len() - kept.len()));
+            // Cutting what was cut changes nothing: memory and journal agree.
+            assert_eq!(cut_error(&cut), cut);
+        }
+    }
+
+    fn task_with_attempts(n: usize, error_bytes: usize) -> Task {
+        let mut t = TaskImage {
+            id: 9,
+            status: Status::Failed,
+            queued: false,
+            submit_seq: 1,
+            created_wall_ms: 1,
+            max_retries: 100,
+            timeout_ms: 1000,
+            run_at_wall_ms: None,
+            finished_wall_ms: Some(2),
+            kind: Some(Box::from("k")),
+            payload: None,
+            result: None,
+            error: Some(Box::from("last")),
+            idempotency: None,
+            attempts: Vec::new(),
+        }
+        .into_task(Stored::default());
+        for i in 0..n {
+            let mut a = restored_attempt(i as u128, IpAddr::V4(Ipv4Addr::LOCALHOST), i as u64);
+            a.outcome = Some(Outcome::Failed);
+            a.error = (error_bytes > 0).then(|| Box::from(format!("{i:06}{}", "e".repeat(error_bytes))));
+            t.attempts.push(a);
+        }
+        t
+    }
+
+    fn round_trip(t: &Task, limit: usize) -> (usize, TaskImage) {
+        let mut buf = Vec::new();
+        put_frame(&mut buf, 1, RecordType::Task, |out| put_task_within(out, t, limit));
+        let FrameAt::Valid { kind, payload, .. } = frame_at(&buf) else { panic!("not a valid frame") };
+        let Some(Record::Task(image)) = decode(kind, payload) else { panic!("does not decode") };
+        (payload.len(), *image)
+    }
+
+    /// A record replay would reject must never be written: a Task record holds the whole
+    /// attempt log, which retries and re-runs can grow without end, so past the limit the
+    /// oldest attempts' errors are left out (then, far beyond any real log, the oldest
+    /// attempts), and the record still reads back.
+    #[test]
+    fn a_task_record_stays_within_the_limit_replay_accepts_and_reads_back() {
+        let t = task_with_attempts(40, 100_000);
+        let whole = round_trip(&t, usize::MAX).0;
+        assert!(whole > 40 * MAX_ERROR_BYTES, "errors are cut to 64 KiB in the record: {whole}");
+        let limit = 1 << 20;
+        let (len, back) = round_trip(&t, limit);
+        assert!(len <= limit, "{len} bytes over a limit of {limit}");
+        assert_eq!(back.attempts.len(), 40, "every attempt is still there");
+        let errors: Vec<&str> = back.attempts.iter().map(|a| a.error.as_deref().unwrap_or("")).collect();
+        let left_out = errors.iter().take_while(|e| **e == ERROR_LEFT_OUT).count();
+        assert!(left_out > 0 && errors[left_out..].iter().all(|e| e.len() > 60_000), "oldest first: {left_out}");
+        assert!(errors[39].starts_with("000039"), "the newest attempt keeps its error");
+        // Far beyond: attempts without errors that cannot all fit; the newest ones stay.
+        let t = task_with_attempts(1000, 0);
+        let (len, back) = round_trip(&t, 4096);
+        assert!(len <= 4096);
+        assert!(!back.attempts.is_empty() && back.attempts.len() < 1000);
+        assert_eq!(back.attempts.last().map(|a| a.client_id), Some(999));
+        // Within the limit, nothing changes.
+        let t = task_with_attempts(3, 10);
+        assert_eq!(round_trip(&t, MAX_RECORD_BYTES).1.attempts.len(), 3);
     }
 
     #[test]

@@ -17,7 +17,19 @@
 //!
 //! A segment holding a `Forget` record goes only once every older segment has gone: an older
 //! segment can still hold an earlier record of the forgotten task (its submit, say), which
-//! replay would otherwise bring back to life.
+//! replay would otherwise bring back to life. The writer keeps that order on disk too: a
+//! deletion that fails holds every newer one back until it succeeds.
+//!
+//! Sizes follow the data: a new segment is as large as the journal's records (a power of two,
+//! from [`MIN_SEGMENT_BYTES`] up to JOURNAL_SEGMENT_SIZE), a restart appends to the last
+//! segment instead of starting one, and the next segment's file is prepared only once the
+//! head is a quarter full. A journal of a few tasks is one small file, and replay reads about
+//! as many bytes as there are records.
+//!
+//! A full disk (SPEC §7): [`Journal::writable`] says whether records can be written now; the
+//! API refuses what must write while it is false, the core stops starting attempts, and
+//! records that must be written anyway (results of attempts already running) wait in the
+//! writer's queue, their answers held, until the writer gets them on disk.
 
 pub mod codec;
 pub mod crc;
@@ -27,7 +39,7 @@ pub mod thread;
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
 use std::io;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::{DirBuilderExt, FileExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -36,10 +48,23 @@ use std::sync::mpsc::{Receiver, Sender};
 use self::codec::{HEADER_BYTES, RecordType};
 use self::replay::Replayed;
 use self::thread::{Batch, Msg, ReadDone, ReadJob, Shared, Wake};
+use crate::log::Level;
 use crate::tasks::{Loc, Stored, Task, TaskId};
 
-/// Segment files are closed and a new one started past this size.
+/// Segment files are closed and a new one started past this size (JOURNAL_SEGMENT_SIZE's
+/// default): the size segments grow to.
 pub const SEGMENT_BYTES: u64 = 64 << 20;
+
+/// The size a journal's first segment starts at (or JOURNAL_SEGMENT_SIZE, if smaller).
+pub const MIN_SEGMENT_BYTES: u64 = 1 << 20;
+
+/// The size of a new segment for a journal holding `data_bytes` of records: as large as the
+/// data (to the next power of two), within [`MIN_SEGMENT_BYTES`] and `max_bytes`. A small
+/// journal takes little disk, a large one few files, and the zeros prepared ahead never
+/// exceed about the data itself.
+pub fn segment_size_for(data_bytes: u64, max_bytes: u64) -> u64 {
+    data_bytes.max(1).checked_next_power_of_two().unwrap_or(u64::MAX).clamp(MIN_SEGMENT_BYTES.min(max_bytes), max_bytes)
+}
 
 /// How long records no answer waits on may be held back from the writer (ms): how much later
 /// than at once they can become durable.
@@ -67,6 +92,7 @@ impl std::fmt::Display for OpenError {
 
 struct Segment {
     pins: u32,
+    /// Bytes of its records (header included), as written or queued.
     bytes: u64,
     /// When it stopped being the head (monotonic ms; may be "before start" for replayed
     /// segments, hence signed).
@@ -93,7 +119,18 @@ pub struct Journal {
     held_since_ms: Option<u64>,
     next_lsn: u64,
     head: u32,
+    /// The size the head segment is closed at.
+    head_cap: u64,
+    /// The size the next segment will have, fixed once its file was asked for.
+    next_cap: Option<u64>,
+    /// The newest segment whose size the writer was told.
+    announced: u32,
+    /// No segment number is left after the head (a planted name): nothing new is accepted.
+    exhausted: bool,
+    /// [`Journal::writable`] when the loop last asked ([`Journal::take_writable_again`]).
+    was_writable: bool,
     segments: BTreeMap<u32, Segment>,
+    /// JOURNAL_SEGMENT_SIZE: the largest a segment grows to.
     segment_bytes: u64,
     /// The loop's monotonic clock (ms), set each turn.
     pub now_ms: u64,
@@ -101,8 +138,10 @@ pub struct Journal {
     pub records_skipped_at_start: u64,
 }
 
-/// Creates DATA_DIR if needed (mode 0700), takes its lock, and checks that it is writable.
-fn prepare_dir(dir: &Path) -> Result<File, OpenError> {
+/// Creates DATA_DIR if needed (mode 0700; an existing one is made private too), takes its lock,
+/// and checks that it is writable. Returns the lock and whether the disk is full (relay then
+/// starts all the same and serves what it can: SPEC §7).
+fn prepare_dir(dir: &Path) -> Result<(File, bool), OpenError> {
     let unusable = |what: &str, e: io::Error| OpenError::Unusable(format!("DATA_DIR={}: {what}: {e}", dir.display()));
     fs::DirBuilder::new().recursive(true).mode(0o700).create(dir).map_err(|e| unusable("cannot create it", e))?;
     let meta = fs::metadata(dir).map_err(|e| unusable("cannot read it", e))?;
@@ -117,6 +156,11 @@ fn prepare_dir(dir: &Path) -> Result<File, OpenError> {
             dir.display(),
             meta.uid()
         )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        // Tasks carry callers' payloads and results: as BLOB_DIR, no one else may read them.
+        fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+            .map_err(|e| unusable("cannot make it private", e))?;
     }
     let lock = OpenOptions::new()
         .read(true)
@@ -133,10 +177,53 @@ fn prepare_dir(dir: &Path) -> Result<File, OpenError> {
             dir.display()
         )));
     }
+    // A block of data, not an empty file: a full disk still makes empty files.
     let probe = dir.join(".write-probe");
-    File::create(&probe).and_then(|f| f.sync_all()).map_err(|e| unusable("not writable", e))?;
+    let written = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&probe)
+        .and_then(|f| f.write_all_at(&[0u8; 4096], 0).map(|()| f));
+    let full = match written {
+        Ok(f) => {
+            f.sync_all().map_err(|e| unusable("not writable", e))?;
+            false
+        }
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) => {
+            crate::log!(
+                Level::Error,
+                "DATA_DIR is full: relay starts, and writes answer 503 until there is room",
+                data_dir = dir.display(),
+                error = e
+            );
+            true
+        }
+        Err(e) => {
+            let _ = fs::remove_file(&probe);
+            return Err(unusable("not writable", e));
+        }
+    };
     let _ = fs::remove_file(&probe);
-    Ok(lock)
+    Ok((lock, full))
+}
+
+/// Keeps the prepared file a previous run left if it can serve as a segment of `bytes`
+/// (shortened to that size: zeros all the same) and removes it otherwise. Returns its size
+/// (0: none). Before the loop runs, as replay.
+fn reuse_prepared(dir: &Path, bytes: u64) -> u64 {
+    let path = dir.join(thread::PREPARED);
+    let Ok(meta) = fs::symlink_metadata(&path) else { return 0 };
+    if meta.is_file() && meta.len() >= bytes {
+        let shortened =
+            OpenOptions::new().write(true).open(&path).and_then(|f| f.set_len(bytes).and_then(|()| f.sync_all()));
+        if shortened.is_ok() {
+            return bytes;
+        }
+    }
+    let _ = fs::remove_file(&path);
+    0
 }
 
 impl Journal {
@@ -148,24 +235,40 @@ impl Journal {
         now_wall_ms: u64,
         wake: Wake,
     ) -> Result<(Journal, Replayed), OpenError> {
-        let lock = prepare_dir(dir)?;
+        let (lock, full) = prepare_dir(dir)?;
         let replayed = replay::replay(dir, memory_budget_bytes)
             .map_err(|e| OpenError::Io(format!("cannot read the journal in {}: {e}", dir.display())))?;
-        let head = replayed.max_segment.checked_add(1).ok_or_else(|| {
+        let next = replayed.max_segment.checked_add(1).ok_or_else(|| {
             OpenError::Io(format!("{}: no segment number is left after {}", dir.display(), replayed.max_segment))
         })?;
+        let data: u64 = replayed.segments.iter().map(|s| s.bytes).sum();
+        let size = segment_size_for(data, SEGMENT_BYTES);
+        // A restart goes on in the last segment while it has room: a new file per restart
+        // would keep a TASK_TTL of nearly empty files (and their zeros) around.
+        let resume = replayed.segments.last().filter(|s| s.appendable && s.num > 0).and_then(|s| {
+            let cap = size.max(s.file_bytes).min(SEGMENT_BYTES);
+            (s.bytes < cap).then_some((s.num, s.bytes, cap))
+        });
+        let (head, head_cap, prepared_for) = match resume {
+            Some((num, _, cap)) => (num, cap, size),
+            None => (next, size, size),
+        };
+        let prepared = reuse_prepared(dir, prepared_for);
         let shared = Arc::new(Shared::default());
         shared.durable_lsn.store(replayed.next_lsn.saturating_sub(1), Ordering::SeqCst);
-        let (tx, writer) = thread::start_writer(dir.to_path_buf(), shared.clone(), wake.clone())
+        shared.full.store(full, Ordering::SeqCst);
+        let resume_at = resume.map(|(seg, at, _)| thread::Resume { seg, at });
+        let (tx, writer) = thread::start_writer(dir.to_path_buf(), shared.clone(), wake.clone(), resume_at, prepared)
             .map_err(|e| OpenError::Io(format!("cannot start the journal thread: {e}")))?;
         let (reads, read_done) = thread::start_reader(PathBuf::from(dir), wake)
             .map_err(|e| OpenError::Io(format!("cannot start the journal reader: {e}")))?;
         let mut segments = BTreeMap::new();
         for s in &replayed.segments {
             let age_ms = now_wall_ms.saturating_sub(s.modified_wall_ms) as i64;
-            segments.insert(s.num, Segment { pins: s.pins, bytes: s.bytes, closed_ms: Some(-age_ms) });
+            let closed_ms = (s.num != head).then_some(-age_ms);
+            segments.insert(s.num, Segment { pins: s.pins, bytes: s.bytes, closed_ms });
         }
-        segments.insert(head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        segments.entry(head).or_insert(Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
         let mut journal = Journal {
             tx,
             writer: Some(writer),
@@ -181,6 +284,13 @@ impl Journal {
             held_since_ms: None,
             next_lsn: replayed.next_lsn.max(1),
             head,
+            head_cap,
+            // A continued head takes the prepared file as its successor; a new head takes it
+            // itself (the writer renames it into place).
+            next_cap: (resume.is_some() && prepared > 0).then_some(prepared),
+            announced: head - 1,
+            exhausted: false,
+            was_writable: !full,
             segments,
             segment_bytes: SEGMENT_BYTES,
             now_ms: 0,
@@ -191,10 +301,54 @@ impl Journal {
         Ok((journal, replayed))
     }
 
-    /// A smaller segment size (tests of compaction).
+    /// JOURNAL_SEGMENT_SIZE: the largest a segment grows to (small in tests of compaction).
     pub fn set_segment_bytes(&mut self, bytes: u64) {
         self.segment_bytes = bytes.max(4096);
-        let _ = self.tx.send(Msg::SegmentBytes(self.segment_bytes));
+        let data = self.data_bytes();
+        let head_bytes = self.segments.get(&self.head).map_or(0, |s| s.bytes);
+        self.head_cap = if head_bytes <= HEADER_BYTES as u64 {
+            segment_size_for(data, self.segment_bytes)
+        } else {
+            self.head_cap.min(self.segment_bytes)
+        };
+        if self.head <= self.announced {
+            // (The writer may hold the head open already: it learns its new size.)
+            self.batch.opens.push((self.head, self.head_cap));
+        }
+        if self.next_cap.is_some_and(|n| n > self.segment_bytes) {
+            self.next_cap = None;
+        }
+    }
+
+    /// Can records be written now? `false` while the disk is full (or the journal failed):
+    /// requests that must write are refused (503 `journal_unavailable`), and no attempt
+    /// starts, until the writer gets through again by itself.
+    pub fn writable(&self) -> bool {
+        !self.shared.full.load(Ordering::Acquire) && !self.failed() && !self.exhausted
+    }
+
+    /// `true` once each time the journal becomes writable again (idle workers then get the
+    /// tasks that waited).
+    pub fn take_writable_again(&mut self) -> bool {
+        let now = self.writable();
+        let again = now && !self.was_writable;
+        self.was_writable = now;
+        again
+    }
+
+    /// The journal's state for `/healthz`: `ok` or `full`.
+    pub fn state(&self) -> &'static str {
+        if self.writable() { "ok" } else { "full" }
+    }
+
+    /// Segment deletions waiting for a retry (one failed).
+    pub fn deletes_failing(&self) -> u64 {
+        self.shared.deletes_failing.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of records in the segments kept.
+    fn data_bytes(&self) -> u64 {
+        self.segments.values().map(|s| s.bytes).sum()
     }
 
     /// The sequence number of the newest record.
@@ -228,38 +382,71 @@ impl Journal {
         self.segments.len()
     }
 
-    fn append(&mut self, kind: RecordType, fill: impl FnOnce(&mut Vec<u8>)) -> (u64, Loc) {
-        let lsn = self.next_lsn;
-        self.next_lsn += 1;
+    /// The chunk of this batch that goes to the head (the writer learns a new head's size
+    /// with its first chunk).
+    fn head_chunk(&mut self) -> &mut Vec<u8> {
+        if self.head > self.announced {
+            self.batch.opens.push((self.head, self.head_cap));
+            self.announced = self.head;
+        }
         if self.batch.chunks.last().is_none_or(|(seg, _)| *seg != self.head) {
             self.batch.chunks.push((self.head, Vec::new()));
         }
         let Some((_, buf)) = self.batch.chunks.last_mut() else { unreachable!("a chunk was just pushed") };
+        buf
+    }
+
+    fn append(&mut self, kind: RecordType, fill: impl FnOnce(&mut Vec<u8>)) -> (u64, Loc) {
+        let lsn = self.next_lsn;
+        self.next_lsn += 1;
+        let buf = self.head_chunk();
         let start = buf.len();
         let n = codec::put_frame(buf, lsn, kind, fill) as u64;
         let head_bytes = self.segments.get(&self.head).map_or(0, |s| s.bytes);
-        if head_bytes > HEADER_BYTES as u64 && head_bytes + n > self.segment_bytes {
+        if head_bytes > HEADER_BYTES as u64 && head_bytes + n > self.head_cap && self.can_rotate() {
             // It goes to a new segment.
+            let Some((_, buf)) = self.batch.chunks.last_mut() else { unreachable!("the frame is in it") };
             let frame = buf.split_off(start);
             if buf.is_empty() {
                 self.batch.chunks.pop();
             }
             self.rotate();
-            self.batch.chunks.push((self.head, frame));
+            self.head_chunk().extend_from_slice(&frame);
         }
         let head = self.head;
         let seg = self.segments.entry(head).or_insert(Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
         let off = seg.bytes;
         seg.bytes += n;
+        let filled = seg.bytes;
         self.batch_bytes += n;
         self.batch.lsn = lsn;
         self.records_written += 1;
+        if self.next_cap.is_none() && filled.saturating_mul(4) >= self.head_cap {
+            // A quarter full: time to have the next file made (not before: a journal that
+            // never fills its first segment never takes the disk space of a second).
+            let next = segment_size_for(self.data_bytes(), self.segment_bytes);
+            self.next_cap = Some(next);
+            let _ = self.tx.send(Msg::Prepare(next));
+        }
         (lsn, Loc { seg: head, off: off as u32, len: n as u32 })
+    }
+
+    /// Is there a segment number after the head? (Only a planted file name takes the last.)
+    fn can_rotate(&mut self) -> bool {
+        if self.head.checked_add(1).is_some() {
+            return true;
+        }
+        if !self.exhausted {
+            self.exhausted = true;
+            crate::log!(Level::Error, "journal: no segment number is left; writes answer 503", segment = self.head);
+        }
+        false
     }
 
     fn rotate(&mut self) {
         let old = self.head;
         self.head += 1;
+        self.head_cap = self.next_cap.take().unwrap_or_else(|| segment_size_for(self.data_bytes(), self.segment_bytes));
         self.segments.insert(self.head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
         let now = self.now_ms as i64;
         if let Some(seg) = self.segments.get_mut(&old) {
@@ -608,6 +795,110 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    #[test]
+    fn segments_are_as_large_as_the_data_within_their_bounds() {
+        let check = |data: u64, max: u64, want: u64| assert_eq!(segment_size_for(data, max), want, "{data} of {max}");
+        check(0, SEGMENT_BYTES, MIN_SEGMENT_BYTES);
+        check(300 << 10, SEGMENT_BYTES, MIN_SEGMENT_BYTES);
+        check((1 << 20) + 1, SEGMENT_BYTES, 2 << 20);
+        check(20 << 20, SEGMENT_BYTES, 32 << 20);
+        check(5 << 30, SEGMENT_BYTES, SEGMENT_BYTES);
+        check(0, 4096, 4096);
+        check(u64::MAX, 4096, 4096);
+    }
+
+    fn segment_files(dir: &Path) -> Vec<u32> {
+        replay::list_segments(dir).expect("list")
+    }
+
+    /// After one task DATA_DIR held 129 MiB (a 64 MiB segment and a 64 MiB prepared one), and
+    /// every restart started another segment. Now the first segment is small, nothing is
+    /// prepared before the head is a quarter full, and a restart appends to the last segment.
+    #[test]
+    fn a_restart_appends_to_the_last_segment_and_a_small_journal_stays_one_small_file() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-resume-{}", uuid::Uuid::new_v4().simple()));
+        let mut ids = Vec::new();
+        for run in 0..4u128 {
+            let (mut j, r) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open");
+            j.set_segment_bytes(SEGMENT_BYTES);
+            assert_eq!(r.tasks.len(), ids.len(), "run {run}");
+            assert_eq!((j.head, j.head_cap, j.next_cap), (1, MIN_SEGMENT_BYTES, None), "run {run}");
+            let mut st = Stored::default();
+            j.task(&task(run, 100), &mut st);
+            ids.push(run);
+            j.want(j.lsn());
+            j.end_turn();
+            wait_durable(&j, j.lsn());
+            j.stop();
+            drop(j);
+            assert_eq!(segment_files(&dir), [1], "run {run}");
+            let len = std::fs::metadata(replay::segment_path(&dir, 1)).expect("segment").len();
+            assert!(len <= MIN_SEGMENT_BYTES, "run {run}: {len}");
+            assert!(!dir.join(thread::PREPARED).exists() && !dir.join(thread::PREPARING).exists());
+        }
+        let r = replay::replay(&dir, 1 << 20).expect("replay");
+        assert_eq!((r.tasks.len(), r.skipped, r.truncated_bytes), (4, 0, 0));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The next segment's file is asked for once the head is a quarter full, at the size the
+    /// data calls for; the rotation takes it; and a closed segment keeps no zeros past its
+    /// records (replay reads only records). A prepared file a run leaves is reused by the next.
+    #[test]
+    fn the_next_segment_is_prepared_at_a_quarter_and_sizes_grow_with_the_data() {
+        let dir = std::env::temp_dir().join(format!("relay-journal-grow-{}", uuid::Uuid::new_v4().simple()));
+        let (mut j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open");
+        j.set_segment_bytes(SEGMENT_BYTES);
+        let big = task(1, 16 << 10);
+        let mut st = Stored::default();
+        let write = |j: &mut Journal, st: &mut Stored, t: &Task| {
+            j.task(t, st);
+            j.want(j.lsn());
+            j.end_turn();
+            wait_durable(j, j.lsn());
+        };
+        while j.next_cap.is_none() {
+            write(&mut j, &mut st, &big);
+        }
+        let filled = j.segments.get(&j.head).map_or(0, |s| s.bytes);
+        assert!(filled * 4 >= MIN_SEGMENT_BYTES && filled * 4 < MIN_SEGMENT_BYTES + 4 * (20 << 10), "{filled}");
+        assert_eq!(j.next_cap, Some(MIN_SEGMENT_BYTES));
+        let prepared = dir.join(thread::PREPARED);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::metadata(&prepared).map_or(0, |m| m.len()) != MIN_SEGMENT_BYTES {
+            assert!(std::time::Instant::now() < deadline, "no prepared file");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        // Other tasks, so segment 1 stays pinned and the data grows.
+        let mut n = 10;
+        while j.head == 1 {
+            let mut other = Stored::default();
+            write(&mut j, &mut other, &task(n, 16 << 10));
+            n += 1;
+        }
+        assert!(!prepared.exists(), "the rotation took the prepared file");
+        let closed = std::fs::metadata(replay::segment_path(&dir, 1)).expect("segment 1").len();
+        assert_eq!(closed, j.segments[&1].bytes, "a closed segment is cut to its records");
+        while j.next_cap.is_none() {
+            let mut other = Stored::default();
+            write(&mut j, &mut other, &task(n, 16 << 10));
+            n += 1;
+        }
+        assert_eq!(j.next_cap, Some(2 << 20), "the journal passed 1 MiB: the next segment is 2 MiB");
+        while std::fs::metadata(&prepared).map_or(0, |m| m.len()) != 2 << 20 {
+            assert!(std::time::Instant::now() < deadline, "no prepared file of 2 MiB");
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        j.stop();
+        drop(j);
+        // Reopened: the head goes on, and the prepared file (2 MiB) is the next segment's.
+        let (j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("reopen");
+        assert_eq!((j.head, j.next_cap), (2, Some(2 << 20)));
+        assert_eq!(segment_files(&dir), [1, 2]);
+        drop(j);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// A segment started without a prepared file gets zeros written ahead of its records, in
     /// steps (a sync without a change of size or new blocks costs about half), and replay
     /// still ends at the last record without calling the zeros damage.
@@ -640,6 +931,7 @@ mod tests {
             (1, 0, 0),
             "one task (three records of it), nothing damaged"
         );
+        let _ = std::fs::remove_dir_all(&dir);
         // Segments smaller than the step get zeros up to their size, no further.
         let (mut j, _) = Journal::open(&dir, 1 << 20, 0, Arc::new(|| {})).expect("open again");
         j.set_segment_bytes(64 << 10);

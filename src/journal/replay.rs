@@ -46,7 +46,13 @@ pub struct Replayed {
 #[derive(Debug, Clone, Copy)]
 pub struct SegmentInfo {
     pub num: u32,
+    /// Where its records end (header included).
     pub bytes: u64,
+    /// The file's size (zeros prepared past the records included).
+    pub file_bytes: u64,
+    /// The last segment, with a sound header and nothing damaged at its end: the next run
+    /// appends to it.
+    pub appendable: bool,
     /// Last modification, wall clock (compaction ages segments from it).
     pub modified_wall_ms: u64,
     pub pins: u32,
@@ -280,6 +286,22 @@ pub struct Scan {
     pub zeros_at: Option<usize>,
 }
 
+/// Are all these bytes zero? (Word at a time: the zeros after a head segment's records are
+/// most of what a small journal's replay reads.)
+fn all_zero(bytes: &[u8]) -> bool {
+    let mut words = bytes.chunks_exact(4096);
+    for block in &mut words {
+        if block
+            .chunks_exact(8)
+            .fold(0u64, |acc, w| acc | u64::from_ne_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]))
+            != 0
+        {
+            return false;
+        }
+    }
+    words.remainder().iter().all(|&b| b == 0)
+}
+
 /// Finds every valid frame of a segment (`bytes` includes the header, already checked).
 /// Pure: this is what the fuzz target and the property test drive.
 pub fn scan_segment(bytes: &[u8], last: bool) -> Scan {
@@ -294,7 +316,7 @@ pub fn scan_segment(bytes: &[u8], last: bool) -> Scan {
                 scan.frames.push(FrameRef { off, total, seq, kind, payload: (start, start + payload.len()) });
                 off += total;
             }
-            FrameAt::Short | FrameAt::Bad if bytes[off..].iter().all(|&b| b == 0) => {
+            FrameAt::Short | FrameAt::Bad if all_zero(&bytes[off..]) => {
                 scan.zeros_at = Some(off);
                 break;
             }
@@ -338,6 +360,8 @@ struct Replayer {
     started: Instant,
     /// A segment of a journal format this relay does not read.
     unreadable: Option<String>,
+    /// The last segment's header is all zeros (see [`Replayer::segment`]).
+    unwritten_header: bool,
 }
 
 impl Replayer {
@@ -359,6 +383,7 @@ impl Replayer {
             max_segment: 0,
             started: Instant::now(),
             unreadable: None,
+            unwritten_header: false,
         }
     }
 
@@ -367,7 +392,19 @@ impl Replayer {
     fn segment(&mut self, num: u32, bytes: &[u8], last: bool, path: Option<&Path>) -> Option<usize> {
         self.max_segment = self.max_segment.max(num);
         let name = path.map_or_else(|| format!("segment {num}"), |p| p.display().to_string());
-        if let Err(why) = codec::check_header(bytes) {
+        let mut header_ok = true;
+        if last && bytes.len() >= HEADER_BYTES && all_zero(&bytes[..HEADER_BYTES]) {
+            // A crash between naming a prepared file of zeros as the new segment and writing
+            // its header: not damage (nothing in it was acknowledged before its header was
+            // durable). [`replay`] writes the header, and the next run appends to it.
+            self.unwritten_header = true;
+            crate::log!(
+                Level::Warn,
+                "journal: the last segment's header was never written (a crash as it was made)",
+                file = name
+            );
+        } else if let Err(why) = codec::check_header(bytes) {
+            header_ok = false;
             if bytes.len() >= HEADER_BYTES && bytes.starts_with(codec::SEGMENT_MAGIC) {
                 // Written by a relay of another format (a downgrade?): reading on would lose
                 // its tasks, so replay stops and the file stays as it is.
@@ -427,6 +464,8 @@ impl Replayer {
         self.segments.push(SegmentInfo {
             num,
             bytes: end as u64,
+            file_bytes: bytes.len() as u64,
+            appendable: last && header_ok && scan.skipped.is_empty(),
             modified_wall_ms: path.map_or(0, modified_wall_ms),
             pins: 0,
         });
@@ -500,9 +539,16 @@ pub fn replay(dir: &Path, budget_bytes: usize) -> io::Result<Replayed> {
             r.truncated_bytes += bytes.len() as u64;
             continue;
         }
-        if let Some(at) = r.segment(num, &bytes, last, Some(&path)) {
+        let torn = r.segment(num, &bytes, last, Some(&path));
+        if torn.is_some() || r.unwritten_header {
+            use std::os::unix::fs::FileExt;
             let file = fs::OpenOptions::new().write(true).open(&path)?;
-            file.set_len(at as u64)?;
+            if let Some(at) = torn {
+                file.set_len(at as u64)?;
+            }
+            if std::mem::take(&mut r.unwritten_header) {
+                file.write_all_at(&codec::segment_header(), 0)?;
+            }
             file.sync_all()?;
         }
         if let Some(why) = r.unreadable.take() {
@@ -733,6 +779,46 @@ mod tests {
             assert_eq!(scan.torn_at, None);
             // Not the last segment: the same.
             assert_eq!(seqs(&scan_segment(&damaged, false)), expected);
+        }
+    }
+
+    /// A crash between naming a prepared file of zeros as the new segment and writing its
+    /// header left an all-zero last segment, counted as corruption at every start. It is
+    /// not: replay writes the header, and the segment is the one the next run appends to.
+    /// An all-zero segment that is not the last is damage all the same.
+    #[test]
+    fn an_all_zero_last_segment_is_no_damage_and_gets_its_header() {
+        let dir = std::env::temp_dir().join(format!("relay-replay-zeros-{}", uuid::Uuid::new_v4().simple()));
+        fs::create_dir_all(&dir).expect("dir");
+        let mut rng = Rng(31);
+        let (first, frames) = segment(&mut rng, 5);
+        fs::write(segment_path(&dir, 1), &first).expect("segment 1");
+        fs::write(segment_path(&dir, 2), vec![0u8; 1 << 16]).expect("segment 2");
+        for round in 0..2 {
+            let r = replay(&dir, 1 << 20).expect("replay");
+            assert_eq!((r.skipped, r.truncated_bytes, r.records), (0, 0, frames.len() as u64), "round {round}");
+            let last = r.segments.last().copied().expect("segment 2");
+            assert_eq!((last.num, last.bytes, last.appendable), (2, HEADER_BYTES as u64, true));
+            assert!(codec::check_header(&fs::read(segment_path(&dir, 2)).expect("read")).is_ok());
+        }
+        fs::write(segment_path(&dir, 3), segment_header()).expect("segment 3");
+        fs::write(segment_path(&dir, 2), vec![0u8; 1 << 16]).expect("zeros again");
+        assert_eq!(replay(&dir, 1 << 20).expect("replay").skipped, 1, "not the last: damage");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn zeros_are_told_from_data_at_every_length() {
+        for len in [0, 1, 7, 8, 4095, 4096, 4097, 12_345] {
+            let mut b = vec![0u8; len];
+            assert!(all_zero(&b), "{len}");
+            for at in [0, len / 2, len.saturating_sub(1)] {
+                if at < len {
+                    b[at] = 1;
+                    assert!(!all_zero(&b), "{len}: a byte at {at}");
+                    b[at] = 0;
+                }
+            }
         }
     }
 

@@ -672,6 +672,7 @@ impl Server {
             return Err(io::Error::other("the journal could not be written (see the error above)"));
         }
         let durable = j.durable_lsn();
+        let writable = j.writable();
         let backlog_full = self.core.store.backlog_full();
         if durable != self.durable_seen {
             self.durable_seen = durable;
@@ -684,7 +685,9 @@ impl Server {
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }
         }
-        if !backlog_full && !self.journal_blocked.is_empty() {
+        // (A journal that cannot write refuses submits with 503: those waiting for the disk
+        // to catch up go on to get that answer.)
+        if (!backlog_full || !writable) && !self.journal_blocked.is_empty() {
             // Their requests' clock starts again (a body may still be on its way).
             let at = self.now_ms + self.cfg.header_timeout_ms;
             for r in std::mem::take(&mut self.journal_blocked) {

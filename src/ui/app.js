@@ -124,8 +124,20 @@ const points = []; // {t: end (ms, this page's clock), dt: ms, done, failed: cou
 let seeded = 0; // buckets that came from the task list
 let seedState = 'no'; // 'no' | 'busy' | 'done'
 
+const JOURNAL_FULL = 'The journal cannot write (the disk of DATA_DIR is full): new tasks and cancels are refused (503) until there is room; everything else is still served.';
+
 async function pollHealth() {
-  const { body } = await api('GET', '/healthz');
+  let body;
+  try {
+    ({ body } = await api('GET', '/healthz'));
+  } catch (err) {
+    // 503 with the counts: relay is up and serves reads, but cannot write (a full disk).
+    if (!(err instanceof ApiError) || err.status !== 503 || !err.body || !err.body.tasks) throw err;
+    body = err.body;
+  }
+  const full = body.journal === 'full';
+  if (full) banner(JOURNAL_FULL, true);
+  else if ($('banner').textContent === JOURNAL_FULL) banner('');
   health = body;
   for (const s of ['pending', 'dispatched', 'done', 'failed', 'canceled']) {
     $('count-' + s).textContent = String(body.tasks[s]);

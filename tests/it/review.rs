@@ -339,81 +339,12 @@ fn a_listing_page_of_tasks_read_back_from_the_journal_keeps_its_size_limit() {
 /// relay running under `strace`, which delays every `fdatasync` of the journal thread: a disk
 /// that falls behind. `None` (after saying so) when strace cannot be used here; under CI a
 /// missing strace fails the test.
-struct SlowDisk {
-    strace: std::process::Child,
-    relay_pid: u32,
-    addr: std::net::SocketAddr,
-    log: std::sync::Arc<std::sync::Mutex<String>>,
-}
+struct SlowDisk;
 
 impl SlowDisk {
-    fn start(test: &str, env: &[(&str, &str)], delay: Duration) -> Option<SlowDisk> {
-        use std::io::BufRead;
+    fn start(test: &str, env: &[(&str, &str)], delay: Duration) -> Option<crate::support::strace::Traced> {
         let inject = format!("inject=fdatasync:delay_enter={}", delay.as_micros());
-        let mut cmd = std::process::Command::new("strace");
-        cmd.args([
-            "-f",
-            "-qq",
-            "--seccomp-bpf",
-            "-o",
-            "/dev/null",
-            "-e",
-            "trace=fdatasync",
-            "-e",
-            &inject,
-            relay_bin(),
-        ]);
-        cmd.env_clear().env("PATH", std::env::var("PATH").unwrap_or_default());
-        let base =
-            [("PORT", "0"), ("BIND", "127.0.0.1"), ("API_TOKEN", API), ("WORKER_TOKEN", WRK), ("LOG_LEVEL", "info")];
-        cmd.envs(base.iter().chain(env).copied());
-        cmd.stdin(std::process::Stdio::null()).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::piped());
-        let mut strace = match cmd.spawn() {
-            Ok(child) => child,
-            Err(e) => {
-                skip_or_fail(test, &format!("strace is not available ({e})"));
-                return None;
-            }
-        };
-        let stderr = strace.stderr.take().expect("stderr");
-        let (tx, rx) = std::sync::mpsc::channel();
-        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
-        let log2 = log.clone();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Ok(mut l) = log2.lock() {
-                    l.push_str(&line);
-                    l.push('\n');
-                }
-                if let Some(addr) = line.split_whitespace().find_map(|kv| kv.strip_prefix("addr=")) {
-                    let _ = tx.send(Ok(addr.to_string()));
-                } else if line.contains("strace:") {
-                    let _ = tx.send(Err(line));
-                }
-            }
-        });
-        let addr = match rx.recv_timeout(Duration::from_secs(20)) {
-            Ok(Ok(addr)) => addr.parse().expect("addr"),
-            other => {
-                let _ = strace.kill();
-                let _ = strace.wait();
-                skip_or_fail(test, &format!("strace could not run relay ({other:?})"));
-                return None;
-            }
-        };
-        let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", strace.id())).expect("children");
-        let relay_pid = children.split_whitespace().next().and_then(|p| p.parse().ok()).expect("relay's pid");
-        Some(SlowDisk { strace, relay_pid, addr, log })
-    }
-}
-
-impl Drop for SlowDisk {
-    fn drop(&mut self) {
-        if std::thread::panicking() {
-            eprintln!("--- relay log ---\n{}--- end ---", self.log.lock().map(|l| l.clone()).unwrap_or_default());
-        }
-        let _ = std::process::Command::new("kill").arg("-KILL").arg(self.relay_pid.to_string()).status();
-        let _ = self.strace.wait();
+        crate::support::strace::Traced::start(test, &["-e", "trace=fdatasync", "-e", &inject], env)
     }
 }
 

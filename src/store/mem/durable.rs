@@ -47,9 +47,13 @@ impl MemStore {
     /// The journal's threads woke the loop: tasks read back answer the requests waiting on them.
     pub fn on_wake(&mut self) {
         let mut done = Vec::new();
-        if let Some(j) = &self.journal {
+        if let Some(j) = &mut self.journal {
             while let Some(d) = j.try_read_done() {
                 done.push(d);
+            }
+            if j.take_writable_again() {
+                // The disk has room again: idle workers get the tasks that waited.
+                self.events.push(Event::Ready);
             }
         }
         for d in done {
@@ -107,6 +111,10 @@ impl MemStore {
     /// segment can go once those records are durable.
     fn compact_step(&mut self) {
         let Some(j) = &self.journal else { return };
+        if !j.writable() {
+            // (Rewriting tasks now would only grow what waits for the disk.)
+            return;
+        }
         let (seg, shard) = match self.compacting {
             Some(state) => state,
             None => match j.stale_segment(self.cfg.task_ttl_ms) {

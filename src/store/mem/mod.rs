@@ -247,7 +247,7 @@ impl MemStore {
         for (c, n) in counts.iter_mut().zip(self.status_counts) {
             *c = n as u64;
         }
-        StoreHealth { counts, node: None, database_up: None, journal_up: self.journal.as_ref().map(|_| true) }
+        StoreHealth { counts, node: None, database_up: None, journal_up: self.journal.as_ref().map(|j| j.writable()) }
     }
 
     // ----- inserts ---------------------------------------------------------------------------
@@ -258,6 +258,11 @@ impl MemStore {
         {
             let status = self.status_of(id).unwrap_or(Status::Pending);
             self.events.push(Event::KeyHeld { to, id, status });
+            return;
+        }
+        if !self.writable() {
+            // (A repeat is answered above: it writes nothing.)
+            self.events.push(Event::NotInserted { to, why: Refusal::Unavailable });
             return;
         }
         let bytes = new.payload.get().len();
@@ -409,7 +414,9 @@ impl MemStore {
     // ----- claims and attempts -----------------------------------------------------------------
 
     pub fn claim(&mut self, ask: &ClaimAsk<'_>) {
-        let ids = self.claimable(ask);
+        // (A full journal: no attempt starts, since its result could not be kept; the workers
+        // claim again once it can write.)
+        let ids = if self.writable() { self.claimable(ask) } else { Vec::new() };
         let mut tasks = Vec::with_capacity(ids.len());
         for id in ids {
             self.unqueue(id);
@@ -615,6 +622,13 @@ impl MemStore {
             self.answer(conn, not_found());
             return;
         }
+        if !task.status.is_final()
+            && let Some(r) = self.unavailable(true)
+        {
+            self.answer(conn, r);
+            return;
+        }
+        let Some(task) = self.tasks.get_mut(&id) else { return };
         match task.status {
             Status::Pending => {}
             Status::Dispatched => {
@@ -795,12 +809,26 @@ impl MemStore {
 
     // ----- the store's availability ------------------------------------------------------------
 
-    pub fn unavailable(&self, _write: bool) -> Option<Response> {
-        None
+    /// The journal can write (always without one). While it cannot — a full disk — requests
+    /// that must write are refused and no attempt starts (SPEC §7).
+    pub fn writable(&self) -> bool {
+        self.journal.as_ref().is_none_or(|j| j.writable())
     }
 
+    pub fn unavailable(&self, write: bool) -> Option<Response> {
+        (write && !self.writable()).then(|| {
+            Response::error(
+                503,
+                "journal_unavailable",
+                "the journal cannot write (no space on the disk of DATA_DIR); reads go on, try again later",
+            )
+        })
+    }
+
+    /// Journal bytes wait for the disk: new submits wait (only while it can write: one that
+    /// cannot answers 503 instead).
     pub fn backlog_full(&self) -> bool {
-        self.journal.as_ref().is_some_and(|j| j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
+        self.journal.as_ref().is_some_and(|j| j.writable() && j.backlog_bytes() > JOURNAL_BACKLOG_BYTES)
     }
 
     pub fn flushed(&self) -> bool {

@@ -3,6 +3,7 @@
 
 pub mod http;
 pub mod pg;
+pub mod strace;
 pub mod worker;
 
 use std::io::{BufRead, BufReader};
