@@ -70,19 +70,31 @@ impl fmt::Debug for DbParams {
     }
 }
 
-/// The URL with its password replaced, for error messages.
+/// Where the user information ends: at the last `@` of the URL, whatever comes before it — a
+/// password with an unencoded `/`, `?`, `#` or `@` (generated passwords often have them) is
+/// still the password, never a path or a port to echo back in an error.
+fn split_userinfo(rest: &str) -> (Option<&str>, &str) {
+    match rest.rfind('@') {
+        Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
+        None => (None, rest),
+    }
+}
+
+/// The URL with its password replaced, for error messages (also a URL that does not parse).
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
-        return url.to_string();
+        // Not a URL at all: nothing of it is shown (it may be all password).
+        return "(not a URL)".to_string();
     };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    let authority = match authority.rsplit_once('@') {
-        Some((userinfo, host)) => match userinfo.split_once(':') {
+    let (userinfo, after) = split_userinfo(rest);
+    let authority_end = after.find(['/', '?']).unwrap_or(after.len());
+    let (host, tail) = after.split_at(authority_end);
+    let authority = match userinfo {
+        Some(info) => match info.split_once(':') {
             Some((user, _)) => format!("{user}:***@{host}"),
-            None => authority.to_string(),
+            None => format!("{info}@{host}"),
         },
-        None => authority.to_string(),
+        None => host.to_string(),
     };
     let tail = match tail.split_once('?') {
         Some((path, query)) => {
@@ -106,17 +118,14 @@ pub fn parse(url: &str) -> Result<DbParams, String> {
         .strip_prefix("postgres://")
         .or_else(|| url.strip_prefix("postgresql://"))
         .ok_or("expected a postgres:// or postgresql:// URL")?;
-    let (before_query, query) = match rest.split_once('?') {
+    let (userinfo, after) = split_userinfo(rest);
+    let (before_query, query) = match after.split_once('?') {
         Some((a, q)) => (a, Some(q)),
-        None => (rest, None),
+        None => (after, None),
     };
-    let (authority, path) = match before_query.find('/') {
+    let (hostport, path) = match before_query.find('/') {
         Some(i) => (&before_query[..i], &before_query[i + 1..]),
         None => (before_query, ""),
-    };
-    let (userinfo, hostport) = match authority.rsplit_once('@') {
-        Some((u, h)) => (Some(u), h),
-        None => (None, authority),
     };
     let (mut user, mut password) = (None, None);
     if let Some(info) = userinfo {
@@ -127,7 +136,8 @@ pub fn parse(url: &str) -> Result<DbParams, String> {
         if !u.is_empty() {
             user = Some(decode(u)?);
         }
-        password = p.map(decode).transpose()?;
+        // (A password that is not valid %-encoding is taken as it is: it is never shown.)
+        password = p.map(|p| decode(p).unwrap_or_else(|_| p.to_string()));
     }
     if hostport.contains(',') {
         return Err("several hosts are not supported: give one host (put a load balancer or a proxy in front)".into());
@@ -296,5 +306,34 @@ mod tests {
         assert_eq!(p.socket_path(), None);
         let p = parse("postgres:///d?host=/tmp/x&port=7").expect("valid");
         assert_eq!(p.socket_path(), Some(PathBuf::from("/tmp/x/.s.PGSQL.7")));
+    }
+
+    #[test]
+    fn passwords_with_unencoded_delimiters_are_passwords() {
+        // Issue 19: `postgres://u:Secr3t/x@h/d` was read as host `u`, port `Secr3t/x`…, and
+        // the error said `bad port "Secr3t"`.
+        for pw in ["Secr3t/x", "Secr3t?x", "Secr3t#x", "Secr3t@x", "Se:cr3t", "Secr3t%zz", "/?#@"] {
+            let url = format!("postgres://u:{pw}@db.example:6543/relay?application_name=n");
+            let p = parse(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!(p.password.as_deref(), Some(pw), "{url}");
+            assert_eq!(format!("{p}"), "u@db.example:6543/relay", "{url}");
+            let r = redact(&url);
+            assert!(!r.contains("Secr3t") && !r.contains("cr3t"), "{r}");
+        }
+        // However a URL is malformed, its error and its redacted form never show the password.
+        for url in [
+            "postgres://u:Secr3t/x@h:notaport/d",
+            "postgres://u:Secr3t/x@h/d?frob=1",
+            "postgres://u:Secr3t/x@a,b/d",
+            "postgres://u:Secr3t/x@[::1/d",
+            "postgres://u:Secr3t?@h/%ff",
+            "mysql://u:Secr3t@h/d",
+            "u:Secr3t@h/d",
+        ] {
+            let e = parse(url).expect_err(url);
+            assert!(!e.contains("Secr3t"), "{url}: {e}");
+            let r = redact(url);
+            assert!(!r.contains("Secr3t"), "{url}: {r}");
+        }
     }
 }

@@ -868,3 +868,134 @@ fn cluster_a_token_the_node_has_not_seen_yet_waits_for_one_refresh() {
     assert_eq!(bearer(a, &token("nowhere", now_s), "GET", "/tasks", None).status, 401);
     assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
 }
+
+/// Issue 19: one value PostgreSQL refuses (a NUL in a kind, a `max_retries` past its column)
+/// failed the node's whole turn transaction: honest submits got 503 while a client looped on
+/// `GET /tasks?kind=%00`, and worker results refused three times were dropped. Such values are
+/// now refused (400) before they reach the database, and only their own request fails.
+#[test]
+fn cluster_a_value_the_database_refuses_fails_only_its_own_request() {
+    let Some(c) = Cluster::start("cluster_a_value_the_database_refuses_fails_only_its_own_request", 1, &[]) else {
+        return;
+    };
+    let a = c.node(0);
+    let _w = FakeWorker::connect(a, None, Auto::Echo);
+    wait_workers(a, 1);
+    let stop = Arc::new(AtomicBool::new(false));
+    let poison = {
+        let (addr, stop) = (a.addr, stop.clone());
+        std::thread::spawn(move || {
+            let auth = format!("Bearer {API}");
+            let mut n = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let r = request(addr, "GET", "/tasks?kind=%00", &[("Authorization", auth.as_str())], None);
+                assert_eq!(r.status, 400, "{}", String::from_utf8_lossy(&r.body));
+                n += 1;
+            }
+            n
+        })
+    };
+    for i in 0..100 {
+        let r = a.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{{"n":{i}}}}}"#)));
+        assert_eq!(r.status, 200, "honest submit {i} while poison listings go on: {}", r.text());
+    }
+    stop.store(true, Ordering::Relaxed);
+    assert!(poison.join().expect("poison thread") > 0);
+    for body in [
+        r#"{"payload":1,"max_retries":3000000000}"#,
+        r#"{"payload":1,"max_retries":101}"#,
+        r#"{"payload":{"kind":"a\u0000b"},"queue":true}"#,
+    ] {
+        let r = a.api("POST", "/tasks", Some(body));
+        assert_eq!((r.status, r.error()), (400, "bad_request".to_string()), "{body}: {}", r.text());
+    }
+    let r = a.api("POST", "/tasks/batch", Some(r#"{"tasks":[{"payload":1,"max_retries":101},{"payload":2}]}"#));
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert_eq!(r.json()["tasks"][0]["error"], "bad_request");
+    assert!(r.json()["tasks"][1]["task_id"].is_string());
+    let (code, h) = health(a);
+    assert_eq!((code, h["database"].as_str()), (200, Some("ok")), "{h}");
+}
+
+/// Issue 19: a `DATABASE_URL` password with an unencoded `/` or `?` (common in generated
+/// passwords) was printed (`bad port "Secr3t"`). It never appears, however the URL is
+/// malformed: not at start, not in the node's logs while the database is unreachable.
+#[test]
+fn cluster_the_database_password_never_appears() {
+    for url in ["postgres://u:Secr3t/x@h:notaport/d", "postgres://u:Secr3t?@a,b/d", "mysql://u:Secr3t/x@h/d"] {
+        let env = [("DATABASE_URL", url), ("API_TOKEN", "a"), ("WORKER_TOKEN", "w")];
+        let (code, out, err) = crate::support::run_relay_env(&[], &env);
+        assert_eq!(code, Some(2), "{url}: {out} {err}");
+        assert!(err.contains("DATABASE_URL"), "{url}: {err}");
+        assert!(!out.contains("Secr3t") && !err.contains("Secr3t"), "{url}: {err}");
+    }
+    // A valid URL with such a password, to a database that is not there: the node starts and
+    // says so, without the password.
+    let relay = Relay::start_with(&[("DATABASE_URL", "postgres://u:Secr3t/x?y@127.0.0.1:1/d")]);
+    assert!(relay.wait_log("database unreachable", Duration::from_secs(10)), "{}", relay.log_text());
+    let (code, h) = health(&relay);
+    assert_eq!((code, h["database"].as_str()), (503, Some("unreachable")), "{h}");
+    assert!(!relay.log_text().contains("Secr3t"), "{}", relay.log_text());
+}
+
+/// Issue 18: the batch item size check (e366b45) and the per-turn batch budget shared by every
+/// batch under way (d82bb21) had landed on the single-node path only; in cluster mode a 5 MB
+/// item was accepted and then killed the connection of every worker it was sent to. There is
+/// one batch path now: both hold on a node of a cluster.
+#[test]
+fn cluster_batch_items_over_max_message_size_are_refused_and_batches_share_one_budget() {
+    let env = [("MAX_PENDING", "10000000"), ("MAX_PENDING_BYTES", "2000000000")];
+    let Some(c) = Cluster::start("cluster_batch_items_over_max_message_size", 1, &env) else { return };
+    let a = c.node(0);
+    let big = format!(r#"{{"payload":{{"big":"{}"}}}}"#, "x".repeat(5 << 20));
+    let body = format!(r#"{{"tasks":[{big},{{"payload":1}}]}}"#);
+    let r = a.api("POST", "/tasks/batch", Some(&body));
+    assert_eq!(r.status, 202, "{}", r.text());
+    let tasks = r.json()["tasks"].clone();
+    assert_eq!(tasks[0]["error"], "bad_request", "{tasks}");
+    assert!(tasks[0]["message"].as_str().is_some_and(|m| m.contains("MAX_MESSAGE_SIZE")), "{tasks}");
+    let small = tasks[1]["task_id"].as_str().expect("the small item").to_string();
+    let w = FakeWorker::connect(a, None, Auto::Echo);
+    all_done(a, &[small], Duration::from_secs(10));
+    drop(w);
+
+    // Many batches at once: each turn submits one shared budget of items, so a health check
+    // is answered between slices.
+    let items: Vec<String> = (0..2048).map(|i| format!(r#"{{"payload":{{"n":{i}}}}}"#)).collect();
+    let body = format!(r#"{{"tasks":[{}]}}"#, items.join(","));
+    let auth = format!("Bearer {API}");
+    let raw =
+        crate::support::http::build("POST", "/tasks/batch", &[("Authorization", auth.as_str())], Some(body.as_bytes()));
+    let n = 24;
+    let mut clients: Vec<Client> = (0..n)
+        .map(|_| {
+            let mut c = Client::connect(a.addr);
+            c.send_raw(&raw[..raw.len() - 1]);
+            c
+        })
+        .collect();
+    a.barrier();
+    for c in &mut clients {
+        c.send_raw(&raw[raw.len() - 1..]);
+    }
+    let done = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let codes: Vec<u16> = clients.iter_mut().map(|c| c.read_response().map_or(0, |r| r.status)).collect();
+            done.store(true, Ordering::SeqCst);
+            codes
+        })
+    };
+    let started = Instant::now();
+    let mut worst = Duration::ZERO;
+    while !done.load(Ordering::SeqCst) && started.elapsed() < Duration::from_secs(120) {
+        let t = Instant::now();
+        let (code, h) = health(a);
+        assert_eq!(code, 200, "{h}");
+        worst = worst.max(t.elapsed());
+    }
+    let codes = reader.join().expect("reader");
+    assert!(codes.iter().all(|&c| c == 202), "{codes:?}");
+    assert!(worst < Duration::from_secs(1), "a health check waited {worst:?} behind {n} batches");
+}

@@ -9,10 +9,12 @@ use crate::pg::sql;
 use crate::store::{InsertTo, ReadHow};
 use crate::tasks::{ConnRef, TaskId};
 
-/// Tasks one transaction inserts at most (a batch of a hundred thousand goes in several).
-pub const MAX_INSERTS_PER_TXN: usize = 10_000;
+/// Tasks one transaction inserts at most (a batch of a hundred thousand goes in several): small
+/// enough that a transaction stays well within [`STALL_MS`] on a loaded machine (a longer one
+/// reads as a database that stopped answering).
+pub const MAX_INSERTS_PER_TXN: usize = 2_000;
 /// Payload bytes one transaction inserts at most (payloads are up to MAX_MESSAGE_SIZE each).
-pub const MAX_INSERT_BYTES_PER_TXN: usize = 16 << 20;
+pub const MAX_INSERT_BYTES_PER_TXN: usize = 4 << 20;
 /// Payload bytes waiting for a transaction beyond which new submits wait (backpressure, as
 /// the journal's backlog does on one node).
 pub const MAX_INSERT_BACKLOG_BYTES: usize = 64 << 20;
