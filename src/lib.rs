@@ -29,7 +29,7 @@ pub mod reactor;
 pub mod signals;
 pub mod store;
 pub mod tasks;
-pub mod timefmt;
+pub use relay_common::timefmt;
 pub mod timer;
 pub mod tokens;
 pub mod ui;

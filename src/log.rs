@@ -10,6 +10,8 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
 
+use relay_common::push_log_value as push_value;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
     Error = 1,
@@ -137,30 +139,6 @@ pub fn emit_always(level: Level, msg: &str, fields: &[(&str, &dyn fmt::Display)]
     }
 }
 
-fn push_value(line: &mut String, value: &str) {
-    let plain =
-        !value.is_empty() && value.bytes().all(|b| b.is_ascii_graphic() && b != b'"' && b != b'=' && b != b'\\');
-    if plain {
-        line.push_str(value);
-        return;
-    }
-    line.push('"');
-    for c in value.chars() {
-        match c {
-            '"' => line.push_str("\\\""),
-            '\\' => line.push_str("\\\\"),
-            '\n' => line.push_str("\\n"),
-            '\r' => line.push_str("\\r"),
-            '\t' => line.push_str("\\t"),
-            c if c.is_control() => {
-                let _ = write!(line, "\\u{{{:x}}}", c as u32);
-            }
-            c => line.push(c),
-        }
-    }
-    line.push('"');
-}
-
 /// `log_always!(Level::Info, "listening", addr = a)`: printed at any LOG_LEVEL.
 #[macro_export]
 macro_rules! log_always {
@@ -182,26 +160,6 @@ macro_rules! log {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn check(value: &str, expected: &str) {
-        let mut line = String::new();
-        push_value(&mut line, value);
-        assert_eq!(line, expected, "push_value({value:?})");
-    }
-
-    #[test]
-    fn quoting() {
-        for (value, expected) in [
-            ("plain", "plain"),
-            ("two words", "\"two words\""),
-            ("", "\"\""),
-            ("a=b", "\"a=b\""),
-            ("say \"hi\"", "\"say \\\"hi\\\"\""),
-            ("line\nbreak", "\"line\\nbreak\""),
-        ] {
-            check(value, expected);
-        }
-    }
 
     #[test]
     fn levels() {

@@ -11,5 +11,5 @@ fuzz_target!(|data: &[u8]| {
         let _ = proxies.client_ip(std::net::IpAddr::from([10, 0, 0, 1]), Some(text), Some(text));
     }
     let _ = relay::proxy::TrustedProxies::parse(text);
-    let _ = relay::api::percent_decode(text);
+    let _ = relay::http::percent_decode(text);
 });

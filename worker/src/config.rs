@@ -295,60 +295,7 @@ impl AllowHosts {
     }
 }
 
-/// Parses a Go-style duration (`500ms`, `2s`, `1m30s`, `1.5h`) into whole milliseconds. The
-/// result must be positive; a sub-millisecond positive value rounds up to 1 ms. (The same rules
-/// as relay's own parser; the worker does not link the server crate.)
-pub fn parse_duration_ms(text: &str) -> Result<u64, String> {
-    const BAD: &str = "expected a positive duration such as 500ms, 2s, 1m30s or 720h";
-    let s = text.trim();
-    if s.is_empty() || s.starts_with('-') {
-        return Err(BAD.into());
-    }
-    let s = s.strip_prefix('+').unwrap_or(s);
-    if s == "0" {
-        return Err("must be positive".into());
-    }
-    let bytes = s.as_bytes();
-    let mut i = 0;
-    let mut total_ns: u128 = 0;
-    while i < bytes.len() {
-        let start = i;
-        while i < bytes.len() && (bytes[i].is_ascii_digit() || bytes[i] == b'.') {
-            i += 1;
-        }
-        let number = &s[start..i];
-        if number.is_empty() || number.matches('.').count() > 1 || number == "." {
-            return Err(BAD.into());
-        }
-        let unit_start = i;
-        while i < bytes.len() && !(bytes[i].is_ascii_digit() || bytes[i] == b'.') {
-            i += 1;
-        }
-        let unit_ns: u128 = match &s[unit_start..i] {
-            "ns" => 1,
-            "us" | "µs" | "μs" => 1_000,
-            "ms" => 1_000_000,
-            "s" => 1_000_000_000,
-            "m" => 60_000_000_000,
-            "h" => 3_600_000_000_000,
-            _ => return Err(BAD.into()),
-        };
-        let (whole, frac) = number.split_once('.').unwrap_or((number, ""));
-        let whole: u128 = if whole.is_empty() { 0 } else { whole.parse().map_err(|_| BAD.to_string())? };
-        let mut part = whole.checked_mul(unit_ns).ok_or("duration too large")?;
-        let mut scale = unit_ns;
-        for digit in frac.bytes().take(18) {
-            scale /= 10;
-            part += u128::from(digit - b'0') * scale;
-        }
-        total_ns = total_ns.checked_add(part).ok_or("duration too large")?;
-    }
-    if total_ns == 0 {
-        return Err("must be positive".into());
-    }
-    let ms = total_ns.div_ceil(1_000_000);
-    u64::try_from(ms).map_err(|_| "duration too large".into())
-}
+pub use relay_common::parse_duration_ms;
 
 /// The text of `relay-worker --help`.
 pub fn help_text() -> String {
@@ -475,16 +422,6 @@ mod tests {
         ];
         for (list, url, expected) in table {
             check_allow(list, url, expected);
-        }
-    }
-
-    #[test]
-    fn durations() {
-        for (input, expected) in [("500ms", Ok(500)), ("1m30s", Ok(90_000)), ("1.5s", Ok(1_500)), ("999ns", Ok(1))] {
-            assert_eq!(parse_duration_ms(input), expected, "{input}");
-        }
-        for input in ["0", "0s", "-1s", "", "10", "1x", "1..2s"] {
-            assert!(parse_duration_ms(input).is_err(), "{input}");
         }
     }
 }
