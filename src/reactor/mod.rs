@@ -58,6 +58,8 @@ const MAX_HELD_INPUT_BYTES: usize = 64 * 1024;
 const KEEP_OUT_CAPACITY: usize = 64 * 1024;
 /// How long a closing connection waits for the peer's FIN.
 const LINGER_MS: u64 = 2_000;
+/// A backlog this large that still moves shows its worker reads (socket buffers alone take less).
+const READER_PROOF_BYTES: usize = 256 * 1024;
 /// Retry delay after the process ran out of file descriptors.
 const ACCEPT_BACKOFF_MS: u64 = 100;
 
@@ -921,6 +923,13 @@ impl Server {
         }
         if conn.pending_out() < before || conn.pending_out() == 0 {
             conn.out_progress_ms = self.now_ms;
+            // A worker still taking in a large frame cannot answer the ping queued behind it;
+            // output moving past what socket buffers absorb shows it is reading.
+            if let State::Ws(ws) = &mut conn.state
+                && before > READER_PROOF_BYTES
+            {
+                ws.last_seen_ms = self.now_ms;
+            }
         }
         let drained = conn.pending_out() <= self.max_ws_out_bytes / 2;
         if matches!(&conn.state, State::Ws(ws) if ws.starved) && drained {

@@ -446,7 +446,7 @@ fn cluster_postgres_restart_under_load_503_then_back_with_nothing_lost() {
     wait_workers(c.node(0), 1);
     let stop = Arc::new(AtomicBool::new(false));
     let submitter = load(c.node(0).addr, stop.clone(), r#"{"payload":{"n":1},"queue":true}"#);
-    assert!(poll_until(Duration::from_secs(5), || c.node(1).metric("relay_db_tasks_claimed_total") >= 10.0));
+    assert!(poll_until(Duration::from_secs(20), || c.node(1).metric("relay_db_tasks_claimed_total") >= 10.0));
 
     // A crash of PostgreSQL (kill -9 of the postmaster), then its restart.
     c.pg.kill();

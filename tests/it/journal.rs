@@ -235,8 +235,12 @@ fn kill_9_under_load_loses_no_acknowledged_task() {
                 })
             })
             .collect();
-        // A random moment while the load runs.
-        let at = Duration::from_millis(150 + next() % 450);
+        // A random moment while the load runs (once it runs: the first answers came back).
+        let before = acked.lock().expect("lock").len();
+        let running =
+            crate::support::poll_until(Duration::from_secs(20), || acked.lock().expect("lock").len() > before);
+        assert!(running, "round {round}: no task acknowledged within 20 s");
+        let at = Duration::from_millis(next() % 450);
         std::thread::sleep(at);
         kill9(&mut relay);
         stop.store(true, Ordering::SeqCst);
@@ -244,7 +248,6 @@ fn kill_9_under_load_loses_no_acknowledged_task() {
             c.join().expect("client thread");
         }
         drop(workers);
-        assert!(!acked.lock().expect("lock").is_empty(), "round {round} acknowledged nothing");
     }
 
     let relay = start(&dir, &[]);
