@@ -72,10 +72,19 @@ impl Server {
         let tail = Arc::new(Mutex::new(Vec::new()));
         let (tx, rx) = mpsc::channel();
         let tail2 = tail.clone();
+        // BENCH_SERVER_LOG=<dir>: every server's whole stderr is also kept there, one file each.
+        let mut copy = std::env::var_os("BENCH_SERVER_LOG").and_then(|dir| {
+            let path = std::path::Path::new(&dir).join(format!("{name}-{}.log", child.id()));
+            std::fs::File::create(path).ok()
+        });
         let reader = std::thread::spawn(move || {
             let mut sent = false;
             for line in BufReader::new(stderr).lines() {
                 let Ok(line) = line else { break };
+                if let Some(f) = copy.as_mut() {
+                    use std::io::Write as _;
+                    let _ = writeln!(f, "{line}");
+                }
                 if !sent && let Some(addr) = listening(&line) {
                     let _ = tx.send((addr, Instant::now()));
                     sent = true;

@@ -288,17 +288,21 @@ pub const ADOPT_ORPHANS: &str = "WITH dead AS (
 // ---------------------------------------------------------------------------------------------
 // Attempts.
 
-/// Writes the attempt_log entry of attempts this node started and still runs (who, where,
-/// when), and adds the worker to `tried`. Fenced by node ($1), attempt and status. $2 the
-/// node's name.
+/// Writes the attempt_log entry of attempts this node started (who, where, when), into what
+/// the entry holds already, and adds the worker to `tried`. Fenced by attempt: the task is
+/// still this node's ($1) and dispatched — or was canceled in that attempt before its start was
+/// written (the cancel closed the entry; the start fills in who ran it). $2 the node's name.
 pub const ATTEMPT_STARTED: &str = "UPDATE relay_tasks t SET
        attempt_log = jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
-         jsonb_build_object('num', t.attempt, 'client_id', a.client_id, 'client_ip', a.client_ip, 'node', $2::text,
-                            'started_ms', a.started_ms), true),
+         coalesce(t.attempt_log -> (t.attempt - 1), '{}'::jsonb)
+           || jsonb_build_object('num', t.attempt, 'client_id', a.client_id, 'client_ip', a.client_ip, 'node', $2::text,
+                                 'started_ms', a.started_ms), true),
        tried = CASE WHEN a.client_id = ANY(t.tried) THEN t.tried ELSE t.tried || a.client_id END
      FROM unnest($3::uuid[], $4::int4[], $5::uuid[], $6::text[], $7::int8[])
        AS a(id, attempt, client_id, client_ip, started_ms)
-     WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'";
+     WHERE t.id = a.id AND t.attempt = a.attempt
+       AND ((t.status = 'dispatched' AND t.owner_node = $1::uuid)
+            OR (t.status = 'canceled' AND t.attempt_log -> (t.attempt - 1) ->> 'client_id' IS NULL))";
 
 /// Who ran an attempt (absent for a dead node's attempt this node closes).
 #[derive(Debug, Clone)]
@@ -343,6 +347,8 @@ pub struct Ended {
     /// For failed: the task's final error.
     pub final_error: Option<String>,
     pub runner: Option<Runner>,
+    /// The node that ran it: this one, or the lost node whose attempt this one closes.
+    pub node: Option<String>,
 }
 
 /// Closes attempts with their whole attempt_log entry (an attempt that started and ended
@@ -353,9 +359,9 @@ pub struct Ended {
 /// the attempt_log only for final tasks, which a waiter may be answered with at once).
 pub const ATTEMPT_ENDED: &str = "WITH a AS (
        SELECT * FROM unnest($3::uuid[], $4::int4[], $5::text[], $6::text[], $7::int8[], $8::int8[], $9::text[],
-                            $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[])
+                            $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[], $2::text[])
          AS a(id, attempt, outcome, error, ended_ms, duration_ms, status, result, final_error, client_id, client_ip,
-              started_ms)
+              started_ms, node)
      ), u AS (
        UPDATE relay_tasks t SET
          status = a.status,
@@ -369,7 +375,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
          attempt_log = jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
            coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
              || jsonb_strip_nulls(jsonb_build_object('client_id', a.client_id, 'client_ip', a.client_ip,
-                  'node', CASE WHEN a.client_id IS NULL THEN NULL ELSE $2::text END, 'started_ms', a.started_ms,
+                  'node', a.node, 'started_ms', a.started_ms,
                   'outcome', a.outcome, 'error', a.error, 'duration_ms', a.duration_ms)), true)
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
@@ -385,7 +391,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
             CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END
      FROM u";
 
-pub fn attempt_ended(node: &str, node_name: &str, ended: &[Ended]) -> Stmt {
+pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
     let attempts: Vec<String> = ended.iter().map(|e| e.attempt.to_string()).collect();
     let ends: Vec<String> = ended.iter().map(|e| e.ended_ms.to_string()).collect();
     let durations: Vec<String> = ended.iter().map(|e| e.duration_ms.to_string()).collect();
@@ -395,7 +401,7 @@ pub fn attempt_ended(node: &str, node_name: &str, ended: &[Ended]) -> Stmt {
         ATTEMPT_ENDED,
         vec![
             node.into(),
-            node_name.into(),
+            arr_opt(ended.iter().map(|e| e.node.as_deref())),
             arr(ended.iter().map(|e| e.id.as_str())),
             arr(attempts.iter().map(String::as_str)),
             arr(ended.iter().map(|e| e.outcome)),

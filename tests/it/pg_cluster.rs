@@ -542,7 +542,15 @@ fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, cl
         result: (status == "done").then(|| r#"{"ok":true}"#.to_string()),
         final_error: (status == "failed").then(|| format!("{outcome} on {client}")),
         runner: Some(runner(client)),
+        node: None,
     }
+}
+
+/// `ATTEMPT_ENDED` as node `node` named `name` writes it: its own attempts name it.
+fn end_as(node: &str, name: &str, ended: &[sql::Ended]) -> Stmt {
+    let named: Vec<sql::Ended> =
+        ended.iter().map(|e| sql::Ended { node: e.runner.as_ref().map(|_| name.to_string()), ..e.clone() }).collect();
+    sql::attempt_ended(node, &named)
 }
 
 /// (status, attempts in the log, the log) of a task.
@@ -578,7 +586,7 @@ fn pg_sql_fenced_completion_refuses_a_stale_node() {
     let mut lost = ended(&id, 1, "disconnect", "pending", &wa);
     lost.runner = None;
     lost.error = Some("relay node node-a was lost".into());
-    assert_eq!(c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[lost])]).expect("close")[0].rows.len(), 1);
+    assert_eq!(c.pipeline(&[end_as(NODE_B, "node-b", &[lost])]).expect("close")[0].rows.len(), 1);
     let (status, _, log) = task_row(&mut c, &id);
     assert_eq!(status, "pending");
     assert_eq!(log[0]["outcome"], "disconnect");
@@ -592,14 +600,13 @@ fn pg_sql_fenced_completion_refuses_a_stale_node() {
     assert_eq!(attempt2, 2);
 
     // A comes back with its late answer: refused by the WHERE (node and attempt).
-    let stale = c.pipeline(&[sql::attempt_ended(NODE_A, "node-a", &[ended(&id, 1, "done", "done", &wa)])]).expect("s");
+    let stale = c.pipeline(&[end_as(NODE_A, "node-a", &[ended(&id, 1, "done", "done", &wa)])]).expect("s");
     assert!(stale[0].rows.is_empty(), "a stale node's write matches nothing");
-    let wrong_attempt =
-        c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[ended(&id, 1, "done", "done", &wb)])]).expect("x");
+    let wrong_attempt = c.pipeline(&[end_as(NODE_B, "node-b", &[ended(&id, 1, "done", "done", &wb)])]).expect("x");
     assert!(wrong_attempt[0].rows.is_empty(), "an earlier attempt's answer matches nothing");
-    let ok = c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[ended(&id, 2, "done", "done", &wb)])]).expect("ok");
+    let ok = c.pipeline(&[end_as(NODE_B, "node-b", &[ended(&id, 2, "done", "done", &wb)])]).expect("ok");
     assert_eq!(ok[0].rows.len(), 1);
-    let dup = c.pipeline(&[sql::attempt_ended(NODE_B, "node-b", &[ended(&id, 2, "done", "done", &wb)])]).expect("d");
+    let dup = c.pipeline(&[end_as(NODE_B, "node-b", &[ended(&id, 2, "done", "done", &wb)])]).expect("d");
     assert!(dup[0].rows.is_empty(), "a duplicate matches nothing");
 
     let (status, attempts, log) = task_row(&mut c, &id);
@@ -618,7 +625,7 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
     c.pipeline(&[insert(&[new_task(&id, Some("http"), None)])]).expect("submit");
     let (w1, w2) = (uuid_n(0x11), uuid_n(0x22));
     claim_and_start(&mut c, NODE_A, "a", &w1);
-    let out = c.pipeline(&[sql::attempt_ended(NODE_A, "a", &[ended(&id, 1, "failed", "pending", &w1)])]).expect("f");
+    let out = c.pipeline(&[end_as(NODE_A, "a", &[ended(&id, 1, "failed", "pending", &w1)])]).expect("f");
     assert_eq!(out[0].rows[0].text(1), Some("pending"), "back to pending for a retry");
     assert_eq!(pg.psql(&format!("select tried::text from relay_pending where task_id = '{id}'")), format!("{{{w1}}}"));
     let none = c.pipeline(&[claim(NODE_B, &w1, Some(&["http"]), 1, 10_000)]).expect("claim");
@@ -638,7 +645,7 @@ fn pg_sql_retry_goes_to_an_untried_worker_on_any_node_and_cancel_fences() {
     assert_eq!(out[0].rows[0].text(0), Some(NODE_B));
     let again = cancel(&mut c, sql::array([Some("http")]).into());
     assert!(again[0].rows.is_empty(), "already final");
-    let late = c.pipeline(&[sql::attempt_ended(NODE_B, "b", &[ended(&id, 2, "done", "done", &w2)])]).expect("late");
+    let late = c.pipeline(&[end_as(NODE_B, "b", &[ended(&id, 2, "done", "done", &w2)])]).expect("late");
     assert!(late[0].rows.is_empty());
     let (status, _, log) = task_row(&mut c, &id);
     assert_eq!(status, "canceled");
@@ -846,7 +853,7 @@ fn pg_sql_waiting_tasks_fail_when_no_live_worker_can_take_them() {
     c.pipeline(&[insert(&[plain, plain_file, queued_file, new_task(&uuid_n(4), Some("http"), None)])]).expect("submit");
     // Task 1 (claimed first) fails on w1 and waits as a retry.
     claim_and_start(&mut c, NODE_A, "a", &w1);
-    c.pipeline(&[sql::attempt_ended(NODE_A, "a", &[ended(&uuid_n(1), 1, "failed", "pending", &w1)])]).expect("retry");
+    c.pipeline(&[end_as(NODE_A, "a", &[ended(&uuid_n(1), 1, "failed", "pending", &w1)])]).expect("retry");
 
     let out = c.pipeline(&[sql::fail_unplaceable(6_000, 10_000)]).expect("fail");
     let mut failed: Vec<(String, String)> = out[0]
@@ -1022,7 +1029,7 @@ fn pg_bench_turn_transactions() {
                 .pipeline(&[
                     Stmt::new(sql::INSERT_LOCK, vec![]),
                     insert(&tasks),
-                    sql::attempt_ended(NODE_A, "a", &ends),
+                    end_as(NODE_A, "a", &ends),
                     claim(NODE_A, &worker, Some(&["http"]), batch as u32, 10_000),
                 ])
                 .expect("turn");

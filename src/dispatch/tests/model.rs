@@ -855,6 +855,10 @@ impl Harness {
             self.db_tasks = pg.tasks();
             self.db_listed = pg.listed();
         }
+        // (As this node's reads show them: with the starts it has not written yet.)
+        if let Store::Pg(p) = &self.core.store {
+            self.db_tasks.values_mut().for_each(|t| p.show_unwritten_start(t));
+        }
         Ok(())
     }
 

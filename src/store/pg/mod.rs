@@ -74,6 +74,12 @@ struct Start {
     written: bool,
 }
 
+/// How long an attempt's start waits before it is written on its own: an attempt that ends
+/// sooner is written once, start and end together (one row update per task fewer). Until then
+/// the database knows the attempt from its claim (`relay_running`) but not its worker; this
+/// node's own reads show the worker meanwhile.
+const START_WRITE_DELAY_MS: u64 = 200;
+
 pub struct PgStore {
     pub id: String,
     pub name: String,
@@ -98,6 +104,11 @@ pub struct PgStore {
     insert_bytes: usize,
     claims: Vec<ClaimReq>,
     starts: HashMap<TaskId, Start>,
+    /// Starts in the order they came, with when each is to be written (entries whose attempt
+    /// ended or was written meanwhile are skipped when they come up).
+    starts_due: VecDeque<(u64, TaskId, u32)>,
+    /// Attempts adopted from a lost node, by the node's name, until this node closes them.
+    adopted_from: HashMap<TaskId, String>,
     ended: Vec<EndRec>,
     unclaim: Vec<(String, u32)>,
     cancels: Vec<CancelReq>,
@@ -189,6 +200,8 @@ impl PgStore {
             insert_bytes: 0,
             claims: Vec::new(),
             starts: HashMap::new(),
+            starts_due: VecDeque::new(),
+            adopted_from: HashMap::new(),
             ended: Vec::new(),
             unclaim: Vec::new(),
             cancels: Vec::new(),
@@ -381,11 +394,14 @@ impl PgStore {
             started_ms: start.started_wall_ms,
         };
         self.starts.insert(id, Start { attempt, runner, written: false });
+        self.starts_due.push_back((self.now_ms + START_WRITE_DELAY_MS, id, attempt));
     }
 
     pub fn attempt_ended(&mut self, id: TaskId, attempt: u32, end: &AttemptEnd<'_>, next: Next<'_>) {
         self.running.remove(&id);
         let runner = self.starts.remove(&id).filter(|s| s.attempt == attempt).map(|s| s.runner);
+        let lost = self.adopted_from.remove(&id);
+        let node = if runner.is_some() { Some(self.name.clone()) } else { lost };
         let (status, result, final_error) = match next {
             Next::Retry => ("pending", None, None),
             Next::Done { result } => ("done", Some(result.get().to_string()), None),
@@ -402,13 +418,11 @@ impl PgStore {
             result,
             final_error,
             runner,
+            node,
         };
         let final_status = status != "pending";
         if !final_status {
             self.starved.clear();
-        }
-        if final_status && self.watched.contains(&id) {
-            self.check_finished.insert(id);
         }
         self.ended.push(EndRec { ended, refusals: 0, final_status });
     }
@@ -520,7 +534,9 @@ impl PgStore {
     // ----- time --------------------------------------------------------------------------------
 
     pub fn next_timer_ms(&self) -> Option<u64> {
-        Some(self.due_ms.first().map_or(self.next_tick_ms, |&d| d.min(self.next_tick_ms)))
+        let due = self.due_ms.first().copied().into_iter();
+        let start = self.starts_due.front().map(|&(at, ..)| at);
+        due.chain(start).min().map(|at| at.min(self.next_tick_ms)).or(Some(self.next_tick_ms))
     }
 
     /// The store's own timer: periodic refreshes, the slow poll behind notifications, dead
@@ -578,7 +594,7 @@ impl PgStore {
         !self.lookups.is_empty()
             || !self.inserts.is_empty()
             || !self.claims.is_empty()
-            || self.starts.values().any(|s| !s.written)
+            || self.starts_due.front().is_some_and(|&(at, ..)| at <= self.now_ms)
             || !self.ended.is_empty()
             || !self.unclaim.is_empty()
             || !self.cancels.is_empty()
@@ -655,7 +671,7 @@ impl PgStore {
         // A record refused alone before travels alone (it cannot keep the others out).
         if let Some(i) = self.ended.iter().position(|r| r.refusals >= MAX_REFUSALS) {
             let rec = self.ended.remove(i);
-            stmts.push(sql::attempt_ended(&node_id, &self.name, std::slice::from_ref(&rec.ended)));
+            stmts.push(sql::attempt_ended(&node_id, std::slice::from_ref(&rec.ended)));
             parts.push(Part::Ended(vec![rec]));
             return (stmts, parts);
         }
@@ -677,20 +693,28 @@ impl PgStore {
         if !self.ended.is_empty() {
             let recs = std::mem::take(&mut self.ended);
             let ended: Vec<sql::Ended> = recs.iter().map(|r| r.ended.clone()).collect();
-            stmts.push(sql::attempt_ended(&node_id, &self.name, &ended));
+            stmts.push(sql::attempt_ended(&node_id, &ended));
             notify_pending |= recs.iter().any(|r| !r.final_status);
             notify_finished |= recs.iter().any(|r| r.final_status);
             parts.push(Part::Ended(recs));
         }
-        let unwritten: Vec<(String, u32, sql::Runner)> = self
-            .starts
-            .iter_mut()
-            .filter(|(_, s)| !s.written)
-            .map(|(id, s)| {
+        let mut unwritten: Vec<(String, u32, sql::Runner)> = Vec::new();
+        // (A task canceled here has its start written first: the cancel's answer shows it.)
+        for c in &self.cancels {
+            if let Some(s) = self.starts.get_mut(&c.id).filter(|s| !s.written) {
                 s.written = true;
-                (uuid_string(*id), s.attempt, s.runner.clone())
-            })
-            .collect();
+                unwritten.push((uuid_string(c.id), s.attempt, s.runner.clone()));
+            }
+        }
+        while let Some(&(at, id, attempt)) = self.starts_due.front()
+            && at <= self.now_ms
+        {
+            self.starts_due.pop_front();
+            if let Some(s) = self.starts.get_mut(&id).filter(|s| s.attempt == attempt && !s.written) {
+                s.written = true;
+                unwritten.push((uuid_string(id), attempt, s.runner.clone()));
+            }
+        }
         if !unwritten.is_empty() {
             let ids: Vec<(TaskId, u32)> = unwritten.iter().filter_map(|(id, a, _)| Some((parse_id(id)?, *a))).collect();
             stmts.push(sql::attempt_started(&node_id, &self.name, &unwritten));
@@ -878,12 +902,6 @@ impl PgStore {
                                 task_id = r.ended.id
                             );
                         }
-                        if r.final_status
-                            && let Some(id) = parse_id(&r.ended.id)
-                            && self.watched.contains(&id)
-                        {
-                            self.check_finished.insert(id);
-                        }
                         self.ended.push(r);
                     }
                 }
@@ -891,6 +909,7 @@ impl PgStore {
                     for (id, attempt) in ids {
                         if let Some(s) = self.starts.get_mut(&id).filter(|s| s.attempt == attempt) {
                             s.written = false;
+                            self.starts_due.push_back((self.now_ms, id, attempt));
                         }
                     }
                 }
@@ -1050,14 +1069,30 @@ impl PgStore {
                         let Some(t) = rows::task(row) else { continue };
                         if let Some(attempt) = self.running.remove(&t.id) {
                             // Over elsewhere (canceled on some node, or reaped while this node
-                            // was cut off): the worker is told to stop.
-                            self.starts.remove(&t.id);
+                            // was cut off): the worker is told to stop. A start not written yet
+                            // still is (who ran the canceled attempt), then forgotten.
+                            match self.starts.get(&t.id) {
+                                Some(s) if !s.written && s.attempt == attempt => {
+                                    self.starts_due.push_back((self.now_ms, t.id, attempt));
+                                }
+                                _ => {
+                                    self.starts.remove(&t.id);
+                                }
+                            }
                             self.events.push(Event::Stop { id: t.id, attempt });
                         }
                         self.events.push(Event::Final { id: t.id, status: t.status, took_ms: None });
                     }
                 }
                 Part::Reads(reads) => self.on_reads(reads, here),
+                Part::Started(ids) => {
+                    // (A start written after its attempt ended elsewhere was the last of it.)
+                    for (id, _) in ids {
+                        if !self.running.contains_key(&id) {
+                            self.starts.remove(&id);
+                        }
+                    }
+                }
                 Part::Failed => {
                     // Rows: id, (error,) created_ms of tasks that failed waiting.
                     for row in here {
@@ -1100,7 +1135,6 @@ impl PgStore {
                 }
                 Part::InsertLock
                 | Part::InsertKeys
-                | Part::Started(_)
                 | Part::Unclaim(_)
                 | Part::CancelRead
                 | Part::DeleteWorkers(_)
@@ -1163,6 +1197,11 @@ impl PgStore {
                 Some(_) => self.events.push(Event::Ready),
                 None => {
                     self.stats.fenced += 1;
+                    // (Ended some other way — or by this very end, in a transaction whose
+                    // answer was lost: a waiter looks.)
+                    if self.watched.contains(&id) {
+                        self.check_finished.insert(id);
+                    }
                     self.events.push(Event::Fenced { id, attempt: r.ended.attempt });
                 }
             }
@@ -1192,6 +1231,7 @@ impl PgStore {
             claimed.attempt = claimed.attempt.max(1);
             claimed.counted = claimed.attempt - 1;
             let lost = row.text(8).unwrap_or("?").to_string();
+            self.adopted_from.insert(claimed.id, lost.clone());
             by_node.entry(lost).or_default().push(claimed);
         }
         for (lost, tasks) in by_node {
@@ -1227,14 +1267,28 @@ impl PgStore {
         self.events.push(Event::Answer { conn: c.conn, response });
     }
 
+    /// A task this node runs whose start is not written yet: its read shows the attempt anyway.
+    pub fn show_unwritten_start(&self, task: &mut crate::tasks::Task) {
+        let Some(s) = self.starts.get(&task.id).filter(|s| !s.written) else { return };
+        if task.status != Status::Dispatched || task.attempts.len() + 1 != s.attempt as usize {
+            return;
+        }
+        let Some(client_id) = parse_id(&s.runner.client_id) else { return };
+        let ip = s.runner.client_ip.parse().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED));
+        let mut attempt = crate::tasks::Attempt::new(client_id, ip, s.runner.started_ms);
+        attempt.node = Some(self.name.as_str().into());
+        task.attempts.push(attempt);
+    }
+
     fn on_reads(&mut self, reads: Vec<ReadReq>, here: &[Row]) {
         let by_id: HashMap<TaskId, &Row> = here.iter().filter_map(|r| Some((rows::row_id(r)?, r))).collect();
         for r in reads {
             let row = by_id.get(&r.id).copied().filter(|row| rows::in_scope(row, r.scope.as_deref()));
-            let Some(task) = row.and_then(rows::task) else {
+            let Some(mut task) = row.and_then(rows::task) else {
                 self.events.push(Event::Answer { conn: r.conn, response: not_found() });
                 continue;
             };
+            self.show_unwritten_start(&mut task);
             let response = match r.how {
                 ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(&task),
                 ReadHow::Get { payload: false } => crate::tasks::task_response(&task, false),
