@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A backup of relay's DATA_DIR taken while relay runs (README, "Backups"): a snapshot of the
-# journal's segments as hard links, safe while compaction deletes segments.
+# A backup of relay's DATA_DIR taken while relay runs (docs/operating.md, "Backups"): a
+# snapshot of the journal's segments as hard links, safe while compaction deletes segments.
 #
 #   scripts/backup-data-dir.sh DATA_DIR SNAPSHOT_DIR
 #

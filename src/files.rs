@@ -115,7 +115,7 @@ impl Store {
     }
 
     /// Starts a thread that answers jobs with `run` (the disk here; the database in cluster
-    /// mode, `cluster::files`): the same protocol, so the reactor's transfers do not care.
+    /// mode, `pg::files`): the same protocol, so the reactor's transfers do not care.
     pub fn spawn(
         name: &str,
         mut run: impl FnMut(Job) -> Option<Done> + Send + 'static,

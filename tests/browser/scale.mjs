@@ -1,5 +1,6 @@
-// Measures the dashboard against a loaded relay (see README.md here): DOM size, JS heap, and
-// how long the page's calls take, at first load and after minutes of polling.
+// Measures the dashboard against a loaded relay (see tests/browser/README.md): DOM size, JS
+// heap, and how long the page's calls take, at first load and after minutes of polling (the
+// last run's figures are in docs/operating.md, "Dashboard").
 // Usage: RELAY_URL=http://127.0.0.1:PORT API_TOKEN=... node scale.mjs [seconds]
 import { chromium } from 'playwright-core';
 import { mkdtempSync, rmSync } from 'node:fs';

@@ -1064,13 +1064,14 @@ fn an_all_zero_last_segment_is_not_corruption() {
     }
 }
 
-/// README's backup procedure must be safe while relay runs (SPEC §7): the one it gave (copy the
-/// segments in name order, the newest last) could keep an old segment and miss a newer one
-/// that compaction deleted mid-copy, bringing forgotten tasks back, or miss a long-waiting
-/// task carried forward into a segment made after the copy began. Under load, with 4 KiB
-/// segments made and compacted away all the time (TASK_TTL 2 s), `scripts/backup-data-dir.sh`
-/// takes snapshots; each one restores to a relay that has every task acknowledged before the
-/// snapshot began, and shows every task that was done as done (or forgotten), never pending.
+/// The backup procedure (docs/operating.md, "Backups") must be safe while relay runs (SPEC §7):
+/// the one the README gave (copy the segments in name order, the newest last) could keep an old
+/// segment and miss a newer one that compaction deleted mid-copy, bringing forgotten tasks
+/// back, or miss a long-waiting task carried forward into a segment made after the copy began.
+/// Under load, with 4 KiB segments made and compacted away all the time (TASK_TTL 2 s),
+/// `scripts/backup-data-dir.sh` takes snapshots; each one restores to a relay that has every
+/// task acknowledged before the snapshot began, and shows every task that was done as done (or
+/// forgotten), never pending.
 #[test]
 fn a_backup_taken_under_load_restores_every_task_acknowledged_before_it() {
     let dir = DataDir::new("backup");

@@ -46,7 +46,7 @@ fn pg_harness_durable_option_turns_fsync_on() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The wire client (src/cluster/wire.rs).
+// The wire client (src/pg/wire.rs).
 
 use relay::pg::url::parse as parse_url;
 use relay::pg::wire::{Conn, Param, PgError, Stmt, Timeouts};
@@ -190,7 +190,7 @@ fn pg_wire_a_dead_server_is_an_error_not_a_hang() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Schema migrations (src/cluster/schema.rs).
+// Schema migrations (src/pg/schema.rs).
 
 use relay::pg::schema;
 
@@ -230,7 +230,7 @@ fn pg_schema_migrations_are_versioned_and_safe_when_nodes_start_together() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The database thread (src/cluster/db.rs).
+// The database thread (src/pg/db.rs).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -393,7 +393,7 @@ fn pg_db_unreachable_at_start_refuses_and_keeps_trying() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The statements of docs/cluster.md (src/cluster/sql.rs).
+// The statements of docs/cluster.md (src/pg/sql.rs).
 
 fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
     sql::NewTask {
@@ -713,7 +713,7 @@ fn pg_sql_idempotency_keys_expiry_and_retention() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// `relay token ...` with DATABASE_URL (src/cluster/tokens.rs).
+// `relay token ...` with DATABASE_URL (src/tokens/pg.rs).
 
 const TOKEN_SECRET: &str = "integration-test-secret-0123456789abcdef";
 
