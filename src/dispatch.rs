@@ -1124,6 +1124,7 @@ impl Core {
             error,
             duration_ms: self.now_ms.saturating_sub(r.started_mono_ms),
             ended_wall_ms: self.wall_ms,
+            uncounted: false,
         };
         let next = match (outcome, result) {
             (Outcome::Done, Some(result)) => Next::Done { result },
@@ -1360,23 +1361,19 @@ impl Core {
 
     /// A dead node's attempts were handed to this node: each ends `disconnect` and the core
     /// decides, as for one of its own workers.
+    /// A lost node's attempts: closed `disconnect`, and their tasks pending again (SPEC §11),
+    /// as a restart's are on one node — the loss is relay's, so it uses up no retry.
     fn adopt_orphans(&mut self, tasks: Vec<Claimed>, error: &str) {
         for c in tasks {
-            let tried = c.tried.clone();
-            let counted = c.counted;
             let end = AttemptEnd {
                 outcome: Outcome::Disconnect,
                 error: Some(error),
                 duration_ms: 0,
                 ended_wall_ms: self.wall_ms,
+                uncounted: true,
             };
             self.metrics.attempt(Outcome::Disconnect);
-            let next = if counted + 1 > c.max_retries || !self.takers().untried(c.kind.as_deref(), &tried) {
-                Next::Failed { error }
-            } else {
-                Next::Retry
-            };
-            self.store.attempt_ended(c.id, c.attempt, &end, next);
+            self.store.attempt_ended(c.id, c.attempt, &end, Next::Retry);
             self.claim_wanted = true;
         }
     }

@@ -183,12 +183,13 @@ pub const CLAIM: &str = "WITH c AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
        RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.due_ms,
-                 d.seq
+                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
+                                                              WHERE e ? 'uncounted') END AS uncounted
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u
-     ORDER BY due_ms, seq";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
+     FROM u ORDER BY due_ms, seq";
 
 /// [`CLAIM`] for a group that declared kinds ($3).
 pub const CLAIM_KINDS: &str = "WITH c AS (
@@ -203,12 +204,13 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
        RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.due_ms,
-                 d.seq
+                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
+                                                              WHERE e ? 'uncounted') END AS uncounted
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4 FROM u
-     ORDER BY due_ms, seq";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
+     FROM u ORDER BY due_ms, seq";
 
 /// One claim: $2 echoes the group (so one statement's rows say whose they are).
 pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit: u32, takers: &str) -> Stmt {
@@ -266,9 +268,9 @@ pub const RELEASE_ORPHANS: &str = "WITH o AS (
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 /// Dead nodes' attempts: the running rows of nodes without a heartbeat within the lease ($2)
-/// pass to this node ($1), which closes each (`disconnect`, naming the lost node) and decides
-/// what becomes of its task as for one of its own workers. At most 1000 a run; rows another
-/// node is taking are skipped.
+/// pass to this node ($1), which closes each (`disconnect`, naming the lost node, `uncounted`)
+/// and sends its task back to pending. At most 1000 a run; rows another node is taking are
+/// skipped.
 pub const ADOPT_ORPHANS: &str = "WITH dead AS (
        SELECT r.task_id, r.owner_node, r.attempt FROM relay_running r
        WHERE r.owner_node <> $1::uuid AND NOT EXISTS (SELECT 1 FROM relay_nodes n
@@ -349,6 +351,9 @@ pub struct Ended {
     pub runner: Option<Runner>,
     /// The node that ran it: this one, or the lost node whose attempt this one closes.
     pub node: Option<String>,
+    /// Closed by a lost node: not counted against max_retries (the entry says `uncounted`, which
+    /// claims read), and the task waits for a worker as a queued one.
+    pub uncounted: bool,
 }
 
 /// Closes attempts with their whole attempt_log entry (an attempt that started and ended
@@ -359,13 +364,15 @@ pub struct Ended {
 /// the attempt_log only for final tasks, which a waiter may be answered with at once).
 pub const ATTEMPT_ENDED: &str = "WITH a AS (
        SELECT * FROM unnest($3::uuid[], $4::int4[], $5::text[], $6::text[], $7::int8[], $8::int8[], $9::text[],
-                            $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[], $2::text[])
+                            $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[], $2::text[],
+                            $15::bool[])
          AS a(id, attempt, outcome, error, ended_ms, duration_ms, status, result, final_error, client_id, client_ip,
-              started_ms, node)
+              started_ms, node, uncounted)
      ), u AS (
        UPDATE relay_tasks t SET
          status = a.status,
          owner_node = NULL,
+         queue = t.queue OR a.uncounted,
          finished_ms = CASE WHEN a.status = 'pending' THEN NULL ELSE a.ended_ms END,
          result = a.result,
          error = a.final_error,
@@ -376,7 +383,8 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
            coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
              || jsonb_strip_nulls(jsonb_build_object('client_id', a.client_id, 'client_ip', a.client_ip,
                   'node', a.node, 'started_ms', a.started_ms,
-                  'outcome', a.outcome, 'error', a.error, 'duration_ms', a.duration_ms)), true)
+                  'outcome', a.outcome, 'error', a.error, 'duration_ms', a.duration_ms,
+                  'uncounted', CASE WHEN a.uncounted THEN true END)), true)
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.status, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes, t.created_ms,
@@ -414,6 +422,7 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
             arr_opt(ended.iter().map(|e| e.runner.as_ref().map(|r| r.client_id.as_str()))),
             arr_opt(ended.iter().map(|e| e.runner.as_ref().map(|r| r.client_ip.as_str()))),
             arr_opt(starts.iter().map(Option::as_deref)),
+            arr(ended.iter().map(|e| if e.uncounted { "t" } else { "f" })),
         ],
     )
 }
@@ -542,6 +551,10 @@ pub fn fail_unplaceable(lease_ms: u64, now_ms: i64) -> Stmt {
 /// folded into the zero node's (sums unchanged; a live node's next change writes a fresh row).
 pub const FORGET_NODES: &str = "WITH gone AS (
        DELETE FROM relay_nodes WHERE heartbeat_ms < relay_now_ms() - 3600000
+     ), workers_gone AS (
+       DELETE FROM relay_workers w
+       WHERE NOT EXISTS (SELECT 1 FROM relay_nodes n
+                         WHERE n.node_id = w.node_id AND n.heartbeat_ms > relay_now_ms() - 3600000)
      ), folded AS (
        DELETE FROM relay_counters c
        WHERE c.node_id <> '00000000-0000-0000-0000-000000000000'::uuid
@@ -583,12 +596,20 @@ pub fn expire_in_queue(now_ms: i64, task_ttl_ms: u64) -> Stmt {
     Stmt::new(EXPIRE_IN_QUEUE, vec![now_ms.into(), (task_ttl_ms as i64).into()])
 }
 
-/// Retention: finished tasks older than TASK_TTL go, in batches of 1000 (oldest submission
-/// first, walking `relay_tasks_seq`), so one run is a short transaction and autovacuum reclaims
-/// the space behind it. $1 now_ms, $2 ttl.
-pub const RETENTION: &str = "DELETE FROM relay_tasks WHERE id IN (
-       SELECT id FROM relay_tasks WHERE finished_ms < $1::int8 - $2::int8
-       ORDER BY seq LIMIT 1000 FOR UPDATE SKIP LOCKED)";
+/// Retention: finished tasks older than TASK_TTL go, at most [`RETENTION_BATCH`] a transaction
+/// (oldest submission first, walking `relay_tasks_seq`), so one run is a short transaction and
+/// autovacuum reclaims the space behind it; it answers how many went. $1 now_ms, $2 ttl.
+pub const RETENTION: &str = "WITH d AS (
+       DELETE FROM relay_tasks WHERE id IN (
+         SELECT id FROM relay_tasks WHERE finished_ms < $1::int8 - $2::int8
+         ORDER BY seq LIMIT 2000 FOR UPDATE SKIP LOCKED)
+       RETURNING 1
+     )
+     SELECT count(*) FROM d";
+
+/// The most tasks one [`RETENTION`] deletes: a node that deleted as many looks again with its
+/// next transaction rather than a second later, so retention keeps up with any rate of tasks.
+pub const RETENTION_BATCH: i64 = 2000;
 
 pub fn retention(now_ms: i64, task_ttl_ms: u64) -> Stmt {
     Stmt::new(RETENTION, vec![now_ms.into(), (task_ttl_ms as i64).into()])
@@ -745,6 +766,11 @@ mod tests {
         for (name, sql) in ALL {
             assert!(doc.contains(&squash(sql)), "docs/cluster.md lacks the current text of {name}");
         }
+    }
+
+    #[test]
+    fn retention_deletes_the_batch_its_node_counts_on() {
+        assert!(RETENTION.contains(&format!("LIMIT {RETENTION_BATCH} ")));
     }
 
     #[test]

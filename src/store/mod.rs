@@ -130,6 +130,9 @@ pub struct AttemptEnd<'a> {
     pub error: Option<&'a str>,
     pub duration_ms: u64,
     pub ended_wall_ms: u64,
+    /// Closed by a loss of relay's own (a lost node): not counted against `max_retries`, and
+    /// the task waits for a worker however long it takes, as one read back after a restart.
+    pub uncounted: bool,
 }
 
 /// What becomes of the task after an attempt ended: the core's decision.

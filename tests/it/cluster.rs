@@ -434,6 +434,28 @@ fn cluster_kill_9_of_a_node_under_load_loses_nothing_acknowledged() {
     wait_workers(c.node(1), 1);
 }
 
+/// SPEC §11: a lost node's tasks return to pending — the loss is relay's, as a restart is on one
+/// node, so it uses up no retry: a task with `max_retries` 0 still runs again, on another node.
+#[test]
+fn cluster_a_lost_nodes_attempt_uses_up_no_retry() {
+    let Some(mut c) = Cluster::start("cluster_a_lost_nodes_attempt_uses_up_no_retry", 2, &[]) else { return };
+    let victim_name = node_name(c.node(0));
+    let stuck = FakeWorker::connect(c.node(0), None, Auto::Manual);
+    wait_workers(c.node(1), 1);
+    let id = submit_ok(c.node(1), r#"{"payload":{"n":1},"max_retries":0}"#);
+    assert_eq!(stuck.expect_task().id, id);
+    c.node(0).signal("KILL");
+    let mut victim = c.nodes.remove(0);
+    assert!(victim.wait_exit(Duration::from_secs(5)).is_some(), "the node died");
+    let _good = FakeWorker::connect(c.node(0), None, Auto::Echo);
+    let t = c.node(0).wait_status(&id, "done", Duration::from_secs(20));
+    let log = t["attempt_log"].as_array().expect("attempt_log");
+    assert_eq!(log.len(), 2, "{t}");
+    assert_eq!((log[0]["outcome"].as_str(), log[0]["node"].as_str()), (Some("disconnect"), Some(victim_name.as_str())));
+    assert_eq!(log[1]["outcome"], "done", "{t}");
+    assert!(log[0].get("uncounted").is_none(), "relay's own bookkeeping stays out of the API: {t}");
+}
+
 #[test]
 fn cluster_postgres_restart_under_load_503_then_back_with_nothing_lost() {
     let opts = crate::support::pg::PgOptions { durable: true };

@@ -210,6 +210,7 @@ impl Harness {
             error: (outcome != Outcome::Done).then_some("it broke"),
             duration_ms: 5,
             ended_wall_ms: relay::timefmt::wall_ms(),
+            uncounted: false,
         };
         self.store.attempt_ended(id, attempt, &end, next);
         self.settle()

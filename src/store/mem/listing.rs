@@ -286,7 +286,13 @@ mod tests {
                 node: None,
             };
             s.attempt_started(*id, 1, &start);
-            let end = AttemptEnd { outcome: Outcome::Done, error: None, duration_ms: 1, ended_wall_ms: 1_000_001 };
+            let end = AttemptEnd {
+                outcome: Outcome::Done,
+                error: None,
+                duration_ms: 1,
+                ended_wall_ms: 1_000_001,
+                uncounted: false,
+            };
             s.attempt_ended(*id, 1, &end, Next::Done { result: &big });
         }
         events(&mut s);

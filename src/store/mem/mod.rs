@@ -531,6 +531,7 @@ impl MemStore {
             a.outcome = Some(end.outcome);
             a.error = end.error.map(Box::from);
             a.duration_ms = end.duration_ms;
+            a.restarted |= end.uncounted;
             a.answered |= matches!(end.outcome, crate::tasks::Outcome::Done | crate::tasks::Outcome::Failed);
         }
         match next {

@@ -419,6 +419,7 @@ impl PgStore {
             final_error,
             runner,
             node,
+            uncounted: end.uncounted,
         };
         let final_status = status != "pending";
         if !final_status {
@@ -780,7 +781,7 @@ impl PgStore {
             stmts.push(sql::expire_in_queue(wall as i64, self.cfg.task_ttl_ms));
             parts.push(Part::Failed);
             stmts.push(sql::retention(wall as i64, self.cfg.task_ttl_ms));
-            parts.push(Part::Notify);
+            parts.push(Part::Retention);
             notify_finished = true;
         }
         if !self.check_finished.is_empty() {
@@ -943,6 +944,8 @@ impl PgStore {
                 Part::Counts => self.want_counts = true,
                 Part::Tokens => self.want_tokens = true,
                 Part::Failed => {}
+                // (Tried again with the next housekeeping, a second later.)
+                Part::Retention => {}
                 Part::Finished(ids) => self.check_finished.extend(ids),
                 Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
             }
@@ -1100,6 +1103,12 @@ impl PgStore {
                         let created = row.i64(row.len() - 1).and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
                         let took = self.wall_ms.saturating_sub(created);
                         self.events.push(Event::Final { id, status: Status::Failed, took_ms: Some(took) });
+                    }
+                }
+                Part::Retention => {
+                    // A full batch: more may be due, so the next transaction looks again.
+                    if here.first().and_then(|r| r.i64(0)) == Some(sql::RETENTION_BATCH) {
+                        self.want_housekeeping = true;
                     }
                 }
                 Part::List(l) => {
@@ -1320,7 +1329,9 @@ fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
         payload,
         timeout_ms: rows::ms(row, ccol::TIMEOUT_MS).unwrap_or(cfg.task_timeout_ms),
         max_retries: row.i64(ccol::MAX_RETRIES).and_then(|v| u32::try_from(v).ok()).unwrap_or(cfg.max_retries),
-        counted: attempt.saturating_sub(1),
+        counted: attempt
+            .saturating_sub(1)
+            .saturating_sub(row.i64(ccol::UNCOUNTED).and_then(|n| u32::try_from(n).ok()).unwrap_or(0)),
         tried,
         created_wall_ms: rows::ms(row, ccol::CREATED_MS).unwrap_or(0),
     })

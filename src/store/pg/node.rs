@@ -140,6 +140,8 @@ pub enum Part {
     Tokens,
     /// Tasks that failed waiting (`EXPIRE_IN_QUEUE`, `FAIL_UNPLACEABLE`).
     Failed,
+    /// `RETENTION`: one row, how many finished tasks it deleted.
+    Retention,
     Notify,
 }
 

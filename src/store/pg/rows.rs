@@ -34,7 +34,7 @@ pub mod lcol {
     pub const STOP_SEQ: usize = 14;
 }
 
-/// The columns of `CLAIM` (and `REAP`), by index.
+/// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
 pub mod ccol {
     pub const ID: usize = 0;
     pub const ATTEMPT: usize = 1;
@@ -44,6 +44,8 @@ pub mod ccol {
     pub const MAX_RETRIES: usize = 5;
     pub const TRIED: usize = 6;
     pub const CREATED_MS: usize = 7;
+    /// (`CLAIM` only) attempts that do not count against max_retries (closed by a lost node).
+    pub const UNCOUNTED: usize = 9;
 }
 
 /// `LIST_WORKERS` columns.
@@ -77,6 +79,9 @@ struct LogEntry {
     error: Option<String>,
     #[serde(default)]
     duration_ms: Option<u64>,
+    /// Closed by a lost node: does not count against max_retries.
+    #[serde(default)]
+    uncounted: bool,
 }
 
 pub fn ms(row: &Row, i: usize) -> Option<u64> {
@@ -126,7 +131,7 @@ pub fn task(row: &Row) -> Option<Task> {
                 error: e.error.as_deref().map(Box::from),
                 duration_ms: duration.unwrap_or(0),
                 answered: false,
-                restarted: false,
+                restarted: e.uncounted,
             }
         })
         .collect();
