@@ -304,24 +304,7 @@ impl Core {
             journal: None,
             cluster: None,
         };
-        match &self.store {
-            Store::Mem(m) => {
-                g.finished_memory_bytes = m.finished_mem_bytes();
-                g.tasks_on_disk = m.evicted_count();
-                g.tasks_evicted = m.tasks_evicted;
-                g.journal = m.journal().map(|j| crate::metrics::JournalGauges {
-                    bytes: j.disk_bytes(),
-                    segments: j.segment_count(),
-                    backlog_bytes: j.backlog_bytes(),
-                    syncs: j.syncs(),
-                    records: j.records_written,
-                    corrupt_records: j.records_skipped_at_start,
-                    full: !j.writable(),
-                    deletes_failing: j.deletes_failing(),
-                });
-            }
-            Store::Pg(p) => g.cluster = Some(p.gauges()),
-        }
+        self.store.gauges(&mut g);
         g
     }
 
@@ -713,7 +696,7 @@ impl Core {
     }
 
     fn lsn_of(&self, id: TaskId) -> u64 {
-        self.store.mem().and_then(|m| m.task(id)).map_or(0, |t| t.stored.lsn)
+        self.store.lsn(id)
     }
 
     // ----- workers -------------------------------------------------------------------------
@@ -884,7 +867,7 @@ impl Core {
             let why = self
                 .recent
                 .stray(id, client_id)
-                .or_else(|| self.store.mem_mut().and_then(|m| m.stray(id, client_id)))
+                .or_else(|| self.store.stray(id, client_id))
                 .unwrap_or(Ignored::Unknown);
             self.metrics.ignored(why);
             crate::log!(Level::Debug, "result ignored", task_id = uuid_string(id), reason = format!("{why:?}"));
@@ -938,10 +921,10 @@ impl Core {
                     g.asked = u64::from(limit);
                 }
                 self.store.claim(&ClaimAsk { group: gid, kinds, limit, takers: &takers });
-                if self.store.pg().is_some() {
+                if !self.store.answers_at_once() {
                     continue;
                 }
-                // A memory store answered already.
+                // The store answered already.
                 let mut events = std::mem::take(&mut self.events);
                 self.store.take_events(&mut events);
                 for e in events.drain(..) {
@@ -1210,7 +1193,7 @@ impl Core {
                 self.on_event(io, e);
             }
             self.events = events;
-            if self.store.mem().is_some() && self.claim_wanted && !self.shutting_down {
+            if self.store.answers_at_once() && self.claim_wanted && !self.shutting_down {
                 self.claim_round(io);
                 continue;
             }
@@ -1454,7 +1437,7 @@ impl Core {
                 .store
                 .unavailable(true)
                 .unwrap_or_else(|| Response::error(503, "unavailable", "the task could not be stored; try again")),
-            Refusal::Lost => crate::store::pg::lost_response(),
+            Refusal::Lost => crate::store::lost_response(),
         }
     }
 }

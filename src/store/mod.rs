@@ -435,6 +435,53 @@ impl Store {
         each!(self, s => s.flushed())
     }
 
+    /// A claim is answered within the call (the memory store: its events are there to take at
+    /// once); a database store answers with a later turn, after its transaction.
+    pub fn answers_at_once(&self) -> bool {
+        matches!(self, Store::Mem(_))
+    }
+
+    /// The journal record that must be durable before an answer about task `id` leaves (0: none
+    /// is needed, as with a database store, whose answers leave after their COMMIT).
+    pub fn lsn(&self, id: TaskId) -> u64 {
+        match self {
+            Store::Mem(s) => s.task(id).map_or(0, |t| t.stored.lsn),
+            Store::Pg(_) => 0,
+        }
+    }
+
+    /// Why a result for an attempt the core no longer runs is ignored, from the store's own
+    /// attempt log (`None`: the store cannot tell; a database store's stale results are fenced
+    /// by its writes instead).
+    pub fn stray(&mut self, id: TaskId, client_id: u128) -> Option<crate::metrics::Ignored> {
+        match self {
+            Store::Mem(s) => s.stray(id, client_id),
+            Store::Pg(_) => None,
+        }
+    }
+
+    /// The store's own figures for `/metrics`.
+    pub fn gauges(&self, g: &mut crate::metrics::Gauges) {
+        match self {
+            Store::Mem(m) => {
+                g.finished_memory_bytes = m.finished_mem_bytes();
+                g.tasks_on_disk = m.evicted_count();
+                g.tasks_evicted = m.tasks_evicted;
+                g.journal = m.journal().map(|j| crate::metrics::JournalGauges {
+                    bytes: j.disk_bytes(),
+                    segments: j.segment_count(),
+                    backlog_bytes: j.backlog_bytes(),
+                    syncs: j.syncs(),
+                    records: j.records_written,
+                    corrupt_records: j.records_skipped_at_start,
+                    full: !j.writable(),
+                    deletes_failing: j.deletes_failing(),
+                });
+            }
+            Store::Pg(p) => g.cluster = Some(p.gauges()),
+        }
+    }
+
     /// Every journal record up to this sequence number is on disk (`u64::MAX` without one).
     pub fn durable_lsn(&self) -> u64 {
         match self {
@@ -491,4 +538,14 @@ impl Store {
     pub fn stop(&mut self) -> Result<(), String> {
         each!(self, s => s.stop())
     }
+}
+
+/// The answer when the connection broke during a transaction that may have committed.
+pub fn lost_response() -> Response {
+    Response::error(
+        503,
+        "database_unavailable",
+        "the database connection broke during the transaction (it may have committed: retry with the same \
+         Idempotency-Key)",
+    )
 }

@@ -38,16 +38,6 @@ pub fn unavailable() -> Response {
     Response::error(503, "database_unavailable", "the database is unreachable; try again")
 }
 
-/// The answer when the connection broke during a transaction that may have committed.
-pub fn lost_response() -> Response {
-    Response::error(
-        503,
-        "database_unavailable",
-        "the database connection broke during the transaction (it may have committed: retry with the same \
-         Idempotency-Key)",
-    )
-}
-
 fn not_found() -> Response {
     Response::error(404, "not_found", "no such task")
 }
@@ -878,7 +868,7 @@ impl PgStore {
     fn fail_parts(&mut self, parts: Vec<Part>, why: &Failure) {
         let refused = matches!(why, Failure::Refused(_));
         let (answer, refusal) = match why {
-            Failure::Lost(_) => (lost_response(), Refusal::Lost),
+            Failure::Lost(_) => (crate::store::lost_response(), Refusal::Lost),
             _ => (unavailable(), Refusal::Unavailable),
         };
         for part in parts {
