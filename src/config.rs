@@ -36,7 +36,7 @@ pub struct Config {
     pub max_batch_bytes: usize,
     /// Memory for finished tasks; beyond it the oldest leave memory (TASK_MEMORY).
     pub task_memory_bytes: usize,
-    /// Journal segment files are closed past this size (JOURNAL_SEGMENT_SIZE).
+    /// The largest a journal segment grows to (JOURNAL_SEGMENT_SIZE).
     pub journal_segment_bytes: u64,
     pub shutdown_timeout_ms: u64,
     pub log_level: Level,
@@ -95,7 +95,11 @@ pub const VARS: &[(&str, &str, &str)] = &[
         "bytes of memory for finished tasks; beyond it the oldest are read back from the journal on demand \
          (memory only: forgotten early)",
     ),
-    ("JOURNAL_SEGMENT_SIZE", "67108864", "journal segment files are closed past this size (bytes, at most 1 GiB)"),
+    (
+        "JOURNAL_SEGMENT_SIZE",
+        "67108864",
+        "the largest a journal segment grows to (bytes, at most 1 GiB; the first is 1 MiB)",
+    ),
     ("SHUTDOWN_TIMEOUT", "5s", "grace period on SIGTERM/SIGINT"),
     ("LOG_LEVEL", "info", "error, warn, info, debug or trace"),
     ("TRUSTED_PROXIES", "-", "IPs/CIDRs whose X-Forwarded-For / X-Real-IP is believed"),

@@ -5,10 +5,12 @@
 //! once, so the API can answer 503 promptly.
 //!
 //! Two helper threads, each with its own connection:
-//! - `relay-db`: requests, the node heartbeat, and the housekeeping statements (waiting tasks
-//!   nobody can take, expiry, retention: `sql`; a dead node's attempts are adopted by a live
-//!   node's own transactions, whose core decides what becomes of them); connects with exponential backoff and full jitter; runs the
-//!   schema migrations on every connect (cheap when up to date: one lock, one read).
+//! - `relay-db`: requests, the node heartbeat, and the housekeeping that is no node's decision
+//!   (forgetting nodes silent for an hour, deleting expired files); connects with exponential
+//!   backoff and full jitter; runs the schema migrations on every connect (cheap when up to
+//!   date: one lock, one read). Everything about tasks — expiry, retention, tasks nobody can
+//!   take, a dead node's attempts — rides in the nodes' own turn transactions
+//!   (`store::pg`), where the core decides.
 //! - `relay-db-listen`: `LISTEN`s on the configured channels and raises a flag per channel; the
 //!   loop takes the flags (coalesced: a thousand NOTIFYs between two turns are one flag).
 //!
@@ -45,12 +47,10 @@ pub struct DbConfig {
     pub max_queued_requests: usize,
     pub heartbeat_interval_ms: u64,
     /// A node silent this long is dead. SPEC §11: its tasks return at most PONG_WAIT + 5 s after
-    /// its last heartbeat, and the reaper runs every second: PONG_WAIT + 4 s.
+    /// its last heartbeat, and live nodes look for them every second: PONG_WAIT + 4 s.
     pub lease_ms: u64,
-    /// How often the reaper, queue expiry and retention run (each node; they skip locked rows).
+    /// How often this thread's housekeeping runs (and the node's connection counts as settled).
     pub housekeeping_interval_ms: u64,
-    pub task_ttl_ms: u64,
-    pub max_retries: u32,
     pub backoff_min_ms: u64,
     pub backoff_max_ms: u64,
     /// Longest one transaction may take before the connection counts as broken (a database
@@ -66,7 +66,7 @@ pub struct DbConfig {
 
 impl DbConfig {
     /// Defaults for a node; `lease_ms` from PONG_WAIT per SPEC §11.
-    pub fn new(params: DbParams, node_id: String, pong_wait_ms: u64, task_ttl_ms: u64, max_retries: u32) -> DbConfig {
+    pub fn new(params: DbParams, node_id: String, pong_wait_ms: u64) -> DbConfig {
         DbConfig {
             params,
             node_name: node_id.clone(),
@@ -75,8 +75,6 @@ impl DbConfig {
             heartbeat_interval_ms: 1_000,
             lease_ms: pong_wait_ms + 4_000,
             housekeeping_interval_ms: 1_000,
-            task_ttl_ms,
-            max_retries,
             backoff_min_ms: 100,
             backoff_max_ms: 5_000,
             io_timeout_ms: 5_000,
@@ -437,7 +435,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             }
             if broken.is_none() && cfg.housekeeping && Instant::now() >= next_housekeeping {
                 next_housekeeping = Instant::now() + Duration::from_millis(cfg.housekeeping_interval_ms);
-                // The reaper waits one lease after this node (re)connected: after a database
+                // Adoption waits one lease after this node (re)connected: after a database
                 // restart the UNLOGGED heartbeats are gone until every live node beat again.
                 let reap = connected_at.elapsed() >= Duration::from_millis(cfg.lease_ms);
                 if reap && !shared.settled.swap(true, Ordering::SeqCst) {

@@ -35,7 +35,7 @@ pub(super) fn start_node(
 ) -> Result<PgStore, StartError> {
     let id = uuid::Uuid::new_v4().hyphenated().to_string();
     let name = format!("{}:{port}", hostname());
-    let mut db_cfg = DbConfig::new(params.clone(), id.clone(), cfg.pong_wait_ms, cfg.task_ttl_ms, cfg.max_retries);
+    let mut db_cfg = DbConfig::new(params.clone(), id.clone(), cfg.pong_wait_ms);
     db_cfg.node_name = name.clone();
     let lease_ms = db_cfg.lease_ms;
     let wake: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {

@@ -123,7 +123,7 @@ impl TokenCache {
     }
 
     /// Applies one refresh's rows `(jti, revoked, changed)` (in `changed` order), made at
-    /// monotonic `now_ms`. A refresh that returned the statement's limit should be followed by
+    /// wall-clock `now_ms` (the clock the API checks tokens against). A refresh that returned the statement's limit should be followed by
     /// another at once.
     pub fn apply<'a>(&mut self, rows: impl IntoIterator<Item = (&'a str, bool, i64)>, now_ms: u64) {
         for (jti, revoked, changed) in rows {

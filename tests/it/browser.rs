@@ -77,7 +77,7 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
     assert_eq!(r.status, 202, "{}", r.text());
     let xss = r.json()["task_id"].as_str().expect("task_id").to_string();
     relay.wait_status(&xss, "done", Duration::from_secs(5));
-    let r = relay.submit(r#"{"payload":{"kind":"report"},"delay":"1h"}"#);
+    let r = relay.submit(r#"{"payload":{"kind":"report","note":"<img src=x onerror=window.__xss=3>"},"delay":"1h"}"#);
     let delayed = r.json()["task_id"].as_str().expect("task_id").to_string();
     // The chart fills in what finished before the page opened, in 2 s steps back to relay's
     // start: give it a few of those.

@@ -55,7 +55,7 @@ impl model::PgBackend for Backend {
             )
             .expect("truncate");
         let node = uuid::Uuid::new_v4().hyphenated().to_string();
-        let mut db_cfg = DbConfig::new(parse_url(&self.pg.url()).expect("url"), node.clone(), 100, cfg.task_ttl_ms, 0);
+        let mut db_cfg = DbConfig::new(parse_url(&self.pg.url()).expect("url"), node.clone(), 100);
         db_cfg.node_name = "model".into();
         // Beat fast and settle fast: dead nodes are told from live ones after one lease, and the
         // model wants waiting tasks that lost their last worker failed at once.

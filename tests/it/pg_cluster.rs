@@ -239,7 +239,7 @@ use relay::pg::db::{Db, DbConfig, Failure, Health, Reply, Request, SendError};
 use relay::pg::sql;
 
 fn db_config(pg: &Pg, node: &str) -> DbConfig {
-    let mut cfg = DbConfig::new(parse_url(&pg.url()).expect("url"), node.to_string(), 1_000, 3_600_000, 2);
+    let mut cfg = DbConfig::new(parse_url(&pg.url()).expect("url"), node.to_string(), 1_000);
     cfg.backoff_min_ms = 50;
     cfg.backoff_max_ms = 300;
     cfg.heartbeat_interval_ms = 200;

@@ -65,7 +65,7 @@ fn mem() -> Harness {
 fn pg(test: &str) -> Option<Harness> {
     let pg = Pg::start(test)?;
     let node = uuid::Uuid::new_v4().hyphenated().to_string();
-    let mut cfg = DbConfig::new(parse_url(&pg.url()).expect("url"), node.clone(), 1_000, 3_600_000, 2);
+    let mut cfg = DbConfig::new(parse_url(&pg.url()).expect("url"), node.clone(), 1_000);
     cfg.node_name = "node-t".into();
     cfg.heartbeat_interval_ms = 200;
     let woken = Arc::new(AtomicBool::new(false));

@@ -1229,7 +1229,7 @@ impl PgStore {
             // The attempt that was running is the one to close: it is not started again.
             claimed.attempt = claimed.attempt.max(1);
             claimed.counted = claimed.attempt - 1;
-            let lost = row.text(8).unwrap_or("?").to_string();
+            let lost = row.text(ccol::LOST_NODE).unwrap_or("?").to_string();
             self.adopted_from.insert(claimed.id, lost.clone());
             by_node.entry(lost).or_default().push(claimed);
         }

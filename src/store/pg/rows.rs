@@ -1,6 +1,8 @@
 //! Database rows as the shared types: a task row becomes a [`Task`] (so the one task JSON
 //! writer, `tasks::Task::write_json`, answers for both stores), a worker row a [`WorkerInfo`].
-//! Pure: rows in, values out. Column positions live here and in `pg::sql`, nowhere else.
+//! Pure: rows in, values out. The wide rows' column positions (tasks, claims, attempt log
+//! entries, workers) are named here; short rows of two or three columns are read where they
+//! arrive, by the positions their statement's doc in `pg::sql` gives.
 
 use std::net::{IpAddr, Ipv4Addr};
 
@@ -44,6 +46,8 @@ pub mod ccol {
     pub const MAX_RETRIES: usize = 5;
     pub const TRIED: usize = 6;
     pub const CREATED_MS: usize = 7;
+    /// (`ADOPT_ORPHANS` only) the name of the lost node that ran the attempt.
+    pub const LOST_NODE: usize = 8;
     /// (`CLAIM` only) attempts that do not count against max_retries (closed by a lost node).
     pub const UNCOUNTED: usize = 9;
 }
