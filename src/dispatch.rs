@@ -9,7 +9,7 @@
 //! request), and time comes in through `now_ms`/`wall_ms`, which the reactor sets. Nothing here
 //! may close a connection or read a clock.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 use std::net::IpAddr;
 
@@ -85,8 +85,6 @@ const TASK_FRAME_OVERHEAD_BYTES: usize = 96;
 const MAX_CLAIM: u32 = 256;
 /// Tasks claimed in one settle at most (the rest in the next turn): bounded work per turn.
 const CLAIMS_PER_TURN: usize = 4096;
-/// Attempts remembered after they ended, to tell `late` and `duplicate` from `unknown`.
-const RECENT_RESULTS: usize = 65_536;
 /// Kinds named in a `no_worker` message at most.
 const MAX_KINDS_NAMED: usize = 10;
 
@@ -151,33 +149,6 @@ struct BatchWait {
     lsn: u64,
 }
 
-/// (task, worker) of attempts that ended here recently, and whether the worker answered.
-#[derive(Default)]
-struct Recent {
-    map: HashMap<(TaskId, u128), bool>,
-    order: VecDeque<(TaskId, u128)>,
-}
-
-impl Recent {
-    fn remember(&mut self, task: TaskId, worker: u128, answered: bool) {
-        if self.map.insert((task, worker), answered).is_none() {
-            self.order.push_back((task, worker));
-            while self.order.len() > RECENT_RESULTS {
-                if let Some(old) = self.order.pop_front() {
-                    self.map.remove(&old);
-                }
-            }
-        }
-    }
-
-    fn stray(&mut self, task: TaskId, worker: u128) -> Option<Ignored> {
-        let answered = self.map.get_mut(&(task, worker))?;
-        let why = if *answered { Ignored::Duplicate } else { Ignored::Late };
-        *answered = true;
-        Some(why)
-    }
-}
-
 #[derive(Deserialize)]
 struct Incoming<'a> {
     #[serde(rename = "type", borrow)]
@@ -220,7 +191,11 @@ pub struct Core {
     reach: Reach,
     groups: Groups,
     running: HashMap<TaskId, Running, BuildHasherDefault<IdHasher>>,
-    recent: Recent,
+    /// A claim round's buffers, kept between rounds: (group, limit) asked, one group's takers.
+    claim_asks: Vec<(u32, u32)>,
+    claim_takers: Vec<u128>,
+    /// Workers a submit found without room for its frame (kept between submits).
+    claim_takers_slots: Vec<u32>,
     held: HashMap<ConnRef, Held>,
     waiters: HashMap<TaskId, Vec<ConnRef>, BuildHasherDefault<IdHasher>>,
     batches: HashMap<u64, BatchWait>,
@@ -258,7 +233,9 @@ impl Core {
             reach: Reach::default(),
             groups: Groups::default(),
             running: HashMap::default(),
-            recent: Recent::default(),
+            claim_asks: Vec::new(),
+            claim_takers: Vec::new(),
+            claim_takers_slots: Vec::new(),
             held: HashMap::new(),
             waiters: HashMap::default(),
             batches: HashMap::new(),
@@ -448,8 +425,8 @@ impl Core {
         }
         let task = self.store_task(io, new);
         self.store.insert(&task, InsertTo::Submit { conn, wait });
-        // (A database claims for idle workers in the transaction that inserts.)
-        self.claim_wanted |= task.runs_now;
+        // (A store that could not claim it at once sends `Ready`; a database claims for idle
+        // workers in the transaction that inserts.)
         self.end(io)
     }
 
@@ -472,7 +449,9 @@ impl Core {
     fn store_task<'a>(&mut self, io: &mut dyn Io, new: &NewTask<'a>) -> StoreTask<'a> {
         let due_now = new.run_at_wall_ms.is_none_or(|at| at <= self.wall_ms);
         let frame_bytes = new.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
-        let runs_now = due_now && self.free_taker(io, new.kind, frame_bytes);
+        let taker = if due_now { self.free_taker(io, new.kind, frame_bytes) } else { None };
+        // (Offered only to a group with no claim in flight, which may be taking its room.)
+        let claim_group = taker.filter(|gid| self.groups.groups.get(gid).is_some_and(|g| g.asked == 0));
         StoreTask {
             payload: new.payload,
             kind: new.kind,
@@ -481,31 +460,39 @@ impl Core {
             timeout_ms: new.timeout_ms,
             max_retries: new.max_retries,
             idempotency: new.idempotency,
-            runs_now,
+            runs_now: taker.is_some(),
+            claim_group,
         }
     }
 
-    /// Does a worker of this node that takes `kind` have a free slot and room for a frame of
-    /// `frame_bytes` now? (Workers found without room are not eligible until they drain.)
-    fn free_taker(&mut self, io: &mut dyn Io, kind: Option<&str>, frame_bytes: usize) -> bool {
-        let candidates: Vec<u32> = self
-            .groups
-            .groups
-            .values()
-            .filter(|g| g.free > 0 && g.accepts.takes(kind))
-            .flat_map(|g| g.members.iter().take(crate::store::MAX_TAKERS).copied())
-            .collect();
-        for slot in candidates {
-            let Some(conn) = self.worker(slot).map(|w| w.conn) else { continue };
-            if io.has_room(conn, frame_bytes) {
-                return true;
+    /// The group of a worker of this node that takes `kind` and has a free slot and room for a
+    /// frame of `frame_bytes` now, if there is one. (Workers found without room are not eligible
+    /// until they drain.)
+    fn free_taker(&mut self, io: &mut dyn Io, kind: Option<&str>, frame_bytes: usize) -> Option<u32> {
+        let mut starved = std::mem::take(&mut self.claim_takers_slots);
+        starved.clear();
+        let mut found = None;
+        'groups: for (&gid, g) in &self.groups.groups {
+            if g.free == 0 || !g.accepts.takes(kind) {
+                continue;
             }
-            if let Some(w) = self.worker_at_mut(conn) {
+            for &slot in g.members.iter().take(crate::store::MAX_TAKERS) {
+                let Some(w) = self.workers.get(slot as usize).and_then(Option::as_ref) else { continue };
+                if io.has_room(w.conn, frame_bytes) {
+                    found = Some(gid);
+                    break 'groups;
+                }
+                starved.push(slot);
+            }
+        }
+        for &slot in &starved {
+            if let Some(w) = self.workers.get_mut(slot as usize).and_then(Option::as_mut) {
                 w.starved = true;
             }
             self.refresh(slot);
         }
-        false
+        self.claim_takers_slots = starved;
+        found
     }
 
     /// `GET /tasks/{id}` (with `wait`): the answer, or `None` when it comes later.
@@ -628,7 +615,6 @@ impl Core {
                 }
                 let task = self.store_task(io, &new);
                 self.store.insert(&task, InsertTo::Batch { batch, index });
-                self.claim_wanted |= task.runs_now;
             }
         }
     }
@@ -864,11 +850,7 @@ impl Core {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
         let current = self.running.get(&id).is_some_and(|r| r.client_id == client_id && r.conn == conn);
         if !current {
-            let why = self
-                .recent
-                .stray(id, client_id)
-                .or_else(|| self.store.stray(id, client_id))
-                .unwrap_or(Ignored::Unknown);
+            let why = self.store.stray(id, client_id).unwrap_or(Ignored::Unknown);
             self.metrics.ignored(why);
             crate::log!(Level::Debug, "result ignored", task_id = uuid_string(id), reason = format!("{why:?}"));
             return;
@@ -896,30 +878,34 @@ impl Core {
         }
         self.claim_wanted = false;
         let mut claimed = 0;
+        let mut asks = std::mem::take(&mut self.claim_asks);
+        let mut takers = std::mem::take(&mut self.claim_takers);
         loop {
-            let asks: Vec<(u32, Accepts, u32)> = self
-                .groups
-                .groups
-                .iter()
-                .filter(|(_, g)| g.asked == 0 && g.free > 0)
-                .map(|(&gid, g)| (gid, g.accepts.clone(), g.free.min(u64::from(MAX_CLAIM)) as u32))
-                .collect();
+            asks.clear();
+            asks.extend(
+                self.groups
+                    .groups
+                    .iter()
+                    .filter(|(_, g)| g.asked == 0 && g.free > 0)
+                    .map(|(&gid, g)| (gid, g.free.min(u64::from(MAX_CLAIM)) as u32)),
+            );
             if asks.is_empty() {
-                return;
+                break;
             }
             let mut full = false;
-            for (gid, accepts, limit) in asks {
+            for &(gid, limit) in &asks {
                 let workers = &self.workers;
-                let takers = self
-                    .groups
-                    .takers(gid, |slot| workers.get(slot as usize).and_then(Option::as_ref).map(|w| w.client_id));
-                let kinds = match &accepts {
+                self.groups.takers_into(
+                    gid,
+                    |slot| workers.get(slot as usize).and_then(Option::as_ref).map(|w| w.client_id),
+                    &mut takers,
+                );
+                let Some(g) = self.groups.groups.get_mut(&gid) else { continue };
+                g.asked = u64::from(limit);
+                let kinds = match &g.accepts {
                     Accepts::Kinds(k) => Some(k.as_slice()),
                     _ => None,
                 };
-                if let Some(g) = self.groups.groups.get_mut(&gid) {
-                    g.asked = u64::from(limit);
-                }
                 self.store.claim(&ClaimAsk { group: gid, kinds, limit, takers: &takers });
                 if !self.store.answers_at_once() {
                     continue;
@@ -939,7 +925,7 @@ impl Core {
                 self.events = events;
             }
             if !full {
-                return;
+                break;
             }
             if claimed >= CLAIMS_PER_TURN {
                 // The rest next turn: the loop must stay responsive.
@@ -948,9 +934,11 @@ impl Core {
                     self.claim_timer = true;
                     self.wheel.arm(self.now_ms, Timer::Claim);
                 }
-                return;
+                break;
             }
         }
+        self.claim_asks = asks;
+        self.claim_takers = takers;
     }
 
     /// Tasks claimed for a group: each goes to the next of its workers round-robin (for its
@@ -1101,7 +1089,7 @@ impl Core {
             self.refresh(r.conn.slot);
         }
         self.metrics.attempt(outcome);
-        self.recent.remember(id, r.client_id, r.answered);
+        self.store.attempt_closed(id, r.client_id, r.answered);
         let end = AttemptEnd {
             outcome,
             error,
@@ -1332,7 +1320,7 @@ impl Core {
         let Some(r) = self.running.remove(&id) else { return };
         self.wheel.cancel(r.timer);
         self.metrics.attempt(Outcome::Canceled);
-        self.recent.remember(id, r.client_id, r.answered);
+        self.store.attempt_closed(id, r.client_id, r.answered);
         if let Some(w) = self.worker_at_mut(conn) {
             if let Some(pos) = w.in_flight.iter().position(|t| *t == id) {
                 w.in_flight.swap_remove(pos);

@@ -12,7 +12,8 @@ use crate::timefmt::write_rfc3339_ms;
 
 pub type TaskId = u128;
 
-/// A hasher for keys that are already random (task ids): fold, don't hash.
+/// A hasher for keys that are already random (task ids, client ids, and pairs of them): fold,
+/// don't hash.
 #[derive(Default)]
 pub struct IdHasher(u64);
 
@@ -26,7 +27,8 @@ impl Hasher for IdHasher {
         }
     }
     fn write_u128(&mut self, n: u128) {
-        self.0 = (n as u64) ^ ((n >> 64) as u64);
+        // (One id: its folded halves. A pair: the first rotated, so (a, b) and (b, a) differ.)
+        self.0 = self.0.rotate_left(23) ^ (n as u64) ^ ((n >> 64) as u64);
     }
 }
 

@@ -41,6 +41,25 @@ impl Accepts {
         }
     }
 
+    /// Is this what `Accepts::of(active, kinds)` would be? (Without building it: a worker's
+    /// slots change with every task, its kinds almost never.)
+    pub fn same_as(&self, active: bool, kinds: Option<&[Box<str>]>) -> bool {
+        match (self, kinds) {
+            (Accepts::Nothing, _) if !active => true,
+            _ if !active => false,
+            (Accepts::All, None) => true,
+            (Accepts::Nothing, Some([])) => true,
+            (Accepts::Kinds(ks), Some(k)) if !k.is_empty() => {
+                if k.windows(2).all(|p| p[0] < p[1]) {
+                    ks.as_slice() == k
+                } else {
+                    *self == Accepts::of(active, kinds)
+                }
+            }
+            _ => false,
+        }
+    }
+
     pub fn takes(&self, kind: Option<&str>) -> bool {
         match self {
             Accepts::Nothing => false,
@@ -234,13 +253,18 @@ impl Groups {
     /// slots, or joined another group).
     pub fn refresh(&mut self, slot: u32, w: &mut Worker) -> bool {
         let free = w.free_slots();
-        let accepts = w.acceptance();
-        let want = (free > 0 && accepts != Accepts::Nothing).then_some(free);
+        let (active, kinds) = (w.active(), w.kinds.as_deref());
+        let takes_some = active && kinds.is_none_or(|k| !k.is_empty());
+        let want = (free > 0 && takes_some).then_some(free);
         let mut gained = want.is_some();
+        let mut stays = None;
         if let Some((gid, was)) = w.listed {
-            let same_group = want.is_some() && self.groups.get(&gid).is_some_and(|g| g.accepts == accepts);
+            let same_group = want.is_some() && self.groups.get(&gid).is_some_and(|g| g.accepts.same_as(active, kinds));
             if same_group && Some(was) == want {
                 return false;
+            }
+            if same_group {
+                stays = Some(gid);
             }
             gained = want.is_some_and(|f| !same_group || f > was);
             if let Some(g) = self.groups.get_mut(&gid) {
@@ -256,15 +280,9 @@ impl Groups {
             w.listed = None;
         }
         let Some(free) = want else { return false };
-        let gid = match self.by_accepts.get(&accepts) {
-            Some(&gid) => gid,
-            None => {
-                self.next_id = self.next_id.wrapping_add(1);
-                let gid = self.next_id;
-                self.by_accepts.insert(accepts.clone(), gid);
-                self.groups.insert(gid, Group { accepts, free: 0, members: BTreeSet::new(), asked: 0, next_taker: 0 });
-                gid
-            }
+        let gid = match stays {
+            Some(gid) => gid,
+            None => self.group_of(w.acceptance()),
         };
         if let Some(g) = self.groups.get_mut(&gid) {
             g.free += u64::from(free);
@@ -274,22 +292,47 @@ impl Groups {
         gained
     }
 
+    /// The group of workers that accept this (a new one when there is none).
+    fn group_of(&mut self, accepts: Accepts) -> u32 {
+        match self.by_accepts.get(&accepts) {
+            Some(&gid) => gid,
+            None => {
+                self.next_id = self.next_id.wrapping_add(1);
+                let gid = self.next_id;
+                self.by_accepts.insert(accepts.clone(), gid);
+                self.groups.insert(gid, Group { accepts, free: 0, members: BTreeSet::new(), asked: 0, next_taker: 0 });
+                gid
+            }
+        }
+    }
+
     /// A worker leaves: it is no longer counted.
     pub fn remove(&mut self, slot: u32, w: &mut Worker) {
         w.concurrency = Some(0);
         self.refresh(slot, w);
     }
 
-    /// Up to [`MAX_TAKERS`] members of a group, starting where the last claim's stopped.
-    pub fn takers(&mut self, gid: u32, client_of: impl Fn(u32) -> Option<u128>) -> Vec<u128> {
-        let Some(g) = self.groups.get_mut(&gid) else { return Vec::new() };
+    /// Up to [`MAX_TAKERS`] members of a group, starting where the last claim's stopped, into
+    /// `out` (cleared first; the caller's buffer, reused claim after claim).
+    pub fn takers_into(&mut self, gid: u32, client_of: impl Fn(u32) -> Option<u128>, out: &mut Vec<u128>) {
+        out.clear();
+        let Some(g) = self.groups.get_mut(&gid) else { return };
         let start = g.next_taker;
-        let slots: Vec<u32> =
-            g.members.range(start..).chain(g.members.range(..start)).take(MAX_TAKERS).copied().collect();
-        if let Some(last) = slots.last() {
+        let mut last = None;
+        for &slot in g.members.range(start..).chain(g.members.range(..start)).take(MAX_TAKERS) {
+            last = Some(slot);
+            out.extend(client_of(slot));
+        }
+        if let Some(last) = last {
             g.next_taker = last.wrapping_add(1);
         }
-        slots.into_iter().filter_map(client_of).collect()
+    }
+
+    #[cfg(test)]
+    pub fn takers(&mut self, gid: u32, client_of: impl Fn(u32) -> Option<u128>) -> Vec<u128> {
+        let mut out = Vec::new();
+        self.takers_into(gid, client_of, &mut out);
+        out
     }
 
     /// A group's claim was answered (or failed): it may claim again.
@@ -392,5 +435,27 @@ mod tests {
         assert_eq!(groups.groups.len(), 1);
         groups.remove(2, &mut w2);
         assert!(groups.groups.is_empty());
+    }
+
+    #[test]
+    fn same_as_answers_what_of_would_build() {
+        let k = |names: &[&str]| names.iter().map(|n| Box::<str>::from(*n)).collect::<Vec<_>>();
+        let lists: Vec<Option<Vec<Box<str>>>> =
+            vec![None, Some(k(&[])), Some(k(&["a"])), Some(k(&["a", "b"])), Some(k(&["b", "a"])), Some(k(&["a", "a"]))];
+        for active in [true, false] {
+            for kinds in &lists {
+                let built = Accepts::of(active, kinds.as_deref());
+                for other_active in [true, false] {
+                    for other in &lists {
+                        let want = Accepts::of(other_active, other.as_deref()) == built;
+                        assert_eq!(
+                            built.same_as(other_active, other.as_deref()),
+                            want,
+                            "{built:?} vs {other_active} {other:?}"
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -26,6 +26,7 @@ use crate::tasks::{ConnRef, Outcome, Status, TaskId};
 
 pub mod mem;
 pub mod pg;
+pub mod recent;
 
 /// A new task as the core hands it to a store (validated and authorised by the API).
 #[derive(Debug, Clone, Copy)]
@@ -43,6 +44,11 @@ pub struct NewTask<'a> {
     /// A worker of this node that can take it has room now: it will not wait, so MAX_PENDING
     /// does not refuse it (SPEC §7 bounds the tasks that *wait*).
     pub runs_now: bool,
+    /// With `runs_now`: the group of this node's workers with room for it. A store that can
+    /// claims it for them as it inserts it, when no older task waits to be claimed first
+    /// ([`Event::Claimed`] right after [`Event::Inserted`]); else it queues it and sends
+    /// [`Event::Ready`], so the core claims as usual.
+    pub claim_group: Option<u32>,
 }
 
 /// Who is answered when an insert completes (carried through the store untouched).
@@ -450,13 +456,18 @@ impl Store {
         }
     }
 
-    /// Why a result for an attempt the core no longer runs is ignored, from the store's own
-    /// attempt log (`None`: the store cannot tell; a database store's stale results are fenced
-    /// by its writes instead).
+    /// Why a result for an attempt the core no longer runs is ignored: `late` or `duplicate`
+    /// when the store knows the worker ran the task (its attempt log, or the attempts it
+    /// remembers, [`recent`]), `None` when it does not.
     pub fn stray(&mut self, id: TaskId, client_id: u128) -> Option<crate::metrics::Ignored> {
-        match self {
-            Store::Mem(s) => s.stray(id, client_id),
-            Store::Pg(_) => None,
+        each!(self, s => s.stray(id, client_id))
+    }
+
+    /// An attempt of worker `client_id` closed on this node (`answered`: its worker answered):
+    /// a store without the task's attempt log at hand remembers it for [`Store::stray`].
+    pub fn attempt_closed(&mut self, id: TaskId, client_id: u128, answered: bool) {
+        if let Store::Pg(s) = self {
+            s.recent.remember(id, client_id, answered);
         }
     }
 

@@ -135,6 +135,7 @@ impl Harness {
             max_retries: None,
             idempotency: None,
             runs_now: false,
+            claim_group: None,
         };
         tune(&mut new);
         self.store.insert(&new, InsertTo::Submit { conn: CONN, wait: false });
@@ -346,6 +347,59 @@ fn store_claims_follow_kinds_due_order_and_tried_workers() {
         assert_eq!(retry.len(), 1);
         assert_eq!((retry[0].id, retry[0].attempt, retry[0].counted), (a2, 2, 1));
         assert_eq!(retry[0].tried, [W1]);
+    });
+}
+
+/// An insert offered to an idle group (`claim_group`): the store claims it for that group as
+/// it stores it, or queues it and says `Ready`; never ahead of an older task that waits.
+#[test]
+fn store_an_insert_offered_to_an_idle_group_is_claimed_once_and_never_overtakes() {
+    both("store_an_insert_offered_to_an_idle_group_is_claimed_once_and_never_overtakes", |h| {
+        let offered = |h: &mut Harness, payload: &str| -> (TaskId, Vec<Event>) {
+            let raw = RawValue::from_string(payload.to_string()).expect("JSON");
+            let new = NewTask {
+                payload: &raw,
+                kind: Some("a"),
+                run_at_wall_ms: None,
+                queue: false,
+                timeout_ms: None,
+                max_retries: None,
+                idempotency: None,
+                runs_now: true,
+                claim_group: Some(5),
+            };
+            h.store.insert(&new, InsertTo::Submit { conn: CONN, wait: false });
+            let events = h.settle();
+            let id = events
+                .iter()
+                .find_map(|e| match e {
+                    Event::Inserted { id, .. } => Some(*id),
+                    _ => None,
+                })
+                .expect("inserted");
+            (id, events)
+        };
+        let claimed_at_insert = |events: &[Event], id: TaskId| {
+            events.iter().any(|e| matches!(e, Event::Claimed { group: 5, tasks } if tasks.iter().any(|c| c.id == id)))
+        };
+        // An empty queue: claimed at once for group 5, or queued with `Ready` for the core's
+        // claim; either way one claim gets it, attempt 1.
+        let (first, events) = offered(h, "1");
+        let at_insert = claimed_at_insert(&events, first);
+        assert!(at_insert || events.iter().any(|e| matches!(e, Event::Ready)), "claimed or Ready: {events:?}");
+        let later = h.claim(Some(&["a"]), 10, &[W1]);
+        if at_insert {
+            assert!(later.is_empty(), "a task claimed at insert is not claimed again: {later:?}");
+            assert_eq!(h.get(first)["status"], "pending", "(claimed, not started: still pending to readers)");
+        } else {
+            assert_eq!(later.iter().map(|c| (c.id, c.attempt)).collect::<Vec<_>>(), [(first, 1)]);
+        }
+        // An older task waits: the offered one queues behind it.
+        let older = h.insert(Some("a"));
+        let (second, events) = offered(h, "2");
+        assert!(!claimed_at_insert(&events, second), "an offered task overtook an older one");
+        let order: Vec<TaskId> = h.claim(Some(&["a"]), 10, &[W1]).iter().map(|c| c.id).collect();
+        assert_eq!(order, [older, second], "due order");
     });
 }
 

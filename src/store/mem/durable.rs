@@ -78,6 +78,7 @@ impl MemStore {
             self.evict_next += 1;
             evicted += 1;
             let Some(task) = self.tasks.remove(&id) else { continue };
+            self.remember_attempts(&task);
             self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
             self.tasks_evicted += 1;
             if self.journal.is_some() {

@@ -136,6 +136,7 @@ mod tests {
             max_retries: None,
             idempotency: None,
             runs_now: false,
+            claim_group: None,
         };
         s.insert(&new, InsertTo::Submit { conn: CONN, wait: false });
         events(s)

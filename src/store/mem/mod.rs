@@ -126,6 +126,8 @@ pub fn in_scope(kind: Option<&str>, scope: Option<&[String]>) -> bool {
 
 pub struct MemStore {
     cfg: MemConfig,
+    /// The attempts of tasks dropped from memory (evicted or forgotten), for [`MemStore::stray`].
+    recent: crate::store::recent::Recent,
     now_ms: u64,
     wall_ms: u64,
     tasks: TaskTable,
@@ -170,6 +172,7 @@ pub struct MemStore {
 impl MemStore {
     pub fn new(cfg: MemConfig, journal: Option<Box<Journal>>) -> MemStore {
         MemStore {
+            recent: crate::store::recent::Recent::default(),
             cfg,
             now_ms: 0,
             wall_ms: 0,
@@ -306,6 +309,11 @@ impl MemStore {
         self.events.push(Event::Inserted { to, id });
         if due_wall_ms > self.wall_ms {
             self.schedule(id);
+        } else if let Some(group) = new.claim_group.filter(|_| self.ready_all.is_empty()) {
+            // Nothing older waits to be claimed: the idle group takes it as it is stored.
+            if let Some(task) = self.claimed(id) {
+                self.events.push(Event::Claimed { group, tasks: vec![task] });
+            }
         } else {
             self.enqueue_ready(id);
             self.events.push(Event::Ready);
@@ -351,7 +359,14 @@ impl MemStore {
             self.fragile.insert(task.kind.as_deref(), id, attempts);
         }
         if let Some(kind) = &task.kind {
-            self.ready_kind.entry(kind.clone()).or_default().insert(key, id);
+            match self.ready_kind.get_mut(kind) {
+                Some(q) => {
+                    q.insert(key, id);
+                }
+                None => {
+                    self.ready_kind.insert(kind.clone(), BTreeMap::from([(key, id)]));
+                }
+            }
         }
         if attempts == 0 {
             // A first attempt expires TASK_TTL after it fell due.
@@ -420,22 +435,27 @@ impl MemStore {
         let mut tasks = Vec::with_capacity(ids.len());
         for id in ids {
             self.unqueue(id);
-            let Some(task) = self.tasks.get_mut(&id) else { continue };
-            let Some(payload) = task.payload.clone() else { continue };
-            task.place = Place::Claimed;
-            tasks.push(Claimed {
-                id,
-                attempt: task.attempts.len() as u32 + 1,
-                kind: task.kind.clone(),
-                payload,
-                timeout_ms: task.timeout_ms,
-                max_retries: task.max_retries,
-                tried: task.attempts.iter().map(|a| a.client_id).collect(),
-                counted: task.attempts.iter().filter(|a| !a.restarted).count() as u32,
-                created_wall_ms: task.created_wall_ms,
-            });
+            tasks.extend(self.claimed(id));
         }
         self.events.push(Event::Claimed { group: ask.group, tasks });
+    }
+
+    /// Task `id`, out of every queue, as a claim hands it over.
+    fn claimed(&mut self, id: TaskId) -> Option<Claimed> {
+        let task = self.tasks.get_mut(&id)?;
+        let payload = task.payload.clone()?;
+        task.place = Place::Claimed;
+        Some(Claimed {
+            id,
+            attempt: task.attempts.len() as u32 + 1,
+            kind: task.kind.clone(),
+            payload,
+            timeout_ms: task.timeout_ms,
+            max_retries: task.max_retries,
+            tried: task.attempts.iter().map(|a| a.client_id).collect(),
+            counted: task.attempts.iter().filter(|a| !a.restarted).count() as u32,
+            created_wall_ms: task.created_wall_ms,
+        })
     }
 
     /// The ready tasks a claim takes, in due order: of its kinds, and not tried by every taker.
@@ -547,10 +567,17 @@ impl MemStore {
         }
     }
 
+    /// The attempts of a task about to leave memory, remembered for [`MemStore::stray`].
+    pub(super) fn remember_attempts(&mut self, task: &Task) {
+        for a in &task.attempts {
+            self.recent.remember(task.id, a.client_id, a.answered);
+        }
+    }
+
     /// A result for a task its worker no longer runs: `late` or `duplicate` when the worker
     /// ran it, `None` when this store does not know that it did.
     pub fn stray(&mut self, id: TaskId, client_id: u128) -> Option<Ignored> {
-        let task = self.tasks.get_mut(&id)?;
+        let Some(task) = self.tasks.get_mut(&id) else { return self.recent.stray(id, client_id) };
         let a = task.attempts.iter_mut().rev().find(|a| a.client_id == client_id)?;
         let why = if a.answered { Ignored::Duplicate } else { Ignored::Late };
         a.answered = true;
@@ -794,7 +821,9 @@ impl MemStore {
             self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
             let stored = task.stored;
             self.by_submission.remove(&task.submit_seq);
-            self.tasks.remove(&id);
+            if let Some(task) = self.tasks.remove(&id) {
+                self.remember_attempts(&task);
+            }
             stored
         } else if let Some(e) = self.evicted.remove(&id) {
             self.status_counts[e.status.index()] -= 1;

@@ -71,6 +71,8 @@ struct Start {
 const START_WRITE_DELAY_MS: u64 = 200;
 
 pub struct PgStore {
+    /// Attempts that ended on this node, for [`PgStore::stray`].
+    pub recent: crate::store::recent::Recent,
     pub id: String,
     pub name: String,
     db: Db,
@@ -172,6 +174,7 @@ impl PgStore {
         cfg: PgConfig,
     ) -> PgStore {
         PgStore {
+            recent: crate::store::recent::Recent::default(),
             id,
             name,
             db,
@@ -263,6 +266,12 @@ impl PgStore {
         }
     }
 
+    /// A result for an attempt this node no longer runs: `late` or `duplicate` when it ended
+    /// here recently; other nodes' and older attempts are fenced by the database instead.
+    pub fn stray(&mut self, id: TaskId, client_id: u128) -> Option<crate::metrics::Ignored> {
+        self.recent.stray(id, client_id)
+    }
+
     pub fn gauges(&self) -> ClusterGauges {
         ClusterGauges {
             up: self.db.health() == Health::Ok,
@@ -336,6 +345,10 @@ impl PgStore {
             idem_key: new.idempotency.map(|(_, k)| k.to_string()),
             runs_now: new.runs_now,
         };
+        if new.runs_now {
+            // (This store claims in the transaction that inserts: the core's claim round asks.)
+            self.events.push(Event::Ready);
+        }
         if run_at > self.wall_ms {
             // Due later: this node looks for it then (the slow poll finds the others' tasks,
             // and this node's later ones, within a second of their time).
