@@ -70,46 +70,53 @@ impl fmt::Debug for DbParams {
     }
 }
 
-/// Where the user information ends: at the last `@` of the URL, whatever comes before it — a
-/// password with an unencoded `/`, `?`, `#` or `@` (generated passwords often have them) is
-/// still the password, never a path or a port to echo back in an error.
+/// Where the user information ends. A user name holds none of `:/?#@`; after `user:` the
+/// password runs to the last `@` of the URL, whatever comes before it — a password with an
+/// unencoded `/`, `?`, `#` or `@` (generated passwords often have them) is still the password,
+/// never a path or a port to echo back in an error. Without `user@` or `user:…@` at the start,
+/// there is no user information, and an `@` further on is in the path or the query (a
+/// `?password=` that holds one).
 fn split_userinfo(rest: &str) -> (Option<&str>, &str) {
-    match rest.rfind('@') {
-        Some(at) => (Some(&rest[..at]), &rest[at + 1..]),
-        None => (None, rest),
+    let user_end = rest.find([':', '/', '?', '#', '@']).unwrap_or(rest.len());
+    match rest.as_bytes().get(user_end) {
+        Some(b'@') => (Some(&rest[..user_end]), &rest[user_end + 1..]),
+        Some(b':') => match rest.rfind('@') {
+            // (`host:port/db?password=a@b` is a query's password, not user information.)
+            Some(at) if !rest[..at].contains("?password=") && !rest[..at].contains("&password=") => {
+                (Some(&rest[..at]), &rest[at + 1..])
+            }
+            _ => (None, rest),
+        },
+        _ => (None, rest),
     }
 }
 
-/// The URL with its password replaced, for error messages (also a URL that does not parse).
+/// The URL with its password replaced, for the error about a URL that does not parse. Only a
+/// plain `user[:password]@rest` (a user name without delimiters, nothing after the last `@`
+/// that names a password) is shown, its password masked; a URL without `@` or `password=` is
+/// shown whole; anything else is not shown at all — in a malformed URL any part may be a
+/// piece of the password.
 pub fn redact(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         // Not a URL at all: nothing of it is shown (it may be all password).
         return "(not a URL)".to_string();
     };
-    let (userinfo, after) = split_userinfo(rest);
-    let authority_end = after.find(['/', '?']).unwrap_or(after.len());
-    let (host, tail) = after.split_at(authority_end);
-    let authority = match userinfo {
-        Some(info) => match info.split_once(':') {
-            Some((user, _)) => format!("{user}:***@{host}"),
-            None => format!("{info}@{host}"),
-        },
-        None => host.to_string(),
-    };
-    let tail = match tail.split_once('?') {
-        Some((path, query)) => {
-            let parts: Vec<String> = query
-                .split('&')
-                .map(|kv| match kv.split_once('=') {
-                    Some(("password", _)) => "password=***".to_string(),
-                    _ => kv.to_string(),
-                })
-                .collect();
-            format!("{path}?{}", parts.join("&"))
+    let query_password = rest.contains("?password=") || rest.contains("&password=");
+    if !rest.contains('@') && !query_password {
+        return url.to_string();
+    }
+    if let Some(at) = rest.rfind('@') {
+        let (info, after) = (&rest[..at], &rest[at + 1..]);
+        let user_end = info.find([':', '/', '?', '#', '&', '=']).unwrap_or(info.len());
+        let plain_user = matches!(info.as_bytes().get(user_end), None | Some(b':'));
+        // (`password=` before the last `@` may be a query's password that holds an `@`.)
+        let names_password = |t: &str| t.contains("password=");
+        if plain_user && !names_password(after) && !names_password(info) {
+            let masked = if user_end < info.len() { ":***" } else { "" };
+            return format!("{scheme}://{}{masked}@{after}", &info[..user_end]);
         }
-        None => tail.to_string(),
-    };
-    format!("{scheme}://{authority}{tail}")
+    }
+    format!("{scheme}://… (not shown: it may hold a password)")
 }
 
 /// Parses a `DATABASE_URL`. The error says what is wrong, never repeating the password.
@@ -154,7 +161,12 @@ pub fn parse(url: &str) -> Result<DbParams, String> {
     let mut application_name = None;
     let mut connect_timeout_ms = None;
     for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-        let (key, value) = pair.split_once('=').ok_or_else(|| format!("query parameter {pair:?} has no value"))?;
+        // (Errors name a parameter only when it is one relay knows: an unknown name may be part
+        // of a password whose `&` was not %-encoded.)
+        let (key, value) = pair.split_once('=').ok_or_else(|| match known_parameter(pair) {
+            Some(name) => format!("query parameter {name:?} has no value"),
+            None => "a query parameter has no value (an unencoded & in a password? encode it as %26)".to_string(),
+        })?;
         let value = decode(value)?;
         match key {
             "host" => {
@@ -179,13 +191,19 @@ pub fn parse(url: &str) -> Result<DbParams, String> {
             "sslmode" => match value.as_str() {
                 "disable" | "allow" | "prefer" => {}
                 _ => {
+                    let shown =
+                        if ["require", "verify-ca", "verify-full"].contains(&value.as_str()) { &value } else { "…" };
                     return Err(format!(
-                        "sslmode={value} is not supported: relay speaks plain TCP or a unix socket to PostgreSQL \
+                        "sslmode={shown} is not supported: relay speaks plain TCP or a unix socket to PostgreSQL \
                          (use sslmode=disable, or a local TLS tunnel)"
                     ));
                 }
             },
-            other => return Err(format!("unknown query parameter {other:?}")),
+            _ => {
+                return Err("an unknown query parameter (its name is not shown: it may be part of a password with an \
+                     unencoded &; encode it as %26)"
+                    .to_string());
+            }
         }
     }
     let user = user.unwrap_or_else(|| DEFAULT_USER.to_string());
@@ -219,7 +237,15 @@ fn split_host_port(text: &str) -> Result<(&str, Option<&str>), String> {
 }
 
 fn parse_port(text: &str) -> Result<u16, String> {
-    text.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| format!("bad port {text:?}"))
+    // (The text is not repeated: a malformed URL can put part of its password here.)
+    text.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| "bad port (not a number from 1 to 65535)".to_string())
+}
+
+/// `name`, when it is a query parameter relay knows.
+fn known_parameter(name: &str) -> Option<&'static str> {
+    ["host", "port", "user", "password", "dbname", "application_name", "connect_timeout", "sslmode"]
+        .into_iter()
+        .find(|k| *k == name)
 }
 
 /// Strict percent-decoding: a `%` must start a valid escape, and the result must be UTF-8.
@@ -301,8 +327,10 @@ mod tests {
         assert!(!format!("{p} {p:?}").contains("hunter"));
         let r = redact(url);
         assert!(!r.contains("hunter"), "{r}");
-        assert_eq!(r, "postgres://u:***@h/d?password=***");
+        assert_eq!(r, "postgres://… (not shown: it may hold a password)", "(two passwords: ambiguous)");
+        assert_eq!(redact("postgres://u:hunter2@h:99999/d"), "postgres://u:***@h:99999/d");
         assert_eq!(redact("postgres://u@h/d"), "postgres://u@h/d");
+        assert_eq!(redact("postgres://h:x/d"), "postgres://h:x/d");
         assert_eq!(p.socket_path(), None);
         let p = parse("postgres:///d?host=/tmp/x&port=7").expect("valid");
         assert_eq!(p.socket_path(), Some(PathBuf::from("/tmp/x/.s.PGSQL.7")));
@@ -320,6 +348,10 @@ mod tests {
             let r = redact(&url);
             assert!(!r.contains("Secr3t") && !r.contains("cr3t"), "{r}");
         }
+        // A password in the query may hold an `@` too.
+        let p = parse("postgres://h/d?password=Secr3t@x").expect("a query's password");
+        assert_eq!((p.password.as_deref(), format!("{p}").as_str()), (Some("Secr3t@x"), "postgres@h:5432/d"));
+        assert!(!redact("postgres://h/d?password=Secr3t@x").contains("Secr3t"));
         // However a URL is malformed, its error and its redacted form never show the password.
         for url in [
             "postgres://u:Secr3t/x@h:notaport/d",
@@ -329,6 +361,12 @@ mod tests {
             "postgres://u:Secr3t?@h/%ff",
             "mysql://u:Secr3t@h/d",
             "u:Secr3t@h/d",
+            // (Found by fuzz/fuzz_targets/database_url.rs: a password in the query with an
+            // unencoded `&`, whose second half was named as a parameter.)
+            "postgres://u@h/d?password=ab&Secr3t",
+            "postgres://u@h/d?password=ab&Secr3t=1",
+            "postgres://u@h/d?password=ab&port=Secr3t",
+            "postgres://u@h/d?password=ab&sslmode=Secr3t",
         ] {
             let e = parse(url).expect_err(url);
             assert!(!e.contains("Secr3t"), "{url}: {e}");
