@@ -487,7 +487,7 @@ impl Server {
             Some(params) => {
                 let pg = cluster::start_node(&cfg, params, local_addr.port(), waker.clone(), token_cache)?;
                 let probe = pg.probe();
-                let blobs = crate::pg::files::start(params.clone(), probe, cfg.blob_ttl_ms, wake_disk)?;
+                let blobs = crate::files::pg::start(params.clone(), probe, cfg.blob_ttl_ms, wake_disk)?;
                 (crate::store::Store::Pg(Box::new(pg)), blobs)
             }
             None => (open_memory_store(&cfg, wall, &waker)?, Store::start(cfg.blob_dir.clone(), wake_disk)?),

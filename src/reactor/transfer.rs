@@ -336,14 +336,9 @@ impl Server {
         self.finish_transfer(r, keep_alive);
     }
 
-    /// The store could not do its job: the disk (500), or in cluster mode the database (503,
-    /// which the caller may retry, perhaps through another node).
+    /// The file store could not do its job (see [`crate::files::Store::failed`]).
     fn store_failed(&self, message: &str) -> Response {
-        if self.core.store.pg().is_some() {
-            Response::error(503, "database_unavailable", &format!("{message}: the database is unreachable"))
-        } else {
-            crate::http::error(500, message)
-        }
+        self.store.failed(message)
     }
 
     pub(super) fn download_opened(&mut self, t: TransferId, result: Result<FileMeta, OpenError>) {

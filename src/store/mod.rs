@@ -530,13 +530,6 @@ impl Store {
         }
     }
 
-    pub fn pg(&self) -> Option<&pg::PgStore> {
-        match self {
-            Store::Pg(s) => Some(s),
-            Store::Mem(_) => None,
-        }
-    }
-
     /// Nothing in flight and nothing queued (a memory store always is).
     pub fn idle(&self) -> bool {
         match self {

@@ -14,12 +14,12 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::db::{Health, HealthProbe};
-use super::sql;
-use super::url::DbParams;
-use super::wire::{Conn, Param, PgError, Stmt, Timeouts};
-use crate::files::{Done, FileMeta, Job, OpenError, Store, TransferId};
+use super::{Done, FileMeta, Job, OpenError, Store, TransferId};
 use crate::log::Level;
+use crate::pg::db::{Health, HealthProbe};
+use crate::pg::sql;
+use crate::pg::url::DbParams;
+use crate::pg::wire::{Conn, Param, PgError, Stmt, Timeouts};
 use crate::tasks::uuid_string;
 
 /// Bytes per stored chunk.
@@ -59,14 +59,16 @@ pub fn start(
 ) -> std::io::Result<Store> {
     let mut files =
         DbFiles { params, health, blob_ttl_ms, conn: None, uploads: HashMap::new(), downloads: HashMap::new() };
-    Store::spawn("relay-db-files", move |job| files.run(job), wake)
+    let mut store = Store::spawn("relay-db-files", move |job| files.run(job), wake)?;
+    store.in_database = true;
+    Ok(store)
 }
 
 impl DbFiles {
     /// Runs statements as one transaction on this thread's connection (opened when needed, and
     /// only while the database thread says the database is up: a down database answers at
     /// once instead of after a connect timeout).
-    fn exec(&mut self, stmts: &[Stmt]) -> Result<Vec<super::wire::Rows>, String> {
+    fn exec(&mut self, stmts: &[Stmt]) -> Result<Vec<crate::pg::wire::Rows>, String> {
         if self.health.health() != Health::Ok {
             self.conn = None;
             return Err(UNREACHABLE.into());

@@ -10,6 +10,8 @@
 //! Also here: the pure helpers of the `/files` API (file name sanitising, `Content-Disposition`,
 //! `Range`).
 
+pub mod pg;
+
 use std::collections::HashMap;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -105,6 +107,8 @@ pub enum OpenError {
 pub struct Store {
     jobs: Sender<Job>,
     done: Receiver<Done>,
+    /// The files live in the database ([`pg`]), not on this node's disk.
+    in_database: bool,
 }
 
 impl Store {
@@ -115,7 +119,7 @@ impl Store {
     }
 
     /// Starts a thread that answers jobs with `run` (the disk here; the database in cluster
-    /// mode, `pg::files`): the same protocol, so the reactor's transfers do not care.
+    /// mode, [`pg`]): the same protocol, so the reactor's transfers do not care.
     pub fn spawn(
         name: &str,
         mut run: impl FnMut(Job) -> Option<Done> + Send + 'static,
@@ -133,7 +137,21 @@ impl Store {
                 }
             }
         })?;
-        Ok(Store { jobs: jobs_tx, done: done_rx })
+        Ok(Store { jobs: jobs_tx, done: done_rx, in_database: false })
+    }
+
+    /// The answer when this store could not do its job: a broken disk is the server's error
+    /// (500); an unreachable database a 503 the caller may retry, perhaps through another node.
+    pub fn failed(&self, message: &str) -> crate::http::Response {
+        if self.in_database {
+            crate::http::Response::error(
+                503,
+                "database_unavailable",
+                &format!("{message}: the database is unreachable"),
+            )
+        } else {
+            crate::http::error(500, message)
+        }
     }
 
     pub fn send(&self, job: Job) {
