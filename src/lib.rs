@@ -33,3 +33,31 @@ pub use relay_common::timefmt;
 pub mod timer;
 pub mod tokens;
 pub mod ui;
+
+#[cfg(test)]
+mod layering {
+    /// Nothing below the reactor reaches up to it: the core, the stores, the API and the
+    /// parsers are driven through `dispatch::Io` and events, never by naming the reactor.
+    #[test]
+    fn nothing_below_the_reactor_names_it() {
+        fn walk(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+            for entry in std::fs::read_dir(dir).expect("src is readable").flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    walk(&path, out);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    out.push(path);
+                }
+            }
+        }
+        let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut files = Vec::new();
+        walk(&src, &mut files);
+        assert!(files.len() > 20, "src/ was not found");
+        let above = [src.join("reactor"), src.join("reactor.rs"), src.join("main.rs"), src.join("lib.rs")];
+        for file in files.iter().filter(|f| !above.iter().any(|a| f.starts_with(a))) {
+            let text = std::fs::read_to_string(file).expect("readable");
+            assert!(!text.contains("crate::reactor"), "{} reaches up to the reactor", file.display());
+        }
+    }
+}
