@@ -291,11 +291,21 @@ impl Pg {
         self.signal(libc::SIGKILL);
         self.reap(Duration::from_secs(10));
         // Orphaned backends hold the shared memory and the port until they notice; wait until
-        // nothing answers on the port before a restart may reuse it.
+        // nothing answers on the port, and no process of the server is left (each one works in
+        // the data directory), before a restart may reuse them: a restart while a backend
+        // still lives fails with "pre-existing shared memory block is still in use".
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() && Instant::now() < deadline {
+        while (std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() || self.has_processes())
+            && Instant::now() < deadline
+        {
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Whether a process still works in this server's data directory (its cwd).
+    fn has_processes(&self) -> bool {
+        let Ok(procs) = std::fs::read_dir("/proc") else { return false };
+        procs.filter_map(Result::ok).any(|p| std::fs::read_link(p.path().join("cwd")).is_ok_and(|cwd| cwd == self.data))
     }
 
     fn reap(&mut self, within: Duration) {
