@@ -10,7 +10,7 @@ use tungstenite::protocol::{Role, WebSocketConfig, WebSocketContext};
 
 use crate::auth::Identity;
 use crate::files::{TransferId, UploadParse};
-use crate::http::{ChunkedDecoder, Head};
+use crate::http::{ChunkedDecoder, Head, Method};
 use crate::timer::TimerHandle;
 
 pub struct Conn {
@@ -78,8 +78,9 @@ pub enum Phase {
     AuthWait(Box<Head>),
     /// The head is parsed (and passed its checks as `identity`); the body is arriving.
     Body { head: Box<Head>, identity: Option<Identity>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
-    /// The core holds the response (`wait=true`); `keep_alive` is the request's.
-    Held { keep_alive: bool, head_only: bool },
+    /// The core holds the response (`wait=true`, or any answer a database transaction gives
+    /// in cluster mode); `keep_alive` is the request's, `method` and `path` are for its log line.
+    Held { keep_alive: bool, head_only: bool, method: Method, path: Box<str> },
     /// `POST /tasks/batch`: items are submitted a slice per loop turn.
     Batch { batch: Box<crate::api::Batch>, keep_alive: bool },
     /// `POST /files`: the body streams through the multipart parser to the disk thread.

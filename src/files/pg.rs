@@ -8,8 +8,9 @@
 //! chunk of each upload is held here; the reactor's window bounds what is in the channel),
 //! `FILE_COMPLETE` with the name, type, size and sha256 once the part ended; the 201 follows
 //! its COMMIT. Download: `FILE_META`, then one chunk read at a time as the client drains the
-//! previous one. Expired and abandoned files are deleted by the database thread's
-//! housekeeping (`FILE_EXPIRE`). This thread blocks on PostgreSQL; the loop never does.
+//! previous one. An upload refused or cut off is deleted at once (`FILE_ABORT`); expired files
+//! (and uploads abandoned while the database was down) by the database thread's housekeeping
+//! (`FILE_EXPIRE`). This thread blocks on PostgreSQL; the loop never does.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -134,8 +135,20 @@ impl DbFiles {
             }
             Job::Finish { t, meta } => Some(Done::Finished { t, result: self.finish(t, meta) }),
             Job::Abort { t } => {
-                // What it stored is removed by FILE_EXPIRE an hour after it began.
-                self.uploads.remove(&t);
+                // A refused upload (413, 400) or one whose client left keeps nothing, as on one
+                // node: its rows go now. Should that fail (the database is down), FILE_EXPIRE
+                // removes them an hour after the upload began.
+                if let Some(up) = self.uploads.remove(&t) {
+                    let stmt = Stmt::new(sql::FILE_ABORT, vec![up.file_id.as_str().into()]);
+                    if let Err(e) = self.exec(&[stmt]) {
+                        crate::log!(
+                            Level::Warn,
+                            "an abandoned upload's rows stay until FILE_EXPIRE",
+                            file_id = up.file_id,
+                            error = e
+                        );
+                    }
+                }
                 None
             }
             Job::Open { t, file_id, now_wall_ms } => {

@@ -699,6 +699,14 @@ pub const FILE_META: &str = "SELECT filename, content_type, size, sha256, chunk_
 /// client drains the previous one).
 pub const FILE_READ_CHUNK: &str = "SELECT data FROM relay_file_chunks WHERE file_id = $1::uuid AND n = $2::int4";
 
+/// A refused or cut-off upload (413, 400, a client gone): its metadata and chunks at once, as
+/// a single node removes its temp file. $1 file id. Only an upload not complete: a stored file
+/// goes only by `FILE_EXPIRE`.
+pub const FILE_ABORT: &str = "WITH f AS (
+       DELETE FROM relay_files WHERE file_id = $1::uuid AND NOT complete RETURNING file_id
+     )
+     DELETE FROM relay_file_chunks c USING f WHERE c.file_id = f.file_id";
+
 /// Expired files, and uploads abandoned for an hour: chunks and metadata, 100 files a run.
 /// $1 now_ms.
 pub const FILE_EXPIRE: &str = "WITH f AS (
@@ -749,6 +757,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("FILE_COMPLETE", FILE_COMPLETE),
     ("FILE_META", FILE_META),
     ("FILE_READ_CHUNK", FILE_READ_CHUNK),
+    ("FILE_ABORT", FILE_ABORT),
     ("FILE_EXPIRE", FILE_EXPIRE),
 ];
 

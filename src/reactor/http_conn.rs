@@ -316,7 +316,8 @@ impl Server {
             Some(Handled::Respond(response)) => response,
             Some(_) => {
                 // Cluster mode: answered when the database has every item.
-                http.phase = Phase::Held { keep_alive, head_only: false };
+                http.phase =
+                    Phase::Held { keep_alive, head_only: false, method: Method::Post, path: "/tasks/batch".into() };
                 return false;
             }
         };
@@ -455,7 +456,12 @@ impl Server {
                 self.set_deadline(r, at);
             }
             Handled::Held => {
-                http.phase = Phase::Held { keep_alive: head.keep_alive, head_only: head.method == Method::Head };
+                http.phase = Phase::Held {
+                    keep_alive: head.keep_alive,
+                    head_only: head.method == Method::Head,
+                    method: head.method,
+                    path: head.path.as_str().into(),
+                };
                 self.set_deadline(r, u64::MAX);
             }
             Handled::Upgrade { accept_key } => self.upgrade(r, &accept_key, client_ip),

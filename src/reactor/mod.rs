@@ -216,9 +216,19 @@ impl Io for Wire<'_> {
     fn reply(&mut self, r: ConnRef, response: Response) {
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
-        let Phase::Held { keep_alive, head_only } = http.phase else { return };
+        let Phase::Held { keep_alive, head_only, .. } = http.phase else { return };
+        let Phase::Held { method, path, .. } = std::mem::replace(&mut http.phase, Phase::Idle) else { return };
+        // The line an answer given at once gets (`complete_request`): a held answer — a
+        // `wait=true`, and in cluster mode every answer a transaction gives — is logged too.
+        crate::log!(
+            Level::Debug,
+            "request",
+            method = format!("{method:?}"),
+            path = path,
+            status = response.status,
+            client_ip = conn.client_ip
+        );
         let close = !keep_alive || response.close || self.shutting_down;
-        http.phase = Phase::Idle;
         put_response(conn, r, response, close, head_only, self.durable_lsn, self.gated);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, self.dirty);

@@ -2,6 +2,9 @@
 //! (`tests/browser/dashboard.mjs`) against the real relay with two scripted workers. Needs
 //! `/usr/bin/chromium`, `node` and `npm ci` in `tests/browser`; `.ci/run` installs them. With
 //! `CI=true` a missing tool fails the test; otherwise it is skipped, loudly.
+//!
+//! Single-node only: the page is the same static `/ui` over the same API in both modes, and
+//! one Chromium run is the suite's slowest start.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

@@ -458,7 +458,7 @@ fn cluster_a_lost_nodes_attempt_uses_up_no_retry() {
 
 #[test]
 fn cluster_postgres_restart_under_load_503_then_back_with_nothing_lost() {
-    let opts = crate::support::pg::PgOptions { durable: true };
+    let opts = crate::support::pg::PgOptions { durable: true, ..Default::default() };
     let name = "cluster_postgres_restart_under_load_503_then_back_with_nothing_lost";
     let Some(pg) = Pg::start_with(name, opts) else { return };
     let mut c = Cluster { pg, nodes: Vec::new() };

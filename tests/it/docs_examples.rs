@@ -23,6 +23,9 @@
 //! Each document gets its own directory (also `HOME` and `TMPDIR`), relay and worker; the
 //! processes are stopped by their process group's id when the test ends. `DOCS_TEST_SHOW=1`
 //! prints every block with its output.
+//!
+//! Single-node only: the documents' examples start one node as written (no `DATABASE_URL`);
+//! changing what they run would no longer test what a reader types.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};

@@ -5,8 +5,10 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::support::pg::TestDb;
 use crate::support::*;
 
 /// A fresh directory under the system temp dir, removed on drop.
@@ -76,207 +78,264 @@ fn upload_with_curl(relay: &Relay, path: &Path, token: &str) -> (u16, serde_json
     (code.trim().parse().expect("code"), json)
 }
 
-fn start(blobs: &TempDir, extra: &[(&str, &str)]) -> Relay {
+/// A relay of `mode` with its files in `blobs` (one node; a cluster node keeps them in its
+/// database, and `BLOB_DIR` stays unused).
+fn start(mode: Mode, blobs: &TempDir, extra: &[(&str, &str)]) -> Relay {
+    restart(mode, None, blobs, extra)
+}
+
+/// A relay of `mode` on `blobs` (one node) or on `db` (a cluster node: a fresh database when
+/// `None`).
+fn restart(mode: Mode, db: Option<Arc<TestDb>>, blobs: &TempDir, extra: &[(&str, &str)]) -> Relay {
     let dir = blobs.path().to_string_lossy().into_owned();
     let mut env = vec![("BLOB_DIR", dir.as_str())];
     env.extend_from_slice(extra);
-    Relay::start_with(&env)
+    match db {
+        Some(db) => Mode::start_on(db, &env),
+        None => mode.start_with(&env),
+    }
+}
+
+/// What is kept of uploads once every upload before it was dealt with: a small upload goes
+/// after them through the same thread of the store (the disk's, or the database's files thread),
+/// which handles its jobs in order. Its own entries are left out.
+fn kept_after_another_upload(relay: &Relay, blobs: &TempDir, work: &TempDir) -> Vec<String> {
+    let src = work.path().join("barrier.txt");
+    std::fs::write(&src, b"after the others").expect("write");
+    let (code, meta) = upload_with_curl(relay, &src, API);
+    assert_eq!(code, 201, "{meta}");
+    let id = meta["file_id"].as_str().expect("file_id").to_string();
+    kept(relay.db.as_deref(), blobs).into_iter().filter(|e| !e.contains(&id)).collect()
+}
+
+/// What is kept of uploads: `BLOB_DIR`'s entries on one node (a blob and its metadata per
+/// file, temp files while uploading); in cluster mode (`db`) the rows of `relay_files` and
+/// `relay_file_chunks`.
+fn kept(db: Option<&TestDb>, blobs: &TempDir) -> Vec<String> {
+    match db {
+        None => blobs.names(),
+        Some(db) => db.query(
+            "SELECT 'file ' || file_id FROM relay_files \
+             UNION ALL SELECT 'chunk ' || file_id || ' ' || n FROM relay_file_chunks ORDER BY 1",
+        ),
+    }
 }
 
 #[test]
 fn curl_round_trip_of_a_multi_mib_file_is_byte_identical() {
-    let blobs = TempDir::new("blobs");
-    let relay = start(&blobs, &[]);
-    let work = TempDir::new("work");
-    let data = pseudo_random(5 * 1024 * 1024 + 123, 7);
-    let src = work.path().join("report 2026.bin");
-    std::fs::write(&src, &data).expect("write source");
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("blobs");
+        let relay = start(mode, &blobs, &[]);
+        let work = TempDir::new("work");
+        let data = pseudo_random(5 * 1024 * 1024 + 123, 7);
+        let src = work.path().join("report 2026.bin");
+        std::fs::write(&src, &data).expect("write source");
 
-    let (code, meta) = upload_with_curl(&relay, &src, API);
-    assert_eq!(code, 201, "{meta}");
-    assert_eq!(meta["size"], data.len() as u64);
-    assert_eq!(meta["sha256"], sha256_hex(&data));
-    assert_eq!(meta["filename"], "report 2026.bin");
-    assert_eq!(meta["content_type"], "application/octet-stream");
-    assert!(meta["expires_at"].as_str().is_some_and(|s| s.ends_with('Z')));
-    let id = meta["file_id"].as_str().expect("file_id").to_string();
+        let (code, meta) = upload_with_curl(&relay, &src, API);
+        assert_eq!(code, 201, "{meta}");
+        assert_eq!(meta["size"], data.len() as u64);
+        assert_eq!(meta["sha256"], sha256_hex(&data));
+        assert_eq!(meta["filename"], "report 2026.bin");
+        assert_eq!(meta["content_type"], "application/octet-stream");
+        assert!(meta["expires_at"].as_str().is_some_and(|s| s.ends_with('Z')));
+        let id = meta["file_id"].as_str().expect("file_id").to_string();
 
-    // Download with the worker token, as a worker would, keeping the server's file name.
-    let out_dir = TempDir::new("out");
-    let (ok, _, err) = curl(&[
-        "-OJ",
-        "--output-dir",
-        &out_dir.path().to_string_lossy(),
-        "-H",
-        &format!("Authorization: Bearer {WRK}"),
-        &format!("http://{}/files/{id}", relay.addr),
-    ]);
-    assert!(ok, "curl download failed: {err}");
-    let got = std::fs::read(out_dir.path().join("report 2026.bin")).expect("downloaded under its name");
-    assert!(got == data, "downloaded bytes differ ({} vs {} bytes)", got.len(), data.len());
+        // Download with the worker token, as a worker would, keeping the server's file name.
+        let out_dir = TempDir::new("out");
+        let (ok, _, err) = curl(&[
+            "-OJ",
+            "--output-dir",
+            &out_dir.path().to_string_lossy(),
+            "-H",
+            &format!("Authorization: Bearer {WRK}"),
+            &format!("http://{}/files/{id}", relay.addr),
+        ]);
+        assert!(ok, "curl download failed: {err}");
+        let got = std::fs::read(out_dir.path().join("report 2026.bin")).expect("downloaded under its name");
+        assert!(got == data, "downloaded bytes differ ({} vs {} bytes)", got.len(), data.len());
+    });
 }
 
 #[test]
 fn a_file_of_exactly_max_file_size_is_kept_and_one_byte_more_is_413_leaving_nothing() {
-    let blobs = TempDir::new("limit");
-    let relay = start(&blobs, &[("MAX_FILE_SIZE", "100000")]);
-    let work = TempDir::new("work");
-    let exact = work.path().join("exact.bin");
-    std::fs::write(&exact, pseudo_random(100_000, 1)).expect("write");
-    let (code, meta) = upload_with_curl(&relay, &exact, API);
-    assert_eq!((code, meta["size"].as_u64()), (201, Some(100_000)));
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("limit");
+        let relay = start(mode, &blobs, &[("MAX_FILE_SIZE", "100000")]);
+        let work = TempDir::new("work");
+        let exact = work.path().join("exact.bin");
+        std::fs::write(&exact, pseudo_random(100_000, 1)).expect("write");
+        let (code, meta) = upload_with_curl(&relay, &exact, API);
+        assert_eq!((code, meta["size"].as_u64()), (201, Some(100_000)));
 
-    let before = blobs.names();
-    let over = work.path().join("over.bin");
-    std::fs::write(&over, pseudo_random(100_001, 2)).expect("write");
-    let (code, body) = upload_with_curl(&relay, &over, API);
-    assert_eq!(code, 413, "{body}");
-    assert_eq!(body["error"], "payload_too_large");
-    // A much larger declared body is refused from its head alone.
-    let big = work.path().join("big.bin");
-    std::fs::write(&big, pseudo_random(400_000, 3)).expect("write");
-    assert_eq!(upload_with_curl(&relay, &big, API).0, 413);
-    assert!(
-        poll_until(Duration::from_secs(3), || blobs.names() == before),
-        "the refused uploads left files behind: {:?} vs {:?}",
-        blobs.names(),
-        before
-    );
+        let before = kept(relay.db.as_deref(), &blobs);
+        let over = work.path().join("over.bin");
+        std::fs::write(&over, pseudo_random(100_001, 2)).expect("write");
+        let (code, body) = upload_with_curl(&relay, &over, API);
+        assert_eq!(code, 413, "{body}");
+        assert_eq!(body["error"], "payload_too_large");
+        // A much larger declared body is refused from its head alone.
+        let big = work.path().join("big.bin");
+        std::fs::write(&big, pseudo_random(400_000, 3)).expect("write");
+        assert_eq!(upload_with_curl(&relay, &big, API).0, 413);
+        let after = kept_after_another_upload(&relay, &blobs, &work);
+        assert_eq!(after, before, "the refused uploads left files behind");
+    });
 }
 
 #[test]
 fn expired_files_are_removed_and_old_runs_are_cleaned_at_start() {
-    let blobs = TempDir::new("ttl");
-    let work = TempDir::new("work");
-    let src = work.path().join("t.txt");
-    std::fs::write(&src, b"short-lived").expect("write");
-    let expires_at = {
-        let relay = start(&blobs, &[("BLOB_TTL", "1s")]);
-        let (code, meta) = upload_with_curl(&relay, &src, API);
-        assert_eq!(code, 201);
-        let id = meta["file_id"].as_str().expect("id").to_string();
-        assert_eq!(relay.api("GET", &format!("/files/{id}"), None).status, 200);
-        assert!(poll_until(Duration::from_secs(4), || relay.api("GET", &format!("/files/{id}"), None).status == 404));
-        assert!(poll_until(Duration::from_secs(2), || blobs.names().is_empty()), "{:?}", blobs.names());
+    // In cluster mode "an earlier run" is a node before this one on the same database.
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("ttl");
+        let work = TempDir::new("work");
+        let src = work.path().join("t.txt");
+        std::fs::write(&src, b"short-lived").expect("write");
+        let (expires_at, db) = {
+            let relay = start(mode, &blobs, &[("BLOB_TTL", "1s")]);
+            let (code, meta) = upload_with_curl(&relay, &src, API);
+            assert_eq!(code, 201);
+            let id = meta["file_id"].as_str().expect("id").to_string();
+            assert_eq!(relay.api("GET", &format!("/files/{id}"), None).status, 200);
+            assert!(
+                poll_until(Duration::from_secs(4), || relay.api("GET", &format!("/files/{id}"), None).status == 404)
+            );
+            let gone = poll_until(Duration::from_secs(3), || kept(relay.db.as_deref(), &blobs).is_empty());
+            assert!(gone, "{:?}", kept(relay.db.as_deref(), &blobs));
 
-        // One more, then stop before it expires.
-        let (code, meta) = upload_with_curl(&relay, &src, API);
-        assert_eq!(code, 201);
-        assert_eq!(relay.stop().code(), Some(0));
-        meta["expires_at"].as_str().map(|t| relay::timefmt::parse_rfc3339_ms(t).expect("RFC 3339")).expect("expires_at")
-    };
-    assert_eq!(blobs.names().len(), 2, "blob and metadata: {:?}", blobs.names());
-    // Wait until the file's expiry time has passed on the wall clock.
-    assert!(poll_until(Duration::from_secs(5), || relay::timefmt::wall_ms() > expires_at));
-    let relay = start(&blobs, &[("BLOB_TTL", "1s")]);
-    assert!(
-        poll_until(Duration::from_secs(3), || blobs.names().is_empty()),
-        "left by the earlier run: {:?}",
-        blobs.names()
-    );
+            // One more, then stop before it expires.
+            let (code, meta) = upload_with_curl(&relay, &src, API);
+            assert_eq!(code, 201);
+            let db = relay.db.clone();
+            assert_eq!(relay.stop().code(), Some(0));
+            let expires_at =
+                meta["expires_at"].as_str().map(|t| relay::timefmt::parse_rfc3339_ms(t).expect("RFC 3339"));
+            (expires_at.expect("expires_at"), db)
+        };
+        // One node: its blob and metadata; cluster: its row and its one chunk.
+        assert_eq!(kept(db.as_deref(), &blobs).len(), 2, "{:?}", kept(db.as_deref(), &blobs));
+        // Wait until the file's expiry time has passed on the wall clock.
+        assert!(poll_until(Duration::from_secs(5), || relay::timefmt::wall_ms() > expires_at));
+        let relay = restart(mode, db.clone(), &blobs, &[("BLOB_TTL", "1s")]);
+        assert!(
+            poll_until(Duration::from_secs(3), || kept(db.as_deref(), &blobs).is_empty()),
+            "left by the earlier run: {:?}",
+            kept(db.as_deref(), &blobs)
+        );
 
-    // A file within its TTL survives a restart.
-    let keep = {
-        let relay2 = start(&blobs, &[("BLOB_TTL", "1h")]);
-        let (code, meta) = upload_with_curl(&relay2, &src, API);
-        assert_eq!(code, 201);
-        relay2.stop();
-        meta["file_id"].as_str().expect("id").to_string()
-    };
-    drop(relay);
-    let relay = start(&blobs, &[]);
-    let r = relay.api("GET", &format!("/files/{keep}"), None);
-    assert_eq!((r.status, r.body.as_slice()), (200, b"short-lived".as_slice()));
+        // A file within its TTL survives a restart.
+        let keep = {
+            let relay2 = restart(mode, db.clone(), &blobs, &[("BLOB_TTL", "1h")]);
+            let (code, meta) = upload_with_curl(&relay2, &src, API);
+            assert_eq!(code, 201);
+            relay2.stop();
+            meta["file_id"].as_str().expect("id").to_string()
+        };
+        drop(relay);
+        let relay = restart(mode, db, &blobs, &[]);
+        let r = relay.api("GET", &format!("/files/{keep}"), None);
+        assert_eq!((r.status, r.body.as_slice()), (200, b"short-lived".as_slice()));
+    });
 }
 
 #[test]
 fn bad_and_unknown_ids_are_404() {
-    let blobs = TempDir::new("ids");
-    let relay = start(&blobs, &[]);
-    for path in [
-        "/files/../etc/passwd",
-        "/files/..%2F..%2Fetc%2Fpasswd",
-        "/files/%2e%2e",
-        "/files/not-a-uuid",
-        "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10",
-        "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10.json",
-    ] {
-        let r = relay.api("GET", path, None);
-        assert_eq!(r.status, 404, "{path}: {}", r.text());
-    }
-    let r = request(relay.addr, "GET", "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10", &[], None);
-    assert_eq!(r.status, 401, "no token");
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("ids");
+        let relay = start(mode, &blobs, &[]);
+        for path in [
+            "/files/../etc/passwd",
+            "/files/..%2F..%2Fetc%2Fpasswd",
+            "/files/%2e%2e",
+            "/files/not-a-uuid",
+            "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10",
+            "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10.json",
+        ] {
+            let r = relay.api("GET", path, None);
+            assert_eq!(r.status, 404, "{path}: {}", r.text());
+        }
+        let r = request(relay.addr, "GET", "/files/7c0e1b52-9a52-4c2e-8a8e-3f0a4a6b9d10", &[], None);
+        assert_eq!(r.status, 401, "no token");
+    });
 }
 
 #[test]
 fn head_range_and_names_are_served() {
-    let blobs = TempDir::new("range");
-    let relay = start(&blobs, &[]);
-    let work = TempDir::new("work");
-    let src = work.path().join("данные €.txt");
-    std::fs::write(&src, b"0123456789abcdef").expect("write");
-    let (code, meta) = upload_with_curl(&relay, &src, WRK);
-    assert_eq!(code, 201, "the worker token may upload: {meta}");
-    let id = meta["file_id"].as_str().expect("id").to_string();
-    let auth = format!("Bearer {API}");
-    let path = format!("/files/{id}");
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("range");
+        let relay = start(mode, &blobs, &[]);
+        let work = TempDir::new("work");
+        let src = work.path().join("данные €.txt");
+        std::fs::write(&src, b"0123456789abcdef").expect("write");
+        let (code, meta) = upload_with_curl(&relay, &src, WRK);
+        assert_eq!(code, 201, "the worker token may upload: {meta}");
+        let id = meta["file_id"].as_str().expect("id").to_string();
+        let auth = format!("Bearer {API}");
+        let path = format!("/files/{id}");
 
-    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth)], None);
-    assert_eq!(r.status, 200);
-    assert_eq!(r.header("Content-Length"), Some("16"));
-    let cd = r.header("Content-Disposition").expect("disposition");
-    assert!(cd.starts_with("attachment; filename=\"") && cd.contains("filename*=UTF-8''"), "{cd}");
-    assert!(cd.contains("%E2%82%AC.txt"), "{cd}");
+        let r = request(relay.addr, "GET", &path, &[("Authorization", &auth)], None);
+        assert_eq!(r.status, 200);
+        assert_eq!(r.header("Content-Length"), Some("16"));
+        let cd = r.header("Content-Disposition").expect("disposition");
+        assert!(cd.starts_with("attachment; filename=\"") && cd.contains("filename*=UTF-8''"), "{cd}");
+        assert!(cd.contains("%E2%82%AC.txt"), "{cd}");
 
-    let mut c = Client::connect(relay.addr);
-    c.send("HEAD", &path, &[("Authorization", &auth)], None);
-    let h = c.read_response_to(true).expect("head");
-    assert_eq!((h.status, h.header("Content-Length")), (200, Some("16")));
-    assert!(h.body.is_empty());
-    // The connection is still in step after a HEAD.
-    assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
+        let mut c = Client::connect(relay.addr);
+        c.send("HEAD", &path, &[("Authorization", &auth)], None);
+        let h = c.read_response_to(true).expect("head");
+        assert_eq!((h.status, h.header("Content-Length")), (200, Some("16")));
+        assert!(h.body.is_empty());
+        // The connection is still in step after a HEAD.
+        assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
 
-    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=10-")], None);
-    assert_eq!((r.status, r.body.as_slice()), (206, b"abcdef".as_slice()));
-    assert_eq!(r.header("Content-Range"), Some("bytes 10-15/16"));
-    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=-3")], None);
-    assert_eq!((r.status, r.body.as_slice()), (206, b"def".as_slice()));
-    let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=99-")], None);
-    assert_eq!((r.status, r.header("Content-Range")), (416, Some("bytes */16")));
+        let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=10-")], None);
+        assert_eq!((r.status, r.body.as_slice()), (206, b"abcdef".as_slice()));
+        assert_eq!(r.header("Content-Range"), Some("bytes 10-15/16"));
+        let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=-3")], None);
+        assert_eq!((r.status, r.body.as_slice()), (206, b"def".as_slice()));
+        let r = request(relay.addr, "GET", &path, &[("Authorization", &auth), ("Range", "bytes=99-")], None);
+        assert_eq!((r.status, r.header("Content-Range")), (416, Some("bytes */16")));
+    });
 }
 
 #[test]
 fn uploads_need_multipart_with_a_file_part() {
-    let blobs = TempDir::new("multipart");
-    let relay = start(&blobs, &[]);
-    let auth = format!("Bearer {API}");
-    let r =
-        request(relay.addr, "POST", "/files", &[("Authorization", &auth), ("Content-Type", "text/plain")], Some(b"x"));
-    assert_eq!(r.status, 400);
-    let body = b"--b\r\nContent-Disposition: form-data; name=\"other\"\r\n\r\nx\r\n--b--\r\n";
-    let ct = ("Content-Type", "multipart/form-data; boundary=b");
-    let r = request(relay.addr, "POST", "/files", &[("Authorization", &auth), ct], Some(body));
-    assert_eq!(r.status, 400);
-    assert!(r.json()["message"].as_str().is_some_and(|m| m.contains("file")));
-    let r = request(relay.addr, "POST", "/files", &[ct], Some(body));
-    assert_eq!(r.status, 401);
-    // A chunked multipart upload, with other fields around the file, works too.
-    let mut c = Client::connect(relay.addr);
-    let payload = b"--b\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"c.txt\"\r\nContent-Type: text/plain\r\n\r\nchunked!\r\n--b--\r\n";
-    let mut raw = format!("POST /files HTTP/1.1\r\nHost: relay\r\nAuthorization: {auth}\r\nContent-Type: multipart/form-data; boundary=b\r\nTransfer-Encoding: chunked\r\n\r\n").into_bytes();
-    for piece in payload.chunks(7) {
-        raw.extend(format!("{:x}\r\n", piece.len()).bytes());
-        raw.extend_from_slice(piece);
-        raw.extend_from_slice(b"\r\n");
-    }
-    raw.extend_from_slice(b"0\r\n\r\n");
-    c.send_raw(&raw);
-    let r = c.read_response().expect("response");
-    assert_eq!(r.status, 201, "{}", r.text());
-    assert_eq!(r.json()["content_type"], "text/plain");
-    let id = r.json()["file_id"].as_str().expect("id").to_string();
-    let got = c.call("GET", &format!("/files/{id}"), &[("Authorization", &auth)], None);
-    assert_eq!((got.body.as_slice(), got.header("Content-Type")), (b"chunked!".as_slice(), Some("text/plain")));
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("multipart");
+        let relay = start(mode, &blobs, &[]);
+        let auth = format!("Bearer {API}");
+        let r = request(
+            relay.addr,
+            "POST",
+            "/files",
+            &[("Authorization", &auth), ("Content-Type", "text/plain")],
+            Some(b"x"),
+        );
+        assert_eq!(r.status, 400);
+        let body = b"--b\r\nContent-Disposition: form-data; name=\"other\"\r\n\r\nx\r\n--b--\r\n";
+        let ct = ("Content-Type", "multipart/form-data; boundary=b");
+        let r = request(relay.addr, "POST", "/files", &[("Authorization", &auth), ct], Some(body));
+        assert_eq!(r.status, 400);
+        assert!(r.json()["message"].as_str().is_some_and(|m| m.contains("file")));
+        let r = request(relay.addr, "POST", "/files", &[ct], Some(body));
+        assert_eq!(r.status, 401);
+        // A chunked multipart upload, with other fields around the file, works too.
+        let mut c = Client::connect(relay.addr);
+        let payload = b"--b\r\nContent-Disposition: form-data; name=\"note\"\r\n\r\nhi\r\n--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"c.txt\"\r\nContent-Type: text/plain\r\n\r\nchunked!\r\n--b--\r\n";
+        let mut raw = format!("POST /files HTTP/1.1\r\nHost: relay\r\nAuthorization: {auth}\r\nContent-Type: multipart/form-data; boundary=b\r\nTransfer-Encoding: chunked\r\n\r\n").into_bytes();
+        for piece in payload.chunks(7) {
+            raw.extend(format!("{:x}\r\n", piece.len()).bytes());
+            raw.extend_from_slice(piece);
+            raw.extend_from_slice(b"\r\n");
+        }
+        raw.extend_from_slice(b"0\r\n\r\n");
+        c.send_raw(&raw);
+        let r = c.read_response().expect("response");
+        assert_eq!(r.status, 201, "{}", r.text());
+        assert_eq!(r.json()["content_type"], "text/plain");
+        let id = r.json()["file_id"].as_str().expect("id").to_string();
+        let got = c.call("GET", &format!("/files/{id}"), &[("Authorization", &auth)], None);
+        assert_eq!((got.body.as_slice(), got.header("Content-Type")), (b"chunked!".as_slice(), Some("text/plain")));
+    });
 }
 
 /// Reads from `s` until `buf` holds a complete response head; returns (status, headers, head
@@ -302,93 +361,98 @@ fn read_head(s: &mut TcpStream, buf: &mut Vec<u8>) -> (u16, Vec<(String, String)
 
 #[test]
 fn uploads_and_slow_downloads_keep_memory_flat_and_others_are_served() {
-    let blobs = TempDir::new("slow");
-    let relay = start(&blobs, &[("IDLE_TIMEOUT", "30s")]);
-    let work = TempDir::new("work");
-    let size = 32 * 1024 * 1024;
-    let data = pseudo_random(size, 9);
-    let src = work.path().join("big.bin");
-    std::fs::write(&src, &data).expect("write");
-    // Bound on growth over the idle baseline, for the upload and then the download: relay
-    // queues at most 512 KiB of an upload for the disk and ~192 KiB of a download's output.
-    let bound_kib = 8 * 1024;
-    let (baseline, peak_before) = (rss_kib(relay.pid()), peak_rss_kib(relay.pid()));
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("slow");
+        let relay = start(mode, &blobs, &[("IDLE_TIMEOUT", "30s")]);
+        let work = TempDir::new("work");
+        let size = 32 * 1024 * 1024;
+        let data = pseudo_random(size, 9);
+        let src = work.path().join("big.bin");
+        std::fs::write(&src, &data).expect("write");
+        // Bound on growth over the idle baseline, for the upload and then the download: relay
+        // queues at most 512 KiB of an upload for the disk and ~192 KiB of a download's output.
+        let bound_kib = 8 * 1024;
+        let (baseline, peak_before) = (rss_kib(relay.pid()), peak_rss_kib(relay.pid()));
 
-    // The upload streams to disk: relay's peak stays near the baseline, not the file's size.
-    let (code, meta) = upload_with_curl(&relay, &src, API);
-    assert_eq!(code, 201);
-    assert_eq!(meta["sha256"], sha256_hex(&data));
-    // The high-water mark only rises above its earlier value if this upload raised it.
-    let peak = peak_rss_kib(relay.pid());
-    let growth = peak.saturating_sub(baseline);
-    assert!(
-        peak <= peak_before.max(baseline + bound_kib),
-        "relay's peak RSS grew by {growth} KiB receiving a {size}-byte upload"
-    );
-    let id = meta["file_id"].as_str().expect("id").to_string();
+        // The upload streams to disk: relay's peak stays near the baseline, not the file's size.
+        let (code, meta) = upload_with_curl(&relay, &src, API);
+        assert_eq!(code, 201);
+        assert_eq!(meta["sha256"], sha256_hex(&data));
+        // The high-water mark only rises above its earlier value if this upload raised it.
+        let peak = peak_rss_kib(relay.pid());
+        let growth = peak.saturating_sub(baseline);
+        assert!(
+            peak <= peak_before.max(baseline + bound_kib),
+            "relay's peak RSS grew by {growth} KiB receiving a {size}-byte upload"
+        );
+        let id = meta["file_id"].as_str().expect("id").to_string();
 
-    let mut slow = TcpStream::connect(relay.addr).expect("connect");
-    slow.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
-    slow.write_all(
-        format!("GET /files/{id} HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\n\r\n").as_bytes(),
-    )
-    .expect("write");
-    let mut got = Vec::new();
-    let (status, headers, head_len) = read_head(&mut slow, &mut got);
-    assert_eq!(status, 200);
-    let length = headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("content-length")).map(|(_, v)| v.as_str());
-    assert_eq!(length, Some(size.to_string().as_str()));
-    got.drain(..head_len);
+        let mut slow = TcpStream::connect(relay.addr).expect("connect");
+        slow.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+        slow.write_all(
+            format!("GET /files/{id} HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\n\r\n").as_bytes(),
+        )
+        .expect("write");
+        let mut got = Vec::new();
+        let (status, headers, head_len) = read_head(&mut slow, &mut got);
+        assert_eq!(status, 200);
+        let length = headers.iter().find(|(k, _)| k.eq_ignore_ascii_case("content-length")).map(|(_, v)| v.as_str());
+        assert_eq!(length, Some(size.to_string().as_str()));
+        got.drain(..head_len);
 
-    // A slow reader: 16 KiB every 50 ms for 3 s, while others keep being served at once.
-    let mut chunk = vec![0u8; 16 * 1024];
-    let started = Instant::now();
-    while started.elapsed() < Duration::from_secs(3) {
-        let n = slow.read(&mut chunk).expect("the download keeps coming");
-        assert!(n > 0, "EOF in the middle of the download");
-        got.extend_from_slice(&chunk[..n]);
-        let t = Instant::now();
-        assert_eq!(request(relay.addr, "GET", "/healthz", &[], None).status, 200);
-        assert!(t.elapsed() < Duration::from_secs(1), "others are served while the download stalls");
-        std::thread::sleep(Duration::from_millis(50)); // the reader's pace, not a synchronisation
-    }
-    assert!(got.len() < size / 2, "the reader is slow ({} body bytes read)", got.len());
-    let peak = peak_rss_kib(relay.pid());
-    let growth = peak.saturating_sub(baseline);
-    assert!(
-        peak <= peak_before.max(baseline + bound_kib),
-        "relay's peak RSS grew by {growth} KiB serving a {size}-byte file to a slow reader"
-    );
+        // A slow reader: 16 KiB every 50 ms for 3 s, while others keep being served at once.
+        let mut chunk = vec![0u8; 16 * 1024];
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(3) {
+            let n = slow.read(&mut chunk).expect("the download keeps coming");
+            assert!(n > 0, "EOF in the middle of the download");
+            got.extend_from_slice(&chunk[..n]);
+            let t = Instant::now();
+            assert_eq!(request(relay.addr, "GET", "/healthz", &[], None).status, 200);
+            assert!(t.elapsed() < Duration::from_secs(1), "others are served while the download stalls");
+            std::thread::sleep(Duration::from_millis(50)); // the reader's pace, not a synchronisation
+        }
+        assert!(got.len() < size / 2, "the reader is slow ({} body bytes read)", got.len());
+        let peak = peak_rss_kib(relay.pid());
+        let growth = peak.saturating_sub(baseline);
+        assert!(
+            peak <= peak_before.max(baseline + bound_kib),
+            "relay's peak RSS grew by {growth} KiB serving a {size}-byte file to a slow reader"
+        );
 
-    // Reading the rest quickly completes the download, byte for byte.
-    while got.len() < size {
-        let n = slow.read(&mut chunk).expect("the rest of the download");
-        assert!(n > 0, "EOF after {} of {size} body bytes", got.len());
-        got.extend_from_slice(&chunk[..n]);
-    }
-    assert_eq!(got.len(), size, "more bytes than Content-Length");
-    assert!(got == data, "the downloaded bytes differ from the upload");
-    // The connection is still in step: the next request on it is answered.
-    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
-    let mut next = Vec::new();
-    assert_eq!(read_head(&mut slow, &mut next).0, 200);
+        // Reading the rest quickly completes the download, byte for byte.
+        while got.len() < size {
+            let n = slow.read(&mut chunk).expect("the rest of the download");
+            assert!(n > 0, "EOF after {} of {size} body bytes", got.len());
+            got.extend_from_slice(&chunk[..n]);
+        }
+        assert_eq!(got.len(), size, "more bytes than Content-Length");
+        assert!(got == data, "the downloaded bytes differ from the upload");
+        // The connection is still in step: the next request on it is answered.
+        slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n").expect("write");
+        let mut next = Vec::new();
+        assert_eq!(read_head(&mut slow, &mut next).0, 200);
+    });
 }
 
 /// Found by schemathesis: a complete body whose part never ends its headers made the upload
 /// wait for bytes that could not come, and the client got 408 after HEADER_TIMEOUT.
 #[test]
 fn a_complete_upload_body_with_an_unfinished_multipart_is_400_at_once_not_408() {
-    let blobs = TempDir::new("unfinished");
-    let relay = start(&blobs, &[("HEADER_TIMEOUT", "10s")]);
-    let auth = format!("Bearer {API}");
-    let ct = ("Content-Type", "multipart/form-data; boundary=b");
-    for body in
-        [&b"--b\r\n54492723313104969007104--b--\r\n"[..], b"--b\r\nContent-Disposition: form-data; name=\"file\""]
-    {
-        let started = Instant::now();
-        let r = request(relay.addr, "POST", "/files", &[("Authorization", &auth), ct], Some(body));
-        assert_eq!(r.status, 400, "{}", r.text());
-        assert!(started.elapsed() < Duration::from_secs(5), "answered at once, not at HEADER_TIMEOUT");
-    }
-    assert!(poll_until(Duration::from_secs(5), || blobs.names().is_empty()), "nothing kept: {:?}", blobs.names());
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("unfinished");
+        let relay = start(mode, &blobs, &[("HEADER_TIMEOUT", "10s")]);
+        let auth = format!("Bearer {API}");
+        let ct = ("Content-Type", "multipart/form-data; boundary=b");
+        for body in
+            [&b"--b\r\n54492723313104969007104--b--\r\n"[..], b"--b\r\nContent-Disposition: form-data; name=\"file\""]
+        {
+            let started = Instant::now();
+            let r = request(relay.addr, "POST", "/files", &[("Authorization", &auth), ct], Some(body));
+            assert_eq!(r.status, 400, "{}", r.text());
+            assert!(started.elapsed() < Duration::from_secs(5), "answered at once, not at HEADER_TIMEOUT");
+        }
+        let work = TempDir::new("work");
+        assert_eq!(kept_after_another_upload(&relay, &blobs, &work), Vec::<String>::new(), "nothing kept");
+    });
 }

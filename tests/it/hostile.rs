@@ -53,6 +53,7 @@ fn p99(mut samples: Vec<Duration>) -> Duration {
     samples[(samples.len() * 99 / 100).min(samples.len() - 1)]
 }
 
+// Single-node only: a latency load test of the reactor's accept and head parsing, where no store is involved; a cluster half beside it on two cores would only make its p99 bound flaky
 #[test]
 fn a_thousand_slowloris_connections_do_not_slow_normal_clients() {
     raise_fd_limit(4_000);
@@ -95,94 +96,100 @@ fn a_thousand_slowloris_connections_do_not_slow_normal_clients() {
 
 #[test]
 fn the_connection_limit_is_reached_and_recovered() {
-    let relay = Relay::start_with(&[("MAX_CONNECTIONS", "40"), ("LOG_LEVEL", "info")]);
-    let mut held: Vec<Client> = (0..40).map(|_| Client::connect(relay.addr)).collect();
-    // The 40 are in once each has been answered.
-    for c in &mut held {
-        assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
-    }
-    // Beyond the limit: accepted and closed at once (not left in the kernel's queue).
-    for _ in 0..20 {
-        let mut extra = Client::connect(relay.addr);
-        let started = Instant::now();
-        extra.send_raw(&crate::support::http::build("GET", "/healthz", &[], None));
-        assert!(extra.read_response().is_none(), "a connection past MAX_CONNECTIONS was served");
-        assert!(started.elapsed() < Duration::from_secs(2), "refused late: {:?}", started.elapsed());
-    }
-    // The held connections still work.
-    for c in &mut held {
-        assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
-    }
-    // Some leave: new clients get in again.
-    held.truncate(30);
-    assert!(
-        poll_until(Duration::from_secs(5), || {
-            let mut c = Client::connect(relay.addr);
-            c.send_raw(&crate::support::http::build("GET", "/healthz", &[], None));
-            c.read_response().is_some_and(|r| r.status == 200)
-        }),
-        "the limit was never recovered"
-    );
-    let refused = relay.metric("relay_connections_refused_total");
-    assert!(refused >= 20.0, "refusals are counted: {refused}");
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_CONNECTIONS", "40"), ("LOG_LEVEL", "info")]);
+        let mut held: Vec<Client> = (0..40).map(|_| Client::connect(relay.addr)).collect();
+        // The 40 are in once each has been answered.
+        for c in &mut held {
+            assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
+        }
+        // Beyond the limit: accepted and closed at once (not left in the kernel's queue).
+        for _ in 0..20 {
+            let mut extra = Client::connect(relay.addr);
+            let started = Instant::now();
+            extra.send_raw(&crate::support::http::build("GET", "/healthz", &[], None));
+            assert!(extra.read_response().is_none(), "a connection past MAX_CONNECTIONS was served");
+            assert!(started.elapsed() < Duration::from_secs(2), "refused late: {:?}", started.elapsed());
+        }
+        // The held connections still work.
+        for c in &mut held {
+            assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
+        }
+        // Some leave: new clients get in again.
+        held.truncate(30);
+        assert!(
+            poll_until(Duration::from_secs(5), || {
+                let mut c = Client::connect(relay.addr);
+                c.send_raw(&crate::support::http::build("GET", "/healthz", &[], None));
+                c.read_response().is_some_and(|r| r.status == 200)
+            }),
+            "the limit was never recovered"
+        );
+        let refused = relay.metric("relay_connections_refused_total");
+        assert!(refused >= 20.0, "refusals are counted: {refused}");
+    });
 }
 
 #[test]
 fn a_client_that_never_reads_costs_only_itself() {
-    let relay = Relay::start_with(&[("IDLE_TIMEOUT", "2s")]);
-    let stuck = crate::regressions::never_reading_clients(&relay, 5);
-    // Everyone else is served at once meanwhile.
-    let started = Instant::now();
-    for _ in 0..50 {
-        assert_eq!(request(relay.addr, "GET", "/healthz", &[], None).status, 200);
-    }
-    assert!(started.elapsed() < Duration::from_secs(5), "50 requests took {:?}", started.elapsed());
-    assert!(
-        poll_until(Duration::from_secs(15), || relay.metric("relay_connections_open") == 1.0),
-        "clients that never read were never closed"
-    );
-    drop(stuck);
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("IDLE_TIMEOUT", "2s")]);
+        let stuck = crate::regressions::never_reading_clients(&relay, 5);
+        // Everyone else is served at once meanwhile.
+        let started = Instant::now();
+        for _ in 0..50 {
+            assert_eq!(request(relay.addr, "GET", "/healthz", &[], None).status, 200);
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "50 requests took {:?}", started.elapsed());
+        assert!(
+            poll_until(Duration::from_secs(15), || relay.metric("relay_connections_open") == 1.0),
+            "clients that never read were never closed"
+        );
+        drop(stuck);
+    });
 }
 
 #[test]
 fn a_worker_that_never_reads_is_dropped_and_its_tasks_move_on() {
-    let relay = Relay::start_with(&[
-        ("MAX_MESSAGE_SIZE", "4096"),
-        ("PING_INTERVAL", "200ms"),
-        ("PONG_WAIT", "1500ms"),
-        ("TASK_TIMEOUT", "30s"),
-    ]);
-    // Says hello, then neither reads nor writes; a good worker beside it.
-    let mut deaf = crate::regressions::RawWorker::connect(&relay, &json!({"type":"hello","version":"deaf"}));
-    let good = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"good"})), Auto::Echo);
-    relay.wait_clients(2, |c| c["version"] == "deaf" || c["version"] == "good");
-    let baseline = rss_kib(relay.pid());
-    let body = format!(r#"{{"payload":"{}","queue":true}}"#, "x".repeat(3_000));
-    let ids: Vec<String> = (0..2_000)
-        .map(|_| {
-            let r = relay.submit(&body);
-            assert_eq!(r.status, 202, "{}", r.text());
-            r.json()["task_id"].as_str().expect("id").to_string()
-        })
-        .collect();
-    let growth = rss_kib(relay.pid()).saturating_sub(baseline);
-    // 2,000 payloads of 3 KB are 6 MB in the task table; the worker's output is capped.
-    assert!(growth < 32 * 1024, "relay grew by {growth} KiB");
-    // PONG_WAIT without a frame from it: dropped, and what it held is retried on the other.
-    relay.wait_clients(1, |c| c["version"] == "good");
-    let mut moved = 0;
-    for id in &ids {
-        let t = relay.wait_status(id, "done", Duration::from_secs(30));
-        let log = t["attempt_log"].as_array().expect("log");
-        assert!(log.len() <= 2, "{t}");
-        if log.len() == 2 {
-            assert_eq!(log[0]["outcome"], "disconnect", "{t}");
-            moved += 1;
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[
+            ("MAX_MESSAGE_SIZE", "4096"),
+            ("PING_INTERVAL", "200ms"),
+            ("PONG_WAIT", "1500ms"),
+            ("TASK_TIMEOUT", "30s"),
+        ]);
+        // Says hello, then neither reads nor writes; a good worker beside it.
+        let mut deaf = crate::regressions::RawWorker::connect(&relay, &json!({"type":"hello","version":"deaf"}));
+        let good = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"good"})), Auto::Echo);
+        relay.wait_clients(2, |c| c["version"] == "deaf" || c["version"] == "good");
+        let baseline = rss_kib(relay.pid());
+        let body = format!(r#"{{"payload":"{}","queue":true}}"#, "x".repeat(3_000));
+        let ids: Vec<String> = (0..2_000)
+            .map(|_| {
+                let r = relay.submit(&body);
+                assert_eq!(r.status, 202, "{}", r.text());
+                r.json()["task_id"].as_str().expect("id").to_string()
+            })
+            .collect();
+        let growth = rss_kib(relay.pid()).saturating_sub(baseline);
+        // 2,000 payloads of 3 KB are 6 MB in the task table; the worker's output is capped.
+        assert!(growth < 32 * 1024, "relay grew by {growth} KiB");
+        // PONG_WAIT without a frame from it: dropped, and what it held is retried on the other.
+        relay.wait_clients(1, |c| c["version"] == "good");
+        let mut moved = 0;
+        for id in &ids {
+            let t = relay.wait_status(id, "done", Duration::from_secs(30));
+            let log = t["attempt_log"].as_array().expect("log");
+            assert!(log.len() <= 2, "{t}");
+            if log.len() == 2 {
+                assert_eq!(log[0]["outcome"], "disconnect", "{t}");
+                moved += 1;
+            }
         }
-    }
-    assert!(moved > 0, "no task was ever sent to the deaf worker");
-    drop(good);
-    let _ = deaf.ws.get_mut().shutdown(std::net::Shutdown::Both);
+        assert!(moved > 0, "no task was ever sent to the deaf worker");
+        drop(good);
+        let _ = deaf.ws.get_mut().shutdown(std::net::Shutdown::Both);
+    });
 }
 
 /// A masked client frame (RFC 6455 §5.2).
@@ -258,197 +265,207 @@ fn close_code(s: &mut TcpStream) -> Option<u16> {
 
 #[test]
 fn a_worker_that_floods_pings_starves_nobody() {
-    let relay = Relay::start_with(&[("MAX_MESSAGE_SIZE", "4096"), ("LOG_LEVEL", "info")]);
-    let mut flood = raw_worker(&relay);
-    // It takes no task (else, after the hello grace, it would be sent some and never answer).
-    flood.write_all(&frame(true, 0x1, br#"{"type":"hello","kinds":[]}"#)).expect("hello");
-    let good = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"good"})), Auto::Echo);
-    relay.wait_clients(2, |c| c["version"] == "good" || c["kinds"] == json!([]));
-    let clients = relay.clients();
-    let good_id = clients["clients"]
-        .as_array()
-        .expect("clients")
-        .iter()
-        .find(|c| c["version"] == "good")
-        .map(|c| c["client_id"].clone())
-        .expect("the good worker");
-    // The flooder reads what it is sent (so its pongs drain) and pings as fast as it can.
-    let stop = AtomicBool::new(false);
-    let baseline = rss_kib(relay.pid());
-    std::thread::scope(|s| {
-        let mut reader = flood.try_clone().expect("clone");
-        let stop = &stop;
-        s.spawn(move || {
-            let mut sink = [0u8; 65536];
-            reader.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
-            while !stop.load(Ordering::Relaxed) {
-                match reader.read(&mut sink) {
-                    Ok(0) => return,
-                    Ok(_) => {}
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock
-                                | std::io::ErrorKind::TimedOut
-                                | std::io::ErrorKind::Interrupted
-                        ) => {}
-                    Err(_) => return,
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_MESSAGE_SIZE", "4096"), ("LOG_LEVEL", "info")]);
+        let mut flood = raw_worker(&relay);
+        // It takes no task (else, after the hello grace, it would be sent some and never answer).
+        flood.write_all(&frame(true, 0x1, br#"{"type":"hello","kinds":[]}"#)).expect("hello");
+        let good = FakeWorker::connect(&relay, Some(json!({"type":"hello","version":"good"})), Auto::Echo);
+        relay.wait_clients(2, |c| c["version"] == "good" || c["kinds"] == json!([]));
+        let clients = relay.clients();
+        let good_id = clients["clients"]
+            .as_array()
+            .expect("clients")
+            .iter()
+            .find(|c| c["version"] == "good")
+            .map(|c| c["client_id"].clone())
+            .expect("the good worker");
+        // The flooder reads what it is sent (so its pongs drain) and pings as fast as it can.
+        let stop = AtomicBool::new(false);
+        let baseline = rss_kib(relay.pid());
+        std::thread::scope(|s| {
+            let mut reader = flood.try_clone().expect("clone");
+            let stop = &stop;
+            s.spawn(move || {
+                let mut sink = [0u8; 65536];
+                reader.set_read_timeout(Some(Duration::from_millis(100))).expect("timeout");
+                while !stop.load(Ordering::Relaxed) {
+                    match reader.read(&mut sink) {
+                        Ok(0) => return,
+                        Ok(_) => {}
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock
+                                    | std::io::ErrorKind::TimedOut
+                                    | std::io::ErrorKind::Interrupted
+                            ) => {}
+                        Err(_) => return,
+                    }
                 }
+            });
+            let writer = &mut flood;
+            s.spawn(move || {
+                let burst: Vec<u8> = (0..1_000).flat_map(|_| frame(true, 0x9, b"ping")).collect();
+                writer.set_write_timeout(Some(Duration::from_millis(200))).expect("timeout");
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = writer.write_all(&burst);
+                }
+            });
+            let _stop = StopOnDrop(stop);
+            let started = Instant::now();
+            for i in 0..50 {
+                let r = relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{i}}}"#)));
+                assert_eq!(r.status, 200, "{}", r.text());
+                assert_eq!(r.json()["client_id"], good_id, "only the good worker takes tasks");
             }
+            let took = started.elapsed();
+            assert!(took < Duration::from_secs(10), "50 tasks beside a ping flood took {took:?}");
         });
-        let writer = &mut flood;
-        s.spawn(move || {
-            let burst: Vec<u8> = (0..1_000).flat_map(|_| frame(true, 0x9, b"ping")).collect();
-            writer.set_write_timeout(Some(Duration::from_millis(200))).expect("timeout");
-            while !stop.load(Ordering::Relaxed) {
-                let _ = writer.write_all(&burst);
-            }
-        });
-        let _stop = StopOnDrop(stop);
-        let started = Instant::now();
-        for i in 0..50 {
-            let r = relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{i}}}"#)));
-            assert_eq!(r.status, 200, "{}", r.text());
-            assert_eq!(r.json()["client_id"], good_id, "only the good worker takes tasks");
-        }
-        let took = started.elapsed();
-        assert!(took < Duration::from_secs(10), "50 tasks beside a ping flood took {took:?}");
+        let growth = rss_kib(relay.pid()).saturating_sub(baseline);
+        assert!(growth < 16 * 1024, "relay grew by {growth} KiB under a ping flood");
+        drop(good);
+        let _ = flood.shutdown(std::net::Shutdown::Both);
     });
-    let growth = rss_kib(relay.pid()).saturating_sub(baseline);
-    assert!(growth < 16 * 1024, "relay grew by {growth} KiB under a ping flood");
-    drop(good);
-    let _ = flood.shutdown(std::net::Shutdown::Both);
 }
 
 #[test]
 fn fragmented_websocket_messages_over_the_size_limit_close_with_1009() {
-    let relay = Relay::start_with(&[("MAX_MESSAGE_SIZE", "1000")]);
-    // Fragments of 400 bytes: each is small, the message is not.
-    let mut s = raw_worker(&relay);
-    let piece = vec![b'a'; 400];
-    let mut msg = frame(false, 0x1, &piece);
-    msg.extend(frame(false, 0x0, &piece));
-    msg.extend(frame(true, 0x0, &piece));
-    s.write_all(&msg).expect("fragments");
-    assert_eq!(close_code(&mut s), Some(1009), "1,200 bytes in three fragments");
-    // A trickle of one-byte fragments that never ends.
-    let mut s = raw_worker(&relay);
-    let mut msg = frame(false, 0x1, b"a");
-    for _ in 0..1_500 {
-        msg.extend(frame(false, 0x0, b"a"));
-    }
-    let _ = s.write_all(&msg);
-    assert_eq!(close_code(&mut s), Some(1009), "1,501 one-byte fragments");
-    // Within the limit, fragments are one message (a malformed one here: counted, not fatal).
-    let mut s = raw_worker(&relay);
-    let mut msg = frame(false, 0x1, b"{\"type\":");
-    msg.extend(frame(true, 0x0, b"\"nope\"}"));
-    s.write_all(&msg).expect("fragments");
-    assert!(poll_until(Duration::from_secs(5), || relay.metric("relay_ws_messages_malformed_total") == 1.0));
-    assert_eq!(relay.clients()["count"], 1, "the worker with a fine message stays");
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_MESSAGE_SIZE", "1000")]);
+        // Fragments of 400 bytes: each is small, the message is not.
+        let mut s = raw_worker(&relay);
+        let piece = vec![b'a'; 400];
+        let mut msg = frame(false, 0x1, &piece);
+        msg.extend(frame(false, 0x0, &piece));
+        msg.extend(frame(true, 0x0, &piece));
+        s.write_all(&msg).expect("fragments");
+        assert_eq!(close_code(&mut s), Some(1009), "1,200 bytes in three fragments");
+        // A trickle of one-byte fragments that never ends.
+        let mut s = raw_worker(&relay);
+        let mut msg = frame(false, 0x1, b"a");
+        for _ in 0..1_500 {
+            msg.extend(frame(false, 0x0, b"a"));
+        }
+        let _ = s.write_all(&msg);
+        assert_eq!(close_code(&mut s), Some(1009), "1,501 one-byte fragments");
+        // Within the limit, fragments are one message (a malformed one here: counted, not fatal).
+        let mut s = raw_worker(&relay);
+        let mut msg = frame(false, 0x1, b"{\"type\":");
+        msg.extend(frame(true, 0x0, b"\"nope\"}"));
+        s.write_all(&msg).expect("fragments");
+        assert!(poll_until(Duration::from_secs(5), || relay.metric("relay_ws_messages_malformed_total") == 1.0));
+        assert_eq!(relay.clients()["count"], 1, "the worker with a fine message stays");
+    });
 }
 
 #[test]
 fn request_smuggling_shapes_get_400_and_close() {
-    let relay = Relay::start();
-    let auth = format!("Authorization: Bearer {API}\r\n");
-    let smuggled = "GET /smuggled HTTP/1.1\r\nHost: relay\r\n\r\n";
-    let body = r#"{"payload":1,"queue":true}"#;
-    // (name, request; 400 unless the name says 413: a chunk size over the body limit is refused
-    // as too large at its size line).
-    let cases: Vec<(&str, String)> = vec![
-        (
-            "CL.TE",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n\
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let auth = format!("Authorization: Bearer {API}\r\n");
+        let smuggled = "GET /smuggled HTTP/1.1\r\nHost: relay\r\n\r\n";
+        let body = r#"{"payload":1,"queue":true}"#;
+        // (name, request; 400 unless the name says 413: a chunk size over the body limit is refused
+        // as too large at its size line).
+        let cases: Vec<(&str, String)> = vec![
+            (
+                "CL.TE",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n\
                  1a\r\n{body}\r\n0\r\n\r\n{smuggled}"
+                ),
             ),
-        ),
-        (
-            "TE.CL",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\nContent-Length: 26\r\n\r\n\
+            (
+                "TE.CL",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\nContent-Length: 26\r\n\r\n\
                  {body}{smuggled}"
+                ),
             ),
-        ),
-        (
-            "two Content-Lengths",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Content-Length: 26\r\nContent-Length: 4\r\n\r\n{body}{smuggled}"
+            (
+                "two Content-Lengths",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Content-Length: 26\r\nContent-Length: 4\r\n\r\n{body}{smuggled}"
+                ),
             ),
-        ),
-        (
-            "Content-Length list",
-            format!("POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Content-Length: 26, 4\r\n\r\n{body}{smuggled}"),
-        ),
-        (
-            "TE with a space before the colon",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding : chunked\r\nContent-Length: 26\r\n\r\n\
+            (
+                "Content-Length list",
+                format!("POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Content-Length: 26, 4\r\n\r\n{body}{smuggled}"),
+            ),
+            (
+                "TE with a space before the colon",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding : chunked\r\nContent-Length: 26\r\n\r\n\
                  {body}{smuggled}"
+                ),
             ),
-        ),
-        (
-            "TE: xchunked",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: xchunked\r\nContent-Length: 26\r\n\r\n\
+            (
+                "TE: xchunked",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: xchunked\r\nContent-Length: 26\r\n\r\n\
                  {body}{smuggled}"
+                ),
             ),
-        ),
-        (
-            "TE: chunked, identity",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked, identity\r\n\r\n\
+            (
+                "TE: chunked, identity",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked, identity\r\n\r\n\
                  1a\r\n{body}\r\n0\r\n\r\n{smuggled}"
+                ),
             ),
-        ),
-        (
-            "chunk size with a 0x prefix",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n0x1a\r\n{body}\r\n0\r\n\r\n{smuggled}"
+            (
+                "chunk size with a 0x prefix",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n0x1a\r\n{body}\r\n0\r\n\r\n{smuggled}"
+                ),
             ),
-        ),
-        (
-            "negative chunk size",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n-1a\r\n{body}\r\n0\r\n\r\n{smuggled}"
+            (
+                "negative chunk size",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n-1a\r\n{body}\r\n0\r\n\r\n{smuggled}"
+                ),
             ),
-        ),
-        (
-            "chunk size that overflows 64 bits (413)",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n\
+            (
+                "chunk size that overflows 64 bits (413)",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n\
                  1000000000000001a\r\n{body}\r\n0\r\n\r\n{smuggled}"
+                ),
             ),
-        ),
-        (
-            "chunk size ended by a bare LF",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n1a\n{body}\r\n0\r\n\r\n{smuggled}"
+            (
+                "chunk size ended by a bare LF",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: chunked\r\n\r\n1a\n{body}\r\n0\r\n\r\n{smuggled}"
+                ),
             ),
-        ),
-        (
-            "obs-fold in a header",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}X-Folded: a\r\n b\r\nContent-Length: 26\r\n\r\n{body}{smuggled}"
+            (
+                "obs-fold in a header",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}X-Folded: a\r\n b\r\nContent-Length: 26\r\n\r\n{body}{smuggled}"
+                ),
             ),
-        ),
-        (
-            "obs-fold continuing Transfer-Encoding",
-            format!(
-                "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: identity\r\n chunked\r\nContent-Length: 26\r\n\r\n\
+            (
+                "obs-fold continuing Transfer-Encoding",
+                format!(
+                    "POST /tasks HTTP/1.1\r\nHost: relay\r\n{auth}Transfer-Encoding: identity\r\n chunked\r\nContent-Length: 26\r\n\r\n\
                  {body}{smuggled}"
+                ),
             ),
-        ),
-    ];
-    for (name, raw) in &cases {
-        let mut c = Client::connect(relay.addr);
-        c.send_raw(raw.as_bytes());
-        let r = c.read_response().unwrap_or_else(|| panic!("{name}: no answer"));
-        let expected = if name.ends_with("(413)") { 413 } else { 400 };
-        assert_eq!(r.status, expected, "{name}: {}", r.text());
-        assert!(c.closed_within(Duration::from_secs(5)), "{name}: the connection must close after the 400");
-    }
-    assert!(!relay.log_text().contains("/smuggled"), "a smuggled request was answered:\n{}", relay.log_text());
-    assert_eq!(relay.api("GET", "/healthz", None).json()["tasks"]["pending"], 0, "no smuggling request made a task");
+        ];
+        for (name, raw) in &cases {
+            let mut c = Client::connect(relay.addr);
+            c.send_raw(raw.as_bytes());
+            let r = c.read_response().unwrap_or_else(|| panic!("{name}: no answer"));
+            let expected = if name.ends_with("(413)") { 413 } else { 400 };
+            assert_eq!(r.status, expected, "{name}: {}", r.text());
+            assert!(c.closed_within(Duration::from_secs(5)), "{name}: the connection must close after the 400");
+        }
+        assert!(!relay.log_text().contains("/smuggled"), "a smuggled request was answered:\n{}", relay.log_text());
+        assert_eq!(
+            relay.api("GET", "/healthz", None).json()["tasks"]["pending"],
+            0,
+            "no smuggling request made a task"
+        );
+    });
 }

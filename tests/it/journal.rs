@@ -1,6 +1,9 @@
 //! Durability (SPEC §7): the journal in DATA_DIR across clean stops, `kill -9` and damage;
 //! schedules, idempotency and batches across restarts; finished tasks over TASK_MEMORY read
 //! back from disk; compaction. Each test owns a fresh DATA_DIR.
+//!
+//! Single-node only, all of it: the journal lives in DATA_DIR, which cluster mode does not use
+//! (SPEC §11); what PostgreSQL keeps across a node's crash is `cluster.rs`'s.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};

@@ -3,6 +3,9 @@
 //! headers, body) the document does not describe, any accepted request the document says is
 //! invalid, and any crash. Bounded: a fixed number of examples per operation and a deadline.
 //! With `CI=true` a missing schemathesis fails the test; otherwise it is skipped, loudly.
+//!
+//! Single-node only: one schemathesis run takes most of a minute on two cores, and a cluster
+//! node answers through the same task JSON, error and route writers (`api.rs`, `tasks.rs`).
 
 use std::path::Path;
 use std::process::{Command, Stdio};

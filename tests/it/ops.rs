@@ -1,4 +1,7 @@
 //! Operations (SPEC §2, §10): configuration errors, help, metrics, logs, graceful shutdown.
+//!
+//! Single-node only (SPEC §2, §10, outside §4–§9): a cluster node's SIGTERM hands its running
+//! attempts back to `pending` instead (SPEC §11), which `cluster.rs` tests.
 
 use std::time::{Duration, Instant};
 

@@ -33,7 +33,7 @@ fn pg_harness_starts_a_private_server_and_stops_it_by_pid() {
 
 #[test]
 fn pg_harness_durable_option_turns_fsync_on() {
-    let opts = crate::support::pg::PgOptions { durable: true };
+    let opts = crate::support::pg::PgOptions { durable: true, ..Default::default() };
     let Some(mut pg) = Pg::start_with("pg_harness_durable_option_turns_fsync_on", opts) else { return };
     assert_eq!(pg.psql("show fsync"), "on");
     assert_eq!(pg.psql("show synchronous_commit"), "on");
@@ -1004,7 +1004,7 @@ fn cpu_ms(pid: u32) -> u64 {
 #[test]
 #[ignore]
 fn pg_bench_turn_transactions() {
-    let opts = crate::support::pg::PgOptions { durable: true };
+    let opts = crate::support::pg::PgOptions { durable: true, ..Default::default() };
     let Some(pg) = Pg::start_with("pg_bench_turn_transactions", opts) else { return };
     let mut c = migrated(&pg);
     c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag");

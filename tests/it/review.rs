@@ -41,6 +41,7 @@ fn task_id(r: &Resp) -> String {
 /// after a few restarts: the segment holding its `forget` record was deleted (it pinned
 /// nothing) while an older segment, kept by a long-delayed task, still held the task's first
 /// (pending) record.
+// Single-node only: journal-specific (DATA_DIR); DATA_DIR is not used in cluster mode
 #[test]
 fn a_forgotten_task_is_not_resurrected_by_restarts_while_an_older_segment_lives() {
     let dir = DataDir::new("forget");
@@ -90,18 +91,20 @@ fn a_forgotten_task_is_not_resurrected_by_restarts_while_an_older_segment_lives(
 /// until IDLE_TIMEOUT closed it.
 #[test]
 fn pipelined_requests_behind_a_large_output_are_all_answered() {
-    let relay = Relay::start();
-    let mut client = Client::connect(relay.addr);
-    client.stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
-    let n = 1000;
-    let one = crate::support::http::build("GET", "/ui/app.js", &[], None);
-    client.send_raw(&one.repeat(n));
-    for i in 0..n {
-        match client.read_response() {
-            Some(r) => assert_eq!(r.status, 200, "response {i}"),
-            None => panic!("only {i} of {n} pipelined requests were answered"),
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let mut client = Client::connect(relay.addr);
+        client.stream.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+        let n = 1000;
+        let one = crate::support::http::build("GET", "/ui/app.js", &[], None);
+        client.send_raw(&one.repeat(n));
+        for i in 0..n {
+            match client.read_response() {
+                Some(r) => assert_eq!(r.status, 200, "response {i}"),
+                None => panic!("only {i} of {n} pipelined requests were answered"),
+            }
         }
-    }
+    });
 }
 
 /// A batch body of tiny items (`[1,1,1,...]`, 2 bytes each) made relay build an answer about 40
@@ -110,28 +113,30 @@ fn pipelined_requests_behind_a_large_output_are_all_answered() {
 /// reading the body, before the answer exists).
 #[test]
 fn a_batch_of_millions_of_tiny_items_is_refused_instead_of_amplified() {
-    let relay = Relay::start_with(&[("LOG_LEVEL", "info")]);
-    let items = |n: usize| {
-        let mut body = b"{\"tasks\":[".to_vec();
-        body.extend(std::iter::repeat_n(&b"1,"[..], n - 1).flatten());
-        body.extend_from_slice(b"1]}");
-        body
-    };
-    let auth = format!("Bearer {API}");
-    let headers = [("Authorization", auth.as_str())];
-    let mut client = Client::connect(relay.addr);
-    let r = client.call("POST", "/tasks/batch", &headers, Some(&items(1_000_001)));
-    assert_eq!(r.status, 413, "{}", &r.text()[..r.text().len().min(300)]);
-    assert!(r.text().contains("1000000"), "{}", r.text());
-    let r = client.call("POST", "/tasks/batch", &headers, Some(&items(4_000_000)));
-    assert_eq!(r.status, 413);
-    let peak_mib = peak_rss_kib(relay.pid()) / 1024;
-    assert!(peak_mib < 256, "an 8 MB batch body took {peak_mib} MiB");
-    // A large batch still works: one answer per item.
-    let r = client.call("POST", "/tasks/batch", &headers, Some(&items(100_000)));
-    assert_eq!(r.status, 202);
-    let tasks = r.json()["tasks"].as_array().expect("tasks").len();
-    assert_eq!(tasks, 100_000);
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("LOG_LEVEL", "info")]);
+        let items = |n: usize| {
+            let mut body = b"{\"tasks\":[".to_vec();
+            body.extend(std::iter::repeat_n(&b"1,"[..], n - 1).flatten());
+            body.extend_from_slice(b"1]}");
+            body
+        };
+        let auth = format!("Bearer {API}");
+        let headers = [("Authorization", auth.as_str())];
+        let mut client = Client::connect(relay.addr);
+        let r = client.call("POST", "/tasks/batch", &headers, Some(&items(1_000_001)));
+        assert_eq!(r.status, 413, "{}", &r.text()[..r.text().len().min(300)]);
+        assert!(r.text().contains("1000000"), "{}", r.text());
+        let r = client.call("POST", "/tasks/batch", &headers, Some(&items(4_000_000)));
+        assert_eq!(r.status, 413);
+        let peak_mib = peak_rss_kib(relay.pid()) / 1024;
+        assert!(peak_mib < 256, "an 8 MB batch body took {peak_mib} MiB");
+        // A large batch still works: one answer per item.
+        let r = client.call("POST", "/tasks/batch", &headers, Some(&items(100_000)));
+        assert_eq!(r.status, 202);
+        let tasks = r.json()["tasks"].as_array().expect("tasks").len();
+        assert_eq!(tasks, 100_000);
+    });
 }
 
 /// A batch refused as a whole (400/413 after its body was read) was answered as if its body
@@ -139,21 +144,23 @@ fn a_batch_of_millions_of_tiny_items_is_refused_instead_of_amplified() {
 /// the rest of it as a request of its own), or the connection was closed.
 #[test]
 fn a_refused_batch_leaves_the_pipelined_requests_after_it_intact() {
-    let relay = Relay::start();
-    let auth = format!("Bearer {API}");
-    let headers = [("Authorization", auth.as_str())];
-    let mut client = Client::connect(relay.addr);
-    let mut raw = crate::support::http::build("POST", "/tasks/batch", &headers, Some(br#"{"tasks":5}"#));
-    raw.extend(crate::support::http::build("GET", "/healthz", &[], None));
-    raw.extend(crate::support::http::build("POST", "/tasks/batch", &headers, Some(br#"{"tasks":[]}"#)));
-    client.send_raw(&raw);
-    let r = client.read_response().expect("an answer to the bad batch");
-    assert_eq!(r.status, 400, "{}", r.text());
-    assert_ne!(r.header("Connection"), Some("close"));
-    let r = client.read_response().expect("an answer to the request after it");
-    assert_eq!((r.status, r.json()["status"].as_str()), (200, Some("ok")), "{}", r.text());
-    let r = client.read_response().expect("an answer to the empty batch");
-    assert_eq!((r.status, r.text()), (202, r#"{"tasks":[]}"#.to_string()));
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let auth = format!("Bearer {API}");
+        let headers = [("Authorization", auth.as_str())];
+        let mut client = Client::connect(relay.addr);
+        let mut raw = crate::support::http::build("POST", "/tasks/batch", &headers, Some(br#"{"tasks":5}"#));
+        raw.extend(crate::support::http::build("GET", "/healthz", &[], None));
+        raw.extend(crate::support::http::build("POST", "/tasks/batch", &headers, Some(br#"{"tasks":[]}"#)));
+        client.send_raw(&raw);
+        let r = client.read_response().expect("an answer to the bad batch");
+        assert_eq!(r.status, 400, "{}", r.text());
+        assert_ne!(r.header("Connection"), Some("close"));
+        let r = client.read_response().expect("an answer to the request after it");
+        assert_eq!((r.status, r.json()["status"].as_str()), (200, Some("ok")), "{}", r.text());
+        let r = client.read_response().expect("an answer to the empty batch");
+        assert_eq!((r.status, r.text()), (202, r#"{"tasks":[]}"#.to_string()));
+    });
 }
 
 /// A segment whose 16-byte header was damaged lost every record in it (tens of thousands of
@@ -161,6 +168,7 @@ fn a_refused_batch_leaves_the_pipelined_requests_after_it_intact() {
 /// format version, say after a downgrade) was skipped the same way, its tasks silently gone.
 /// Now a damaged header is counted and the frames after it are read; an unknown version
 /// stops startup and leaves the file alone.
+// Single-node only: journal-specific (DATA_DIR); DATA_DIR is not used in cluster mode
 #[test]
 fn a_damaged_segment_header_loses_no_record_and_an_unknown_version_stops_startup() {
     let dir = DataDir::new("header");
@@ -216,43 +224,49 @@ fn a_damaged_segment_header_loses_no_record_and_an_unknown_version_stops_startup
 /// now share one budget.
 #[test]
 fn many_batches_at_once_do_not_hold_the_loop() {
-    let relay = Relay::start_with(&[("MAX_PENDING", "10000000"), ("MAX_PENDING_BYTES", "2000000000")]);
-    let items: Vec<String> = (0..2048).map(|i| format!(r#"{{"payload":{{"n":{i}}}}}"#)).collect();
-    let body = format!(r#"{{"tasks":[{}]}}"#, items.join(","));
-    let auth = format!("Bearer {API}");
-    let raw =
-        crate::support::http::build("POST", "/tasks/batch", &[("Authorization", auth.as_str())], Some(body.as_bytes()));
-    let n = 150;
-    // Everything but the last byte first, so that all the batches start in the same turn.
-    let mut clients: Vec<Client> = (0..n)
-        .map(|_| {
-            let mut c = Client::connect(relay.addr);
-            c.send_raw(&raw[..raw.len() - 1]);
-            c
-        })
-        .collect();
-    relay.barrier();
-    for c in &mut clients {
-        c.send_raw(&raw[raw.len() - 1..]);
-    }
-    let started = Instant::now();
-    let total = (n * 2048) as f64;
-    let mut worst = Duration::ZERO;
-    let mut first = None;
-    loop {
-        let t = Instant::now();
-        let pending = relay.metric("relay_tasks_pending");
-        worst = worst.max(t.elapsed());
-        first.get_or_insert(pending);
-        if pending >= total || started.elapsed() > Duration::from_secs(120) {
-            break;
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_PENDING", "10000000"), ("MAX_PENDING_BYTES", "2000000000")]);
+        let items: Vec<String> = (0..2048).map(|i| format!(r#"{{"payload":{{"n":{i}}}}}"#)).collect();
+        let body = format!(r#"{{"tasks":[{}]}}"#, items.join(","));
+        let auth = format!("Bearer {API}");
+        let raw = crate::support::http::build(
+            "POST",
+            "/tasks/batch",
+            &[("Authorization", auth.as_str())],
+            Some(body.as_bytes()),
+        );
+        let n = 150;
+        // Everything but the last byte first, so that all the batches start in the same turn.
+        let mut clients: Vec<Client> = (0..n)
+            .map(|_| {
+                let mut c = Client::connect(relay.addr);
+                c.send_raw(&raw[..raw.len() - 1]);
+                c
+            })
+            .collect();
+        relay.barrier();
+        for c in &mut clients {
+            c.send_raw(&raw[raw.len() - 1..]);
         }
-    }
-    for c in &mut clients {
-        assert_eq!(c.read_response().expect("an answer").status, 202);
-    }
-    assert!(first.is_some_and(|p| p < total), "the first look came after every batch was done");
-    assert!(worst < Duration::from_secs(1), "a health check waited {worst:?} behind {n} batches");
+        let started = Instant::now();
+        let total = (n * 2048) as f64;
+        let mut worst = Duration::ZERO;
+        let mut first = None;
+        loop {
+            let t = Instant::now();
+            let pending = relay.metric("relay_tasks_pending");
+            worst = worst.max(t.elapsed());
+            first.get_or_insert(pending);
+            if pending >= total || started.elapsed() > Duration::from_secs(120) {
+                break;
+            }
+        }
+        for c in &mut clients {
+            assert_eq!(c.read_response().expect("an answer").status, 202);
+        }
+        assert!(first.is_some_and(|p| p < total), "the first look came after every batch was done");
+        assert!(worst < Duration::from_secs(1), "a health check waited {worst:?} behind {n} batches");
+    });
 }
 
 /// A listing page could hold 4 MiB of JSON (plus one task over it): a client asking for pages
@@ -261,43 +275,46 @@ fn many_batches_at_once_do_not_hold_the_loop() {
 /// page now stops at 256 KiB (and the cursor carries on).
 #[test]
 fn a_listing_page_holds_at_most_about_256_kib() {
-    let relay = Relay::start();
-    let worker = FakeWorker::connect(&relay, None, Auto::Echo);
-    relay.wait_clients(1, |_| true);
-    let pad = "r".repeat(16 * 1024);
-    let mut ids = Vec::new();
-    for i in 0..40 {
-        let r = relay.api("POST", "/tasks?wait=true", Some(&json!({"payload": {"i": i, "pad": pad}}).to_string()));
-        assert_eq!(r.status, 200, "{}", r.text());
-        ids.push(r.json()["task_id"].as_str().expect("id").to_string());
-    }
-    drop(worker);
-    let mut seen = Vec::new();
-    let mut cursor: Option<String> = None;
-    loop {
-        let path = match &cursor {
-            Some(c) => format!("/tasks?limit=1000&cursor={c}"),
-            None => "/tasks?limit=1000".to_string(),
-        };
-        let r = relay.api("GET", &path, None);
-        assert_eq!(r.status, 200);
-        assert!(r.body.len() <= 256 * 1024 + 20 * 1024, "a page of {} bytes", r.body.len());
-        let page = r.json();
-        for t in page["tasks"].as_array().expect("tasks") {
-            seen.push(t["task_id"].as_str().expect("id").to_string());
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let worker = FakeWorker::connect(&relay, None, Auto::Echo);
+        relay.wait_clients(1, |_| true);
+        let pad = "r".repeat(16 * 1024);
+        let mut ids = Vec::new();
+        for i in 0..40 {
+            let r = relay.api("POST", "/tasks?wait=true", Some(&json!({"payload": {"i": i, "pad": pad}}).to_string()));
+            assert_eq!(r.status, 200, "{}", r.text());
+            ids.push(r.json()["task_id"].as_str().expect("id").to_string());
         }
-        match page["next_cursor"].as_str() {
-            Some(c) => cursor = Some(c.to_string()),
-            None => break,
+        drop(worker);
+        let mut seen = Vec::new();
+        let mut cursor: Option<String> = None;
+        loop {
+            let path = match &cursor {
+                Some(c) => format!("/tasks?limit=1000&cursor={c}"),
+                None => "/tasks?limit=1000".to_string(),
+            };
+            let r = relay.api("GET", &path, None);
+            assert_eq!(r.status, 200);
+            assert!(r.body.len() <= 256 * 1024 + 20 * 1024, "a page of {} bytes", r.body.len());
+            let page = r.json();
+            for t in page["tasks"].as_array().expect("tasks") {
+                seen.push(t["task_id"].as_str().expect("id").to_string());
+            }
+            match page["next_cursor"].as_str() {
+                Some(c) => cursor = Some(c.to_string()),
+                None => break,
+            }
         }
-    }
-    ids.reverse();
-    assert_eq!(seen, ids, "every task once, newest first");
+        ids.reverse();
+        assert_eq!(seen, ids, "every task once, newest first");
+    });
 }
 
 /// Tasks that left memory counted 512 bytes each toward a listing page's size, whatever their
 /// result: with large results one page came back at 40 MB (200 tasks of 200 KB), up to a GB
 /// with 1,000 of MAX_MESSAGE_SIZE. A task read back now counts the size of its record.
+// Single-node only: journal-specific (DATA_DIR); DATA_DIR is not used in cluster mode
 #[test]
 fn a_listing_page_of_tasks_read_back_from_the_journal_keeps_its_size_limit() {
     let dir = DataDir::new("page");
@@ -351,6 +368,7 @@ impl SlowDisk {
 /// Backpressure stopped new submits once 64 MiB waited for the disk, but batches already under
 /// way went on adding slices: with a disk that fell behind, 30 batches took the bytes waiting
 /// for it to 490 MB (in memory). A batch's next slice now waits too.
+// Single-node only: journal-specific (DATA_DIR); DATA_DIR is not used in cluster mode
 #[test]
 fn batches_under_way_wait_for_a_disk_that_fell_behind() {
     let dir = DataDir::new("slow");
@@ -413,25 +431,28 @@ fn batches_under_way_wait_for_a_disk_that_fell_behind() {
 /// `bad_request` entry.
 #[test]
 fn a_batch_item_over_max_message_size_is_refused() {
-    let relay = Relay::start();
-    let big = format!(r#"{{"payload":{{"big":"{}"}}}}"#, "x".repeat(1 << 20));
-    let fits = format!(r#"{{"payload":{{"big":"{}"}}}}"#, "x".repeat(500_000));
-    let body = format!(r#"{{"tasks":[{big},{fits},{{"payload":1}}]}}"#);
-    let r = relay.api("POST", "/tasks/batch", Some(&body));
-    assert_eq!(r.status, 202, "{}", r.text());
-    let tasks = r.json()["tasks"].clone();
-    assert_eq!(tasks[0]["error"], "bad_request", "{tasks}");
-    assert!(tasks[0]["message"].as_str().is_some_and(|m| m.contains("MAX_MESSAGE_SIZE")), "{tasks}");
-    let (fits, small) = (tasks[1]["task_id"].as_str().expect("fits"), tasks[2]["task_id"].as_str().expect("small"));
-    let _worker = FakeWorker::connect(&relay, None, Auto::Echo);
-    relay.wait_status(fits, "done", Duration::from_secs(5));
-    relay.wait_status(small, "done", Duration::from_secs(5));
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let big = format!(r#"{{"payload":{{"big":"{}"}}}}"#, "x".repeat(1 << 20));
+        let fits = format!(r#"{{"payload":{{"big":"{}"}}}}"#, "x".repeat(500_000));
+        let body = format!(r#"{{"tasks":[{big},{fits},{{"payload":1}}]}}"#);
+        let r = relay.api("POST", "/tasks/batch", Some(&body));
+        assert_eq!(r.status, 202, "{}", r.text());
+        let tasks = r.json()["tasks"].clone();
+        assert_eq!(tasks[0]["error"], "bad_request", "{tasks}");
+        assert!(tasks[0]["message"].as_str().is_some_and(|m| m.contains("MAX_MESSAGE_SIZE")), "{tasks}");
+        let (fits, small) = (tasks[1]["task_id"].as_str().expect("fits"), tasks[2]["task_id"].as_str().expect("small"));
+        let _worker = FakeWorker::connect(&relay, None, Auto::Echo);
+        relay.wait_status(fits, "done", Duration::from_secs(5));
+        relay.wait_status(small, "done", Duration::from_secs(5));
+    });
 }
 
 /// A task whose frame is larger than half a worker's output cap (a payload accepted under a
 /// larger MAX_MESSAGE_SIZE, read back after a restart with a smaller one) crashed relay with a
 /// stack overflow as soon as a worker connected, and could never be sent (the cap refused it
 /// even into an empty buffer), holding up every task queued behind it.
+// Single-node only: journal-specific (DATA_DIR); DATA_DIR is not used in cluster mode (a task read back from it after a restart with a smaller MAX_MESSAGE_SIZE)
 #[test]
 fn a_task_larger_than_the_workers_output_cap_neither_crashes_relay_nor_blocks_the_queue() {
     let dir = DataDir::new("bigframe");
@@ -457,6 +478,7 @@ fn a_task_larger_than_the_workers_output_cap_neither_crashes_relay_nor_blocks_th
 
 /// (Review of issue 9) A whole submit held back because the disk fell behind waited past
 /// HEADER_TIMEOUT and got a 408 blaming the client; the wait is relay's, so it gets its 202.
+// Single-node only: journal-specific (DATA_DIR); DATA_DIR is not used in cluster mode (a slowed journal disk)
 #[test]
 fn a_submit_held_by_backpressure_is_not_timed_out_as_the_clients_fault() {
     let dir = DataDir::new("slow408");

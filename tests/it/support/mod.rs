@@ -2,6 +2,7 @@
 //! over plain sockets, and connect fake workers over real WebSockets.
 
 pub mod http;
+pub mod modes;
 pub mod pg;
 pub mod strace;
 pub mod worker;
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 pub use self::http::{Client, Resp, request};
+pub use self::modes::{Mode, for_each_mode};
 pub use self::worker::{Auto, FakeWorker};
 
 /// True when `CI` names a CI run (set, not empty, not `0` or `false`; `.ci/run` exports
@@ -61,6 +63,9 @@ pub struct Relay {
     /// A BLOB_DIR of this relay's own, unless the test chose one (relays running side by side
     /// must not share one); removed on drop.
     own_blobs: Option<std::path::PathBuf>,
+    /// Cluster mode (`Mode::Cluster`): the database this node uses, dropped after the node
+    /// stopped (fields drop after `Drop::drop` killed the process).
+    pub db: Option<Arc<pg::TestDb>>,
 }
 
 /// Defaults that keep tests fast: short timeouts, memory only, debug logs.
@@ -164,7 +169,7 @@ impl Relay {
                 panic!("relay did not start; log:\n{}", log.lock().expect("log"));
             }
         };
-        Relay { child: Some(child), addr, log, log_done, own_blobs }
+        Relay { child: Some(child), addr, log, log_done, own_blobs, db: None }
     }
 
     pub fn pid(&self) -> u32 {
@@ -218,6 +223,19 @@ impl Relay {
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    /// Polls `/healthz` until `ok` holds for its JSON, returning it. Its task counts are a
+    /// node's own in memory on one node, and cluster-wide counts at most 1 s old in cluster
+    /// mode (SPEC §11): a test that reads them after a change polls, in both modes alike.
+    pub fn wait_health(&self, ok: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let mut last = serde_json::Value::Null;
+        let seen = poll_until(Duration::from_secs(5), || {
+            last = request(self.addr, "GET", "/healthz", &[], None).json();
+            ok(&last)
+        });
+        assert!(seen, "/healthz never showed the expected counts: {last}");
+        last
     }
 
     pub fn clients(&self) -> serde_json::Value {

@@ -22,6 +22,9 @@ pub struct PgOptions {
     /// `fsync=on` and `synchronous_commit=on`: for tests that crash the server and expect
     /// committed data back. Off by default (faster, and nothing here survives the test anyway).
     pub durable: bool,
+    /// The process-wide server of [`shared`]: more connections (the tests running side by side
+    /// each start nodes of three connections on it).
+    pub shared: bool,
 }
 
 /// One running (or stopped, between `stop` and `start_again`) private server.
@@ -145,6 +148,10 @@ impl Pg {
                 return None;
             }
         };
+        Some(Pg::from_template(test, root, options))
+    }
+
+    fn from_template(test: &str, root: &Path, options: PgOptions) -> Pg {
         let started = Instant::now();
         let dir = std::env::temp_dir().join(format!("relay-pg-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("pg temp dir");
@@ -157,7 +164,7 @@ impl Pg {
         let mut pg = Pg { root: dir, data, socket_dir, port: 0, options, child: None };
         pg.start_again();
         eprintln!("pg: {test}: server ready on port {} in {:?}", pg.port, started.elapsed());
-        Some(pg)
+        pg
     }
 
     /// Starts the server on its data directory (again, after `stop` or `kill`). A new port is
@@ -176,7 +183,7 @@ impl Pg {
                 format!("synchronous_commit={durable}"),
                 format!("full_page_writes={durable}"),
                 "shared_buffers=16MB".into(),
-                "max_connections=40".into(),
+                format!("max_connections={}", if self.options.shared { 120 } else { 40 }),
                 "max_wal_senders=0".into(),
                 "wal_level=minimal".into(),
                 "autovacuum=on".into(),
@@ -284,11 +291,21 @@ impl Pg {
         self.signal(libc::SIGKILL);
         self.reap(Duration::from_secs(10));
         // Orphaned backends hold the shared memory and the port until they notice; wait until
-        // nothing answers on the port before a restart may reuse it.
+        // nothing answers on the port, and no process of the server is left (each one works in
+        // the data directory), before a restart may reuse them: a restart while a backend
+        // still lives fails with "pre-existing shared memory block is still in use".
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() && Instant::now() < deadline {
+        while (std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() || self.has_processes())
+            && Instant::now() < deadline
+        {
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// Whether a process still works in this server's data directory (its cwd).
+    fn has_processes(&self) -> bool {
+        let Ok(procs) = std::fs::read_dir("/proc") else { return false };
+        procs.filter_map(Result::ok).any(|p| std::fs::read_link(p.path().join("cwd")).is_ok_and(|cwd| cwd == self.data))
     }
 
     fn reap(&mut self, within: Duration) {
@@ -312,5 +329,93 @@ impl Drop for Pg {
     fn drop(&mut self) {
         self.stop();
         let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// The one server of this test process that the tests of both modes (`support::modes`) share,
+/// each on a database of its own ([`TestDb`]): started on first use (about 0.3 s from the
+/// template), never by a test that does not need it. `Err` says why PostgreSQL is not there.
+///
+/// The harness runs no destructor at exit, so a watchdog (a small shell loop, detached from
+/// the terminal's signals) waits for this process to end, then stops the server by its PID
+/// (fast shutdown) and removes its directory: an aborted or killed run leaves nothing behind.
+pub fn shared() -> Result<&'static Pg, String> {
+    static SHARED: OnceLock<Result<Pg, String>> = OnceLock::new();
+    SHARED
+        .get_or_init(|| {
+            let root = template().as_ref().map_err(Clone::clone)?;
+            let pg = Pg::from_template("shared server", root, PgOptions { shared: true, ..PgOptions::default() });
+            let pid = pg.pid().ok_or("the shared server is not running")?;
+            let script = "trap '' INT TERM HUP; \
+                while kill -0 \"$1\" 2>/dev/null; do sleep 0.2; done; \
+                kill -INT \"$2\" 2>/dev/null; \
+                while kill -0 \"$2\" 2>/dev/null; do sleep 0.1; done; \
+                rm -rf \"$3\"";
+            Command::new("sh")
+                .args(["-c", script, "relay-it-pg-watchdog"])
+                .arg(std::process::id().to_string())
+                .arg(pid.to_string())
+                .arg(&pg.root)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| format!("the shared server's watchdog: {e}"))?;
+            Ok(pg)
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+/// A database of its own on the [`shared`] server, dropped (`WITH (FORCE)`) when this is
+/// dropped; the nodes that used it are stopped first (a `Relay` holds its `TestDb`).
+pub struct TestDb {
+    pub name: String,
+    pg: &'static Pg,
+}
+
+impl TestDb {
+    pub fn create(pg: &'static Pg) -> TestDb {
+        let name = format!("relay_it_{}", uuid::Uuid::new_v4().simple());
+        pg.admin(&format!("CREATE DATABASE {name}"));
+        TestDb { name, pg }
+    }
+
+    /// `DATABASE_URL` of this database, over the unix socket.
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@/{}?host={}&port={}", self.name, self.pg.socket_dir.display(), self.pg.port)
+    }
+
+    /// Runs one SQL text on this database; returns the first column of the last statement's
+    /// rows (NULL as an empty string).
+    pub fn query(&self, sql: &str) -> Vec<String> {
+        let params = relay::pg::url::parse(&self.url()).expect("test database url");
+        let mut conn = relay::pg::wire::Conn::connect(&params, relay::pg::wire::Timeouts::default())
+            .unwrap_or_else(|e| panic!("connect to {}: {e}", self.name));
+        let out = conn.simple(sql).unwrap_or_else(|e| panic!("{sql:?} on {}: {e}", self.name));
+        conn.close();
+        out.last().map(|r| r.rows.iter().map(|row| row.text(0).unwrap_or("").to_string()).collect()).unwrap_or_default()
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        self.pg.admin(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name));
+    }
+}
+
+impl Pg {
+    /// One statement on the `postgres` database through relay's own wire client (no `psql`
+    /// process per call). A failure fails the test, unless it is failing already (a drop
+    /// while unwinding must not panic again).
+    fn admin(&self, sql: &str) {
+        let params = relay::pg::url::parse(&self.url()).expect("server url");
+        let done = relay::pg::wire::Conn::connect(&params, relay::pg::wire::Timeouts::default())
+            .and_then(|mut conn| conn.simple(sql).map(|_| conn.close()));
+        if let Err(e) = done
+            && !std::thread::panicking()
+        {
+            panic!("{sql}: {e}");
+        }
     }
 }
