@@ -500,7 +500,9 @@ impl Server {
                 let blobs = crate::files::pg::start(params.clone(), probe, cfg.blob_ttl_ms, wake_disk)?;
                 (crate::store::Store::Pg(Box::new(pg)), blobs)
             }
-            None => (open_memory_store(&cfg, wall, &waker)?, Store::start(cfg.blob_dir.clone(), wake_disk)?),
+            None => {
+                (open_memory_store(&cfg, wall, &waker)?, crate::files::disk::start(cfg.blob_dir.clone(), wake_disk)?)
+            }
         };
         let store = blobs;
         store.send(Job::Scan { now_wall_ms: crate::timefmt::wall_ms() });
