@@ -109,6 +109,10 @@ pub struct Download {
     pub keep_alive: bool,
     pub head_only: bool,
     pub range: Option<String>,
+    /// `If-Range`: the range applies only while the file's ETag is this one.
+    pub if_range: Option<String>,
+    /// `If-None-Match`: 304 when the file's ETag is among these.
+    pub if_none_match: Option<String>,
     /// The file is open and the head is written.
     pub started: bool,
     pub next: u64,

@@ -322,7 +322,7 @@ impl Server {
         };
         self.core.metrics.http_request(response.status);
         let close = !keep_alive || self.shutdown_started;
-        put_response(conn, r, response, close, false, durable, &mut self.gated);
+        put_response(conn, r, response, close, false, durable, &mut self.gated, &self.date.1);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         let at = self.now_ms + self.cfg.idle_timeout_ms;
@@ -420,7 +420,7 @@ impl Server {
             conn.close_after_flush = true;
         }
         http.phase = Phase::Idle;
-        write_response(&mut conn.out, response, close, head.method == Method::Head);
+        write_response(&mut conn.out, response, close, head.method == Method::Head, &self.date.1);
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         let at = self.now_ms + self.cfg.idle_timeout_ms;
         self.set_deadline(r, at);
@@ -448,7 +448,16 @@ impl Server {
                     client_ip = client_ip
                 );
                 let close = !head.keep_alive || response.close || self.shutdown_started;
-                put_response(conn, r, response, close, head.method == Method::Head, durable, &mut self.gated);
+                put_response(
+                    conn,
+                    r,
+                    response,
+                    close,
+                    head.method == Method::Head,
+                    durable,
+                    &mut self.gated,
+                    &self.date.1,
+                );
                 conn.close_after_flush |= close;
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
                 let at = self.now_ms + self.cfg.idle_timeout_ms;
@@ -466,7 +475,7 @@ impl Server {
         self.release_batch(r);
         let Some(conn) = self.conns.get_mut(r) else { return };
         self.core.metrics.http_request(response.status);
-        write_response(&mut conn.out, response, true, false);
+        write_response(&mut conn.out, response, true, false, &self.date.1);
         if let State::Http(http) = &mut conn.state {
             http.buf = Vec::new();
             let phase = std::mem::replace(&mut http.phase, Phase::Idle);

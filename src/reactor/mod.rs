@@ -173,6 +173,8 @@ struct Wire<'a> {
     durable_lsn: u64,
     max_ws_out_bytes: usize,
     shutting_down: bool,
+    /// This second's HTTP-date, for the `Date` of held answers.
+    date: [u8; 29],
 }
 
 impl Io for Wire<'_> {
@@ -219,7 +221,7 @@ impl Io for Wire<'_> {
         let Phase::Held { keep_alive, head_only } = http.phase else { return };
         let close = !keep_alive || response.close || self.shutting_down;
         http.phase = Phase::Idle;
-        put_response(conn, r, response, close, head_only, self.durable_lsn, self.gated);
+        put_response(conn, r, response, close, head_only, self.durable_lsn, self.gated, &self.date);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, self.dirty);
         // Pipelined requests may be waiting behind the held one.
@@ -290,6 +292,7 @@ fn put_response(
     head_only: bool,
     durable_lsn: u64,
     gated: &mut Gated,
+    date: &[u8],
 ) {
     if response.lsn > durable_lsn {
         gated.want = gated.want.max(response.lsn);
@@ -297,7 +300,7 @@ fn put_response(
     if conn.gate(response.lsn, durable_lsn) {
         gated.conns.push(r);
     }
-    write_response(&mut conn.out, response, close, head_only);
+    write_response(&mut conn.out, response, close, head_only, date);
 }
 
 /// A held reply or a download that has not been written completely yet.
@@ -322,9 +325,9 @@ fn end_transfer(store: &Store, transfers: &mut HashMap<TransferId, ConnRef>, pha
     }
 }
 
-fn write_response(out: &mut Vec<u8>, mut response: Response, close: bool, head_only: bool) {
+fn write_response(out: &mut Vec<u8>, mut response: Response, close: bool, head_only: bool, date: &[u8]) {
     response.close = close;
-    response.write_to(out, head_only);
+    response.write_to(out, head_only, date);
 }
 
 /// Why the server could not start.
@@ -395,6 +398,9 @@ pub struct Server {
     /// Batch items that may still be submitted this turn (`api::BATCH_ITEMS_PER_TURN` over all
     /// batches, so many batches at once cannot hold the loop).
     batch_budget: usize,
+    /// The second the `Date` header was formatted for, and its text (once a second, not once
+    /// an answer).
+    date: (u64, [u8; 29]),
 }
 
 /// An `Io` for the start, before any connection exists.
@@ -548,13 +554,18 @@ impl Server {
             journal_blocked: Vec::new(),
             auth_waiters: Vec::new(),
             batch_budget: crate::api::BATCH_ITEMS_PER_TURN,
+            date: (wall / 1000, crate::timefmt::http_date(wall / 1000)),
         };
         Ok((server, waker))
     }
 
     fn tick_clock(&mut self) {
         self.now_ms = self.started.elapsed().as_millis() as u64;
-        self.core.set_clock(self.now_ms, crate::timefmt::wall_ms());
+        let wall = crate::timefmt::wall_ms();
+        self.core.set_clock(self.now_ms, wall);
+        if wall / 1000 != self.date.0 {
+            self.date = (wall / 1000, crate::timefmt::http_date(wall / 1000));
+        }
     }
 
     fn wire(&mut self) -> (Wire<'_>, &mut Core) {
@@ -573,6 +584,7 @@ impl Server {
                 gated: &mut self.gated,
                 max_ws_out_bytes: self.max_ws_out_bytes,
                 shutting_down: self.shutdown_started,
+                date: self.date.1,
             },
             &mut self.core,
             &self.api,
@@ -1024,6 +1036,9 @@ impl Server {
         if let Some(mut listener) = self.listener.take() {
             let _ = self.poll.registry().deregister(&mut listener);
         }
+        // Nothing is accepted any more: a pending accept must not keep the poll at a zero
+        // timeout (a busy loop for the rest of the grace period, beside the downloads).
+        self.accept_pending = false;
         self.core.shutting_down = true;
         {
             let (mut wire, core) = self.wire();
