@@ -14,13 +14,17 @@ impl Server {
                     MAX_HELD_INPUT_BYTES
                 }
                 Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
-                    // A batch body may be MAX_BATCH_BYTES, but only a few are buffered at once.
-                    if http.batch_reserved == 0 {
-                        let want = match head.framing {
-                            Framing::Length(n) => (n as usize).max(1),
-                            _ => self.cfg.max_batch_bytes,
-                        };
-                        if self.batches.try_take(want) {
+                    // A batch body may be MAX_BATCH_BYTES, but the bodies buffered at once share
+                    // a budget: each holds what has arrived and one read more, never what its
+                    // head declared (a stalled body must not keep honest ones waiting).
+                    let declared = match head.framing {
+                        Framing::Length(n) => usize::try_from(n).unwrap_or(usize::MAX),
+                        _ => self.cfg.max_batch_bytes,
+                    }
+                    .saturating_add(BATCH_FRAMING_SLACK_BYTES);
+                    let want = http.buf.len().saturating_add(self.scratch.len()).min(declared);
+                    if http.batch_reserved < want {
+                        if self.batches.grow(r, declared, want) {
                             http.batch_reserved = want;
                         } else if self.batches.wait(r) {
                             // The wait is relay's, not the client's: no 408 meanwhile.
@@ -32,11 +36,7 @@ impl Server {
                             );
                         }
                     }
-                    if http.batch_reserved > 0 {
-                        MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
-                    } else {
-                        self.http_input_cap
-                    }
+                    http.batch_reserved
                 }
                 Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES => 0,
                 Phase::Upload(_) if self.disk.is_full() => {
@@ -266,13 +266,14 @@ impl Server {
 
     /// Gives back the batch budget a connection holds; wakes those waiting for it.
     pub(super) fn release_batch(&mut self, r: ConnRef) {
-        let Some(conn) = self.conns.get_mut(r) else { return };
-        let State::Http(http) = &mut conn.state else { return };
-        let held = std::mem::take(&mut http.batch_reserved);
-        if held > 0 {
+        if let Some(State::Http(http)) = self.conns.get_mut(r).map(|c| &mut c.state) {
+            http.batch_reserved = 0;
+        }
+        let woken = self.batches.release(r);
+        if !woken.is_empty() {
             // Woken bodies may still be on their way: their clock starts again.
             let at = self.now_ms + self.cfg.header_timeout_ms;
-            for w in self.batches.release(held) {
+            for w in woken {
                 self.set_deadline(w, at);
                 self.again.push(w);
             }

@@ -77,8 +77,11 @@ const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
 /// A download asks for more only when its unwritten output is at most this.
 const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
 
-/// Batch bodies of MAX_BATCH_BYTES buffered at once; further batches wait to be read.
+/// Batch bodies of MAX_BATCH_BYTES buffered at once (their bytes, however many bodies share
+/// them); beyond it batch bodies wait to be read.
 const BATCH_BODIES_AT_ONCE: usize = 4;
+/// What a batch body's buffer may hold beyond its body: chunked framing, pipelined bytes.
+const BATCH_FRAMING_SLACK_BYTES: usize = MAX_HEAD_BYTES + 4096;
 const CONTINUE_100: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 fn token(r: ConnRef) -> Token {
@@ -386,7 +389,7 @@ pub struct Server {
     /// Upload bytes queued to the disk thread and not yet written, over all uploads.
     disk: disk_budget::DiskBudget,
     /// Batch bodies buffered at once (`POST /tasks/batch`), over every connection.
-    batches: disk_budget::DiskBudget,
+    batches: disk_budget::BatchBudget,
     /// Connections with answers held back for the journal (`Conn::gates`).
     gated: Gated,
     /// The journal's durable sequence number when `gated` was last looked at.
@@ -548,7 +551,10 @@ impl Server {
             transfers: HashMap::new(),
             next_transfer: 1,
             disk: disk_budget::DiskBudget::new(DISK_BUDGET_BYTES),
-            batches: disk_budget::DiskBudget::new(cfg_max_batch.saturating_mul(BATCH_BODIES_AT_ONCE)),
+            batches: disk_budget::BatchBudget::new(
+                cfg_max_batch.saturating_add(BATCH_FRAMING_SLACK_BYTES).saturating_mul(BATCH_BODIES_AT_ONCE),
+                cfg_max_batch.saturating_add(BATCH_FRAMING_SLACK_BYTES),
+            ),
             gated: Gated::default(),
             durable_seen: 0,
             journal_blocked: Vec::new(),

@@ -452,3 +452,47 @@ fn request_smuggling_shapes_get_400_and_close() {
     assert!(!relay.log_text().contains("/smuggled"), "a smuggled request was answered:\n{}", relay.log_text());
     assert_eq!(relay.api("GET", "/healthz", None).json()["tasks"]["pending"], 0, "no smuggling request made a task");
 }
+
+/// Issue 19: four connections declaring 64 MiB batch bodies (MAX_BATCH_BYTES) and trickling
+/// bytes took the whole batch budget (it reserved what heads declared), so another client's
+/// 2.3 MB batch waited 9.1 s for their 408s instead of 0.2 s. A body now holds what arrived.
+#[test]
+fn stalled_batch_bodies_do_not_keep_an_honest_batch_waiting() {
+    let relay = Relay::start_with(&[("HEADER_TIMEOUT", "20s")]);
+    let auth = format!("Bearer {API}");
+    let declared = 64 * 1024 * 1024;
+    let mut stalled = Vec::new();
+    for _ in 0..4 {
+        let mut c = Client::connect(relay.addr);
+        c.send_raw(
+            format!(
+                "POST /tasks/batch HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\nContent-Type: application/json\r\n\
+                 Content-Length: {declared}\r\n\r\n{{\"tasks\":["
+            )
+            .as_bytes(),
+        );
+        stalled.push(c);
+    }
+    relay.barrier();
+    // A trickle: a few more bytes each, as a slow client would.
+    for c in &mut stalled {
+        c.send_raw(br#"{"payload":{"kind":"x"},"queue":true},"#);
+    }
+    relay.barrier();
+    let item = format!(r#"{{"payload":{{"kind":"x","pad":"{}"}},"queue":true}}"#, "p".repeat(2_200));
+    let body = format!("{{\"tasks\":[{}]}}", vec![item.as_str(); 1_000].join(","));
+    assert!(body.len() > 2_000_000);
+    let started = Instant::now();
+    let mut honest = Client::connect(relay.addr);
+    honest.stream.set_read_timeout(Some(Duration::from_secs(8))).expect("timeout");
+    honest.send("POST", "/tasks/batch", &[("Authorization", &auth)], Some(body.as_bytes()));
+    let r = honest.read_response().expect("the honest batch is answered while the others stall");
+    let took = started.elapsed();
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert_eq!(r.json()["tasks"].as_array().map(Vec::len), Some(1_000));
+    assert!(took < Duration::from_secs(3), "the honest batch took {took:?} beside four stalled ones");
+    // The stalled ones are still open, waiting for their bytes (HEADER_TIMEOUT is 20 s).
+    for c in &mut stalled {
+        assert!(!c.closed_within(Duration::from_millis(10)), "a stalled body was cut early");
+    }
+}
