@@ -603,7 +603,15 @@ impl Response {
     /// live state (a task, a listing, counts): `Cache-Control: no-store` unless it says otherwise.
     /// Every answer passes here: plain byte pushes, no formatting machinery.
     pub fn write_to(&self, out: &mut Vec<u8>, head_only: bool, date: &[u8]) {
-        out.reserve(160 + self.body.len());
+        self.write_head(out, date);
+        if !head_only && self.status != 304 {
+            out.extend_from_slice(&self.body);
+        }
+    }
+
+    /// The status line and the headers of [`Response::write_to`], without the body.
+    pub fn write_head(&self, out: &mut Vec<u8>, date: &[u8]) {
+        out.reserve(160);
         out.extend_from_slice(b"HTTP/1.1 ");
         push_decimal(out, u64::from(self.status));
         out.push(b' ');
@@ -631,9 +639,6 @@ impl Response {
             out.extend_from_slice(b"Connection: close\r\n");
         }
         out.extend_from_slice(b"\r\n");
-        if !head_only && !not_modified {
-            out.extend_from_slice(&self.body);
-        }
     }
 }
 

@@ -161,9 +161,9 @@ mod tests {
         let mut progress = true;
         while progress {
             progress = false;
-            for s in 0..5 {
-                if held[s] < 100 && b.grow(conn(s as u32), 100, held[s] + 10) {
-                    held[s] += 10;
+            for (s, held) in held.iter_mut().enumerate() {
+                if *held < 100 && b.grow(conn(s as u32), 100, *held + 10) {
+                    *held += 10;
                     progress = true;
                 }
             }
@@ -181,9 +181,9 @@ mod tests {
             held[s] = usize::MAX;
             b.release(conn(s as u32));
             finished += 1;
-            for t in 0..5 {
-                while held[t] < 100 && b.grow(conn(t as u32), 100, held[t] + 10) {
-                    held[t] += 10;
+            for (t, held) in held.iter_mut().enumerate() {
+                while *held < 100 && b.grow(conn(t as u32), 100, *held + 10) {
+                    *held += 10;
                 }
             }
         }

@@ -49,7 +49,7 @@ impl Server {
                 Phase::Idle | Phase::Head => MAX_HEAD_BYTES + MAX_HELD_INPUT_BYTES,
                 Phase::Body { .. } => self.http_input_cap,
             };
-            let backlog = conn.out.len() - conn.out_pos;
+            let backlog = conn.out.len() - conn.out_pos + conn.spill_bytes;
             let blocked = conn.close_after_flush || backlog > MAX_HTTP_BACKLOG_BYTES || http.buf.len() >= cap;
             if blocked {
                 conn.read_more = true;
@@ -137,8 +137,13 @@ impl Server {
     pub(super) fn step_http(&mut self, r: ConnRef) -> bool {
         let now = self.now_ms;
         let journal_full = self.journal_full();
+        self.count_out(r);
+        let pressure = self.output_pressure();
         let Some(conn) = self.conns.get_mut(r) else { return false };
-        if conn.close_after_flush || conn.pending_out() > MAX_HTTP_BACKLOG_BYTES {
+        // Answers wait while this client has not read the earlier ones: beyond its backlog, or,
+        // when OUTPUT_MEMORY is used up, while it has any (SPEC §10: bounded as a whole).
+        let backlog = conn.pending_out();
+        if conn.close_after_flush || backlog > MAX_HTTP_BACKLOG_BYTES || (pressure && backlog > 0) {
             return false;
         }
         let State::Http(http) = &mut conn.state else { return false };
@@ -421,7 +426,7 @@ impl Server {
             conn.close_after_flush = true;
         }
         http.phase = Phase::Idle;
-        write_response(&mut conn.out, response, close, head.method == Method::Head, &self.date.1);
+        write_response(conn, response, close, head.method == Method::Head, &self.date.1);
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         let at = self.now_ms + self.cfg.idle_timeout_ms;
         self.set_deadline(r, at);
@@ -476,7 +481,7 @@ impl Server {
         self.release_batch(r);
         let Some(conn) = self.conns.get_mut(r) else { return };
         self.core.metrics.http_request(response.status);
-        write_response(&mut conn.out, response, true, false, &self.date.1);
+        write_response(conn, response, true, false, &self.date.1);
         if let State::Http(http) = &mut conn.state {
             http.buf = Vec::new();
             let phase = std::mem::replace(&mut http.phase, Phase::Idle);

@@ -224,11 +224,13 @@ impl Server {
 
     /// Asks for the next chunk of a download once its output has drained enough.
     pub(super) fn pump_download(&mut self, r: ConnRef) {
+        // Under OUTPUT_MEMORY pressure the next chunk waits until the last one is written.
+        let low_water = if self.output_pressure() { 0 } else { DOWNLOAD_LOW_WATER_BYTES };
         let Some(conn) = self.conns.get_mut(r) else { return };
         let pending = conn.pending_out();
         let State::Http(http) = &mut conn.state else { return };
         let Phase::Download(d) = &mut http.phase else { return };
-        if !d.started || d.reading || d.next >= d.end || pending > DOWNLOAD_LOW_WATER_BYTES {
+        if !d.started || d.reading || d.next >= d.end || pending > low_water {
             return;
         }
         let len = (d.end - d.next).min(DOWNLOAD_CHUNK_BYTES as u64) as usize;
@@ -333,7 +335,7 @@ impl Server {
         let response = Response::json(201, body.into_bytes());
         self.core.metrics.http_request(201);
         if let Some(conn) = self.conns.get_mut(r) {
-            write_response(&mut conn.out, response, !keep_alive || self.shutdown_started, false, &self.date.1);
+            write_response(conn, response, !keep_alive || self.shutdown_started, false, &self.date.1);
         }
         self.finish_transfer(r, keep_alive);
     }
@@ -373,7 +375,7 @@ impl Server {
                     }
                 };
                 self.core.metrics.http_request(response.status);
-                write_response(&mut conn.out, response, close, head_only, &date);
+                write_response(conn, response, close, head_only, &date);
                 self.finish_transfer(r, keep_alive);
                 return;
             }
@@ -385,7 +387,7 @@ impl Server {
             self.store.send(Job::Close { t });
             let response = Response::json(304, Vec::new()).with_header("ETag", etag);
             self.core.metrics.http_request(304);
-            write_response(&mut conn.out, response, close, head_only, &date);
+            write_response(conn, response, close, head_only, &date);
             self.finish_transfer(r, keep_alive);
             return;
         }
@@ -403,7 +405,7 @@ impl Server {
                 let response = crate::http::error(416, "range not satisfiable")
                     .with_header("Content-Range", format!("bytes */{}", meta.size));
                 self.core.metrics.http_request(416);
-                write_response(&mut conn.out, response, close, head_only, &date);
+                write_response(conn, response, close, head_only, &date);
                 self.finish_transfer(r, keep_alive);
                 return;
             }
