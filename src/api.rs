@@ -242,7 +242,7 @@ impl Api {
                 r.content_type = "text/plain; version=0.0.4; charset=utf-8";
                 return Handled::Respond(r);
             }
-            Route::Ui(name) => return Handled::Respond(crate::ui::asset(name)),
+            Route::Ui(name) => return Handled::Respond(crate::ui::asset(name, head.if_none_match.as_deref())),
             // (the reactor runs batches through `Api::batch_start`; this arm keeps the match whole)
             Route::TasksBatch => return Handled::Respond(error(500, "batch submitted outside its path")),
             Route::Files | Route::File(_) => {

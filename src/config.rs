@@ -36,6 +36,9 @@ pub struct Config {
     pub max_batch_bytes: usize,
     /// Memory for finished tasks; beyond it the oldest leave memory (TASK_MEMORY).
     pub task_memory_bytes: usize,
+    /// Unwritten HTTP output over every connection (OUTPUT_MEMORY): beyond it a connection
+    /// that has output left gets no new answer, and those whose output stalls are closed.
+    pub output_memory_bytes: usize,
     /// The largest a journal segment grows to (JOURNAL_SEGMENT_SIZE).
     pub journal_segment_bytes: u64,
     pub shutdown_timeout_ms: u64,
@@ -94,6 +97,12 @@ pub const VARS: &[(&str, &str, &str)] = &[
         "67108864",
         "bytes of memory for finished tasks; beyond it the oldest are read back from the journal on demand \
          (memory only: forgotten early)",
+    ),
+    (
+        "OUTPUT_MEMORY",
+        "268435456",
+        "bytes of unwritten HTTP answers held for all clients together; beyond it clients that do not \
+         read get no more and those stalled longest are closed",
     ),
     (
         "JOURNAL_SEGMENT_SIZE",
@@ -244,6 +253,7 @@ impl Config {
             max_pending_bytes: as_usize(count("MAX_PENDING_BYTES", 268_435_456)?),
             max_batch_bytes: as_usize(positive("MAX_BATCH_BYTES", 67_108_864)?),
             task_memory_bytes: as_usize(count("TASK_MEMORY", 67_108_864)?),
+            output_memory_bytes: as_usize(positive("OUTPUT_MEMORY", 268_435_456)?),
             journal_segment_bytes: {
                 // Records are found by 32-bit offsets within their segment.
                 let n = positive("JOURNAL_SEGMENT_SIZE", 67_108_864)?;

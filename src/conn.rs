@@ -39,6 +39,23 @@ pub struct Conn {
     /// Answers that may not leave before the journal is durable up to `lsn`: bytes from
     /// `start` in `out` on wait (in order; the sequence numbers never decrease).
     pub gates: std::collections::VecDeque<Gate>,
+    /// Large bodies kept as they are rather than copied into `out`, each written where it
+    /// belongs (`Spill::at`), a slice at a time.
+    pub spill: std::collections::VecDeque<Spill>,
+    /// Bytes of `spill` not yet written.
+    pub spill_bytes: usize,
+    /// The unwritten output the reactor last counted for this connection (its share of the
+    /// sum it keeps against OUTPUT_MEMORY).
+    pub out_counted: usize,
+    /// A write stopped at its slice with the socket still taking bytes: write again next turn.
+    pub write_more: bool,
+}
+
+/// A body that leaves after `out[..at]` and before `out[at..]`.
+pub struct Spill {
+    pub at: usize,
+    pub data: Vec<u8>,
+    pub pos: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -110,6 +127,10 @@ pub struct Download {
     pub keep_alive: bool,
     pub head_only: bool,
     pub range: Option<String>,
+    /// `If-Range`: the range applies only while the file's ETag is this one.
+    pub if_range: Option<String>,
+    /// `If-None-Match`: 304 when the file's ETag is among these.
+    pub if_none_match: Option<String>,
     /// The file is open and the head is written.
     pub started: bool,
     pub next: u64,
@@ -149,11 +170,21 @@ impl Conn {
             close_after_flush: false,
             gates: std::collections::VecDeque::new(),
             out_progress_ms: 0,
+            spill: std::collections::VecDeque::new(),
+            spill_bytes: 0,
+            out_counted: 0,
+            write_more: false,
         }
     }
 
     pub fn pending_out(&self) -> usize {
-        self.out.len() - self.out_pos
+        self.out.len() - self.out_pos + self.spill_bytes
+    }
+
+    /// Queues `body` to leave after everything appended to `out` so far.
+    pub fn push_spill(&mut self, body: Vec<u8>) {
+        self.spill_bytes += body.len();
+        self.spill.push_back(Spill { at: self.out.len(), data: body, pos: 0 });
     }
 
     /// Starts holding the bytes appended from now on until the journal is durable up to

@@ -69,6 +69,8 @@ pub struct Head {
     pub idempotency_key: Option<String>,
     pub content_type: Option<String>,
     pub range: Option<String>,
+    pub if_range: Option<String>,
+    pub if_none_match: Option<String>,
     /// Bytes of the head, final blank line included.
     pub head_len: usize,
 }
@@ -213,6 +215,8 @@ pub fn parse_head(buf: &[u8], head_len: usize) -> Result<Head, HeadError> {
         idempotency_key: None,
         content_type: None,
         range: None,
+        if_range: None,
+        if_none_match: None,
         head_len,
     };
     let mut content_length: Option<u64> = None;
@@ -277,6 +281,17 @@ pub fn parse_head(buf: &[u8], head_len: usize) -> Result<Head, HeadError> {
             head.content_type = Some(value.to_string());
         } else if name.eq_ignore_ascii_case("range") {
             head.range = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("if-range") {
+            head.if_range = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("if-none-match") {
+            // Several fields form one list.
+            match &mut head.if_none_match {
+                Some(list) => {
+                    list.push_str(", ");
+                    list.push_str(value);
+                }
+                None => head.if_none_match = Some(value.to_string()),
+            }
         }
     }
     if minor_version == 1 && hosts != 1 {
@@ -526,6 +541,7 @@ pub fn reason(status: u16) -> &'static str {
         408 => "Request Timeout",
         409 => "Conflict",
         413 => "Content Too Large",
+        304 => "Not Modified",
         416 => "Range Not Satisfiable",
         417 => "Expectation Failed",
         426 => "Upgrade Required",
@@ -581,19 +597,38 @@ impl Response {
         self
     }
 
-    /// Appends the response to `out`. A HEAD response carries the headers only.
+    /// Appends the response to `out`, with `date` (an HTTP-date, [`crate::timefmt::http_date`])
+    /// as its `Date`. A HEAD response carries the headers only; a 304 carries neither body nor
+    /// Content-Length (RFC 9110 §8.6: it could only be the 200's length). A JSON answer is
+    /// live state (a task, a listing, counts): `Cache-Control: no-store` unless it says otherwise.
     /// Every answer passes here: plain byte pushes, no formatting machinery.
-    pub fn write_to(&self, out: &mut Vec<u8>, head_only: bool) {
-        out.reserve(128 + self.body.len());
+    pub fn write_to(&self, out: &mut Vec<u8>, head_only: bool, date: &[u8]) {
+        self.write_head(out, date);
+        if !head_only && self.status != 304 {
+            out.extend_from_slice(&self.body);
+        }
+    }
+
+    /// The status line and the headers of [`Response::write_to`], without the body.
+    pub fn write_head(&self, out: &mut Vec<u8>, date: &[u8]) {
+        out.reserve(160);
         out.extend_from_slice(b"HTTP/1.1 ");
         push_decimal(out, u64::from(self.status));
         out.push(b' ');
         out.extend_from_slice(reason(self.status).as_bytes());
-        out.extend_from_slice(b"\r\nContent-Type: ");
-        out.extend_from_slice(self.content_type.as_bytes());
-        out.extend_from_slice(b"\r\nContent-Length: ");
-        push_decimal(out, self.body.len() as u64);
+        out.extend_from_slice(b"\r\nDate: ");
+        out.extend_from_slice(date);
+        let not_modified = self.status == 304;
+        if !not_modified {
+            out.extend_from_slice(b"\r\nContent-Type: ");
+            out.extend_from_slice(self.content_type.as_bytes());
+            out.extend_from_slice(b"\r\nContent-Length: ");
+            push_decimal(out, self.body.len() as u64);
+        }
         out.extend_from_slice(b"\r\n");
+        if self.content_type == JSON && !self.headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("cache-control")) {
+            out.extend_from_slice(b"Cache-Control: no-store\r\n");
+        }
         for (name, value) in &self.headers {
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(b": ");
@@ -604,10 +639,21 @@ impl Response {
             out.extend_from_slice(b"Connection: close\r\n");
         }
         out.extend_from_slice(b"\r\n");
-        if !head_only {
-            out.extend_from_slice(&self.body);
-        }
     }
+}
+
+/// Whether an `If-None-Match` value names `etag` (RFC 9110 §13.1.2: `*`, or a list compared
+/// weakly, so `W/"x"` matches `"x"`).
+pub fn none_match(header: &str, etag: &str) -> bool {
+    let etag = etag.strip_prefix("W/").unwrap_or(etag);
+    header.split(',').map(str::trim).any(|tag| tag == "*" || tag.strip_prefix("W/").unwrap_or(tag) == etag)
+}
+
+/// Whether an `If-Range` value lets a `Range` apply (RFC 9110 §13.1.5): only a strong entity
+/// tag equal to `etag`; a date or any other validator means the whole representation is sent.
+pub fn if_range_holds(header: &str, etag: &str) -> bool {
+    let header = header.trim();
+    !header.starts_with("W/") && header == etag
 }
 
 /// Appends `n` in decimal.
@@ -636,6 +682,7 @@ pub fn error_code(status: u16) -> &'static str {
         408 => "request_timeout",
         409 => "conflict",
         413 => "payload_too_large",
+        416 => "range_not_satisfiable",
         417 => "expectation_failed",
         426 => "upgrade_required",
         429 => "queue_full",
@@ -901,14 +948,50 @@ mod tests {
     #[test]
     fn response_bytes() {
         let mut out = Vec::new();
-        Response::error(405, "method_not_allowed", "use GET")
-            .with_header("Allow", "GET")
-            .closing()
-            .write_to(&mut out, false);
+        Response::error(405, "method_not_allowed", "use GET").with_header("Allow", "GET").closing().write_to(
+            &mut out,
+            false,
+            b"Sun, 06 Nov 1994 08:49:37 GMT",
+        );
         let text = String::from_utf8(out).expect("utf8");
-        assert!(text.starts_with("HTTP/1.1 405 Method Not Allowed\r\n"), "{text}");
+        assert!(
+            text.starts_with("HTTP/1.1 405 Method Not Allowed\r\nDate: Sun, 06 Nov 1994 08:49:37 GMT\r\n"),
+            "{text}"
+        );
         assert!(text.contains("\r\nAllow: GET\r\n") && text.contains("Connection: close\r\n"));
+        assert!(text.contains("\r\nCache-Control: no-store\r\n"), "{text}");
         assert!(text.ends_with("\r\n\r\n{\"error\":\"method_not_allowed\",\"message\":\"use GET\"}"));
+        // A 304 has no body and no Content-Length (it could only be the 200's).
+        let mut out = Vec::new();
+        let mut r = Response::json(304, Vec::new()).with_header("ETag", "\"x\"");
+        r.content_type = "text/css";
+        r.write_to(&mut out, false, b"Sun, 06 Nov 1994 08:49:37 GMT");
+        let text = String::from_utf8(out).expect("utf8");
+        assert!(!text.contains("Content-Length") && text.ends_with("ETag: \"x\"\r\n\r\n"), "{text}");
+    }
+
+    #[test]
+    fn validators() {
+        let etag = "\"abc\"";
+        for (header, want) in [
+            ("\"abc\"", true),
+            ("W/\"abc\"", true),
+            ("\"x\", \"abc\"", true),
+            ("*", true),
+            ("\"abcd\"", false),
+            ("", false),
+        ] {
+            assert_eq!(none_match(header, etag), want, "If-None-Match {header:?}");
+        }
+        for (header, want) in [
+            ("\"abc\"", true),
+            (" \"abc\" ", true),
+            ("W/\"abc\"", false),
+            ("\"other\"", false),
+            ("Sun, 06 Nov 1994 08:49:37 GMT", false),
+        ] {
+            assert_eq!(if_range_holds(header, etag), want, "If-Range {header:?}");
+        }
     }
 
     #[test]

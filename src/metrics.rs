@@ -28,6 +28,10 @@ pub struct Metrics {
     duration_sum_ms: u64,
     pub connections_refused: u64,
     pub ws_messages_malformed: u64,
+    /// Unwritten HTTP output over every connection (the reactor keeps it, against OUTPUT_MEMORY).
+    pub output_buffered_bytes: usize,
+    /// Connections closed because their output stalled while OUTPUT_MEMORY was used up.
+    pub output_stalled_closed: u64,
 }
 
 /// Point-in-time values the core knows and the metrics do not keep.
@@ -149,6 +153,18 @@ impl Metrics {
             "Connections closed at once because MAX_CONNECTIONS was reached.",
         );
         let _ = writeln!(w, "relay_connections_refused_total {}", self.connections_refused);
+        gauge(
+            w,
+            "relay_output_buffered_bytes",
+            "Unwritten HTTP answers held for all clients together (bounded by OUTPUT_MEMORY).",
+            self.output_buffered_bytes,
+        );
+        counter_header(
+            w,
+            "relay_output_stalled_closed_total",
+            "Connections closed because their output made no progress while OUTPUT_MEMORY was used up.",
+        );
+        let _ = writeln!(w, "relay_output_stalled_closed_total {}", self.output_stalled_closed);
         counter_header(w, "relay_ws_messages_malformed_total", "Worker messages that were not valid protocol JSON.");
         let _ = writeln!(w, "relay_ws_messages_malformed_total {}", self.ws_messages_malformed);
         counter_header(w, "relay_log_lines_dropped_total", "Log lines dropped because stderr could not keep up.");

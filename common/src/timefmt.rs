@@ -52,6 +52,32 @@ pub fn write_rfc3339_ms(out: &mut String, ms: u64) {
     out.push_str(std::str::from_utf8(&b).unwrap_or(""));
 }
 
+/// An HTTP-date (RFC 9110 §5.6.7, IMF-fixdate) for `secs` since the epoch:
+/// `Sun, 06 Nov 1994 08:49:37 GMT`, always 29 bytes (years past 9999 are written as 9999).
+pub fn http_date(secs: u64) -> [u8; 29] {
+    const DAYS: [&[u8; 3]; 7] = [b"Thu", b"Fri", b"Sat", b"Sun", b"Mon", b"Tue", b"Wed"];
+    const MONTHS: [&[u8; 3]; 12] =
+        [b"Jan", b"Feb", b"Mar", b"Apr", b"May", b"Jun", b"Jul", b"Aug", b"Sep", b"Oct", b"Nov", b"Dec"];
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    let (y, m, d) = civil_from_days(days);
+    let mut b = *b"Thu, 01 Jan 1970 00:00:00 GMT";
+    b[0..3].copy_from_slice(DAYS[days.rem_euclid(7) as usize]);
+    b[8..11].copy_from_slice(MONTHS[(m - 1).clamp(0, 11) as usize]);
+    let mut put = |at: usize, width: usize, mut v: u64| {
+        for i in (at..at + width).rev() {
+            b[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+        }
+    };
+    put(5, 2, d as u64);
+    put(12, 4, y.clamp(0, 9999) as u64);
+    put(17, 2, rem / 3600);
+    put(20, 2, rem / 60 % 60);
+    put(23, 2, rem % 60);
+    b
+}
+
 /// Parses RFC 3339 (`2026-11-29T12:00:00Z`, `...T12:00:00.5+05:00`, lower-case `t`/`z` and a
 /// space separator accepted) into milliseconds since the epoch. Times before 1970 are an error.
 pub fn parse_rfc3339_ms(text: &str) -> Result<u64, &'static str> {
@@ -198,5 +224,18 @@ mod tests {
             assert_eq!(parse_rfc3339_ms(&text), Ok(ms), "{text}");
         }
         assert_eq!(rfc3339_ms(1_795_953_975_123), "2026-11-29T12:06:15.123Z");
+    }
+
+    #[test]
+    fn http_dates() {
+        let table: &[(u64, &str)] = &[
+            (0, "Thu, 01 Jan 1970 00:00:00 GMT"),
+            (784_111_777, "Sun, 06 Nov 1994 08:49:37 GMT"),
+            (951_782_400, "Tue, 29 Feb 2000 00:00:00 GMT"),
+            (1_795_953_975, "Sun, 29 Nov 2026 12:06:15 GMT"),
+        ];
+        for (secs, text) in table {
+            assert_eq!(std::str::from_utf8(&http_date(*secs)), Ok(*text), "{secs}");
+        }
     }
 }

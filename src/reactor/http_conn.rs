@@ -14,13 +14,17 @@ impl Server {
                     MAX_HELD_INPUT_BYTES
                 }
                 Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
-                    // A batch body may be MAX_BATCH_BYTES, but only a few are buffered at once.
-                    if http.batch_reserved == 0 {
-                        let want = match head.framing {
-                            Framing::Length(n) => (n as usize).max(1),
-                            _ => self.cfg.max_batch_bytes,
-                        };
-                        if self.batches.try_take(want) {
+                    // A batch body may be MAX_BATCH_BYTES, but the bodies buffered at once share
+                    // a budget: each holds what has arrived and one read more, never what its
+                    // head declared (a stalled body must not keep honest ones waiting).
+                    let declared = match head.framing {
+                        Framing::Length(n) => usize::try_from(n).unwrap_or(usize::MAX),
+                        _ => self.cfg.max_batch_bytes,
+                    }
+                    .saturating_add(BATCH_FRAMING_SLACK_BYTES);
+                    let want = http.buf.len().saturating_add(self.scratch.len()).min(declared);
+                    if http.batch_reserved < want {
+                        if self.batches.grow(r, declared, want) {
                             http.batch_reserved = want;
                         } else if self.batches.wait(r) {
                             // The wait is relay's, not the client's: no 408 meanwhile.
@@ -32,11 +36,7 @@ impl Server {
                             );
                         }
                     }
-                    if http.batch_reserved > 0 {
-                        MAX_HEAD_BYTES + self.cfg.max_batch_bytes + 4096
-                    } else {
-                        self.http_input_cap
-                    }
+                    http.batch_reserved
                 }
                 Phase::Upload(up) if up.disk_bytes >= UPLOAD_WINDOW_BYTES => 0,
                 Phase::Upload(_) if self.disk.is_full() => {
@@ -49,7 +49,7 @@ impl Server {
                 Phase::Idle | Phase::Head => MAX_HEAD_BYTES + MAX_HELD_INPUT_BYTES,
                 Phase::Body { .. } => self.http_input_cap,
             };
-            let backlog = conn.out.len() - conn.out_pos;
+            let backlog = conn.out.len() - conn.out_pos + conn.spill_bytes;
             let blocked = conn.close_after_flush || backlog > MAX_HTTP_BACKLOG_BYTES || http.buf.len() >= cap;
             if blocked {
                 conn.read_more = true;
@@ -137,8 +137,13 @@ impl Server {
     pub(super) fn step_http(&mut self, r: ConnRef) -> bool {
         let now = self.now_ms;
         let journal_full = self.journal_full();
+        self.count_out(r);
+        let pressure = self.output_pressure();
         let Some(conn) = self.conns.get_mut(r) else { return false };
-        if conn.close_after_flush || conn.pending_out() > MAX_HTTP_BACKLOG_BYTES {
+        // Answers wait while this client has not read the earlier ones: beyond its backlog, or,
+        // when OUTPUT_MEMORY is used up, while it has any (SPEC §10: bounded as a whole).
+        let backlog = conn.pending_out();
+        if conn.close_after_flush || backlog > MAX_HTTP_BACKLOG_BYTES || (pressure && backlog > 0) {
             return false;
         }
         let State::Http(http) = &mut conn.state else { return false };
@@ -266,13 +271,14 @@ impl Server {
 
     /// Gives back the batch budget a connection holds; wakes those waiting for it.
     pub(super) fn release_batch(&mut self, r: ConnRef) {
-        let Some(conn) = self.conns.get_mut(r) else { return };
-        let State::Http(http) = &mut conn.state else { return };
-        let held = std::mem::take(&mut http.batch_reserved);
-        if held > 0 {
+        if let Some(State::Http(http)) = self.conns.get_mut(r).map(|c| &mut c.state) {
+            http.batch_reserved = 0;
+        }
+        let woken = self.batches.release(r);
+        if !woken.is_empty() {
             // Woken bodies may still be on their way: their clock starts again.
             let at = self.now_ms + self.cfg.header_timeout_ms;
-            for w in self.batches.release(held) {
+            for w in woken {
                 self.set_deadline(w, at);
                 self.again.push(w);
             }
@@ -323,7 +329,7 @@ impl Server {
         };
         self.core.metrics.http_request(response.status);
         let close = !keep_alive || self.shutdown_started;
-        put_response(conn, r, response, close, false, durable, &mut self.gated);
+        put_response(conn, r, response, close, false, durable, &mut self.gated, &self.date.1);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         let at = self.now_ms + self.cfg.idle_timeout_ms;
@@ -421,7 +427,7 @@ impl Server {
             conn.close_after_flush = true;
         }
         http.phase = Phase::Idle;
-        write_response(&mut conn.out, response, close, head.method == Method::Head);
+        write_response(conn, response, close, head.method == Method::Head, &self.date.1);
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         let at = self.now_ms + self.cfg.idle_timeout_ms;
         self.set_deadline(r, at);
@@ -449,7 +455,16 @@ impl Server {
                     client_ip = client_ip
                 );
                 let close = !head.keep_alive || response.close || self.shutdown_started;
-                put_response(conn, r, response, close, head.method == Method::Head, durable, &mut self.gated);
+                put_response(
+                    conn,
+                    r,
+                    response,
+                    close,
+                    head.method == Method::Head,
+                    durable,
+                    &mut self.gated,
+                    &self.date.1,
+                );
                 conn.close_after_flush |= close;
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
                 let at = self.now_ms + self.cfg.idle_timeout_ms;
@@ -472,7 +487,7 @@ impl Server {
         self.release_batch(r);
         let Some(conn) = self.conns.get_mut(r) else { return };
         self.core.metrics.http_request(response.status);
-        write_response(&mut conn.out, response, true, false);
+        write_response(conn, response, true, false, &self.date.1);
         if let State::Http(http) = &mut conn.state {
             http.buf = Vec::new();
             let phase = std::mem::replace(&mut http.phase, Phase::Idle);

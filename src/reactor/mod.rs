@@ -56,6 +56,16 @@ const MAX_HTTP_BACKLOG_BYTES: usize = 256 * 1024;
 const MAX_HELD_INPUT_BYTES: usize = 64 * 1024;
 /// Output buffers above this are released once drained.
 const KEEP_OUT_CAPACITY: usize = 64 * 1024;
+/// Bodies at least this large are written from where they are, not copied into the output.
+const SPILL_MIN_BYTES: usize = 64 * 1024;
+/// Bytes of large bodies one connection writes per loop turn: a 48 MiB result leaves in
+/// slices, and everyone else is served between them.
+const WRITE_SLICE_BYTES: usize = 256 * 1024;
+/// Under OUTPUT_MEMORY pressure, a connection whose output made no progress for this long is
+/// closed (its client is not reading; everyone else's answers wait for no one).
+const OUTPUT_STALL_MS: u64 = 1_000;
+/// How often, under pressure, the connections are looked at for stalled output.
+const OUTPUT_SCAN_MS: u64 = 250;
 /// How long a closing connection waits for the peer's FIN.
 const LINGER_MS: u64 = 2_000;
 /// A backlog this large that still moves shows its worker reads (socket buffers alone take less).
@@ -77,8 +87,11 @@ const DOWNLOAD_CHUNK_BYTES: usize = 64 * 1024;
 /// A download asks for more only when its unwritten output is at most this.
 const DOWNLOAD_LOW_WATER_BYTES: usize = 128 * 1024;
 
-/// Batch bodies of MAX_BATCH_BYTES buffered at once; further batches wait to be read.
+/// Batch bodies of MAX_BATCH_BYTES buffered at once (their bytes, however many bodies share
+/// them); beyond it batch bodies wait to be read.
 const BATCH_BODIES_AT_ONCE: usize = 4;
+/// What a batch body's buffer may hold beyond its body: chunked framing, pipelined bytes.
+const BATCH_FRAMING_SLACK_BYTES: usize = MAX_HEAD_BYTES + 4096;
 const CONTINUE_100: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
 fn token(r: ConnRef) -> Token {
@@ -173,6 +186,8 @@ struct Wire<'a> {
     durable_lsn: u64,
     max_ws_out_bytes: usize,
     shutting_down: bool,
+    /// This second's HTTP-date, for the `Date` of held answers.
+    date: [u8; 29],
 }
 
 impl Io for Wire<'_> {
@@ -229,7 +244,7 @@ impl Io for Wire<'_> {
             client_ip = conn.client_ip
         );
         let close = !keep_alive || response.close || self.shutting_down;
-        put_response(conn, r, response, close, head_only, self.durable_lsn, self.gated);
+        put_response(conn, r, response, close, head_only, self.durable_lsn, self.gated, &self.date);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, self.dirty);
         // Pipelined requests may be waiting behind the held one.
@@ -244,40 +259,74 @@ fn fits(pending: usize, bytes: usize, cap: usize) -> bool {
     pending == 0 || pending + bytes <= cap
 }
 
-/// Writes the connection's output until it is all written or the socket would block.
-/// Bytes held back for the journal (`Conn::gates`) stay in the buffer.
+/// Writes the connection's output until it is all written or the socket would block, or
+/// until [`WRITE_SLICE_BYTES`] of large bodies left in this call (`write_more` then asks for
+/// the next turn). Bytes held back for the journal (`Conn::gates`) stay in the buffer.
 fn write_out(conn: &mut Conn) -> io::Result<()> {
-    let end = conn.writable_end();
-    while conn.out_pos < end {
-        match conn.stream.write(&conn.out[conn.out_pos..end]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => conn.out_pos += n,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                // Drop what is written once it is most of the buffer, so a slow reader's
-                // buffer holds its unwritten bytes, not everything since it last drained.
-                if conn.out_pos >= KEEP_OUT_CAPACITY {
-                    drop_written(conn);
+    conn.write_more = false;
+    let mut sliced = 0;
+    loop {
+        let end = conn.writable_end();
+        // `out` up to the next large body (or the journal's gate).
+        let stop = conn.spill.front().map_or(end, |s| s.at.min(end));
+        while conn.out_pos < stop {
+            match conn.stream.write(&conn.out[conn.out_pos..stop]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => conn.out_pos += n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    // Drop what is written once it is most of the buffer, so a slow reader's
+                    // buffer holds its unwritten bytes, not everything since it last drained.
+                    if conn.out_pos >= KEEP_OUT_CAPACITY {
+                        drop_written(conn);
+                    }
+                    return Ok(());
                 }
-                return Ok(());
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
             }
+        }
+        // A large body whose turn it is (and not behind a gate: `stop` is its start).
+        let Some(spill) = conn.spill.front_mut() else { break };
+        if conn.out_pos != spill.at {
+            break;
+        }
+        if sliced >= WRITE_SLICE_BYTES {
+            conn.write_more = true;
+            return Ok(());
+        }
+        let upto = spill.data.len().min(spill.pos + WRITE_SLICE_BYTES - sliced);
+        match conn.stream.write(&spill.data[spill.pos..upto]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => {
+                spill.pos += n;
+                sliced += n;
+                conn.spill_bytes -= n;
+                if spill.pos == spill.data.len() {
+                    conn.spill.pop_front();
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
             Err(e) => return Err(e),
         }
     }
-    if end == conn.out.len() {
+    if conn.spill.is_empty() && conn.out_pos == conn.out.len() {
         drop_written(conn);
     }
     Ok(())
 }
 
-/// Drops the written bytes from the front of the output; the journal gates, which hold
-/// offsets into it, move with it.
+/// Drops the written bytes from the front of the output; the journal gates and the large
+/// bodies, which hold offsets into it, move with it.
 fn drop_written(conn: &mut Conn) {
     let n = conn.out_pos;
     conn.out.drain(..n);
     conn.out_pos = 0;
     for gate in &mut conn.gates {
         gate.start = gate.start.saturating_sub(n);
+    }
+    for spill in &mut conn.spill {
+        spill.at = spill.at.saturating_sub(n);
     }
 }
 
@@ -292,6 +341,7 @@ struct Gated {
 
 /// Appends an answer to a connection's output, held back until the journal is durable up to
 /// what it shows (`Response::lsn`); a connection newly held back is added to `gated`.
+#[allow(clippy::too_many_arguments)]
 fn put_response(
     conn: &mut Conn,
     r: ConnRef,
@@ -300,6 +350,7 @@ fn put_response(
     head_only: bool,
     durable_lsn: u64,
     gated: &mut Gated,
+    date: &[u8],
 ) {
     if response.lsn > durable_lsn {
         gated.want = gated.want.max(response.lsn);
@@ -307,7 +358,7 @@ fn put_response(
     if conn.gate(response.lsn, durable_lsn) {
         gated.conns.push(r);
     }
-    write_response(&mut conn.out, response, close, head_only);
+    write_response(conn, response, close, head_only, date);
 }
 
 /// A held reply or a download that has not been written completely yet.
@@ -332,9 +383,17 @@ fn end_transfer(store: &Store, transfers: &mut HashMap<TransferId, ConnRef>, pha
     }
 }
 
-fn write_response(out: &mut Vec<u8>, mut response: Response, close: bool, head_only: bool) {
+/// Appends an answer to a connection's output. A large body is not copied: it is kept as it
+/// is and written a slice at a time (`Conn::spill`), so one large result costs the loop no
+/// copy of its size and other connections are served between its slices.
+fn write_response(conn: &mut Conn, mut response: Response, close: bool, head_only: bool, date: &[u8]) {
     response.close = close;
-    response.write_to(out, head_only);
+    if head_only || response.status == 304 || response.body.len() < SPILL_MIN_BYTES {
+        response.write_to(&mut conn.out, head_only, date);
+        return;
+    }
+    response.write_head(&mut conn.out, date);
+    conn.push_spill(std::mem::take(&mut response.body));
 }
 
 /// Why the server could not start.
@@ -393,7 +452,7 @@ pub struct Server {
     /// Upload bytes queued to the disk thread and not yet written, over all uploads.
     disk: disk_budget::DiskBudget,
     /// Batch bodies buffered at once (`POST /tasks/batch`), over every connection.
-    batches: disk_budget::DiskBudget,
+    batches: disk_budget::BatchBudget,
     /// Connections with answers held back for the journal (`Conn::gates`).
     gated: Gated,
     /// The journal's durable sequence number when `gated` was last looked at.
@@ -405,6 +464,14 @@ pub struct Server {
     /// Batch items that may still be submitted this turn (`api::BATCH_ITEMS_PER_TURN` over all
     /// batches, so many batches at once cannot hold the loop).
     batch_budget: usize,
+    /// Unwritten HTTP output over every connection (each connection's part is its
+    /// `out_counted`), against OUTPUT_MEMORY.
+    out_total: usize,
+    /// Under OUTPUT_MEMORY pressure: when stalled connections are next looked for.
+    next_output_scan_ms: u64,
+    /// The second the `Date` header was formatted for, and its text (once a second, not once
+    /// an answer).
+    date: (u64, [u8; 29]),
 }
 
 /// An `Io` for the start, before any connection exists.
@@ -554,19 +621,29 @@ impl Server {
             transfers: HashMap::new(),
             next_transfer: 1,
             disk: disk_budget::DiskBudget::new(DISK_BUDGET_BYTES),
-            batches: disk_budget::DiskBudget::new(cfg_max_batch.saturating_mul(BATCH_BODIES_AT_ONCE)),
+            batches: disk_budget::BatchBudget::new(
+                cfg_max_batch.saturating_add(BATCH_FRAMING_SLACK_BYTES).saturating_mul(BATCH_BODIES_AT_ONCE),
+                cfg_max_batch.saturating_add(BATCH_FRAMING_SLACK_BYTES),
+            ),
             gated: Gated::default(),
             durable_seen: 0,
             journal_blocked: Vec::new(),
             auth_waiters: Vec::new(),
             batch_budget: crate::api::BATCH_ITEMS_PER_TURN,
+            date: (wall / 1000, crate::timefmt::http_date(wall / 1000)),
+            out_total: 0,
+            next_output_scan_ms: 0,
         };
         Ok((server, waker))
     }
 
     fn tick_clock(&mut self) {
         self.now_ms = self.started.elapsed().as_millis() as u64;
-        self.core.set_clock(self.now_ms, crate::timefmt::wall_ms());
+        let wall = crate::timefmt::wall_ms();
+        self.core.set_clock(self.now_ms, wall);
+        if wall / 1000 != self.date.0 {
+            self.date = (wall / 1000, crate::timefmt::http_date(wall / 1000));
+        }
     }
 
     fn wire(&mut self) -> (Wire<'_>, &mut Core) {
@@ -585,6 +662,7 @@ impl Server {
                 gated: &mut self.gated,
                 max_ws_out_bytes: self.max_ws_out_bytes,
                 shutting_down: self.shutdown_started,
+                date: self.date.1,
             },
             &mut self.core,
             &self.api,
@@ -596,7 +674,7 @@ impl Server {
         let mut events = Events::with_capacity(1024);
         loop {
             self.tick_clock();
-            let timeout = if !self.again.is_empty() || self.accept_pending {
+            let timeout = if !self.again.is_empty() || !self.dirty.is_empty() || self.accept_pending {
                 Some(Duration::ZERO)
             } else {
                 // (Records the journal holds back go to its writer by their deadline.)
@@ -660,6 +738,10 @@ impl Server {
                 core.end_turn(&mut wire);
             }
             self.flush_dirty();
+            if self.output_pressure() && self.now_ms >= self.next_output_scan_ms {
+                self.next_output_scan_ms = self.now_ms + OUTPUT_SCAN_MS;
+                self.close_stalled_output();
+            }
             // (Cluster mode: the attempts handed back at shutdown are written first, unless the
             // database is unreachable or SHUTDOWN_TIMEOUT passed.)
             let flushed = self.core.store.flushed() || self.shutdown_expired;
@@ -927,12 +1009,19 @@ impl Server {
         let durable = self.core.store.durable_lsn();
         let Some(conn) = self.conns.get_mut(r) else { return };
         conn.release_gates(durable);
-        let total = conn.out.len();
+        let total = conn.out.len() + conn.spill_bytes;
         let before = conn.pending_out();
         if write_out(conn).is_err() {
             self.close_now(r, "write error");
             return;
         }
+        if conn.write_more {
+            // A large body left a slice and the socket takes more: the next slice next turn,
+            // after everyone else had theirs.
+            mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        }
+        self.count_out(r);
+        let Some(conn) = self.conns.get_mut(r) else { return };
         if conn.pending_out() < before || conn.pending_out() == 0 {
             conn.out_progress_ms = self.now_ms;
             // A worker still taking in a large frame cannot answer the ping queued behind it;
@@ -1011,6 +1100,8 @@ impl Server {
     fn close_now(&mut self, r: ConnRef, why: &str) {
         self.release_batch(r);
         let Some(mut conn) = self.conns.remove(r) else { return };
+        self.out_total = self.out_total.saturating_sub(conn.out_counted);
+        self.core.metrics.output_buffered_bytes = self.out_total;
         if let State::Http(http) = &conn.state {
             self.end_transfer(&http.phase);
         }
@@ -1025,6 +1116,49 @@ impl Server {
         self.core.conn_closed(r);
     }
 
+    // ----- output memory ---------------------------------------------------------------------
+
+    /// Brings the sum of unwritten HTTP output up to date with `r`'s (a worker's frames are
+    /// bounded per worker instead, and do not count).
+    pub(super) fn count_out(&mut self, r: ConnRef) {
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let now = if matches!(conn.state, State::Ws(_)) { 0 } else { conn.pending_out() };
+        self.out_total = self.out_total.saturating_sub(conn.out_counted) + now;
+        conn.out_counted = now;
+        self.core.metrics.output_buffered_bytes = self.out_total;
+    }
+
+    /// OUTPUT_MEMORY is used up: a connection with unwritten output gets no new answer (and a
+    /// download no new chunk) until its output is gone.
+    pub(super) fn output_pressure(&self) -> bool {
+        self.out_total > self.cfg.output_memory_bytes
+    }
+
+    /// Under pressure: HTTP connections whose output made no progress for OUTPUT_STALL_MS are
+    /// closed, so clients that do not read cannot hold OUTPUT_MEMORY against those that do.
+    fn close_stalled_output(&mut self) {
+        let now = self.now_ms;
+        for r in self.conns.refs() {
+            let Some(conn) = self.conns.get_mut(r) else { continue };
+            let stalled = !matches!(conn.state, State::Ws(_))
+                && conn.pending_out() > 0
+                && now.saturating_sub(conn.out_progress_ms) >= OUTPUT_STALL_MS;
+            if stalled {
+                crate::log!(
+                    Level::Info,
+                    "client not reading while OUTPUT_MEMORY is used up: closed",
+                    client_ip = conn.client_ip,
+                    unwritten_bytes = conn.pending_out()
+                );
+                self.core.metrics.output_stalled_closed += 1;
+                self.close_now(r, "output stalled under OUTPUT_MEMORY pressure");
+                if !self.output_pressure() {
+                    return;
+                }
+            }
+        }
+    }
+
     fn begin_shutdown(&mut self) {
         self.shutdown_started = true;
         crate::log!(
@@ -1036,6 +1170,9 @@ impl Server {
         if let Some(mut listener) = self.listener.take() {
             let _ = self.poll.registry().deregister(&mut listener);
         }
+        // Nothing is accepted any more: a pending accept must not keep the poll at a zero
+        // timeout (a busy loop for the rest of the grace period, beside the downloads).
+        self.accept_pending = false;
         self.core.shutting_down = true;
         {
             let (mut wire, core) = self.wire();

@@ -210,6 +210,8 @@ impl Server {
             keep_alive: head.keep_alive,
             head_only: head.method == Method::Head,
             range: head.range.clone(),
+            if_range: head.if_range.clone(),
+            if_none_match: head.if_none_match.clone(),
             started: false,
             next: 0,
             end: 0,
@@ -222,11 +224,13 @@ impl Server {
 
     /// Asks for the next chunk of a download once its output has drained enough.
     pub(super) fn pump_download(&mut self, r: ConnRef) {
+        // Under OUTPUT_MEMORY pressure the next chunk waits until the last one is written.
+        let low_water = if self.output_pressure() { 0 } else { DOWNLOAD_LOW_WATER_BYTES };
         let Some(conn) = self.conns.get_mut(r) else { return };
         let pending = conn.pending_out();
         let State::Http(http) = &mut conn.state else { return };
         let Phase::Download(d) = &mut http.phase else { return };
-        if !d.started || d.reading || d.next >= d.end || pending > DOWNLOAD_LOW_WATER_BYTES {
+        if !d.started || d.reading || d.next >= d.end || pending > low_water {
             return;
         }
         let len = (d.end - d.next).min(DOWNLOAD_CHUNK_BYTES as u64) as usize;
@@ -331,7 +335,7 @@ impl Server {
         let response = Response::json(201, body.into_bytes());
         self.core.metrics.http_request(201);
         if let Some(conn) = self.conns.get_mut(r) {
-            write_response(&mut conn.out, response, !keep_alive || self.shutdown_started, false);
+            write_response(conn, response, !keep_alive || self.shutdown_started, false, &self.date.1);
         }
         self.finish_transfer(r, keep_alive);
     }
@@ -348,6 +352,7 @@ impl Server {
         };
         let shutting_down = self.shutdown_started;
         let unreadable = self.store_failed("cannot read the file");
+        let date = self.date.1;
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
         let Phase::Download(d) = &mut http.phase else { return };
@@ -365,12 +370,28 @@ impl Server {
                     }
                 };
                 self.core.metrics.http_request(response.status);
-                write_response(&mut conn.out, response, close, head_only);
+                write_response(conn, response, close, head_only, &date);
                 self.finish_transfer(r, keep_alive);
                 return;
             }
         };
-        let (status, start, end) = match files::parse_range(d.range.as_deref(), meta.size) {
+        let etag = format!("\"{}\"", meta.sha256);
+        if d.if_none_match.as_deref().is_some_and(|h| http::none_match(h, &etag)) {
+            // The client has these bytes (RFC 9110 §13.1.2): no body, the validator again.
+            self.transfers.remove(&t);
+            self.store.send(Job::Close { t });
+            let response = Response::json(304, Vec::new()).with_header("ETag", etag);
+            self.core.metrics.http_request(304);
+            write_response(conn, response, close, head_only, &date);
+            self.finish_transfer(r, keep_alive);
+            return;
+        }
+        // A Range under an If-Range that names another version is ignored: the whole file.
+        let range = match &d.if_range {
+            Some(validator) if !http::if_range_holds(validator, &etag) => None,
+            _ => d.range.as_deref(),
+        };
+        let (status, start, end) = match files::parse_range(range, meta.size) {
             RangeAnswer::Full => (200, 0, meta.size),
             RangeAnswer::Partial { start, end } => (206, start, end),
             RangeAnswer::Unsatisfiable => {
@@ -379,7 +400,7 @@ impl Server {
                 let response = crate::http::error(416, "range not satisfiable")
                     .with_header("Content-Range", format!("bytes */{}", meta.size));
                 self.core.metrics.http_request(416);
-                write_response(&mut conn.out, response, close, head_only);
+                write_response(conn, response, close, head_only, &date);
                 self.finish_transfer(r, keep_alive);
                 return;
             }
@@ -388,13 +409,13 @@ impl Server {
         let out = &mut conn.out;
         let _ = write!(
             out,
-            "HTTP/1.1 {status} {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nContent-Disposition: {}\r\n\
-             Accept-Ranges: bytes\r\nETag: \"{}\"\r\nX-Content-Type-Options: nosniff\r\n",
+            "HTTP/1.1 {status} {}\r\nDate: {}\r\nContent-Type: {}\r\nContent-Length: {}\r\nContent-Disposition: {}\r\n\
+             Accept-Ranges: bytes\r\nETag: {etag}\r\nX-Content-Type-Options: nosniff\r\n",
             http::reason(status),
+            std::str::from_utf8(&date).unwrap_or(""),
             meta.content_type,
             end - start,
             files::content_disposition(&meta.filename),
-            meta.sha256
         );
         if status == 206 {
             let _ = write!(out, "Content-Range: bytes {start}-{}/{}\r\n", end - 1, meta.size);

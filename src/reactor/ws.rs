@@ -7,12 +7,11 @@ impl Server {
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
         let leftover = std::mem::take(&mut http.buf);
+        conn.out.extend_from_slice(b"HTTP/1.1 101 Switching Protocols\r\nDate: ");
+        conn.out.extend_from_slice(&self.date.1);
         conn.out.extend_from_slice(
-            format!(
-                "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\
-                 Sec-WebSocket-Accept: {accept_key}\r\n\r\n"
-            )
-            .as_bytes(),
+            format!("\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {accept_key}\r\n\r\n")
+                .as_bytes(),
         );
         self.core.metrics.http_request(101);
         let now = self.now_ms;

@@ -456,3 +456,129 @@ fn a_complete_upload_body_with_an_unfinished_multipart_is_400_at_once_not_408() 
         assert_eq!(kept_after_another_upload(&relay, &blobs, &work), Vec::<String>::new(), "nothing kept");
     });
 }
+
+/// Uploads `data` as `name` with the API token over a plain socket (no curl), returning the id.
+fn upload_raw(relay: &Relay, name: &str, data: &[u8]) -> String {
+    let mut body = Vec::with_capacity(data.len() + 256);
+    body.extend_from_slice(
+        format!(
+            "--b0undary\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\
+             Content-Type: application/octet-stream\r\n\r\n"
+        )
+        .as_bytes(),
+    );
+    body.extend_from_slice(data);
+    body.extend_from_slice(b"\r\n--b0undary--\r\n");
+    let auth = format!("Bearer {API}");
+    let r = request(
+        relay.addr,
+        "POST",
+        "/files",
+        &[("Authorization", &auth), ("Content-Type", "multipart/form-data; boundary=b0undary")],
+        Some(&body),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    r.json()["file_id"].as_str().expect("file_id").to_string()
+}
+
+/// Issue 19: after SIGTERM a 32 MiB download stopped at ~27 MiB and was cut at
+/// SHUTDOWN_TIMEOUT. SPEC §10: it keeps moving at full speed until it ends.
+fn a_download_keeps_moving_after_sigterm(mut relay: Relay) {
+    let size = 32 * 1024 * 1024;
+    let data = pseudo_random(size, 11);
+    let id = upload_raw(&relay, "big.bin", &data);
+    let mut s = TcpStream::connect(relay.addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(20))).expect("timeout");
+    s.write_all(format!("GET /files/{id} HTTP/1.1\r\nHost: relay\r\nAuthorization: Bearer {API}\r\n\r\n").as_bytes())
+        .expect("write");
+    let mut got = Vec::new();
+    let (status, _, head_len) = read_head(&mut s, &mut got);
+    assert_eq!(status, 200);
+    got.drain(..head_len);
+    let mut chunk = vec![0u8; 256 * 1024];
+    while got.len() < 4 * 1024 * 1024 {
+        let n = s.read(&mut chunk).expect("the download's start");
+        assert!(n > 0, "EOF early");
+        got.extend_from_slice(&chunk[..n]);
+    }
+    // As in the Quickstart: a worker is connected (the shutdown closes it) and a wait=true
+    // request is held (the shutdown answers it).
+    let w = FakeWorker::connect(&relay, None, Auto::Manual);
+    relay.wait_clients(1, |_| true);
+    let mut held = Client::connect(relay.addr);
+    let auth = format!("Bearer {API}");
+    held.send("POST", "/tasks?wait=true", &[("Authorization", &auth)], Some(br#"{"payload":{"x":1}}"#));
+    let _task = w.expect_task();
+    relay.signal("TERM");
+    assert!(relay.wait_log("shutting down", Duration::from_secs(5)), "relay never began its shutdown");
+    let started = Instant::now();
+    while got.len() < size {
+        let n = s.read(&mut chunk).unwrap_or_else(|e| panic!("stalled after SIGTERM at {} bytes: {e}", got.len()));
+        assert!(n > 0, "cut after SIGTERM at {} of {size} bytes", got.len());
+        got.extend_from_slice(&chunk[..n]);
+    }
+    let took = started.elapsed();
+    assert!(got == data, "the downloaded bytes differ");
+    assert!(
+        took < Duration::from_secs(5),
+        "the rest of the download took {took:?} after SIGTERM (SHUTDOWN_TIMEOUT 20s)"
+    );
+    let status = relay.wait_exit(Duration::from_secs(10)).expect("relay exits once the download is done");
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn a_download_keeps_moving_at_full_speed_after_sigterm() {
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("term");
+        a_download_keeps_moving_after_sigterm(start(mode, &blobs, &[("SHUTDOWN_TIMEOUT", "20s")]));
+    });
+}
+
+/// Issue 19 (REDbot, requests, httpx): `If-None-Match` with the file's ETag was answered with
+/// the whole file, an `If-Range` naming another version got 206 of the new one, and the 416
+/// body said `error`. Every answer also carries a `Date`.
+#[test]
+fn downloads_honour_if_none_match_and_if_range_and_416_says_range_not_satisfiable() {
+    for_each_mode(|mode| {
+        let blobs = TempDir::new("validators");
+        let relay = start(mode, &blobs, &[]);
+        let id = upload_raw(&relay, "v.txt", b"0123456789abcdef");
+        let auth = format!("Bearer {API}");
+        let path = format!("/files/{id}");
+        let get = |extra: &[(&str, &str)]| {
+            let mut headers = vec![("Authorization", auth.as_str())];
+            headers.extend_from_slice(extra);
+            request(relay.addr, "GET", &path, &headers, None)
+        };
+        let full = get(&[]);
+        assert_eq!(full.status, 200);
+        let etag = full.header("ETag").expect("an ETag").to_string();
+        assert!(full.header("Date").is_some_and(|d| d.ends_with(" GMT")), "{:?}", full.headers);
+
+        let mut c = Client::connect(relay.addr);
+        for tag in [etag.clone(), format!("W/{etag}"), format!("\"other\", {etag}"), "*".to_string()] {
+            let r = c.call("GET", &path, &[("Authorization", &auth), ("If-None-Match", &tag)], None);
+            assert_eq!((r.status, r.body.len()), (304, 0), "If-None-Match: {tag}");
+            assert_eq!(r.header("ETag"), Some(etag.as_str()));
+            assert!(r.header("Content-Length").is_none(), "a 304 carries no Content-Length: {:?}", r.headers);
+            assert!(r.header("Date").is_some());
+        }
+        // The keep-alive connection is still in step after the 304s.
+        assert_eq!(c.call("GET", "/healthz", &[], None).status, 200);
+        assert_eq!(get(&[("If-None-Match", "\"other\"")]).status, 200);
+
+        let r = get(&[("Range", "bytes=10-"), ("If-Range", &etag)]);
+        assert_eq!((r.status, r.body.as_slice()), (206, b"abcdef".as_slice()));
+        for other in ["\"other\"", "W/\"x\"", "Sun, 06 Nov 1994 08:49:37 GMT"] {
+            let r = get(&[("Range", "bytes=10-"), ("If-Range", other)]);
+            assert_eq!((r.status, r.body.as_slice()), (200, b"0123456789abcdef".as_slice()), "If-Range: {other}");
+            assert!(r.header("Content-Range").is_none());
+        }
+
+        let r = get(&[("Range", "bytes=99-")]);
+        assert_eq!((r.status, r.header("Content-Range")), (416, Some("bytes */16")));
+        assert_eq!(r.json()["error"], "range_not_satisfiable", "{}", r.text());
+        assert!(r.json()["message"].is_string());
+    });
+}

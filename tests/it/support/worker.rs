@@ -69,7 +69,12 @@ impl FakeWorker {
         stream.set_nodelay(true).map_err(|e| e.to_string())?;
         // The handshake reads too: bounded, so a relay that never answers fails the test.
         stream.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
-        let (mut ws, _resp) = tungstenite::client(url, stream).map_err(|e| e.to_string())?;
+        // Room for the largest task a test sends (tungstenite's default frame limit is 16 MiB).
+        let config = tungstenite::protocol::WebSocketConfig::default()
+            .max_frame_size(Some(128 << 20))
+            .max_message_size(Some(128 << 20));
+        let (mut ws, _resp) =
+            tungstenite::client::client_with_config(url, stream, Some(config)).map_err(|e| e.to_string())?;
         ws.get_mut().set_read_timeout(Some(Duration::from_millis(10))).map_err(|e| e.to_string())?;
         if let Some(h) = hello {
             ws.send(Message::text(h.to_string())).map_err(|e| e.to_string())?;
