@@ -211,7 +211,7 @@ pub struct Task {
     pub status: Status,
     pub kind: Option<Box<str>>,
     /// What workers are sent; dropped once the task is final.
-    pub payload: Option<Box<RawValue>>,
+    pub payload: Option<std::sync::Arc<RawValue>>,
     pub created_wall_ms: u64,
     /// Set for tasks submitted with `delay`/`run_at`.
     pub run_at_wall_ms: Option<u64>,
@@ -547,7 +547,7 @@ mod tests {
             id: 0x0123_4567_89ab_cdef_0123_4567_89ab_cdef,
             status,
             kind: Some("http".into()),
-            payload: Some(RawValue::from_string("{\"kind\":\"http\"}".into()).expect("raw")),
+            payload: Some(RawValue::from_string("{\"kind\":\"http\"}".into()).expect("raw").into()),
             created_wall_ms: 0,
             run_at_wall_ms: None,
             due_wall_ms: 0,

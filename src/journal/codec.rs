@@ -376,7 +376,7 @@ impl TaskImage {
             id: self.id,
             status: self.status,
             kind: self.kind,
-            payload: self.payload,
+            payload: self.payload.map(Into::into),
             created_wall_ms: self.created_wall_ms,
             run_at_wall_ms: self.run_at_wall_ms,
             due_wall_ms: self.run_at_wall_ms.unwrap_or(self.created_wall_ms),

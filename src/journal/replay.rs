@@ -598,7 +598,7 @@ mod tests {
             id,
             status,
             kind: (rng.below(4) != 0).then(|| Box::from(format!("k{}", rng.below(3)))),
-            payload: (!status.is_final()).then(|| RawValue::from_string(payload).expect("json")),
+            payload: (!status.is_final()).then(|| RawValue::from_string(payload).expect("json").into()),
             created_wall_ms: rng.next() >> 20,
             run_at_wall_ms: (rng.below(2) == 0).then(|| rng.next() >> 20),
             due_wall_ms: 0,

@@ -107,7 +107,7 @@ pub struct Claimed {
     /// The number of the attempt about to start: the fencing number of every write about it.
     pub attempt: u32,
     pub kind: Option<Box<str>>,
-    pub payload: Box<RawValue>,
+    pub payload: std::sync::Arc<RawValue>,
     pub timeout_ms: u64,
     pub max_retries: u32,
     /// Workers already sent the task (client ids).

@@ -286,7 +286,7 @@ impl MemStore {
             id,
             status: Status::Pending,
             kind: new.kind.map(Box::from),
-            payload: Some(new.payload.to_owned()),
+            payload: Some(new.payload.to_owned().into()),
             created_wall_ms: self.wall_ms,
             run_at_wall_ms: new.run_at_wall_ms,
             due_wall_ms,

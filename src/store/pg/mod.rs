@@ -1329,7 +1329,7 @@ fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
         id,
         attempt,
         kind: row.text(ccol::KIND).map(Box::from),
-        payload,
+        payload: payload.into(),
         timeout_ms: rows::ms(row, ccol::TIMEOUT_MS).unwrap_or(cfg.task_timeout_ms),
         max_retries: row.i64(ccol::MAX_RETRIES).and_then(|v| u32::try_from(v).ok()).unwrap_or(cfg.max_retries),
         counted: attempt

@@ -145,7 +145,7 @@ pub fn task(row: &Row) -> Option<Task> {
         id,
         status,
         kind: row.text(col::KIND).map(Box::from),
-        payload: if row.len() > col::PAYLOAD { raw(col::PAYLOAD) } else { None },
+        payload: if row.len() > col::PAYLOAD { raw(col::PAYLOAD).map(Into::into) } else { None },
         created_wall_ms: created,
         run_at_wall_ms: run_at,
         due_wall_ms: run_at.unwrap_or(created),
