@@ -981,6 +981,16 @@ impl Server {
                     if self.conns.get_mut(r).is_some_and(|c| c.read_more) {
                         self.read_http(r, false);
                     }
+                    // A held answer that went out (`Wire::reply`) leaves the connection idle
+                    // with no deadline yet: it gets IDLE_TIMEOUT like any other answer.
+                    let idle_unarmed = self.conns.get_mut(r).is_some_and(|c| {
+                        c.deadline_ms == u64::MAX
+                            && matches!(&c.state, State::Http(h) if matches!(h.phase, Phase::Idle))
+                    });
+                    if idle_unarmed {
+                        let at = self.now_ms + self.cfg.idle_timeout_ms;
+                        self.set_deadline(r, at);
+                    }
                 }
                 State::Ws(_) => self.read_ws(r, false),
                 State::Closing => self.drain_closing(r),

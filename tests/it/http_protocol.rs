@@ -260,6 +260,31 @@ fn slow_requests_time_out_with_408_and_silent_connections_close() {
     });
 }
 
+/// A held answer (`wait=true`; in cluster mode every answer a transaction gives) left its
+/// keep-alive connection without an idle deadline: it stayed open for good (found by a hostile
+/// probe: client pools slowly filled MAX_CONNECTIONS).
+#[test]
+fn a_keep_alive_connection_closes_after_idle_timeout_also_after_a_held_answer() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("IDLE_TIMEOUT", "500ms")]);
+        let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+        relay.wait_clients(1, |_| true);
+        let a = auth();
+        for (method, path, body) in [
+            ("POST", "/tasks?wait=true", Some(&br#"{"payload":{"n":1}}"#[..])),
+            ("GET", "/tasks?limit=1", None),
+            ("GET", "/clients", None),
+        ] {
+            let mut c = Client::connect(relay.addr);
+            let r = c.call(method, path, &[("Authorization", &a)], body);
+            assert!(r.status == 200, "{method} {path}: {}", r.status);
+            let started = Instant::now();
+            assert!(c.closed_within(Duration::from_secs(5)), "{method} {path}: still open 5 s after its answer");
+            assert!(started.elapsed() >= Duration::from_millis(400), "{method} {path}: closed too early");
+        }
+    });
+}
+
 #[test]
 fn connections_beyond_max_connections_are_closed_at_once() {
     for_each_mode(|mode| {
