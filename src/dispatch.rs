@@ -83,6 +83,8 @@ const MAX_CURSORS: usize = 4096;
 const TASK_FRAME_OVERHEAD_BYTES: usize = 96;
 /// Tasks one claim asks for at most.
 const MAX_CLAIM: u32 = 256;
+/// Workers a submit looks at, at most, for one with a free slot (`free_taker`).
+const FREE_TAKER_LOOKS: usize = 256;
 /// Tasks claimed in one settle at most (the rest in the next turn): bounded work per turn.
 const CLAIMS_PER_TURN: usize = 4096;
 /// Kinds named in a `no_worker` message at most.
@@ -469,21 +471,35 @@ impl Core {
     /// frame of `frame_bytes` now, if there is one. (Workers found without room are not eligible
     /// until they drain.)
     fn free_taker(&mut self, io: &mut dyn Io, kind: Option<&str>, frame_bytes: usize) -> Option<u32> {
+        // The workers in the kind's round-robin order (as `pick` walks it), from the one after
+        // the last that got a first attempt: the group offered is the next eligible worker's, so
+        // consecutive tasks rotate also over workers whose kind lists differ.
+        let n = self.order.len();
+        let any = self.groups.groups.values().any(|g| g.free > g.offered && g.accepts.takes(kind));
+        if n == 0 || !any {
+            return None;
+        }
+        let start = self.cursors.get(kind.unwrap_or(NO_KIND)).copied().unwrap_or(n - 1);
         let mut starved = std::mem::take(&mut self.claim_takers_slots);
         starved.clear();
         let mut found = None;
-        'groups: for (&gid, g) in &self.groups.groups {
-            if g.free == 0 || !g.accepts.takes(kind) {
+        // (Bounded: with thousands of busy workers a submit looks at a few hundred; one that
+        // finds none waits for a claim like any queued task.)
+        for step in 1..=n.min(FREE_TAKER_LOOKS) {
+            let slot = self.order[(start + step) % n];
+            let Some(w) = self.workers.get(slot as usize).and_then(Option::as_ref) else { continue };
+            let Some((gid, _)) = w.listed else { continue };
+            if !(w.ready() && w.accepts(kind) && w.has_capacity()) {
                 continue;
             }
-            for &slot in g.members.iter().take(crate::store::MAX_TAKERS) {
-                let Some(w) = self.workers.get(slot as usize).and_then(Option::as_ref) else { continue };
-                if io.has_room(w.conn, frame_bytes) {
-                    found = Some(gid);
-                    break 'groups;
-                }
-                starved.push(slot);
+            if !self.groups.groups.get(&gid).is_some_and(|g| g.free > g.offered) {
+                continue;
             }
+            if io.has_room(w.conn, frame_bytes) {
+                found = Some(gid);
+                break;
+            }
+            starved.push(slot);
         }
         for &slot in &starved {
             if let Some(w) = self.workers.get_mut(slot as usize).and_then(Option::as_mut) {
@@ -492,6 +508,9 @@ impl Core {
             self.refresh(slot);
         }
         self.claim_takers_slots = starved;
+        if let Some(g) = found.and_then(|gid| self.groups.groups.get_mut(&gid)) {
+            g.offered += 1;
+        }
         found
     }
 
@@ -959,7 +978,11 @@ impl Core {
             let first = c.tried.is_empty();
             match self.pick(io, group, c.kind.as_deref(), &c.tried, frame_bytes, first) {
                 Some(slot) => self.start(io, slot, c),
-                None => self.store.give_back(c.id, c.attempt),
+                None => {
+                    // (Another group may have room for it: the next claim round asks.)
+                    self.store.give_back(c.id, c.attempt);
+                    self.claim_wanted = true;
+                }
             }
         }
     }
@@ -1166,6 +1189,8 @@ impl Core {
     /// writes what the turn did.
     pub fn end_turn(&mut self, io: &mut dyn Io) {
         self.claim_round(io);
+        // (The turn's claims ask for every slot promised to its submits.)
+        self.groups.forget_offers();
         self.store.end_turn();
         self.settle(io);
     }
@@ -1188,6 +1213,10 @@ impl Core {
             if quiet {
                 break;
             }
+        }
+        if self.store.answers_at_once() {
+            // Every slot promised in this step was claimed or freed by now.
+            self.groups.forget_offers();
         }
         // Answers last, after the step's claims: a task dispatched at once answers `dispatched`.
         let due = std::mem::take(&mut self.answers_due);

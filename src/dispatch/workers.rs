@@ -154,7 +154,7 @@ pub struct Worker {
     /// Its output buffer was full: no task for it until it drained (SPEC §5; no attempt lost).
     pub starved: bool,
     /// The group it is counted in and the free slots it adds there (see [`Groups`]).
-    listed: Option<(u32, u32)>,
+    pub listed: Option<(u32, u32)>,
 }
 
 impl Worker {
@@ -238,6 +238,9 @@ pub struct Group {
     pub asked: u64,
     /// Where the next claim's takers start among the members (they rotate).
     pub next_taker: u32,
+    /// Slots promised to submits that will not wait (`runs_now`) and not claimed yet: a batch
+    /// of items in one step must not all count on the same free slot.
+    pub offered: u64,
 }
 
 #[derive(Debug, Default)]
@@ -300,7 +303,10 @@ impl Groups {
                 self.next_id = self.next_id.wrapping_add(1);
                 let gid = self.next_id;
                 self.by_accepts.insert(accepts.clone(), gid);
-                self.groups.insert(gid, Group { accepts, free: 0, members: BTreeSet::new(), asked: 0, next_taker: 0 });
+                self.groups.insert(
+                    gid,
+                    Group { accepts, free: 0, members: BTreeSet::new(), asked: 0, next_taker: 0, offered: 0 },
+                );
                 gid
             }
         }
@@ -335,10 +341,18 @@ impl Groups {
         out
     }
 
+    /// The slots promised to submits were claimed (or the submits stored nothing).
+    pub fn forget_offers(&mut self) {
+        for g in self.groups.values_mut() {
+            g.offered = 0;
+        }
+    }
+
     /// A group's claim was answered (or failed): it may claim again.
     pub fn answered(&mut self, gid: u32) {
         if let Some(g) = self.groups.get_mut(&gid) {
             g.asked = 0;
+            g.offered = 0;
             if g.members.is_empty() && g.asked == 0 {
                 self.by_accepts.remove(&g.accepts);
                 self.groups.remove(&gid);

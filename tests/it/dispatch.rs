@@ -388,3 +388,83 @@ fn a_plain_task_waiting_for_capacity_fails_when_its_workers_leave_but_a_queued_o
         assert_eq!(relay.get_task(&queued)["status"], "pending", "queue: true waits for a worker");
     });
 }
+
+/// Found by a hostile probe of the fast path: a batch's items were all offered to the first
+/// idle group (free slots are counted when a turn ends), the rest were given back and no group
+/// claimed them again — six of nine tasks stayed pending beside idle workers; the same stale
+/// count let a batch past MAX_PENDING whenever one slot was free; and consecutive tasks went
+/// to one worker when the eligible workers' kind lists differed (SPEC §5, §7).
+#[test]
+fn batches_and_consecutive_tasks_spread_over_workers_with_different_kind_lists() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_PENDING", "5")]);
+        let hello = |kinds: Value| json!({"type":"hello","kinds":kinds,"concurrency":3,"version":"it"});
+        let workers = [
+            FakeWorker::connect(&relay, Some(hello(json!(["a"]))), Auto::Manual),
+            FakeWorker::connect(&relay, Some(hello(json!(["a", "b"]))), Auto::Manual),
+            FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":3,"version":"it"})), Auto::Manual),
+        ];
+        relay.wait_clients(3, |c| c["version"] == "it");
+        // Nine tasks in one batch for nine free slots: every one starts, three on each worker.
+        let items: Vec<Value> = (0..9).map(|i| json!({"payload": {"kind": "a", "i": i}})).collect();
+        let r = relay.api("POST", "/tasks/batch", Some(&json!({ "tasks": items }).to_string()));
+        assert_eq!(r.status, 202, "{}", r.text());
+        for (n, w) in workers.iter().enumerate() {
+            for k in 0..3 {
+                assert!(w.next_task(Duration::from_secs(5)).is_some(), "worker {n} got {k} of its 3 tasks");
+            }
+        }
+        let idle = poll_until(Duration::from_secs(5), || relay.metric("relay_tasks_pending") == 0.0);
+        assert!(idle, "tasks wait beside idle workers: {} pending", relay.metric("relay_tasks_pending"));
+        // Every slot is taken now: a batch of 50 gets MAX_PENDING (5) in, the rest queue_full.
+        let items: Vec<Value> = (0..50).map(|i| json!({"payload": {"kind": "a", "i": i}})).collect();
+        let r = relay.api("POST", "/tasks/batch", Some(&json!({ "tasks": items }).to_string()));
+        assert_eq!(r.status, 202, "{}", r.text());
+        let answer = r.json();
+        let refused = answer["tasks"].as_array().expect("tasks").iter().filter(|t| t["error"] == "queue_full").count();
+        assert_eq!(refused, 45, "{answer}");
+    });
+}
+
+#[test]
+fn one_free_slot_lets_one_batch_item_past_max_pending_not_all() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_PENDING", "5")]);
+        let _w =
+            FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":1,"version":"it"})), Auto::Manual);
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let items: Vec<Value> = (0..50).map(|i| json!({ "payload": { "i": i } })).collect();
+        let r = relay.api("POST", "/tasks/batch", Some(&json!({ "tasks": items }).to_string()));
+        assert_eq!(r.status, 202, "{}", r.text());
+        let answer = r.json();
+        let refused = answer["tasks"].as_array().expect("tasks").iter().filter(|t| t["error"] == "queue_full").count();
+        // (One runs at once and five may wait; the memory store still counts the one that runs
+        // as waiting while the batch is stored, so it admits four: never all fifty.)
+        assert!((44..=45).contains(&refused), "one runs at once, at most five wait: {answer}");
+    });
+}
+
+#[test]
+fn consecutive_tasks_rotate_over_workers_whose_kind_lists_differ() {
+    crate::support::modes::for_each_mode_known_cluster_defect(
+        "in cluster mode a node claims for its groups of workers one after another, so first attempts do not rotate over workers whose kind lists differ",
+        |mode| {
+            let relay = mode.start();
+            let hello = |kinds: Value| json!({"type":"hello","kinds":kinds,"concurrency":10,"version":"it"});
+            let _w = [
+                FakeWorker::connect(&relay, Some(hello(json!(["a"]))), Auto::Echo),
+                FakeWorker::connect(&relay, Some(hello(json!(["a", "b"]))), Auto::Echo),
+            ];
+            relay.wait_clients(2, |c| c["version"] == "it");
+            let mut seen = Vec::new();
+            for i in 0..6 {
+                let r =
+                    relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{{"kind":"a","i":{i}}}}}"#)));
+                assert_eq!(r.status, 200, "{}", r.text());
+                seen.push(r.json()["client_id"].as_str().expect("client").to_string());
+            }
+            let first = seen.iter().filter(|c| **c == seen[0]).count();
+            assert_eq!(first, 3, "six consecutive tasks, two eligible workers: {seen:?}");
+        },
+    );
+}
