@@ -492,7 +492,7 @@ impl Core {
             if !(w.ready() && w.accepts(kind) && w.has_capacity()) {
                 continue;
             }
-            if !self.groups.groups.get(&gid).is_some_and(|g| g.free > g.offered) {
+            if self.groups.groups.get(&gid).is_none_or(|g| g.free <= g.offered) {
                 continue;
             }
             if io.has_room(w.conn, frame_bytes) {
