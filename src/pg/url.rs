@@ -102,7 +102,14 @@ pub fn redact(url: &str) -> String {
         return "(not a URL)".to_string();
     };
     let query_password = rest.contains("?password=") || rest.contains("&password=");
-    if !rest.contains('@') && !query_password {
+    // (Without an `@`, a port that is not a number may be a password whose host was left out:
+    // `postgres://user:secret`.)
+    let authority = &rest[..rest.find(['/', '?']).unwrap_or(rest.len())];
+    let port_ok = match authority.rsplit_once(':') {
+        Some((_, port)) => port.bytes().all(|b| b.is_ascii_digit()) || authority.starts_with('['),
+        None => true,
+    };
+    if !rest.contains('@') && !query_password && port_ok && !rest.contains('#') {
         return url.to_string();
     }
     if let Some(at) = rest.rfind('@') {
@@ -111,7 +118,10 @@ pub fn redact(url: &str) -> String {
         let plain_user = matches!(info.as_bytes().get(user_end), None | Some(b':'));
         // (`password=` before the last `@` may be a query's password that holds an `@`.)
         let names_password = |t: &str| t.contains("password=");
-        if plain_user && !names_password(after) && !names_password(info) {
+        let host = &after[..after.find(['/', '?']).unwrap_or(after.len())];
+        let plain_host =
+            host.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':' | '[' | ']' | '%'));
+        if plain_user && plain_host && !names_password(after) && !names_password(info) {
             let masked = if user_end < info.len() { ":***" } else { "" };
             return format!("{scheme}://{}{masked}@{after}", &info[..user_end]);
         }
@@ -154,7 +164,7 @@ pub fn parse(url: &str) -> Result<DbParams, String> {
         None
     } else {
         let h = decode(host_text)?;
-        Some(if h.starts_with('/') { Host::Unix(PathBuf::from(h)) } else { Host::Tcp(h) })
+        Some(if h.starts_with('/') { Host::Unix(PathBuf::from(h)) } else { Host::Tcp(tcp_host(h)?) })
     };
     let mut port = port_text.map(parse_port).transpose()?;
     let mut dbname = if path.is_empty() { None } else { Some(decode(path)?) };
@@ -173,7 +183,11 @@ pub fn parse(url: &str) -> Result<DbParams, String> {
                 if value.contains(',') {
                     return Err("several hosts are not supported".into());
                 }
-                host = Some(if value.starts_with('/') { Host::Unix(PathBuf::from(value)) } else { Host::Tcp(value) });
+                host = Some(if value.starts_with('/') {
+                    Host::Unix(PathBuf::from(value))
+                } else {
+                    Host::Tcp(tcp_host(value)?)
+                });
             }
             "port" => port = Some(parse_port(&value)?),
             "user" => user = Some(value),
@@ -239,6 +253,14 @@ fn split_host_port(text: &str) -> Result<(&str, Option<&str>), String> {
 fn parse_port(text: &str) -> Result<u16, String> {
     // (The text is not repeated: a malformed URL can put part of its password here.)
     text.parse::<u16>().ok().filter(|p| *p > 0).ok_or_else(|| "bad port (not a number from 1 to 65535)".to_string())
+}
+
+/// A TCP host as a name or an address (letters, digits, `.`, `-`, `_`, or an IPv6 address's
+/// hex digits and `:`). Anything else is refused without being shown: in a URL that lost its
+/// host, what stands there may be the tail of a password.
+fn tcp_host(h: String) -> Result<String, String> {
+    let ok = !h.is_empty() && h.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_' | ':'));
+    if ok { Ok(h) } else { Err("bad host name (not shown: it may be part of a password)".to_string()) }
 }
 
 /// `name`, when it is a query parameter relay knows.
@@ -330,7 +352,8 @@ mod tests {
         assert_eq!(r, "postgres://… (not shown: it may hold a password)", "(two passwords: ambiguous)");
         assert_eq!(redact("postgres://u:hunter2@h:99999/d"), "postgres://u:***@h:99999/d");
         assert_eq!(redact("postgres://u@h/d"), "postgres://u@h/d");
-        assert_eq!(redact("postgres://h:x/d"), "postgres://h:x/d");
+        assert_eq!(redact("postgres://h:5432/d"), "postgres://h:5432/d");
+        assert_eq!(redact("postgres://h:x/d"), "postgres://… (not shown: it may hold a password)");
         assert_eq!(p.socket_path(), None);
         let p = parse("postgres:///d?host=/tmp/x&port=7").expect("valid");
         assert_eq!(p.socket_path(), Some(PathBuf::from("/tmp/x/.s.PGSQL.7")));
@@ -367,6 +390,11 @@ mod tests {
             "postgres://u@h/d?password=ab&Secr3t=1",
             "postgres://u@h/d?password=ab&port=Secr3t",
             "postgres://u@h/d?password=ab&sslmode=Secr3t",
+            // (Found by a hostile probe: a URL without its host.)
+            "postgres://relay:Secr3t",
+            "postgres://relay:Pa55:Secr3t",
+            "postgres://relay:Secr3t/x",
+            "postgres://r2:Secr3t/a?b#c@Secr3t&f",
         ] {
             let e = parse(url).expect_err(url);
             assert!(!e.contains("Secr3t"), "{url}: {e}");
