@@ -341,7 +341,8 @@ pub struct Ended {
     /// The attempt's error (absent for done).
     pub error: Option<String>,
     pub ended_ms: u64,
-    pub duration_ms: u64,
+    /// `None`: the attempt of a lost node, timed here from the start its entry shows.
+    pub duration_ms: Option<u64>,
     /// The task's new status: `done`/`failed` when final, `pending` for a retry.
     pub status: &'static str,
     /// For done: the worker's data (JSON text).
@@ -383,7 +384,9 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
            coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
              || jsonb_strip_nulls(jsonb_build_object('client_id', a.client_id, 'client_ip', a.client_ip,
                   'node', a.node, 'started_ms', a.started_ms,
-                  'outcome', a.outcome, 'error', a.error, 'duration_ms', a.duration_ms,
+                  'outcome', a.outcome, 'error', a.error,
+                  'duration_ms', coalesce(a.duration_ms,
+                    greatest(0, a.ended_ms - ((t.attempt_log -> (t.attempt - 1)) ->> 'started_ms')::int8)),
                   'uncounted', CASE WHEN a.uncounted THEN true END)), true)
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
@@ -402,7 +405,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
 pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
     let attempts: Vec<String> = ended.iter().map(|e| e.attempt.to_string()).collect();
     let ends: Vec<String> = ended.iter().map(|e| e.ended_ms.to_string()).collect();
-    let durations: Vec<String> = ended.iter().map(|e| e.duration_ms.to_string()).collect();
+    let durations: Vec<Option<String>> = ended.iter().map(|e| e.duration_ms.map(|d| d.to_string())).collect();
     let starts: Vec<Option<String>> =
         ended.iter().map(|e| e.runner.as_ref().map(|r| r.started_ms.to_string())).collect();
     Stmt::new(
@@ -415,7 +418,7 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
             arr(ended.iter().map(|e| e.outcome)),
             arr_opt(ended.iter().map(|e| e.error.as_deref())),
             arr(ends.iter().map(String::as_str)),
-            arr(durations.iter().map(String::as_str)),
+            arr_opt(durations.iter().map(Option::as_deref)),
             arr(ended.iter().map(|e| e.status)),
             arr_opt(ended.iter().map(|e| e.result.as_deref())),
             arr_opt(ended.iter().map(|e| e.final_error.as_deref())),

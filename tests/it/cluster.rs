@@ -444,6 +444,12 @@ fn cluster_a_lost_nodes_attempt_uses_up_no_retry() {
     wait_workers(c.node(1), 1);
     let id = submit_ok(c.node(1), r#"{"payload":{"n":1},"max_retries":0}"#);
     assert_eq!(stuck.expect_task().id, id);
+    // Its start reaches the database (200 ms behind): the lost attempt is timed from it.
+    let started = poll_until(Duration::from_secs(5), || {
+        c.node(1).get_task(&id)["attempt_log"][0]["client_id"].as_str() == Some(stuck_id(c.node(1)).as_str())
+    });
+    assert!(started, "the attempt's start was never written");
+    std::thread::sleep(Duration::from_millis(300)); // (the attempt runs a while before its node dies)
     c.node(0).signal("KILL");
     let mut victim = c.nodes.remove(0);
     assert!(victim.wait_exit(Duration::from_secs(5)).is_some(), "the node died");
@@ -454,6 +460,14 @@ fn cluster_a_lost_nodes_attempt_uses_up_no_retry() {
     assert_eq!((log[0]["outcome"].as_str(), log[0]["node"].as_str()), (Some("disconnect"), Some(victim_name.as_str())));
     assert_eq!(log[1]["outcome"], "done", "{t}");
     assert!(log[0].get("uncounted").is_none(), "relay's own bookkeeping stays out of the API: {t}");
+    // (From its start to its adoption: at least the 300 ms it ran before the kill.)
+    assert!(log[0]["duration_ms"].as_u64().is_some_and(|d| d >= 300), "the lost attempt's duration: {t}");
+}
+
+/// The client id of the one worker `/clients` lists.
+fn stuck_id(relay: &Relay) -> String {
+    let r = relay.api("GET", "/clients", None);
+    r.json()["clients"][0]["client_id"].as_str().unwrap_or_default().to_string()
 }
 
 #[test]

@@ -537,7 +537,7 @@ fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, cl
         outcome,
         error: (outcome != "done").then(|| format!("{outcome} on {client}")),
         ended_ms: 6_000,
-        duration_ms: 1_000,
+        duration_ms: Some(1_000),
         status,
         result: (status == "done").then(|| r#"{"ok":true}"#.to_string()),
         final_error: (status == "failed").then(|| format!("{outcome} on {client}")),

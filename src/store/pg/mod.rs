@@ -404,6 +404,7 @@ impl PgStore {
         self.running.remove(&id);
         let runner = self.starts.remove(&id).filter(|s| s.attempt == attempt).map(|s| s.runner);
         let lost = self.adopted_from.remove(&id);
+        let adopted = lost.is_some();
         let node = if runner.is_some() { Some(self.name.clone()) } else { lost };
         let (status, result, final_error) = match next {
             Next::Retry => ("pending", None, None),
@@ -416,7 +417,8 @@ impl PgStore {
             outcome: end.outcome.as_str(),
             error: end.error.map(storable_lossy),
             ended_ms: end.ended_wall_ms,
-            duration_ms: end.duration_ms,
+            // (A lost node's attempt: the core never timed it; its entry's start tells.)
+            duration_ms: if adopted { None } else { Some(end.duration_ms) },
             status,
             result,
             final_error,
