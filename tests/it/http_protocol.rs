@@ -401,47 +401,49 @@ fn head_is_get_without_the_body() {
 /// asked for /favicon.ico and got 404).
 #[test]
 fn answers_carry_date_task_json_is_no_store_and_ui_files_revalidate() {
-    let relay = Relay::start();
-    let _w = FakeWorker::connect(&relay, None, Auto::Echo);
-    relay.wait_clients(1, |_| true);
-    let is_date = |r: &Resp| {
-        r.header("Date").is_some_and(|d| {
-            // IMF-fixdate: `Sun, 06 Nov 1994 08:49:37 GMT`.
-            d.len() == 29 && d.ends_with(" GMT") && d.as_bytes()[3] == b',' && d.as_bytes()[19] == b':'
-        })
-    };
-    let submit = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"x":1}}"#));
-    assert_eq!(submit.status, 200, "{}", submit.text());
-    let id = submit.json()["task_id"].as_str().expect("id").to_string();
-    let answers = [
-        submit,
-        relay.api("GET", &format!("/tasks/{id}"), None),
-        relay.api("GET", "/tasks", None),
-        relay.api("GET", "/tasks/00000000-0000-0000-0000-000000000000", None),
-        request(relay.addr, "GET", "/healthz", &[], None),
-        request(relay.addr, "GET", "/nope", &[], None),
-    ];
-    for r in &answers {
-        assert!(is_date(r), "no Date: {} {:?}", r.status, r.headers);
-        assert_eq!(r.header("Cache-Control"), Some("no-store"), "{} {:?}", r.status, r.headers);
-    }
-    assert!(is_date(&request(relay.addr, "GET", "/metrics", &[], None)));
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+        relay.wait_clients(1, |_| true);
+        let is_date = |r: &Resp| {
+            r.header("Date").is_some_and(|d| {
+                // IMF-fixdate: `Sun, 06 Nov 1994 08:49:37 GMT`.
+                d.len() == 29 && d.ends_with(" GMT") && d.as_bytes()[3] == b',' && d.as_bytes()[19] == b':'
+            })
+        };
+        let submit = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"x":1}}"#));
+        assert_eq!(submit.status, 200, "{}", submit.text());
+        let id = submit.json()["task_id"].as_str().expect("id").to_string();
+        let answers = [
+            submit,
+            relay.api("GET", &format!("/tasks/{id}"), None),
+            relay.api("GET", "/tasks", None),
+            relay.api("GET", "/tasks/00000000-0000-0000-0000-000000000000", None),
+            request(relay.addr, "GET", "/healthz", &[], None),
+            request(relay.addr, "GET", "/nope", &[], None),
+        ];
+        for r in &answers {
+            assert!(is_date(r), "no Date: {} {:?}", r.status, r.headers);
+            assert_eq!(r.header("Cache-Control"), Some("no-store"), "{} {:?}", r.status, r.headers);
+        }
+        assert!(is_date(&request(relay.addr, "GET", "/metrics", &[], None)));
 
-    let page = request(relay.addr, "GET", "/ui", &[], None);
-    assert!(page.text().contains(r#"<link rel="icon" href="/ui/favicon.svg""#), "the page names its icon");
-    let icon = request(relay.addr, "GET", "/ui/favicon.svg", &[], None);
-    assert_eq!((icon.status, icon.header("Content-Type")), (200, Some("image/svg+xml")));
-    assert!(icon.text().starts_with("<svg"));
-    let mut c = Client::connect(relay.addr);
-    for path in ["/ui", "/ui/app.js", "/ui/app.css", "/ui/favicon.svg"] {
-        let r = c.call("GET", path, &[], None);
-        assert_eq!(r.status, 200, "{path}");
-        assert!(is_date(&r), "{path}");
-        let etag = r.header("ETag").unwrap_or_else(|| panic!("{path}: no ETag")).to_string();
-        let again = c.call("GET", path, &[("If-None-Match", &etag)], None);
-        assert_eq!((again.status, again.body.len()), (304, 0), "{path}");
-        assert_eq!(again.header("ETag"), Some(etag.as_str()), "{path}");
-        assert!(again.header("Content-Length").is_none(), "{path}: {:?}", again.headers);
-        assert_eq!(c.call("GET", path, &[("If-None-Match", "\"old\"")], None).status, 200, "{path}");
-    }
+        let page = request(relay.addr, "GET", "/ui", &[], None);
+        assert!(page.text().contains(r#"<link rel="icon" href="/ui/favicon.svg""#), "the page names its icon");
+        let icon = request(relay.addr, "GET", "/ui/favicon.svg", &[], None);
+        assert_eq!((icon.status, icon.header("Content-Type")), (200, Some("image/svg+xml")));
+        assert!(icon.text().starts_with("<svg"));
+        let mut c = Client::connect(relay.addr);
+        for path in ["/ui", "/ui/app.js", "/ui/app.css", "/ui/favicon.svg"] {
+            let r = c.call("GET", path, &[], None);
+            assert_eq!(r.status, 200, "{path}");
+            assert!(is_date(&r), "{path}");
+            let etag = r.header("ETag").unwrap_or_else(|| panic!("{path}: no ETag")).to_string();
+            let again = c.call("GET", path, &[("If-None-Match", &etag)], None);
+            assert_eq!((again.status, again.body.len()), (304, 0), "{path}");
+            assert_eq!(again.header("ETag"), Some(etag.as_str()), "{path}");
+            assert!(again.header("Content-Length").is_none(), "{path}: {:?}", again.headers);
+            assert_eq!(c.call("GET", path, &[("If-None-Match", "\"old\"")], None).status, 200, "{path}");
+        }
+    });
 }
