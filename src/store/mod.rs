@@ -466,9 +466,7 @@ impl Store {
     /// An attempt of worker `client_id` closed on this node (`answered`: its worker answered):
     /// a store without the task's attempt log at hand remembers it for [`Store::stray`].
     pub fn attempt_closed(&mut self, id: TaskId, client_id: u128, answered: bool) {
-        if let Store::Pg(s) = self {
-            s.recent.remember(id, client_id, answered);
-        }
+        each!(self, s => s.attempt_closed(id, client_id, answered))
     }
 
     /// The store's own figures for `/metrics`.

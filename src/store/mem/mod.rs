@@ -567,6 +567,10 @@ impl MemStore {
         }
     }
 
+    /// An attempt closed: nothing to remember yet (its task's attempt log tells, until the task
+    /// leaves memory: [`MemStore::remember_attempts`]).
+    pub fn attempt_closed(&mut self, _id: TaskId, _client_id: u128, _answered: bool) {}
+
     /// The attempts of a task about to leave memory, remembered for [`MemStore::stray`].
     pub(super) fn remember_attempts(&mut self, task: &Task) {
         for a in &task.attempts {

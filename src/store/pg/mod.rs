@@ -72,7 +72,7 @@ const START_WRITE_DELAY_MS: u64 = 200;
 
 pub struct PgStore {
     /// Attempts that ended on this node, for [`PgStore::stray`].
-    pub recent: crate::store::recent::Recent,
+    recent: crate::store::recent::Recent,
     pub id: String,
     pub name: String,
     db: Db,
@@ -264,6 +264,11 @@ impl PgStore {
             database_up: Some(self.usable()),
             journal_up: None,
         }
+    }
+
+    /// An attempt of this node closed: remembered for [`PgStore::stray`].
+    pub fn attempt_closed(&mut self, id: TaskId, client_id: u128, answered: bool) {
+        self.recent.remember(id, client_id, answered);
     }
 
     /// A result for an attempt this node no longer runs: `late` or `duplicate` when it ended
