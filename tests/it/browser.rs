@@ -80,6 +80,19 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
     assert_eq!(r.status, 202, "{}", r.text());
     let xss = r.json()["task_id"].as_str().expect("task_id").to_string();
     relay.wait_status(&xss, "done", Duration::from_secs(5));
+    // A few more done before the page opens, for the chart's first buckets: after relay's first
+    // two seconds (the chart counts from its uptime in whole seconds, and the tasks above may
+    // all have finished in the first one — a fallback found at the first try leaves only two).
+    let settled = poll_until(Duration::from_secs(10), || {
+        request(relay.addr, "GET", "/healthz", &[], None).json()["uptime_s"].as_u64().is_some_and(|s| s >= 2)
+    });
+    assert!(settled, "relay's uptime never reached 2 s");
+    for i in 0..3 {
+        let r = relay.submit(&format!(r#"{{"payload":{{"kind":"seed","i":{i}}}}}"#));
+        assert_eq!(r.status, 202, "{}", r.text());
+        let id = r.json()["task_id"].as_str().expect("task_id").to_string();
+        relay.wait_status(&id, "done", Duration::from_secs(5));
+    }
     let r = relay.submit(r#"{"payload":{"kind":"report","note":"<img src=x onerror=window.__xss=3>"},"delay":"1h"}"#);
     let delayed = r.json()["task_id"].as_str().expect("task_id").to_string();
     // The chart fills in what finished before the page opened, in 2 s steps back to relay's
