@@ -408,6 +408,7 @@ fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
         idem_owner: key.map(|_| "root".to_string()),
         idem_key: key.map(String::from),
         runs_now: false,
+        priority: 0,
     }
 }
 

@@ -349,6 +349,7 @@ impl PgStore {
             idem_owner: new.idempotency.map(|(o, _)| o.to_string()),
             idem_key: new.idempotency.map(|(_, k)| k.to_string()),
             runs_now: new.runs_now,
+            priority: new.priority,
         };
         if new.runs_now {
             // (This store claims in the transaction that inserts: the core's claim round asks.)

@@ -26,14 +26,15 @@ pub mod col {
     pub const CLIENT_ID: usize = 8;
     pub const CLIENT_IP: usize = 9;
     pub const ATTEMPT_LOG: usize = 10;
-    pub const PAYLOAD: usize = 11;
-    pub const SEQ: usize = 12;
+    pub const PRIORITY: usize = 11;
+    pub const PAYLOAD: usize = 12;
+    pub const SEQ: usize = 13;
 }
 
 /// `LIST_TASKS`'s columns after the task's.
 pub mod lcol {
-    pub const WALKED: usize = 13;
-    pub const STOP_SEQ: usize = 14;
+    pub const WALKED: usize = 14;
+    pub const STOP_SEQ: usize = 15;
 }
 
 /// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
@@ -154,6 +155,7 @@ pub fn task(row: &Row) -> Option<Task> {
         error: if status == Status::Failed { row.text(col::ERROR).map(Box::from) } else { None },
         attempts,
         submit_seq: ms(row, col::SEQ).unwrap_or(0),
+        priority: row.i64(col::PRIORITY).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
         ..Task::default()
     })
     .map(|mut t| {
