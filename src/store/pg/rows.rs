@@ -7,7 +7,6 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use serde::Deserialize;
-use serde_json::value::RawValue;
 
 use crate::pg::wire::Row;
 use crate::store::WorkerInfo;
@@ -15,6 +14,8 @@ use crate::tasks::{Attempt, Outcome, Status, Task, TaskId, parse_id};
 
 /// The columns of `GET_TASKS` (and `FINISHED_AMONG`, `LIST_TASKS`), by index.
 pub mod col {
+    /// The JSON columns, checked on the database thread ([`crate::pg::wire::Stmt::with_json`]).
+    pub const JSON: &[usize] = &[RESULT, PAYLOAD];
     pub const ID: usize = 0;
     pub const STATUS: usize = 1;
     pub const KIND: usize = 2;
@@ -39,6 +40,8 @@ pub mod lcol {
 
 /// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
 pub mod ccol {
+    /// The JSON columns, checked on the database thread.
+    pub const JSON: &[usize] = &[PAYLOAD];
     pub const ID: usize = 0;
     pub const ATTEMPT: usize = 1;
     pub const KIND: usize = 2;
@@ -140,7 +143,7 @@ pub fn task(row: &Row) -> Option<Task> {
             }
         })
         .collect();
-    let raw = |i: usize| row.text(i).and_then(|t| RawValue::from_string(t.to_string()).ok());
+    let raw = |i: usize| row.json(i);
     let run_at = ms(row, col::RUN_AT_MS).filter(|&at| at != created);
     Some(Task {
         id,
