@@ -284,6 +284,8 @@ impl Core {
             tasks_evicted: 0,
             journal: None,
             cluster: None,
+            kinds: Vec::new(),
+            held: [0; 6],
         };
         self.store.gauges(&mut g);
         g
@@ -417,6 +419,9 @@ impl Core {
     /// or a store that answers after its transaction).
     pub fn submit(&mut self, io: &mut dyn Io, conn: ConnRef, new: &NewTask<'_>, wait: bool) -> Option<Response> {
         self.begin(conn);
+        // A paused kind's submits wait, as queued ones do, for any worker (SPEC §14).
+        let paused = NewTask { queue: true, ..*new };
+        let new = if !new.queue && self.store.kind_paused(new.kind) { &paused } else { new };
         let waits = new.queue || new.run_at_wall_ms.is_some();
         if !waits && !self.can_ever_take(new.kind) {
             let r = self.no_worker(new.kind);
@@ -431,6 +436,13 @@ impl Core {
         self.store.insert(&task, InsertTo::Submit { conn, wait });
         // (A store that could not claim it at once sends `Ready`; a database claims for idle
         // workers in the transaction that inserts.)
+        self.end(io)
+    }
+
+    /// `/kinds`, `/kinds/{kind}` (SPEC §14): the answer, or `None` when it comes later.
+    pub fn kind_op(&mut self, io: &mut dyn Io, conn: ConnRef, op: crate::flow::KindOp) -> Option<Response> {
+        self.begin(conn);
+        self.store.kind_op(op, conn);
         self.end(io)
     }
 
@@ -628,9 +640,11 @@ impl Core {
         let index = b.items.len() as u32;
         match item {
             Err(e) => b.items.push(Some(Err(e))),
-            Ok(new) => {
+            Ok(mut new) => {
                 b.items.push(None);
                 b.outstanding += 1;
+                // (A paused kind's items wait, as in a submit.)
+                new.queue |= self.store.kind_paused(new.kind);
                 if !new.queue && !self.can_ever_take(new.kind) {
                     self.batch_done(batch, index, Err(("no_worker", "no connected worker can take this task".into())));
                     return;

@@ -229,6 +229,9 @@ pub struct Task {
     pub submit_seq: u64,
     /// Seconds of head start among due tasks (SPEC §14): ready order is due − priority.
     pub priority: i32,
+    /// Why it waits, as its store last found (SPEC §14 `waiting_on`): set just before a pending
+    /// task's JSON is written; `None` writes nothing.
+    pub waiting_on: std::cell::Cell<Option<crate::flow::WaitingOn>>,
     /// Which pending queue holds the task, if any (the memory store's).
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
@@ -345,6 +348,13 @@ impl Task {
                 s.push('-');
             }
             push_u64(s, u64::from(self.priority.unsigned_abs()));
+        }
+        if self.status == Status::Pending
+            && let Some(why) = self.waiting_on.get()
+        {
+            s.push_str(",\"waiting_on\":\"");
+            s.push_str(why.as_str());
+            s.push('"');
         }
         if self.status == Status::Done {
             s.push_str(",\"result\":");
@@ -568,6 +578,7 @@ mod tests {
             timeout_ms: 10_000,
             submit_seq: 0,
             priority: 0,
+            waiting_on: Default::default(),
             place: Place::Nowhere,
             queued: false,
             restored: false,

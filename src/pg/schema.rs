@@ -20,6 +20,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (2, "listing scans one index; an index of the waiting tasks that can fail", V2),
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
     (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
+    (5, "kind policies: concurrency, rate, pause", V5),
 ];
 
 /// The newest version this build knows.
@@ -254,6 +255,17 @@ ALTER TABLE relay_pending ALTER COLUMN ord_ms SET NOT NULL;
 DROP INDEX IF EXISTS relay_pending_kind_due;
 CREATE INDEX IF NOT EXISTS relay_pending_ord ON relay_pending (ord_ms, seq);
 CREATE INDEX IF NOT EXISTS relay_pending_kind_ord ON relay_pending (kind, ord_ms, seq);
+"#;
+
+/// Version 5 (SPEC §14 kind policies): one row per kind that has (or had) a policy; `changed`
+/// grows on every change, so nodes read what changed since they last looked, every second.
+const V5: &str = r#"
+CREATE SEQUENCE IF NOT EXISTS relay_kind_policies_changed;
+CREATE TABLE IF NOT EXISTS relay_kind_policies (
+    kind          text PRIMARY KEY,
+    policy        text,                                -- the policy's JSON; NULL: removed
+    changed       int8 NOT NULL DEFAULT nextval('relay_kind_policies_changed')
+);
 "#;
 
 /// What [`migrate`] did.

@@ -132,6 +132,42 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
      SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
      ORDER BY n.ord";
 
+// ---------------------------------------------------------------------------------------------
+// Kind policies (SPEC §14).
+
+/// Taken before [`SET_POLICY`]: policy changes commit in the order of their `changed` numbers,
+/// so a node that read up to one number never misses a smaller one committed later.
+pub const POLICY_LOCK: &str = "SELECT pg_advisory_xact_lock(8245972963651339266)";
+
+/// Sets ($2: the policy's JSON) or removes ($2 NULL) the policy of kind $1; every node reads
+/// the change within a second ([`POLICY_CHANGES`]). A removed policy stays as a row without one,
+/// so the other nodes see it go.
+pub const SET_POLICY: &str = "INSERT INTO relay_kind_policies (kind, policy) VALUES ($1::text, $2::text)
+     ON CONFLICT (kind) DO UPDATE SET policy = excluded.policy, changed = nextval('relay_kind_policies_changed')
+     RETURNING changed";
+
+/// Policies changed since $1 (a `changed` number): kind, policy JSON (NULL: removed), changed.
+pub const POLICY_CHANGES: &str = "SELECT kind, policy, changed FROM relay_kind_policies
+     WHERE changed > $1::int8 ORDER BY changed";
+
+/// The kinds `GET /kinds` shows ($1 NULL), or kind $1 alone: those with a policy or with pending
+/// or running tasks — kind, policy JSON (NULL: none), running attempts, pending tasks.
+pub const KINDS: &str = "WITH p AS (
+       SELECT kind, count(*) AS n FROM relay_pending
+       WHERE kind IS NOT NULL AND ($1::text IS NULL OR kind = $1::text) GROUP BY kind
+     ), r AS (
+       SELECT t.kind, count(*) AS n FROM relay_running x JOIN relay_tasks t ON t.id = x.task_id
+       WHERE t.kind IS NOT NULL AND ($1::text IS NULL OR t.kind = $1::text) GROUP BY t.kind
+     ), pol AS (
+       SELECT kind, policy FROM relay_kind_policies
+       WHERE policy IS NOT NULL AND ($1::text IS NULL OR kind = $1::text)
+     ), k AS (
+       SELECT kind FROM pol UNION SELECT kind FROM p UNION SELECT kind FROM r
+     )
+     SELECT k.kind, pol.policy, coalesce(r.n, 0), coalesce(p.n, 0)
+     FROM k LEFT JOIN pol ON pol.kind = k.kind LEFT JOIN p ON p.kind = k.kind LEFT JOIN r ON r.kind = k.kind
+     ORDER BY k.kind";
+
 pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64) -> Stmt {
     let num = |v: Option<u64>| v.map(|n| n.to_string());
     let timeouts: Vec<Option<String>> = tasks.iter().map(|t| num(t.timeout_ms)).collect();
@@ -182,7 +218,7 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
        WHERE $3::text[] IS NULL AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
-         AND NOT (tried @> $6::uuid[])
+         AND NOT (tried @> $6::uuid[]) AND (kind IS NULL OR NOT (kind = ANY($7::text[])))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
@@ -200,11 +236,12 @@ pub const CLAIM: &str = "WITH c AS (
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
      FROM u ORDER BY ord_ms, seq";
 
-/// [`CLAIM`] for a group that declared kinds ($3).
+/// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
+/// hold back, $7, from it too).
 pub const CLAIM_KINDS: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
        WHERE kind = ANY($3::text[]) AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
-         AND NOT (tried @> $6::uuid[])
+         AND NOT (tried @> $6::uuid[]) AND NOT (kind = ANY($7::text[]))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
@@ -222,8 +259,17 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
      FROM u ORDER BY ord_ms, seq";
 
-/// One claim: $2 echoes the group (so one statement's rows say whose they are).
-pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit: u32, takers: &str) -> Stmt {
+/// One claim: $2 echoes the group (so one statement's rows say whose they are); `held`: kinds
+/// a policy holds back (a claim of every kind leaves them out: $7).
+pub fn claim(
+    node: &str,
+    group: u32,
+    kinds: Option<&[&str]>,
+    now_ms: u64,
+    limit: u32,
+    takers: &str,
+    held: &[&str],
+) -> Stmt {
     Stmt::new(
         if kinds.is_some() { CLAIM_KINDS } else { CLAIM },
         vec![
@@ -233,6 +279,7 @@ pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit:
             (now_ms.min(i64::MAX as u64) as i64).into(),
             i64::from(limit).into(),
             Param::Text(takers.to_string()),
+            arr(held.iter().copied()),
         ],
     )
 }
@@ -746,6 +793,10 @@ pub const ALL: &[(&str, &str)] = &[
     ("IDEMPOTENT_LOOKUP", IDEMPOTENT_LOOKUP),
     ("CLAIM", CLAIM),
     ("CLAIM_KINDS", CLAIM_KINDS),
+    ("POLICY_LOCK", POLICY_LOCK),
+    ("SET_POLICY", SET_POLICY),
+    ("POLICY_CHANGES", POLICY_CHANGES),
+    ("KINDS", KINDS),
     ("UNCLAIM", UNCLAIM),
     ("RELEASE_ORPHANS", RELEASE_ORPHANS),
     ("ADOPT_ORPHANS", ADOPT_ORPHANS),

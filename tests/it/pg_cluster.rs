@@ -520,7 +520,7 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
 
 /// A claim of up to `slots` tasks for one idle worker `client` of `node` (kinds `kinds`).
 fn claim(node: &str, client: &str, kinds: Option<&[&str]>, slots: u32, now_ms: u64) -> Stmt {
-    sql::claim(node, 1, kinds, now_ms, slots, &format!("{{{client}}}"))
+    sql::claim(node, 1, kinds, now_ms, slots, &format!("{{{client}}}"), &[])
 }
 
 fn runner(client: &str) -> sql::Runner {

@@ -131,6 +131,13 @@ pub struct PgStore {
     want_housekeeping: bool,
     /// Waiting tasks may have lost their last worker (a worker left; once a second).
     want_unplaceable: bool,
+    /// `/kinds` requests for the next transaction.
+    kind_reqs: Vec<(ConnRef, crate::flow::KindOp)>,
+    /// Kind policies as last read (SPEC §14; at most a second old, this node's own changes at
+    /// once), and the newest change read.
+    policies: HashMap<String, crate::flow::Policy>,
+    policies_high: i64,
+    want_policies: bool,
 
     // ----- timers of the store's own tick
     next_tick_ms: u64,
@@ -216,6 +223,10 @@ impl PgStore {
             want_adopt: false,
             want_housekeeping: false,
             want_unplaceable: false,
+            kind_reqs: Vec::new(),
+            policies: HashMap::new(),
+            policies_high: 0,
+            want_policies: true,
             next_tick_ms: 0,
             next_tokens_ms: 0,
             next_cache_ms: 0,
@@ -388,6 +399,60 @@ impl PgStore {
         }
         let kinds = ask.kinds.map(|k| k.iter().filter(|k| storable(k)).map(|k| k.to_string()).collect());
         self.claims.push(ClaimReq { group: ask.group, kinds, limit: ask.limit, takers });
+    }
+
+    /// `/kinds` requests: answered after the next transaction (a change once committed).
+    pub fn kind_op(&mut self, op: crate::flow::KindOp, conn: ConnRef) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        if let crate::flow::KindOp::Set(kind, Some(_)) = &op
+            && !self.policies.contains_key(kind)
+            && self.policies.len() >= crate::flow::MAX_POLICIES
+        {
+            let r = Response::error(409, "too_many_policies", "relay keeps at most 10000 kind policies");
+            self.events.push(Event::Answer { conn, response: r });
+            return;
+        }
+        self.kind_reqs.push((conn, op));
+    }
+
+    pub fn kind_paused(&self, kind: Option<&str>) -> bool {
+        kind.and_then(|k| self.policies.get(k)).is_some_and(|p| p.paused)
+    }
+
+    /// A policy as this node now knows it: claims follow it from the next one on.
+    fn apply_policy(&mut self, kind: String, policy: Option<crate::flow::Policy>) {
+        let before = self.policies.get(&kind).copied();
+        match policy {
+            Some(p) => {
+                self.policies.insert(kind, p);
+            }
+            None => {
+                self.policies.remove(&kind);
+            }
+        }
+        if before != policy {
+            // A kind held no more (or less) may have tasks for idle workers.
+            self.unstarve();
+        }
+    }
+
+    /// Why a pending task waits, as this node knows (its schedule, its kind's policy).
+    fn note_waiting(&self, task: &crate::tasks::Task) {
+        use crate::flow::WaitingOn;
+        if task.status != Status::Pending {
+            return;
+        }
+        let why = if task.due_wall_ms > self.wall_ms {
+            WaitingOn::Schedule
+        } else if self.kind_paused(task.kind.as_deref()) {
+            WaitingOn::Paused
+        } else {
+            WaitingOn::Worker
+        };
+        task.waiting_on.set(Some(why));
     }
 
     pub fn give_back(&mut self, id: TaskId, attempt: u32) {
@@ -565,6 +630,8 @@ impl PgStore {
             return;
         }
         self.next_tick_ms = now + node::TICK_MS;
+        // (Every tick: a policy set on another node applies here within a second, SPEC §14.)
+        self.want_policies = true;
         if now >= self.next_tokens_ms {
             self.want_tokens = true;
             self.next_tokens_ms = now + node::TOKEN_REFRESH_MS;
@@ -624,6 +691,8 @@ impl PgStore {
             || self.want_adopt
             || self.want_housekeeping
             || (self.want_unplaceable && self.db.settled())
+            || !self.kind_reqs.is_empty()
+            || self.want_policies
     }
 
     fn take_tag(&mut self) -> u64 {
@@ -772,9 +841,33 @@ impl PgStore {
             stmts.push(upsert_workers(&node_id, &dirty));
             parts.push(Part::UpsertWorkers(dirty.iter().map(|w| w.client_id).collect()));
         }
+        // Policies set by this node take effect before its claims do.
+        for (conn, op) in std::mem::take(&mut self.kind_reqs) {
+            let kind = match &op {
+                crate::flow::KindOp::Set(kind, policy) => {
+                    stmts.push(Stmt::new(sql::POLICY_LOCK, vec![]));
+                    parts.push(Part::PolicyLock);
+                    let json = policy.map(|p| p.to_json());
+                    stmts.push(Stmt::new(
+                        sql::SET_POLICY,
+                        vec![kind.as_str().into(), json.map_or(Param::Null, Param::Text)],
+                    ));
+                    parts.push(Part::PolicySet(kind.clone(), *policy));
+                    Some(kind.clone())
+                }
+                crate::flow::KindOp::Get(kind) => Some(kind.clone()),
+                crate::flow::KindOp::List => None,
+            };
+            stmts.push(Stmt::new(sql::KINDS, vec![kind.map_or(Param::Null, Param::Text)]));
+            parts.push(Part::Kinds(conn, op));
+        }
+        let held: Vec<&str> = self.policies.iter().filter(|(_, p)| p.paused).map(|(k, _)| k.as_str()).collect();
         for c in std::mem::take(&mut self.claims) {
-            let kinds: Option<Vec<&str>> = c.kinds.as_ref().map(|k| k.iter().map(String::as_str).collect());
-            stmts.push(sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers).with_json(ccol::JSON));
+            let kinds: Option<Vec<&str>> =
+                c.kinds.as_ref().map(|k| k.iter().map(String::as_str).filter(|k| !held.contains(k)).collect());
+            stmts.push(
+                sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers, &held).with_json(ccol::JSON),
+            );
             parts.push(Part::Claim(c));
         }
         if std::mem::take(&mut self.want_adopt) {
@@ -848,6 +941,10 @@ impl PgStore {
             stmts.push(Stmt::new(sql::COUNTS, vec![]));
             parts.push(Part::Counts);
         }
+        if std::mem::take(&mut self.want_policies) {
+            stmts.push(Stmt::new(sql::POLICY_CHANGES, vec![self.policies_high.into()]));
+            parts.push(Part::PolicyChanges);
+        }
         if std::mem::take(&mut self.want_tokens) {
             let high = self.tokens.borrow().high_water();
             stmts.push(Stmt::new(sql::TOKEN_CHANGES, vec![high.into()]));
@@ -887,6 +984,9 @@ impl PgStore {
         }
         for c in std::mem::take(&mut self.claims) {
             parts.push(Part::Claim(c));
+        }
+        for (conn, op) in std::mem::take(&mut self.kind_reqs) {
+            parts.push(Part::Kinds(conn, op));
         }
         if !parts.is_empty() {
             self.fail_parts(parts, &Failure::Unreachable);
@@ -968,6 +1068,9 @@ impl PgStore {
                 Part::Retention => {}
                 Part::Finished(ids) => self.check_finished.extend(ids),
                 Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
+                Part::PolicyLock | Part::PolicySet(..) => {}
+                Part::Kinds(conn, _) => self.events.push(Event::Answer { conn, response: answer.clone() }),
+                Part::PolicyChanges => self.want_policies = true,
             }
         }
         // Every group may claim again once the database answers.
@@ -1131,8 +1234,28 @@ impl PgStore {
                         self.want_housekeeping = true;
                     }
                 }
+                Part::PolicyLock => {}
+                Part::PolicySet(kind, policy) => {
+                    if let Some(changed) = here.first().and_then(|r| r.i64(0)) {
+                        // (Changes commit in `changed` order: the next read goes on from here.)
+                        self.policies_high = self.policies_high.max(changed);
+                    }
+                    self.apply_policy(kind, policy);
+                }
+                Part::Kinds(conn, op) => {
+                    let response = kinds_answer(here, &op);
+                    self.events.push(Event::Answer { conn, response });
+                }
+                Part::PolicyChanges => {
+                    for row in here {
+                        let (Some(kind), Some(changed)) = (row.text(0), row.i64(2)) else { continue };
+                        self.policies_high = self.policies_high.max(changed);
+                        let policy = row.text(1).and_then(|p| crate::flow::Policy::parse(p.as_bytes()).ok());
+                        self.apply_policy(kind.to_string(), policy);
+                    }
+                }
                 Part::List(l) => {
-                    let body = rows::list_page(here, l.limit, crate::listing::MAX_SCAN);
+                    let body = rows::list_page(here, l.limit, crate::listing::MAX_SCAN, &|t| self.note_waiting(t));
                     self.events.push(Event::Answer { conn: l.conn, response: Response::json(200, body) });
                 }
                 Part::Workers(conns) => {
@@ -1318,6 +1441,7 @@ impl PgStore {
                 continue;
             };
             self.show_unwritten_start(&mut task);
+            self.note_waiting(&task);
             let response = match r.how {
                 ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(&task),
                 ReadHow::Get { payload: false } => crate::tasks::task_response(&task, false),
@@ -1334,6 +1458,35 @@ impl PgStore {
 }
 
 /// A claimed task from a `CLAIM`/`ADOPT_ORPHANS` row.
+/// The answer to a `/kinds` request from its `KINDS` rows.
+fn kinds_answer(rows: &[Row], op: &crate::flow::KindOp) -> Response {
+    use crate::flow::{KindOp, Policy, kind_response, write_kind_json};
+    let of = |row: &Row| {
+        let policy = row.text(1).and_then(|p| Policy::parse(p.as_bytes()).ok());
+        let n = |i: usize| row.i64(i).map_or(0, |n| n.max(0) as u64);
+        (row.text(0).unwrap_or_default().to_string(), policy, n(2), n(3))
+    };
+    match op {
+        KindOp::List => {
+            let mut s = String::from("{\"kinds\":[");
+            for (i, row) in rows.iter().enumerate() {
+                if i > 0 {
+                    s.push(',');
+                }
+                let (kind, policy, running, pending) = of(row);
+                write_kind_json(&mut s, &kind, policy.as_ref(), running, pending);
+            }
+            s.push_str("]}");
+            Response::json(200, s.into_bytes())
+        }
+        KindOp::Get(kind) | KindOp::Set(kind, _) => match rows.first().map(of) {
+            Some((_, policy, running, pending)) => kind_response(kind, policy.as_ref(), running, pending),
+            None if matches!(op, KindOp::Set(..)) => kind_response(kind, None, 0, 0),
+            None => crate::flow::unknown_kind(),
+        },
+    }
+}
+
 fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
     let id = row.text(ccol::ID).and_then(parse_id)?;
     let attempt = u32::try_from(row.i64(ccol::ATTEMPT)?).ok()?;

@@ -143,6 +143,12 @@ pub enum Part {
     /// `RETENTION`: one row, how many finished tasks it deleted.
     Retention,
     Notify,
+    /// `SET_POLICY` (the lock before it: `PolicyLock`); the `KINDS` read after it answers.
+    PolicyLock,
+    PolicySet(String, Option<crate::flow::Policy>),
+    /// `KINDS`: the answer to a `/kinds` request.
+    Kinds(ConnRef, crate::flow::KindOp),
+    PolicyChanges,
 }
 
 /// The transaction in flight.
