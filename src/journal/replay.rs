@@ -591,6 +591,7 @@ mod tests {
                 duration_ms: rng.below(100_000),
                 answered: false,
                 restarted: false,
+                resumes: 0,
             })
             .collect();
         let payload = format!("{{\"kind\":\"k{}\",\"n\":{}}}", rng.below(3), rng.next());
@@ -676,6 +677,7 @@ mod tests {
                                 duration_ms: 5,
                                 answered: false,
                                 restarted: false,
+                                resumes: 0,
                             });
                             codec::put_attempt_end(out, id, 1, &a[0])
                         }),

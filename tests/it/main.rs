@@ -18,6 +18,7 @@ mod ops;
 mod pg_cluster;
 mod regressions;
 mod review;
+mod sessions;
 mod store;
 mod tasks_api;
 mod tokens;

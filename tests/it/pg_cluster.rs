@@ -544,6 +544,7 @@ fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, cl
         runner: Some(runner(client)),
         node: None,
         uncounted: false,
+        resumes: 0,
     }
 }
 

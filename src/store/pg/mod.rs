@@ -430,6 +430,7 @@ impl PgStore {
             runner,
             node,
             uncounted: end.uncounted,
+            resumes: end.resumes,
         };
         let final_status = status != "pending";
         if !final_status {
