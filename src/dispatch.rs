@@ -114,6 +114,8 @@ pub struct NewTask<'a> {
     pub queue: bool,
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
+    /// Seconds of head start among due tasks (SPEC §14; 0: none).
+    pub priority: i32,
     /// (token identity, Idempotency-Key).
     pub idempotency: Option<(&'a str, &'a str)>,
 }
@@ -486,6 +488,7 @@ impl Core {
             queue: new.queue,
             timeout_ms: new.timeout_ms,
             max_retries: new.max_retries,
+            priority: new.priority,
             idempotency: new.idempotency,
             runs_now: taker.is_some(),
             claim_group,

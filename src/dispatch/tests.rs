@@ -83,6 +83,7 @@ fn submit(core: &mut Core, io: &mut FakeIo, body: &str, kind: Option<&str>) -> R
             queue: false,
             timeout_ms: None,
             max_retries: None,
+            priority: 0,
             idempotency: None,
         },
     )

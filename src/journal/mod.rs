@@ -647,6 +647,7 @@ mod tests {
             result: None,
             error: None,
             idempotency: None,
+            priority: 0,
             attempts: Vec::new(),
         }
         .into_task(Stored::default())

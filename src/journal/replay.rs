@@ -613,6 +613,7 @@ mod tests {
             queued: rng.below(2) == 0,
             restored: false,
             submit_seq: rng.next() >> 1,
+            priority: [0, 0, 1, -1, 86_400, -86_400][rng.below(6) as usize],
             idempotency: (rng.below(2) == 0).then(|| Box::new((Box::from("jti-1"), Box::from("key é")))),
             stored: Stored::default(),
         }
@@ -639,8 +640,8 @@ mod tests {
             assert_eq!(json(&back), json(&t));
             assert_eq!(back.payload.as_ref().map(|p| p.get()), t.payload.as_ref().map(|p| p.get()));
             assert_eq!(
-                (back.submit_seq, back.queued, back.max_retries, back.timeout_ms),
-                (t.submit_seq, t.queued, t.max_retries, t.timeout_ms)
+                (back.submit_seq, back.queued, back.max_retries, back.timeout_ms, back.priority),
+                (t.submit_seq, t.queued, t.max_retries, t.timeout_ms, t.priority)
             );
             assert_eq!(back.idempotency, t.idempotency);
         }

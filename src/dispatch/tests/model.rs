@@ -1329,7 +1329,16 @@ impl Harness {
         } else {
             Ok(None)
         };
-        let new = NewTask { payload: &raw, kind, run_at_wall_ms: run_at, queue, timeout_ms, max_retries, idempotency };
+        let new = NewTask {
+            payload: &raw,
+            kind,
+            run_at_wall_ms: run_at,
+            queue,
+            timeout_ms,
+            max_retries,
+            priority: 0,
+            idempotency,
+        };
         let immediate = self.core.submit(&mut self.io, relay::dispatch::DIRECT, &new, false);
         let got = relay::dispatch::submit_answer(self.answer_for(relay::dispatch::DIRECT, immediate)?);
         match (expected, got) {

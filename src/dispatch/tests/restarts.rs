@@ -69,6 +69,7 @@ fn queued(core: &mut Core, io: &mut FakeIo, max_retries: Option<u32>) -> TaskId 
         queue: true,
         timeout_ms: None,
         max_retries,
+        priority: 0,
         idempotency: None,
     };
     let id = core.submit_direct(io, new).expect("queued");
