@@ -141,6 +141,8 @@ struct Running {
     held: Option<u64>,
     /// Times a resuming worker took it back.
     resumes: u32,
+    /// Read back from the journal at start, held for its session (SPEC §12).
+    restored: bool,
 }
 
 /// A `wait=true` request held until its task is final or WAIT_TIMEOUT.
@@ -774,6 +776,9 @@ impl Core {
     /// A worker's connection is lost (reset, or silent past PONG_WAIT): a session worker's
     /// attempts are held for RESUME_WINDOW (SPEC §12); any other's end `disconnect`.
     pub fn worker_disconnected(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        if self.leave_for_restart(conn) {
+            return;
+        }
         if self.try_hold(conn, why) {
             self.settle(io);
             return;
@@ -784,6 +789,9 @@ impl Core {
     /// A worker closed its connection with a close frame (it is stopping), or relay closed it:
     /// its session ends, nothing is held, its attempts end `disconnect`.
     pub fn worker_closed(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        if self.leave_for_restart(conn) {
+            return;
+        }
         self.end_session_of(conn);
         self.worker_gone(io, conn, why);
     }
@@ -1108,7 +1116,7 @@ impl Core {
             self.store.give_back(c.id, c.attempt);
             return;
         };
-        let (conn, client_id, ip) = (w.conn, w.client_id, w.ip);
+        let (conn, client_id, ip, sid) = (w.conn, w.client_id, w.ip, w.session);
         let node = self.node_name.clone();
         self.store.attempt_started(
             c.id,
@@ -1119,6 +1127,7 @@ impl Core {
                 started_wall_ms: self.wall_ms,
                 started_mono_ms: self.now_ms,
                 node: node.as_deref(),
+                session: sid.and_then(|s| self.sessions.tag(s)),
             },
         );
         let timer = self.wheel.arm(self.now_ms + c.timeout_ms, Timer::Attempt { task: c.id, num: c.attempt });
@@ -1141,6 +1150,7 @@ impl Core {
                 answered: false,
                 held: None,
                 resumes: 0,
+                restored: false,
             },
         );
         if let Some(w) = self.workers[slot as usize].as_mut() {
@@ -1196,19 +1206,22 @@ impl Core {
         }
         self.metrics.attempt(outcome);
         self.store.attempt_closed(id, r.client_id, r.answered);
+        // An attempt a restart held whose worker never came back: the loss is relay's (as a
+        // restart's without sessions), it uses up no retry (SPEC §12).
+        let uncounted = r.restored && outcome == Outcome::Disconnect && error == Some(sessions::RESTART_ERROR);
         let end = AttemptEnd {
             outcome,
             error,
             duration_ms: self.now_ms.saturating_sub(r.started_mono_ms),
             ended_wall_ms: self.wall_ms,
-            uncounted: false,
+            uncounted,
             resumes: r.resumes,
         };
         let next = match (outcome, result) {
             (Outcome::Done, Some(result)) => Next::Done { result },
             _ => {
                 let error = error.unwrap_or("failed");
-                if self.shutting_down {
+                if self.shutting_down || uncounted {
                     // A node shutting down hands its tasks back: not the task's fault.
                     Next::Retry
                 } else if r.counted + 1 > r.max_retries {

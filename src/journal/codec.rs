@@ -148,6 +148,9 @@ const F_FINISHED: u16 = 1 << 7;
 /// A priority other than 0 follows the idempotency key (SPEC §14). High bits for flow control:
 /// records written before it never set them.
 const F_PRIORITY: u16 = 1 << 14;
+/// The open (last) attempt runs on a session worker: its worker id and secret follow the
+/// attempts (SPEC §12; a restart holds the attempt for the worker to resume).
+const F_SESSION: u16 = 1 << 13;
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -215,7 +218,13 @@ fn task_fixed_len(t: &Task) -> usize {
         + s(t.error.as_deref().map(error_len))
         + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
         + if t.priority != 0 { 4 } else { 0 }
+        + open_session(t).map_or(0, |s| 8 + s.worker_id.len() + s.secret.len())
         + 4
+}
+
+/// The session of a task's open attempt, if it has one.
+fn open_session(t: &Task) -> Option<&crate::tasks::SessionTag> {
+    t.attempts.last().filter(|a| a.outcome.is_none()).and_then(|a| a.session.as_deref())
 }
 
 /// How a Task record fits in `limit`: the first `left_out` attempts carry [`ERROR_LEFT_OUT`]
@@ -278,6 +287,7 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
     set(&mut flags, F_IDEMPOTENCY, t.idempotency.is_some());
     set(&mut flags, F_FINISHED, t.finished_wall_ms.is_some());
     set(&mut flags, F_PRIORITY, t.priority != 0);
+    set(&mut flags, F_SESSION, open_session(t).is_some());
     put_u128(out, t.id);
     out.extend_from_slice(&flags.to_le_bytes());
     out.push(t.status as u8);
@@ -329,14 +339,25 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
             None => out.push(0),
         }
     }
+    if let Some(s) = open_session(t) {
+        put_str(out, &s.worker_id);
+        put_str(out, &s.secret);
+    }
 }
 
+/// An attempt's start; a session worker's carries its worker id and secret after the fields
+/// older records have (which decode as before: no session).
 pub fn put_attempt_start(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
     put_u128(out, id);
     put_u32(out, num);
     put_u128(out, a.client_id);
     put_ip(out, a.client_ip);
     put_u64(out, a.started_wall_ms);
+    if let Some(s) = &a.session {
+        out.push(1);
+        put_str(out, &s.worker_id);
+        put_str(out, &s.secret);
+    }
 }
 
 pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
@@ -483,6 +504,11 @@ impl<'a> Dec<'a> {
     fn done(&self) -> bool {
         self.b.is_empty()
     }
+    fn session(&mut self) -> Option<crate::tasks::SessionTag> {
+        let worker_id = Box::from(self.str()?);
+        let secret = Box::from(self.str()?);
+        Some(crate::tasks::SessionTag { worker_id, secret })
+    }
 }
 
 /// An attempt read back from the journal: no connection, and marked when a restart closed it.
@@ -525,6 +551,12 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         a.restarted = a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(RESTART_ERROR);
         attempts.push(a);
     }
+    if flags & F_SESSION != 0 {
+        let s = d.session()?;
+        if let Some(a) = attempts.last_mut().filter(|a| a.outcome.is_none()) {
+            a.session = Some(Box::new(s));
+        }
+    }
     Some(TaskImage {
         id,
         status,
@@ -553,7 +585,13 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
         RecordType::AttemptStart => {
             let id = d.u128()?;
             let num = d.u32()?;
-            let attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+            let mut attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+            if !d.done() {
+                if d.u8()? != 1 {
+                    return None;
+                }
+                attempt.session = Some(Box::new(d.session()?));
+            }
             Record::AttemptStart { id, num, attempt }
         }
         RecordType::AttemptEnd => Record::AttemptEnd {
@@ -651,6 +689,45 @@ mod tests {
             t.attempts.push(a);
         }
         t
+    }
+
+    /// A session worker's open attempt keeps its worker id and secret, in the attempt's start
+    /// and in the task's record (SPEC §12); a start written without them (older records) still
+    /// decodes, without a session.
+    #[test]
+    fn an_open_attempt_keeps_its_session() {
+        let tag = crate::tasks::SessionTag { worker_id: "w-1".into(), secret: "s".repeat(64).into() };
+        let mut t = task_with_attempts(2, 10);
+        t.status = Status::Dispatched;
+        t.finished_wall_ms = None;
+        t.error = None;
+        let mut open = restored_attempt(7, IpAddr::V4(Ipv4Addr::LOCALHOST), 5);
+        open.session = Some(Box::new(tag.clone()));
+        t.attempts.push(open);
+        let (len, image) = round_trip(&t, MAX_RECORD_BYTES);
+        assert_eq!(image.attempts.len(), 3);
+        assert_eq!(image.attempts[2].session.as_deref(), Some(&tag));
+        assert!(image.attempts[1].session.is_none());
+        assert_eq!(
+            len,
+            task_fixed_len(&t)
+                + t.attempts.iter().map(|a| attempt_len(a, a.error.as_deref().map(error_len))).sum::<usize>()
+        );
+
+        let mut buf = Vec::new();
+        put_attempt_start(&mut buf, 9, 3, &t.attempts[2]);
+        let Some(Record::AttemptStart { attempt, .. }) = decode(RecordType::AttemptStart as u8, &buf) else {
+            panic!("decodes")
+        };
+        assert_eq!(attempt.session.as_deref(), Some(&tag));
+        let mut old = Vec::new();
+        put_attempt_start(&mut old, 9, 1, &t.attempts[0]);
+        let Some(Record::AttemptStart { attempt, .. }) = decode(RecordType::AttemptStart as u8, &old) else {
+            panic!("decodes")
+        };
+        assert!(attempt.session.is_none());
+        old.push(2);
+        assert!(decode(RecordType::AttemptStart as u8, &old).is_none(), "an unknown trailer is damage");
     }
 
     fn round_trip(t: &Task, limit: usize) -> (usize, TaskImage) {

@@ -592,6 +592,7 @@ mod tests {
                 answered: false,
                 restarted: false,
                 resumes: 0,
+                session: None,
             })
             .collect();
         let payload = format!("{{\"kind\":\"k{}\",\"n\":{}}}", rng.below(3), rng.next());
@@ -679,6 +680,7 @@ mod tests {
                                 answered: false,
                                 restarted: false,
                                 resumes: 0,
+                                session: None,
                             });
                             codec::put_attempt_end(out, id, 1, &a[0])
                         }),

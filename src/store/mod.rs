@@ -120,6 +120,18 @@ pub struct Claimed {
     pub created_wall_ms: u64,
 }
 
+/// An attempt a session worker was running when relay stopped (a crash or a SIGTERM), read
+/// back from the journal: the core holds it for RESUME_WINDOW from the restart (SPEC §12).
+#[derive(Debug)]
+pub struct RestoredAttempt {
+    /// The task as a claim would hand it over (`attempt` is the open attempt's number).
+    pub task: Claimed,
+    pub client_id: u128,
+    pub client_ip: IpAddr,
+    pub started_wall_ms: u64,
+    pub session: crate::tasks::SessionTag,
+}
+
 /// Who runs an attempt that starts.
 #[derive(Debug, Clone, Copy)]
 pub struct AttemptStart<'a> {
@@ -129,6 +141,9 @@ pub struct AttemptStart<'a> {
     pub started_mono_ms: u64,
     /// The node's name (cluster mode): the attempt_log entry carries it (SPEC §11).
     pub node: Option<&'a str>,
+    /// The worker's session (worker id, secret), if it has one (SPEC §12): kept with the
+    /// attempt, so that a restart holds it for the worker to resume.
+    pub session: Option<(&'a str, &'a str)>,
 }
 
 /// How an attempt ended.
@@ -478,6 +493,24 @@ impl Store {
     /// a store without the task's attempt log at hand remembers it for [`Store::stray`].
     pub fn attempt_closed(&mut self, id: TaskId, client_id: u128, answered: bool) {
         each!(self, s => s.attempt_closed(id, client_id, answered))
+    }
+
+    /// A restart holds session workers' running attempts (a journal, and RESUME_WINDOW not 0):
+    /// a shutdown leaves them open for the next run (SPEC §12).
+    pub fn holds_restarts(&self) -> bool {
+        match self {
+            Store::Mem(s) => s.hold_sessions && s.journal().is_some(),
+            Store::Pg(_) => false,
+        }
+    }
+
+    /// Attempts of session workers read back at start, for the core to hold (SPEC §12); taken
+    /// once.
+    pub fn take_restored(&mut self) -> Vec<RestoredAttempt> {
+        match self {
+            Store::Mem(s) => std::mem::take(&mut s.restored_held),
+            Store::Pg(_) => Vec::new(),
+        }
     }
 
     /// The store's own figures for `/metrics`.

@@ -202,6 +202,7 @@ impl Harness {
             started_wall_ms: relay::timefmt::wall_ms(),
             started_mono_ms: 0,
             node: Some("node-t"),
+            session: None,
         };
         self.store.attempt_started(c.id, c.attempt, &start);
     }

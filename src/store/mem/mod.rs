@@ -181,6 +181,10 @@ pub struct MemStore {
     compacted_upto: u32,
     logged_forgetting: bool,
     events: Vec<Event>,
+    /// A restart holds the attempts session workers ran (RESUME_WINDOW is not 0): they stay
+    /// dispatched and are listed in `restored_held` for the core (SPEC §12).
+    pub hold_sessions: bool,
+    pub restored_held: Vec<crate::store::RestoredAttempt>,
     /// Finished tasks evicted from memory (`relay_tasks_evicted_total`).
     pub tasks_evicted: u64,
 }
@@ -218,6 +222,8 @@ impl MemStore {
             compacted_upto: 0,
             logged_forgetting: false,
             events: Vec::new(),
+            hold_sessions: false,
+            restored_held: Vec::new(),
             tasks_evicted: 0,
         }
     }
@@ -552,6 +558,9 @@ impl MemStore {
         task.place = Place::Nowhere;
         let mut a = Attempt::new(start.client_id, start.client_ip, start.started_wall_ms);
         a.node = start.node.map(Box::from);
+        a.session = start.session.map(|(worker_id, secret)| {
+            Box::new(crate::tasks::SessionTag { worker_id: worker_id.into(), secret: secret.into() })
+        });
         task.attempts.push(a);
         self.set_status(id, Status::Dispatched);
         self.record(id, Rec::AttemptStarted);
