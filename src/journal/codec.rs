@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use serde_json::value::RawValue;
 
 use super::crc::crc32c;
-use crate::tasks::{Attempt, Outcome, Status, Stored, Task, TaskId};
+use crate::tasks::{Attempt, Outcome, RetryPolicy, Status, Stored, Task, TaskId};
 
 /// Every segment file starts with these 16 bytes: magic, format version, reserved.
 pub const SEGMENT_MAGIC: &[u8; 8] = b"relayjnl";
@@ -212,6 +212,7 @@ fn task_fixed_len(t: &Task) -> usize {
         + s(t.error.as_deref().map(error_len))
         + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
         + 4
+        + Ext::of(t).len()
 }
 
 /// How a Task record fits in `limit`: the first `left_out` attempts carry [`ERROR_LEFT_OUT`]
@@ -321,6 +322,89 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
             None => out.push(0),
         }
     }
+    Ext::of(t).put(out);
+}
+
+/// Optional fields after a record's fixed ones (added after the format's first release, so a
+/// journal written before them still replays): zero or more `tag: u8 | len: u16 | bytes`. A
+/// decoder skips a tag it does not know. Tags: 1 `next_attempt_wall_ms` (u64), 2 `again`
+/// (u128), 3 the retry policy (flags u8: 1 backoff, 2 backoff_max, 4 any_worker given,
+/// 8 any_worker; then backoff u64, backoff_max u64). Further fields take further tags.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Ext {
+    pub next_attempt_wall_ms: Option<u64>,
+    pub again: Option<u128>,
+    pub retry: RetryPolicy,
+}
+
+const EXT_NEXT_ATTEMPT: u8 = 1;
+const EXT_AGAIN: u8 = 2;
+const EXT_RETRY: u8 = 3;
+
+impl Ext {
+    pub fn of(t: &Task) -> Ext {
+        Ext { next_attempt_wall_ms: t.next_attempt_wall_ms, again: t.again, retry: t.retry }
+    }
+
+    /// Bytes it takes in a record.
+    fn len(&self) -> usize {
+        self.next_attempt_wall_ms.map_or(0, |_| 3 + 8)
+            + self.again.map_or(0, |_| 3 + 16)
+            + if self.retry.is_default() { 0 } else { 3 + 17 }
+    }
+
+    fn put(&self, out: &mut Vec<u8>) {
+        if let Some(at) = self.next_attempt_wall_ms {
+            out.push(EXT_NEXT_ATTEMPT);
+            out.extend_from_slice(&8u16.to_le_bytes());
+            put_u64(out, at);
+        }
+        if let Some(c) = self.again {
+            out.push(EXT_AGAIN);
+            out.extend_from_slice(&16u16.to_le_bytes());
+            put_u128(out, c);
+        }
+        if !self.retry.is_default() {
+            let r = self.retry;
+            let flags = u8::from(r.backoff_ms.is_some())
+                | u8::from(r.backoff_max_ms.is_some()) << 1
+                | u8::from(r.any_worker.is_some()) << 2
+                | u8::from(r.any_worker == Some(true)) << 3;
+            out.push(EXT_RETRY);
+            out.extend_from_slice(&17u16.to_le_bytes());
+            out.push(flags);
+            put_u64(out, r.backoff_ms.unwrap_or(0));
+            put_u64(out, r.backoff_max_ms.unwrap_or(0));
+        }
+    }
+
+    /// Reads what is left of a record (nothing: no extension).
+    fn decode(d: &mut Dec<'_>) -> Option<Ext> {
+        let mut ext = Ext::default();
+        while !d.done() {
+            let tag = d.u8()?;
+            let len = d.u16()? as usize;
+            let mut f = Dec { b: d.take(len)? };
+            match tag {
+                EXT_NEXT_ATTEMPT => ext.next_attempt_wall_ms = Some(f.u64()?),
+                EXT_AGAIN => ext.again = Some(f.u128()?),
+                EXT_RETRY => {
+                    let flags = f.u8()?;
+                    let (backoff, max) = (f.u64()?, f.u64()?);
+                    ext.retry = RetryPolicy {
+                        backoff_ms: (flags & 1 != 0).then_some(backoff),
+                        backoff_max_ms: (flags & 2 != 0).then_some(max),
+                        any_worker: (flags & 4 != 0).then_some(flags & 8 != 0),
+                    };
+                }
+                _ => continue,
+            }
+            if !f.done() {
+                return None;
+            }
+        }
+        Some(ext)
+    }
 }
 
 pub fn put_attempt_start(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
@@ -332,6 +416,11 @@ pub fn put_attempt_start(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
 }
 
 pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
+    put_attempt_end_with(out, id, num, a, &Ext::default());
+}
+
+/// [`put_attempt_end`] with what a retry waits for (`ext`: its backoff and `again`).
+pub fn put_attempt_end_with(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt, ext: &Ext) {
     put_u128(out, id);
     put_u32(out, num);
     out.push(outcome_code(a.outcome));
@@ -343,6 +432,8 @@ pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
         }
         None => out.push(0),
     }
+    // (The policy is the task's, in its Task record; an attempt's end says how its retry waits.)
+    Ext { retry: RetryPolicy::default(), ..*ext }.put(out);
 }
 
 pub fn put_forget(out: &mut Vec<u8>, id: TaskId) {
@@ -367,6 +458,7 @@ pub struct TaskImage {
     pub error: Option<Box<str>>,
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
     pub attempts: Vec<Attempt>,
+    pub ext: Ext,
 }
 
 impl TaskImage {
@@ -389,6 +481,9 @@ impl TaskImage {
             queued: self.queued,
             submit_seq: self.submit_seq,
             idempotency: self.idempotency,
+            retry: self.ext.retry,
+            next_attempt_wall_ms: self.ext.next_attempt_wall_ms,
+            again: self.ext.again,
             stored,
             ..Task::default()
         }
@@ -399,7 +494,7 @@ impl TaskImage {
 pub enum Record {
     Task(Box<TaskImage>),
     AttemptStart { id: TaskId, num: u32, attempt: Attempt },
-    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>> },
+    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>>, ext: Ext },
     Forget { id: TaskId },
 }
 
@@ -514,6 +609,7 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         a.restarted = a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(RESTART_ERROR);
         attempts.push(a);
     }
+    let ext = Ext::decode(d)?;
     Some(TaskImage {
         id,
         status,
@@ -530,6 +626,7 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         error,
         idempotency,
         attempts,
+        ext,
     })
 }
 
@@ -550,6 +647,7 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
             outcome: d.outcome()?,
             duration_ms: d.u64()?,
             error: d.opt_error()?,
+            ext: Ext::decode(&mut d)?,
         },
         RecordType::Forget => Record::Forget { id: d.u128()? },
     };
@@ -629,6 +727,7 @@ mod tests {
             error: Some(Box::from("last")),
             idempotency: None,
             attempts: Vec::new(),
+            ext: Ext::default(),
         }
         .into_task(Stored::default());
         for i in 0..n {

@@ -19,6 +19,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "tasks, pending, nodes, workers, tokens, files", V1),
     (2, "listing scans one index; an index of the waiting tasks that can fail", V2),
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
+    (4, "retry policies per task", V4),
 ];
 
 /// The newest version this build knows.
@@ -240,6 +241,15 @@ CREATE TRIGGER relay_pending_count_insert AFTER INSERT ON relay_pending
     REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_pending_count_insert();
 CREATE TRIGGER relay_pending_count_delete AFTER DELETE ON relay_pending
     REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_pending_count_delete();
+"#;
+
+/// Version 4 (SPEC §13): a task's own retry policy (NULL: the node's configured default). A
+/// retry waiting out its backoff needs no column: its pending row is due when the wait ends,
+/// and its attempt_log entry says when (`next_attempt_ms`).
+const V4: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_backoff_max_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_any_worker boolean;
 "#;
 
 /// What [`migrate`] did.

@@ -17,6 +17,7 @@ mod openapi;
 mod ops;
 mod pg_cluster;
 mod regressions;
+mod retries;
 mod review;
 mod store;
 mod tasks_api;

@@ -13,6 +13,7 @@ fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId
             queue: true,
             timeout_ms: None,
             max_retries: None,
+            retry: Default::default(),
             idempotency: None,
         },
     )
@@ -150,6 +151,7 @@ fn max_pending_counts_tasks_whatever_their_payload_size() {
                 queue: true,
                 timeout_ms: None,
                 max_retries: None,
+                retry: Default::default(),
                 idempotency: None,
             },
         )
