@@ -577,8 +577,9 @@ struct SubmitBody<'a> {
     timeout: Option<Cow<'a, str>>,
     #[serde(default)]
     max_retries: Option<u64>,
+    /// (Raw: serde would take an array for the struct, positionally.)
     #[serde(borrow, default)]
-    retry: Option<RetryBody<'a>>,
+    retry: Option<&'a RawValue>,
 }
 
 /// `"retry": {...}` of a submit (SPEC §13). Unknown fields are refused: a misspelt policy must
@@ -599,8 +600,12 @@ const MAX_TASK_BACKOFF_MS: u64 = 24 * 3_600_000;
 
 /// A task's `retry` object, checked (SPEC §13): durations as elsewhere, `0s` allowed for
 /// `backoff` (no wait), each at most 24h.
-fn parse_retry(raw: Option<RetryBody<'_>>) -> Result<crate::tasks::RetryPolicy, String> {
-    let Some(raw) = raw else { return Ok(Default::default()) };
+fn parse_retry(raw: Option<&RawValue>) -> Result<crate::tasks::RetryPolicy, String> {
+    let Some(raw) = raw.filter(|r| r.get() != "null") else { return Ok(Default::default()) };
+    if !raw.get().starts_with('{') {
+        return Err("retry must be an object such as {\"backoff\":\"2s\"}".into());
+    }
+    let raw: RetryBody = serde_json::from_str(raw.get()).map_err(|e| format!("invalid retry: {e}"))?;
     let duration = |name: &str, text: Option<&str>, zero_ok: bool| -> Result<Option<u64>, String> {
         let Some(t) = text else { return Ok(None) };
         let ms = match parse_duration_ms(t) {
@@ -756,9 +761,11 @@ mod tests {
         check_submit(r#"{"payload":1,"retry":{"backoff":"soon"}}"#, Err("invalid retry.backoff"));
         check_submit(r#"{"payload":1,"retry":{"backoff_max":"0s"}}"#, Err("invalid retry.backoff_max"));
         check_submit(r#"{"payload":1,"retry":{"backoff":"25h"}}"#, Err("more than 24h"));
-        check_submit(r#"{"payload":1,"retry":{"any_worker":"yes"}}"#, Err("invalid JSON"));
-        check_submit(r#"{"payload":1,"retry":{"backof":"1s"}}"#, Err("invalid JSON"));
-        check_submit(r#"{"payload":1,"retry":true}"#, Err("invalid JSON"));
+        check_submit(r#"{"payload":1,"retry":{"any_worker":"yes"}}"#, Err("invalid retry"));
+        check_submit(r#"{"payload":1,"retry":{"backof":"1s"}}"#, Err("invalid retry"));
+        check_submit(r#"{"payload":1,"retry":true}"#, Err("retry must be an object"));
+        check_submit(r#"{"payload":1,"retry":[null,null]}"#, Err("retry must be an object"));
+        check_submit(r#"{"payload":1,"retry":null}"#, Ok((None, None, false)));
         check_submit(r#"{"payload":{"kind":"a\u0000b"}}"#, Err("U+0000"));
         check_submit(r#"{"payload":1,"queue":"yes"}"#, Err("invalid JSON"));
         check_submit(r#"[1]"#, Err("must be a JSON object"));
