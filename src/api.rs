@@ -335,6 +335,7 @@ impl Api {
             timeout_ms: parsed.timeout_ms,
             max_retries: parsed.max_retries,
             retry: parsed.retry,
+            priority: parsed.priority,
             idempotency: key.map(|k| (owner, k)),
         };
         held_or(core.submit(io, conn, &new, wait))
@@ -481,6 +482,7 @@ impl Api {
                         timeout_ms: parsed.timeout_ms,
                         max_retries: parsed.max_retries,
                         retry: parsed.retry,
+                        priority: parsed.priority,
                         idempotency: None,
                     };
                     core.batch_item(io, batch.key, Ok(new));
@@ -555,6 +557,8 @@ pub struct Submit<'a> {
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
     pub retry: crate::tasks::RetryPolicy,
+    /// Seconds of head start (SPEC §14; 0 when absent).
+    pub priority: i32,
 }
 
 /// `Some(raw)` when the field is present, even as `null` (an `Option<&RawValue>` would turn a
@@ -577,6 +581,8 @@ struct SubmitBody<'a> {
     timeout: Option<Cow<'a, str>>,
     #[serde(default)]
     max_retries: Option<u64>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    priority: Option<&'a RawValue>,
     /// (Raw: serde would take an array for the struct, positionally.)
     #[serde(borrow, default)]
     retry: Option<&'a RawValue>,
@@ -705,8 +711,28 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
         }
         None => None,
     };
+    // (`null` is absent, as for every optional field of a submit.)
+    let priority = match raw.priority {
+        Some(p) if p.get() != "null" => parse_priority(p.get())?,
+        _ => 0,
+    };
     let retry = parse_retry(raw.retry)?;
-    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries, retry })
+    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries, priority, retry })
+}
+
+/// Most seconds of head start a priority gives (SPEC §14).
+pub const MAX_PRIORITY_S: i32 = 86_400;
+
+/// `"priority"`: a JSON integer as written (no fraction, no exponent) within ±86,400.
+fn parse_priority(text: &str) -> Result<i32, String> {
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("priority must be a JSON integer of seconds (-86400..86400)".into());
+    }
+    match text.parse::<i32>() {
+        Ok(n) if (-MAX_PRIORITY_S..=MAX_PRIORITY_S).contains(&n) => Ok(n),
+        _ => Err("priority is outside -86400..86400 seconds".into()),
+    }
 }
 
 #[cfg(test)]
@@ -734,6 +760,14 @@ mod tests {
         check_submit(r#"{"payload":1,"delay":"2s"}"#, Ok((None, Some(3_000), false)));
         check_submit(r#"{"payload":1,"run_at":"1970-01-01T00:00:05Z"}"#, Ok((None, Some(5_000), false)));
         check_submit(r#"{"payload":1,"unknown":true}"#, Ok((None, None, false)));
+        for good in ["0", "-0", "86400", "-86400", "7"] {
+            check_submit(&format!(r#"{{"payload":1,"priority":{good}}}"#), Ok((None, None, false)));
+        }
+        check_submit(r#"{"payload":1,"priority":null}"#, Ok((None, None, false)));
+        for bad in ["86401", "-86401", "1.0", "1e3", "\"5\"", "true", "1000000000000", "{}"] {
+            check_submit(&format!(r#"{{"payload":1,"priority":{bad}}}"#), Err("priority"));
+        }
+        assert_eq!(parse_submit(br#"{"payload":1,"priority":-30}"#, 0).map(|s| s.priority), Ok(-30));
         check_submit(r#"{"payload":null}"#, Err("payload is required"));
         check_submit(r#"{}"#, Err("payload is required"));
         check_submit("", Err("empty body"));

@@ -132,6 +132,8 @@ pub struct NewTask<'a> {
     pub max_retries: Option<u32>,
     /// Its own retry policy (SPEC §13).
     pub retry: RetryPolicy,
+    /// Seconds of head start among due tasks (SPEC §14; 0: none).
+    pub priority: i32,
     /// (token identity, Idempotency-Key).
     pub idempotency: Option<(&'a str, &'a str)>,
 }
@@ -494,6 +496,7 @@ impl Core {
             timeout_ms: new.timeout_ms,
             max_retries: new.max_retries,
             retry: new.retry,
+            priority: new.priority,
             idempotency: new.idempotency,
             runs_now: taker.is_some(),
             claim_group,

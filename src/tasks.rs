@@ -258,6 +258,8 @@ pub struct Task {
     /// The submission sequence number: set once, never changed. Orders the listing (newest
     /// first), is what a listing cursor points at, and breaks ties in due order.
     pub submit_seq: u64,
+    /// Seconds of head start among due tasks (SPEC §14): ready order is due − priority.
+    pub priority: i32,
     /// Which pending queue holds the task, if any (the memory store's).
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
@@ -404,6 +406,13 @@ impl Task {
         push_time(s, "created_at", Some(self.created_wall_ms));
         push_time(s, "run_at", self.run_at_wall_ms);
         push_time(s, "finished_at", self.finished_wall_ms);
+        if self.priority != 0 {
+            s.push_str(",\"priority\":");
+            if self.priority < 0 {
+                s.push('-');
+            }
+            push_u64(s, u64::from(self.priority.unsigned_abs()));
+        }
         if self.status == Status::Done {
             s.push_str(",\"result\":");
             s.push_str(self.result.as_deref().map_or("null", RawValue::get));
@@ -631,6 +640,7 @@ mod tests {
             max_retries: 2,
             timeout_ms: 10_000,
             submit_seq: 0,
+            priority: 0,
             place: Place::Nowhere,
             queued: false,
             restored: false,

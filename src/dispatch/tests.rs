@@ -84,6 +84,7 @@ fn submit(core: &mut Core, io: &mut FakeIo, body: &str, kind: Option<&str>) -> R
             timeout_ms: None,
             max_retries: None,
             retry: Default::default(),
+            priority: 0,
             idempotency: None,
         },
     )

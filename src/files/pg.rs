@@ -218,11 +218,8 @@ impl DbFiles {
         let n = (offset / d.chunk_bytes) as i64;
         let within = (offset % d.chunk_bytes) as usize;
         if d.cached.as_ref().is_none_or(|(c, _)| *c != n) {
-            let stmt = Stmt {
-                sql: sql::FILE_READ_CHUNK,
-                params: vec![d.file_id.as_str().into(), n.into()],
-                binary_results: true,
-            };
+            let mut stmt = Stmt::new(sql::FILE_READ_CHUNK, vec![d.file_id.as_str().into(), n.into()]);
+            stmt.binary_results = true;
             let rows = self.exec(&[stmt])?;
             let data = rows.first().and_then(|r| r.rows.first()).and_then(|r| r.bytes(0)).map(<[u8]>::to_vec);
             let Some(data) = data else { return Err(format!("chunk {n} is missing")) };

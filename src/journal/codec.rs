@@ -145,6 +145,9 @@ const F_RESULT: u16 = 1 << 4;
 const F_ERROR: u16 = 1 << 5;
 const F_IDEMPOTENCY: u16 = 1 << 6;
 const F_FINISHED: u16 = 1 << 7;
+/// A priority other than 0 follows the idempotency key (SPEC §14). High bits for flow control:
+/// records written before it never set them.
+const F_PRIORITY: u16 = 1 << 14;
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -211,6 +214,7 @@ fn task_fixed_len(t: &Task) -> usize {
         + s(t.result.as_ref().map(|r| r.get().len()))
         + s(t.error.as_deref().map(error_len))
         + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
+        + if t.priority != 0 { 4 } else { 0 }
         + 4
         + Ext::of(t).len()
 }
@@ -274,6 +278,7 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
     set(&mut flags, F_ERROR, t.error.is_some());
     set(&mut flags, F_IDEMPOTENCY, t.idempotency.is_some());
     set(&mut flags, F_FINISHED, t.finished_wall_ms.is_some());
+    set(&mut flags, F_PRIORITY, t.priority != 0);
     put_u128(out, t.id);
     out.extend_from_slice(&flags.to_le_bytes());
     out.push(t.status as u8);
@@ -302,6 +307,9 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
     if let Some(idem) = &t.idempotency {
         put_str(out, &idem.0);
         put_str(out, &idem.1);
+    }
+    if t.priority != 0 {
+        out.extend_from_slice(&t.priority.to_le_bytes());
     }
     put_u32(out, (t.attempts.len() - skipped) as u32);
     for (i, a) in t.attempts.iter().enumerate().skip(skipped) {
@@ -457,6 +465,7 @@ pub struct TaskImage {
     pub result: Option<Box<RawValue>>,
     pub error: Option<Box<str>>,
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
+    pub priority: i32,
     pub attempts: Vec<Attempt>,
     pub ext: Ext,
 }
@@ -484,6 +493,7 @@ impl TaskImage {
             retry: self.ext.retry,
             next_attempt_wall_ms: self.ext.next_attempt_wall_ms,
             again: self.ext.again,
+            priority: self.priority,
             stored,
             ..Task::default()
         }
@@ -595,6 +605,7 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
     let error = if flags & F_ERROR != 0 { Some(Box::from(d.str()?)) } else { None };
     let idempotency =
         if flags & F_IDEMPOTENCY != 0 { Some(Box::new((Box::from(d.str()?), Box::from(d.str()?)))) } else { None };
+    let priority = if flags & F_PRIORITY != 0 { d.u32()? as i32 } else { 0 };
     let n = d.u32()? as usize;
     // Each attempt takes at least 38 bytes: a count beyond what is left is damage.
     if n > d.b.len() / 38 {
@@ -625,6 +636,7 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         result,
         error,
         idempotency,
+        priority,
         attempts,
         ext,
     })
@@ -726,6 +738,7 @@ mod tests {
             result: None,
             error: Some(Box::from("last")),
             idempotency: None,
+            priority: 0,
             attempts: Vec::new(),
             ext: Ext::default(),
         }
@@ -751,6 +764,21 @@ mod tests {
     /// attempt log, which retries and re-runs can grow without end, so past the limit the
     /// oldest attempts' errors are left out (then, far beyond any real log, the oldest
     /// attempts), and the record still reads back.
+    #[test]
+    fn a_priority_round_trips_and_a_record_without_one_reads_as_zero() {
+        for p in [-86_400, -1, 0, 1, 86_400] {
+            let mut t = task_with_attempts(2, 10);
+            t.priority = p;
+            let (len, back) = round_trip(&t, usize::MAX);
+            assert_eq!(back.priority, p);
+            assert_eq!(
+                len,
+                task_fixed_len(&t)
+                    + t.attempts.iter().map(|a| attempt_len(a, a.error.as_deref().map(error_len))).sum::<usize>()
+            );
+        }
+    }
+
     #[test]
     fn a_task_record_stays_within_the_limit_replay_accepts_and_reads_back() {
         let t = task_with_attempts(40, 100_000);

@@ -649,6 +649,7 @@ mod tests {
             result: None,
             error: None,
             idempotency: None,
+            priority: 0,
             attempts: Vec::new(),
             ext: Ext::default(),
         }

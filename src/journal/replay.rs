@@ -615,6 +615,7 @@ mod tests {
             queued: rng.below(2) == 0,
             restored: false,
             submit_seq: rng.next() >> 1,
+            priority: [0, 0, 1, -1, 86_400, -86_400][rng.below(6) as usize],
             idempotency: (rng.below(2) == 0).then(|| Box::new((Box::from("jti-1"), Box::from("key é")))),
             retry: crate::tasks::RetryPolicy {
                 backoff_ms: (rng.below(2) == 0).then(|| rng.below(100_000)),
@@ -648,8 +649,8 @@ mod tests {
             assert_eq!(json(&back), json(&t));
             assert_eq!(back.payload.as_ref().map(|p| p.get()), t.payload.as_ref().map(|p| p.get()));
             assert_eq!(
-                (back.submit_seq, back.queued, back.max_retries, back.timeout_ms),
-                (t.submit_seq, t.queued, t.max_retries, t.timeout_ms)
+                (back.submit_seq, back.queued, back.max_retries, back.timeout_ms, back.priority),
+                (t.submit_seq, t.queued, t.max_retries, t.timeout_ms, t.priority)
             );
             assert_eq!(back.idempotency, t.idempotency);
             assert_eq!((back.retry, back.next_attempt_wall_ms, back.again), (t.retry, t.next_attempt_wall_ms, t.again));

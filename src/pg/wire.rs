@@ -33,6 +33,7 @@ use postgres_protocol::IsNull;
 use postgres_protocol::authentication::sasl::{self, ChannelBinding, ScramSha256};
 use postgres_protocol::message::backend::{self, Message};
 use postgres_protocol::message::frontend;
+use serde_json::value::RawValue;
 
 use super::url::{DbParams, Host};
 
@@ -136,11 +137,21 @@ pub struct Stmt {
     pub params: Vec<Param>,
     /// Results in binary format (every column) instead of text.
     pub binary_results: bool,
+    /// Columns whose text is JSON: checked, and made [`RawValue`]s, on the connection's thread
+    /// (a large result is checked there, not on the loop that reads the row: [`Row::json`]).
+    pub json_columns: &'static [usize],
 }
 
 impl Stmt {
     pub fn new(sql: &'static str, params: Vec<Param>) -> Stmt {
-        Stmt { sql, params, binary_results: false }
+        Stmt { sql, params, binary_results: false, json_columns: &[] }
+    }
+
+    /// The same statement, with `columns` checked as JSON where its rows are read
+    /// ([`Stmt::json_columns`]).
+    pub fn with_json(mut self, columns: &'static [usize]) -> Stmt {
+        self.json_columns = columns;
+        self
     }
 }
 
@@ -149,6 +160,8 @@ impl Stmt {
 pub struct Row {
     data: Bytes,
     ranges: Vec<Option<Range<usize>>>,
+    /// The statement's JSON columns that hold valid JSON, checked already (column, value).
+    json: Vec<(usize, Box<RawValue>)>,
 }
 
 impl Row {
@@ -164,7 +177,7 @@ impl Row {
                 start..data.len()
             }));
         }
-        Row { data: Bytes::from(data), ranges }
+        Row { data: Bytes::from(data), ranges, json: Vec::new() }
     }
 
     pub fn len(&self) -> usize {
@@ -184,6 +197,25 @@ impl Row {
     /// Column `i` as text (text-format results).
     pub fn text(&self, i: usize) -> Option<&str> {
         self.bytes(i).and_then(|b| std::str::from_utf8(b).ok())
+    }
+
+    /// Column `i` as JSON: the value checked on the connection's thread when the statement
+    /// named the column ([`Stmt::with_json`]), else checked now; `None` for NULL or text that is
+    /// not JSON.
+    pub fn json(&self, i: usize) -> Option<Box<RawValue>> {
+        match self.json.iter().find(|(c, _)| *c == i) {
+            Some((_, v)) => Some(v.clone()),
+            None => RawValue::from_string(self.text(i)?.to_owned()).ok(),
+        }
+    }
+
+    /// Checks the text of `columns` as JSON once (on the thread that read the row).
+    fn check_json(&mut self, columns: &[usize]) {
+        for &i in columns {
+            if let Some(v) = self.text(i).and_then(|t| RawValue::from_string(t.to_owned()).ok()) {
+                self.json.push((i, v));
+            }
+        }
     }
 
     /// Column `i` as an integer (text-format results).
@@ -497,7 +529,14 @@ impl Conn {
         result?;
         match error {
             Some(e) => Err(e),
-            None if out.len() == stmts.len() => Ok(out),
+            None if out.len() == stmts.len() => {
+                for (stmt, rows) in stmts.iter().zip(out.iter_mut()) {
+                    if !stmt.json_columns.is_empty() {
+                        rows.rows.iter_mut().for_each(|row| row.check_json(stmt.json_columns));
+                    }
+                }
+                Ok(out)
+            }
             None => Err(protocol(format!("{} results for {} statements", out.len(), stmts.len()))),
         }
     }
@@ -707,7 +746,7 @@ fn encode(p: &Param, buf: &mut BytesMut) -> Result<IsNull, Box<dyn std::error::E
 
 fn row(body: backend::DataRowBody) -> Result<Row, PgError> {
     let ranges: Vec<Option<Range<usize>>> = body.ranges().collect()?;
-    Ok(Row { data: body.buffer_bytes().clone(), ranges })
+    Ok(Row { data: body.buffer_bytes().clone(), ranges, json: Vec::new() })
 }
 
 /// The last number of a command tag (`INSERT 0 5` → 5, `UPDATE 3` → 3, `BEGIN` → 0).
@@ -730,4 +769,21 @@ fn db_error(body: &backend::ErrorResponseBody) -> PgError {
         message = format!("{message}: {detail}");
     }
     PgError::Db { code, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Row;
+
+    #[test]
+    fn json_columns_are_checked_once_and_text_that_is_not_json_is_none() {
+        let mut row = Row::from_texts(&[Some("{\"a\":[1,2]}"), Some("not json"), None, Some("7")]);
+        row.check_json(&[0, 1, 2]);
+        assert_eq!(row.json.len(), 1, "only the valid column is kept checked");
+        assert_eq!(row.json(0).map(|v| v.get().to_string()).as_deref(), Some("{\"a\":[1,2]}"));
+        assert!(row.json(1).is_none());
+        assert!(row.json(2).is_none());
+        // A column the statement did not name is checked when read.
+        assert_eq!(row.json(3).map(|v| v.get().to_string()).as_deref(), Some("7"));
+    }
 }

@@ -41,6 +41,8 @@ pub struct NewTask<'a> {
     pub max_retries: Option<u32>,
     /// Its own retry policy (SPEC §13).
     pub retry: RetryPolicy,
+    /// Seconds of head start among due tasks (SPEC §14; 0: none).
+    pub priority: i32,
     /// (token identity, `Idempotency-Key`).
     pub idempotency: Option<(&'a str, &'a str)>,
     /// A worker of this node that can take it has room now: it will not wait, so MAX_PENDING

@@ -8,6 +8,7 @@ mod cluster;
 mod dispatch;
 mod docs_examples;
 mod files;
+mod flow;
 mod hostile;
 mod http_protocol;
 mod journal;

@@ -71,7 +71,12 @@ fn pg_wire_simple_and_pipelined_statements_over_socket_and_tcp() {
             Stmt::new(ins, vec![Param::from(1i64), Param::from("a ' quote"), Param::Bytes(blob.clone())]),
             Stmt::new(ins, vec![Param::from(2i64), Param::Null, Param::Null]),
             Stmt::new("select n, s, s is null from t order by n", vec![]),
-            Stmt { sql: "select b from t where n = $1::int", params: vec![Param::from(1i64)], binary_results: true },
+            Stmt {
+                sql: "select b from t where n = $1::int",
+                params: vec![Param::from(1i64)],
+                binary_results: true,
+                json_columns: &[],
+            },
         ];
         let out = c.pipeline(&stmts).expect("pipeline");
         assert_eq!(out[0].affected, 1);
@@ -411,6 +416,7 @@ fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
         retry_backoff_ms: None,
         retry_backoff_max_ms: None,
         retry_any_worker: None,
+        priority: 0,
     }
 }
 
@@ -933,8 +939,12 @@ fn pg_sql_files_workers_and_token_changes() {
     assert_eq!(meta(&mut c)[0].rows[0].i64(2), Some(600_000));
     let mut back = Vec::new();
     for n in 0..3i64 {
-        let stmt =
-            Stmt { sql: sql::FILE_READ_CHUNK, params: vec![file.as_str().into(), n.into()], binary_results: true };
+        let stmt = Stmt {
+            sql: sql::FILE_READ_CHUNK,
+            params: vec![file.as_str().into(), n.into()],
+            binary_results: true,
+            json_columns: &[],
+        };
         back.extend_from_slice(c.pipeline(&[stmt]).expect("read")[0].rows[0].bytes(0).expect("chunk"));
     }
     assert!(back == bytes, "the file comes back byte for byte");

@@ -1342,6 +1342,7 @@ impl Harness {
             timeout_ms,
             max_retries,
             retry: Default::default(),
+            priority: 0,
             idempotency,
         };
         let immediate = self.core.submit(&mut self.io, relay::dispatch::DIRECT, &new, false);

@@ -14,6 +14,7 @@ fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId
             timeout_ms: None,
             max_retries: None,
             retry: Default::default(),
+            priority: 0,
             idempotency: None,
         },
     )
@@ -152,6 +153,7 @@ fn max_pending_counts_tasks_whatever_their_payload_size() {
                 timeout_ms: None,
                 max_retries: None,
                 retry: Default::default(),
+                priority: 0,
                 idempotency: None,
             },
         )

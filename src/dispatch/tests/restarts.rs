@@ -70,6 +70,7 @@ fn queued(core: &mut Core, io: &mut FakeIo, max_retries: Option<u32>) -> TaskId 
         timeout_ms: None,
         max_retries,
         retry: Default::default(),
+        priority: 0,
         idempotency: None,
     };
     let id = core.submit_direct(io, new).expect("queued");

@@ -135,6 +135,7 @@ mod tests {
             timeout_ms: None,
             max_retries: None,
             retry: Default::default(),
+            priority: 0,
             idempotency: None,
             runs_now: false,
             claim_group: None,

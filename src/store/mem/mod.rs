@@ -35,8 +35,21 @@ mod listing;
 /// (token identity, `Idempotency-Key` header).
 type IdempotencyKey = (Box<str>, Box<str>);
 
-/// A pending queue's order: due time (wall clock), then submission.
+/// A pending queue's order: due time (wall clock; in the ready queues less the priority's head
+/// start, SPEC §14), then submission.
 type QueueKey = (u64, u64);
+
+/// A ready task's place in the ready queues: due time less its priority's head start, then
+/// submission (SPEC §14; with priority 0, §7's due order).
+fn ready_key(task: &Task) -> QueueKey {
+    let head_start = i64::from(task.priority) * 1000;
+    let ord = if head_start >= 0 {
+        task.due_wall_ms.saturating_sub(head_start as u64)
+    } else {
+        task.due_wall_ms.saturating_add(head_start.unsigned_abs())
+    };
+    (ord, task.submit_seq)
+}
 
 /// How far one claim may look past tasks its takers all tried (retries waiting for another
 /// worker) before it stops.
@@ -139,6 +152,9 @@ pub struct MemStore {
     pending_bytes: usize,
     ready_all: BTreeMap<QueueKey, TaskId>,
     ready_kind: HashMap<Box<str>, BTreeMap<QueueKey, TaskId>>,
+    /// Ready first attempts by their real due time (the ready queues' order includes the
+    /// priority): they expire TASK_TTL after they fell due.
+    ready_due: BTreeMap<QueueKey, TaskId>,
     /// Ready tasks that fail when no untried worker that could take them is connected.
     fragile: Fragile,
     scheduled: BTreeMap<QueueKey, TaskId>,
@@ -187,6 +203,7 @@ impl MemStore {
             pending_bytes: 0,
             ready_all: BTreeMap::new(),
             ready_kind: HashMap::new(),
+            ready_due: BTreeMap::new(),
             fragile: Fragile::default(),
             scheduled: BTreeMap::new(),
             retries_due: Some(Vec::new()),
@@ -301,6 +318,7 @@ impl MemStore {
             max_retries: new.max_retries.unwrap_or(self.cfg.max_retries),
             timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
             submit_seq: seq,
+            priority: new.priority,
             queued: new.queue || new.run_at_wall_ms.is_some(),
             idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
             retry: new.retry,
@@ -360,7 +378,7 @@ impl MemStore {
     fn enqueue_ready(&mut self, id: TaskId) {
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.place = Place::Ready;
-        let key = (task.due_wall_ms, task.submit_seq);
+        let key = ready_key(task);
         let attempts = task.attempts.len();
         let fragile = (attempts > 0 || !task.queued) && !task.restored;
         self.ready_all.insert(key, id);
@@ -379,6 +397,7 @@ impl MemStore {
         }
         if attempts == 0 {
             // A first attempt expires TASK_TTL after it fell due.
+            self.ready_due.insert((task.due_wall_ms, task.submit_seq), id);
             let at = self.now_ms + (task.due_wall_ms + self.cfg.task_ttl_ms).saturating_sub(self.wall_ms);
             if self.next_expiry_ms.is_none_or(|e| at < e) {
                 self.next_expiry_ms = Some(at);
@@ -398,11 +417,14 @@ impl MemStore {
         let key = (task.due_wall_ms, task.submit_seq);
         match task.place {
             Place::Ready => {
-                self.ready_all.remove(&key);
+                self.ready_all.remove(&ready_key(task));
+                if task.attempts.is_empty() {
+                    self.ready_due.remove(&key);
+                }
                 if let Some(kind) = &task.kind
                     && let Some(q) = self.ready_kind.get_mut(kind)
                 {
-                    q.remove(&key);
+                    q.remove(&ready_key(task));
                     if q.is_empty() {
                         self.ready_kind.remove(kind);
                     }
@@ -857,11 +879,7 @@ impl MemStore {
         let (now, wall, ttl) = (self.now_ms, self.wall_ms, self.cfg.task_ttl_ms);
         let mut expired = Vec::new();
         self.next_expiry_ms = None;
-        for (&(due, _), &id) in &self.ready_all {
-            let Some(task) = self.tasks.get(&id) else { continue };
-            if !task.attempts.is_empty() {
-                continue;
-            }
+        for (&(due, _), &id) in &self.ready_due {
             if due + ttl > wall {
                 self.next_expiry_ms = Some(now + (due + ttl - wall));
                 break;

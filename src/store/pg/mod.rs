@@ -352,6 +352,7 @@ impl PgStore {
             retry_backoff_ms: new.retry.backoff_ms,
             retry_backoff_max_ms: new.retry.backoff_max_ms,
             retry_any_worker: new.retry.any_worker,
+            priority: new.priority,
         };
         if new.runs_now {
             // (This store claims in the transaction that inserts: the core's claim round asks.)
@@ -699,7 +700,7 @@ impl PgStore {
         // A record refused alone before travels alone (it cannot keep the others out).
         if let Some(i) = self.ended.iter().position(|r| r.refusals >= MAX_REFUSALS) {
             let rec = self.ended.remove(i);
-            stmts.push(sql::attempt_ended(&node_id, std::slice::from_ref(&rec.ended)));
+            stmts.push(sql::attempt_ended(&node_id, std::slice::from_ref(&rec.ended)).with_json(rows::col::JSON));
             parts.push(Part::Ended(vec![rec]));
             return (stmts, parts);
         }
@@ -721,7 +722,7 @@ impl PgStore {
         if !self.ended.is_empty() {
             let recs = std::mem::take(&mut self.ended);
             let ended: Vec<sql::Ended> = recs.iter().map(|r| r.ended.clone()).collect();
-            stmts.push(sql::attempt_ended(&node_id, &ended));
+            stmts.push(sql::attempt_ended(&node_id, &ended).with_json(rows::col::JSON));
             notify_pending |= recs.iter().any(|r| !r.final_status);
             notify_finished |= recs.iter().any(|r| r.final_status);
             parts.push(Part::Ended(recs));
@@ -764,7 +765,7 @@ impl PgStore {
         for c in std::mem::take(&mut self.cancels) {
             let scope = c.scope.as_ref().map_or(Param::Null, |k| text_array(k));
             stmts.push(Stmt::new(sql::CANCEL, vec![uuid_string(c.id).into(), (wall as i64).into(), scope]));
-            stmts.push(Stmt::new(sql::GET_TASKS, vec![Param::Text(uuid_array([c.id]))]));
+            stmts.push(Stmt::new(sql::GET_TASKS, vec![Param::Text(uuid_array([c.id]))]).with_json(rows::col::JSON));
             parts.push(Part::Cancel(c));
             parts.push(Part::CancelRead);
             notify_finished = true;
@@ -790,11 +791,14 @@ impl PgStore {
         }
         for c in std::mem::take(&mut self.claims) {
             let kinds: Option<Vec<&str>> = c.kinds.as_ref().map(|k| k.iter().map(String::as_str).collect());
-            stmts.push(sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers));
+            stmts.push(sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers).with_json(ccol::JSON));
             parts.push(Part::Claim(c));
         }
         if std::mem::take(&mut self.want_adopt) {
-            stmts.push(Stmt::new(sql::ADOPT_ORPHANS, vec![node_id.as_str().into(), (self.lease_ms as i64).into()]));
+            stmts.push(
+                Stmt::new(sql::ADOPT_ORPHANS, vec![node_id.as_str().into(), (self.lease_ms as i64).into()])
+                    .with_json(ccol::JSON),
+            );
             parts.push(Part::Adopt);
         }
         if self.want_unplaceable && self.db.settled() {
@@ -813,7 +817,10 @@ impl PgStore {
         }
         if !self.check_finished.is_empty() {
             let ids: Vec<TaskId> = self.check_finished.drain().collect();
-            stmts.push(Stmt::new(sql::FINISHED_AMONG, vec![Param::Text(uuid_array(ids.iter().copied()))]));
+            stmts.push(
+                Stmt::new(sql::FINISHED_AMONG, vec![Param::Text(uuid_array(ids.iter().copied()))])
+                    .with_json(rows::col::JSON),
+            );
             parts.push(Part::Finished(ids));
         }
         if !self.reads.is_empty() {
@@ -826,25 +833,28 @@ impl PgStore {
                     continue;
                 }
                 let ids: HashSet<TaskId> = reads.iter().map(|r| r.id).collect();
-                stmts.push(Stmt::new(sql, vec![Param::Text(uuid_array(ids))]));
+                stmts.push(Stmt::new(sql, vec![Param::Text(uuid_array(ids))]).with_json(rows::col::JSON));
                 parts.push(Part::Reads(reads));
             }
         }
         let n = self.lists.len().min(MAX_READS_PER_TXN);
         for l in self.lists.drain(..n) {
             let scope = l.scope.as_ref().map_or(Param::Null, |k| text_array(k));
-            stmts.push(Stmt::new(
-                sql::LIST_TASKS,
-                vec![
-                    l.status.map_or(Param::Null, Param::from),
-                    l.kind.as_deref().map_or(Param::Null, Param::from),
-                    scope,
-                    (l.below.min(i64::MAX as u64) as i64).into(),
-                    (l.limit as i64 + 1).into(),
-                    (crate::listing::MAX_SCAN as i64).into(),
-                    (crate::listing::MAX_PAGE_BYTES as i64).into(),
-                ],
-            ));
+            stmts.push(
+                Stmt::new(
+                    sql::LIST_TASKS,
+                    vec![
+                        l.status.map_or(Param::Null, Param::from),
+                        l.kind.as_deref().map_or(Param::Null, Param::from),
+                        scope,
+                        (l.below.min(i64::MAX as u64) as i64).into(),
+                        (l.limit as i64 + 1).into(),
+                        (crate::listing::MAX_SCAN as i64).into(),
+                        (crate::listing::MAX_PAGE_BYTES as i64).into(),
+                    ],
+                )
+                .with_json(rows::col::JSON),
+            );
             parts.push(Part::List(l));
         }
         if !self.worker_reads.is_empty() || std::mem::take(&mut self.want_workers) {
@@ -1344,8 +1354,8 @@ impl PgStore {
 fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
     let id = row.text(ccol::ID).and_then(parse_id)?;
     let attempt = u32::try_from(row.i64(ccol::ATTEMPT)?).ok()?;
-    let payload = match row.text(ccol::PAYLOAD) {
-        Some(p) => serde_json::value::RawValue::from_string(p.to_string()).ok()?,
+    let payload = match row.bytes(ccol::PAYLOAD) {
+        Some(_) => row.json(ccol::PAYLOAD)?,
         None => serde_json::value::RawValue::from_string("null".into()).ok()?,
     };
     let tried = row.text(ccol::TRIED).map(rows::parse_uuid_array).unwrap_or_default();

@@ -7,7 +7,6 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use serde::Deserialize;
-use serde_json::value::RawValue;
 
 use crate::pg::wire::Row;
 use crate::store::WorkerInfo;
@@ -15,6 +14,8 @@ use crate::tasks::{Attempt, Outcome, Status, Task, TaskId, parse_id};
 
 /// The columns of `GET_TASKS` (and `FINISHED_AMONG`, `LIST_TASKS`), by index.
 pub mod col {
+    /// The JSON columns, checked on the database thread ([`crate::pg::wire::Stmt::with_json`]).
+    pub const JSON: &[usize] = &[RESULT, PAYLOAD];
     pub const ID: usize = 0;
     pub const STATUS: usize = 1;
     pub const KIND: usize = 2;
@@ -26,18 +27,21 @@ pub mod col {
     pub const CLIENT_ID: usize = 8;
     pub const CLIENT_IP: usize = 9;
     pub const ATTEMPT_LOG: usize = 10;
-    pub const PAYLOAD: usize = 11;
-    pub const SEQ: usize = 12;
+    pub const PRIORITY: usize = 11;
+    pub const PAYLOAD: usize = 12;
+    pub const SEQ: usize = 13;
 }
 
 /// `LIST_TASKS`'s columns after the task's.
 pub mod lcol {
-    pub const WALKED: usize = 13;
-    pub const STOP_SEQ: usize = 14;
+    pub const WALKED: usize = 14;
+    pub const STOP_SEQ: usize = 15;
 }
 
 /// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
 pub mod ccol {
+    /// The JSON columns, checked on the database thread.
+    pub const JSON: &[usize] = &[PAYLOAD];
     pub const ID: usize = 0;
     pub const ATTEMPT: usize = 1;
     pub const KIND: usize = 2;
@@ -146,7 +150,7 @@ pub fn task(row: &Row) -> Option<Task> {
             }
         })
         .collect();
-    let raw = |i: usize| row.text(i).and_then(|t| RawValue::from_string(t.to_string()).ok());
+    let raw = |i: usize| row.json(i);
     let run_at = ms(row, col::RUN_AT_MS).filter(|&at| at != created);
     let next_attempt = log.last().and_then(|e| e.next_attempt_ms).filter(|_| status == Status::Pending);
     Some(Task {
@@ -163,6 +167,7 @@ pub fn task(row: &Row) -> Option<Task> {
         attempts,
         submit_seq: ms(row, col::SEQ).unwrap_or(0),
         next_attempt_wall_ms: next_attempt,
+        priority: row.i64(col::PRIORITY).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
         ..Task::default()
     })
     .map(|mut t| {
