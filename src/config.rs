@@ -17,6 +17,9 @@ pub struct Config {
     pub api_token: String,
     pub ping_interval_ms: u64,
     pub pong_wait_ms: u64,
+    /// How long a session worker's attempts are held after its connection is lost
+    /// (RESUME_WINDOW, SPEC §12; 0 = nothing is held).
+    pub resume_window_ms: u64,
     pub task_timeout_ms: u64,
     pub max_retries: u32,
     pub wait_timeout_ms: u64,
@@ -80,6 +83,11 @@ pub const VARS: &[(&str, &str, &str)] = &[
     ("AUTH_TOKEN", "-", "legacy single token: fills whichever of the two above is unset"),
     ("PING_INTERVAL", "2s", "WebSocket ping period"),
     ("PONG_WAIT", "6s", "a worker silent this long is dead"),
+    (
+        "RESUME_WINDOW",
+        "10s",
+        "a session worker's running attempts are held this long after its connection is lost (0s = never)",
+    ),
     ("TASK_TIMEOUT", "10s", "one attempt: how long to wait for a worker's answer"),
     ("MAX_RETRIES", "2", "how many other workers to try after the first attempt"),
     (
@@ -256,6 +264,15 @@ impl Config {
             api_token,
             ping_interval_ms,
             pong_wait_ms,
+            // (`0s` is valid here: it turns holding off.)
+            resume_window_ms: match var("RESUME_WINDOW") {
+                None => 10_000,
+                Some(v) => match parse_duration_ms(&v) {
+                    Ok(ms) => ms,
+                    Err(reason) if reason == "must be positive" => 0,
+                    Err(reason) => return Err(ConfigError { var: "RESUME_WINDOW", value: v.clone(), reason }),
+                },
+            },
             task_timeout_ms: duration("TASK_TIMEOUT", 10_000)?,
             max_retries,
             wait_timeout_ms: duration("WAIT_TIMEOUT", 35_000)?,
@@ -454,6 +471,8 @@ mod tests {
             // of tasks that left memory point at the wrong bytes.
             ("JOURNAL_SEGMENT_SIZE", "5000000000"),
             ("MAX_MESSAGE_SIZE", "268435457"),
+            ("RESUME_WINDOW", "soon"),
+            ("RESUME_WINDOW", "-1s"),
         ];
         for (var, value) in table {
             let mut vars = base.to_vec();
@@ -466,6 +485,9 @@ mod tests {
         assert_eq!(c.log_level, Level::Debug);
         assert!(c.data_dir.is_none());
         assert!(c.database.is_none(), "no DATABASE_URL: single node");
+        assert_eq!(c.resume_window_ms, 10_000, "RESUME_WINDOW defaults to 10s");
+        let c = from(&[("WORKER_TOKEN", "w"), ("API_TOKEN", "a"), ("RESUME_WINDOW", "0s")]).expect("0s disables");
+        assert_eq!(c.resume_window_ms, 0);
     }
 
     #[test]

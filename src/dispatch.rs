@@ -30,6 +30,7 @@ use crate::timer::{TimerHandle, Wheel};
 use workers::{Accepts, Groups, Reach, Worker};
 
 mod direct;
+mod sessions;
 pub mod workers;
 
 pub use direct::{CancelResult, DIRECT, SubmitError, submit_answer};
@@ -64,6 +65,8 @@ pub enum Timer {
     Wait(ConnRef),
     /// A new worker's [`HELLO_GRACE_MS`] is over.
     HelloGrace(ConnRef),
+    /// A held session's RESUME_WINDOW is over (SPEC §12).
+    Session(u64),
     /// The store's own time (schedules, expiry, a database's refreshes).
     Store,
     /// A claim round was cut short by its budget: the rest claim in the next turn.
@@ -156,6 +159,10 @@ struct Running {
     tried: Vec<u128>,
     created_wall_ms: u64,
     answered: bool,
+    /// Held for this session while its worker's connection is lost (SPEC §12).
+    held: Option<u64>,
+    /// Times a resuming worker took it back.
+    resumes: u32,
 }
 
 /// A `wait=true` request held until its task is final or WAIT_TIMEOUT.
@@ -200,6 +207,15 @@ struct Incoming<'a> {
     /// (A result) the next attempt waits at least this long (SPEC §13).
     #[serde(default)]
     retry_after_ms: Option<u64>,
+    /// Sessions (SPEC §12): hello's `worker_id`, `session`, `running`; a result's `attempt`.
+    #[serde(default)]
+    worker_id: Option<String>,
+    #[serde(default)]
+    session: Option<String>,
+    #[serde(default)]
+    running: Option<Vec<sessions::RunningEntry>>,
+    #[serde(default)]
+    attempt: Option<u64>,
 }
 
 pub struct Core {
@@ -246,6 +262,9 @@ pub struct Core {
     events: Vec<Event>,
     /// For the jitter of retry backoffs.
     rng: crate::store::mem::Rng,
+    /// Worker sessions (SPEC §12) and how long a lost one's attempts are held (0: never).
+    sessions: sessions::Sessions,
+    pub resume_window_ms: u64,
 }
 
 impl Core {
@@ -282,6 +301,8 @@ impl Core {
             captured: None,
             events: Vec::new(),
             rng: crate::store::mem::Rng::from_os(),
+            sessions: sessions::Sessions::default(),
+            resume_window_ms: 0,
         }
     }
 
@@ -383,7 +404,11 @@ impl Core {
 
     /// `/clients` entries of this node's workers.
     fn local_infos(&self) -> Vec<WorkerInfo> {
-        self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.info(self.node_name.as_deref())).collect()
+        let mut v: Vec<WorkerInfo> =
+            self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.info(self.node_name.as_deref())).collect();
+        // Held sessions too: inactive, with `resumable_until` (SPEC §12).
+        v.extend(self.sessions.held_infos().cloned());
+        v
     }
 
     /// `/healthz`: this node's workers, the store's counts (cluster-wide in cluster mode),
@@ -779,8 +804,24 @@ impl Core {
         }
     }
 
-    /// A worker's connection is gone (closed, dead, or failed): its attempts end `disconnect`.
+    /// A worker's connection is lost (reset, or silent past PONG_WAIT): a session worker's
+    /// attempts are held for RESUME_WINDOW (SPEC §12); any other's end `disconnect`.
     pub fn worker_disconnected(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        if self.try_hold(conn, why) {
+            self.settle(io);
+            return;
+        }
+        self.worker_gone(io, conn, why);
+    }
+
+    /// A worker closed its connection with a close frame (it is stopping), or relay closed it:
+    /// its session ends, nothing is held, its attempts end `disconnect`.
+    pub fn worker_closed(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        self.end_session_of(conn);
+        self.worker_gone(io, conn, why);
+    }
+
+    fn worker_gone(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
         let Some(mut worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return };
         if worker.conn != conn {
             self.workers[conn.slot as usize] = Some(worker);
@@ -821,14 +862,14 @@ impl Core {
         // Any first text message, hello or not, ends the wait (a hello is applied first, so its
         // kinds and concurrency decide the first claim).
         let first = self.worker_at(conn).is_some_and(|w| !w.greeted);
-        self.on_message(conn, text);
+        self.on_message(io, conn, text);
         if first {
             self.greet(conn);
         }
         self.settle(io);
     }
 
-    fn on_message(&mut self, conn: ConnRef, text: &str) {
+    fn on_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
         let msg: Incoming = match serde_json::from_str(text) {
             Ok(m) => m,
             Err(e) => {
@@ -854,19 +895,25 @@ impl Core {
                         return;
                     }
                 };
+                let attempt = msg.attempt.map(|a| u32::try_from(a).unwrap_or(u32::MAX));
                 let hint = Hint {
                     permanent: msg.retry == Some(false),
                     after_ms: msg.retry_after_ms.map(|ms| ms.min(MAX_RETRY_AFTER_MS)),
                 };
                 match id {
-                    Some(id) => self.on_result(conn, id, outcome, hint),
+                    Some(id) => self.on_result(conn, id, attempt, outcome, hint),
                     None => {
                         self.metrics.ws_messages_malformed += 1;
                         crate::log!(Level::Warn, "result without a valid task_id ignored");
                     }
                 }
             }
-            "hello" => self.on_hello(conn, msg.kinds, msg.concurrency, msg.version),
+            "hello" => {
+                self.on_hello(conn, msg.kinds, msg.concurrency, msg.version);
+                let hello =
+                    sessions::SessionHello { worker_id: msg.worker_id, session: msg.session, running: msg.running };
+                self.session_hello(io, conn, hello);
+            }
             other => {
                 self.metrics.ws_messages_malformed += 1;
                 crate::log!(Level::Warn, "unknown worker message type ignored", r#type = other);
@@ -905,9 +952,22 @@ impl Core {
         self.refresh(conn.slot);
     }
 
-    fn on_result(&mut self, conn: ConnRef, id: TaskId, outcome: Result<Option<Box<RawValue>>, String>, hint: Hint) {
+    fn on_result(
+        &mut self,
+        conn: ConnRef,
+        id: TaskId,
+        attempt: Option<u32>,
+        outcome: Result<Option<Box<RawValue>>, String>,
+        hint: Hint,
+    ) {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
         let current = self.running.get(&id).is_some_and(|r| r.client_id == client_id && r.conn == conn);
+        // A result that names its attempt is accepted only for that attempt (SPEC §12).
+        if current && attempt.is_some_and(|a| self.running.get(&id).is_some_and(|r| r.attempt != a)) {
+            self.metrics.ignored(Ignored::Late);
+            crate::log!(Level::Debug, "result for another attempt ignored", task_id = uuid_string(id));
+            return;
+        }
         if !current {
             let why = self.store.stray(id, client_id).unwrap_or(Ignored::Unknown);
             self.metrics.ignored(why);
@@ -1119,6 +1179,8 @@ impl Core {
                 tried,
                 created_wall_ms: c.created_wall_ms,
                 answered: false,
+                held: None,
+                resumes: 0,
             },
         );
         if let Some(w) = self.workers[slot as usize].as_mut() {
@@ -1127,8 +1189,24 @@ impl Core {
         self.refresh(slot);
         let mut buf = uuid::Uuid::encode_buffer();
         let id_text = uuid::Uuid::from_u128(c.id).hyphenated().encode_lower(&mut buf);
-        let sent = io
-            .send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", c.payload.get(), "}"]);
+        let sent = if self.has_session(conn) {
+            // A session's task frames carry the attempt, which its result may echo (SPEC §12).
+            let num = c.attempt.to_string();
+            io.send_text(
+                conn,
+                &[
+                    "{\"type\":\"task\",\"task_id\":\"",
+                    id_text,
+                    "\",\"attempt\":",
+                    &num,
+                    ",\"payload\":",
+                    c.payload.get(),
+                    "}",
+                ],
+            )
+        } else {
+            io.send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", c.payload.get(), "}"])
+        };
         crate::log!(
             Level::Debug,
             "task dispatched",
@@ -1159,6 +1237,9 @@ impl Core {
     ) {
         let Some(r) = self.running.remove(&id) else { return };
         self.wheel.cancel(r.timer);
+        if let Some(sid) = r.held {
+            self.unheld(sid, id);
+        }
         if let Some(w) = self.worker_at_mut(r.conn) {
             if let Some(pos) = w.in_flight.iter().position(|t| *t == id) {
                 w.in_flight.swap_remove(pos);
@@ -1173,6 +1254,7 @@ impl Core {
             duration_ms: self.now_ms.saturating_sub(r.started_mono_ms),
             ended_wall_ms: self.wall_ms,
             uncounted: false,
+            resumes: r.resumes,
         };
         let next = match (outcome, result) {
             (Outcome::Done, Some(result)) => Next::Done { result },
@@ -1233,6 +1315,7 @@ impl Core {
             Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
             Timer::Wait(conn) => self.release(conn),
             Timer::HelloGrace(conn) => self.greet(conn),
+            Timer::Session(sid) => self.session_expired(sid),
             Timer::Store => {
                 self.store_timer = None;
                 self.store.on_timer();
@@ -1434,6 +1517,9 @@ impl Core {
         let conn = r.conn;
         let Some(r) = self.running.remove(&id) else { return };
         self.wheel.cancel(r.timer);
+        if let Some(sid) = r.held {
+            self.unheld(sid, id);
+        }
         self.metrics.attempt(Outcome::Canceled);
         self.store.attempt_closed(id, r.client_id, r.answered);
         if let Some(w) = self.worker_at_mut(conn) {
@@ -1457,6 +1543,7 @@ impl Core {
                 duration_ms: 0,
                 ended_wall_ms: self.wall_ms,
                 uncounted: true,
+                resumes: 0,
             };
             self.metrics.attempt(Outcome::Disconnect);
             self.store.attempt_ended(c.id, c.attempt, &end, Next::Retry);

@@ -172,6 +172,8 @@ pub struct Attempt {
     pub answered: bool,
     /// A restart of relay closed this attempt: it does not count against `max_retries`.
     pub restarted: bool,
+    /// Times a resuming worker took the attempt back after a lost connection (SPEC §12).
+    pub resumes: u32,
 }
 
 impl Attempt {
@@ -187,6 +189,7 @@ impl Attempt {
             duration_ms: 0,
             answered: false,
             restarted: false,
+            resumes: 0,
         }
     }
 }
@@ -468,6 +471,10 @@ impl Task {
                 s.push_str(",\"duration_ms\":");
                 push_u64(s, a.duration_ms);
             }
+            if a.resumes > 0 {
+                s.push_str(",\"resumes\":");
+                push_u64(s, u64::from(a.resumes));
+            }
             s.push('}');
         }
         s.push_str("]}");
@@ -663,6 +670,7 @@ mod tests {
             duration_ms: 12,
             answered: false,
             restarted: false,
+            resumes: 0,
         }
     }
 

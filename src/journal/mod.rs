@@ -667,6 +667,7 @@ mod tests {
             duration_ms: 0,
             answered: false,
             restarted: false,
+            resumes: 0,
         }
     }
 

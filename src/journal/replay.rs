@@ -594,6 +594,7 @@ mod tests {
                 duration_ms: rng.below(100_000),
                 answered: false,
                 restarted: false,
+                resumes: 0,
             })
             .collect();
         let payload = format!("{{\"kind\":\"k{}\",\"n\":{}}}", rng.below(3), rng.next());
@@ -669,6 +670,7 @@ mod tests {
             duration_ms: 5,
             answered: false,
             restarted: false,
+            resumes: 0,
         };
         let ext = codec::Ext { next_attempt_wall_ms: Some(77), again: Some(9), ..codec::Ext::default() };
         for (ext, with) in [(ext, true), (codec::Ext::default(), false)] {
@@ -715,6 +717,7 @@ mod tests {
                                 duration_ms: 5,
                                 answered: false,
                                 restarted: false,
+                                resumes: 0,
                             });
                             codec::put_attempt_end(out, id, 1, &a[0])
                         }),

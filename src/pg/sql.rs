@@ -387,6 +387,8 @@ pub struct Ended {
     pub next_attempt_ms: Option<u64>,
     /// A worker that tried it and may take it again (`any_worker`): out of `tried`.
     pub again: Option<String>,
+    /// Times a resuming worker took it back (SPEC §12; 0: the entry has no `resumes`).
+    pub resumes: u32,
 }
 
 /// Closes attempts with their whole attempt_log entry (an attempt that started and ended
@@ -398,9 +400,9 @@ pub struct Ended {
 pub const ATTEMPT_ENDED: &str = "WITH a AS (
        SELECT * FROM unnest($3::uuid[], $4::int4[], $5::text[], $6::text[], $7::int8[], $8::int8[], $9::text[],
                             $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[], $2::text[],
-                            $15::bool[], $16::int8[], $17::uuid[])
+                            $15::bool[], $16::int4[], $17::int8[], $18::uuid[])
          AS a(id, attempt, outcome, error, ended_ms, duration_ms, status, result, final_error, client_id, client_ip,
-              started_ms, node, uncounted, next_attempt_ms, again)
+              started_ms, node, uncounted, resumes, next_attempt_ms, again)
      ), u AS (
        UPDATE relay_tasks t SET
          status = a.status,
@@ -421,6 +423,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
                   'duration_ms', coalesce(a.duration_ms,
                     greatest(0, a.ended_ms - ((t.attempt_log -> (t.attempt - 1)) ->> 'started_ms')::int8)),
                   'uncounted', CASE WHEN a.uncounted THEN true END,
+                  'resumes', CASE WHEN a.resumes > 0 THEN a.resumes END,
                   'next_attempt_ms', a.next_attempt_ms)), true)
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
@@ -442,6 +445,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
 
 pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
     let attempts: Vec<String> = ended.iter().map(|e| e.attempt.to_string()).collect();
+    let resumes: Vec<String> = ended.iter().map(|e| e.resumes.to_string()).collect();
     let ends: Vec<String> = ended.iter().map(|e| e.ended_ms.to_string()).collect();
     let durations: Vec<Option<String>> = ended.iter().map(|e| e.duration_ms.map(|d| d.to_string())).collect();
     let starts: Vec<Option<String>> =
@@ -465,6 +469,7 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
             arr_opt(ended.iter().map(|e| e.runner.as_ref().map(|r| r.client_ip.as_str()))),
             arr_opt(starts.iter().map(Option::as_deref)),
             arr(ended.iter().map(|e| if e.uncounted { "t" } else { "f" })),
+            arr(resumes.iter().map(String::as_str)),
             arr_opt(nexts.iter().map(Option::as_deref)),
             arr_opt(ended.iter().map(|e| e.again.as_deref())),
         ],

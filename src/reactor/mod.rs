@@ -587,6 +587,7 @@ impl Server {
             wall,
         );
         core.set_clock(0, wall);
+        core.resume_window_ms = cfg.resume_window_ms;
         {
             // Restored records (attempts a restart cut short) go out with the first turn.
             let mut nothing = NoIo;

@@ -146,6 +146,8 @@ pub struct AttemptEnd<'a> {
     /// Closed by a loss of relay's own (a lost node): not counted against `max_retries`, and
     /// the task waits for a worker however long it takes, as one read back after a restart.
     pub uncounted: bool,
+    /// Times a resuming worker took the attempt back (SPEC §12): its attempt_log entry counts them.
+    pub resumes: u32,
 }
 
 /// What becomes of the task after an attempt ended: the core's decision.
@@ -227,6 +229,8 @@ pub struct WorkerInfo {
     pub node: Option<String>,
     /// `None`: it takes every kind's tasks (for the core's "can anyone take it" questions).
     pub node_id: Option<u128>,
+    /// A session worker whose connection was lost: until when it may resume (SPEC §12).
+    pub resumable_until_wall_ms: Option<u64>,
 }
 
 impl WorkerInfo {
@@ -273,6 +277,11 @@ impl WorkerInfo {
         if let Some(n) = &self.node {
             s.push_str(",\"node\":");
             push_json_str(s, n);
+        }
+        if let Some(until) = self.resumable_until_wall_ms {
+            s.push_str(",\"resumable_until\":\"");
+            crate::timefmt::write_rfc3339_ms(s, until);
+            s.push('"');
         }
         s.push('}');
     }

@@ -20,6 +20,7 @@ mod pg_cluster;
 mod regressions;
 mod retries;
 mod review;
+mod sessions;
 mod store;
 mod tasks_api;
 mod tokens;

@@ -555,6 +555,7 @@ fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, cl
         uncounted: false,
         next_attempt_ms: None,
         again: None,
+        resumes: 0,
     }
 }
 

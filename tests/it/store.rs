@@ -214,6 +214,7 @@ impl Harness {
             duration_ms: 5,
             ended_wall_ms: relay::timefmt::wall_ms(),
             uncounted: false,
+            resumes: 0,
         };
         self.store.attempt_ended(id, attempt, &end, next);
         self.settle()

@@ -17,8 +17,10 @@ use crate::log::Level;
 use crate::{Handler, log, protocol};
 
 pub struct Job {
-    /// The connection the task arrived on (its result is only sent on that one).
-    pub conn_gen: u64,
+    /// The runner's number for this task (unique per process): `Finished` names it.
+    pub job: u64,
+    /// The attempt the task frame named (a session's; the result echoes it).
+    pub attempt: Option<u64>,
     pub task_id: String,
     pub kind: String,
     pub spec: Box<RawValue>,
@@ -27,7 +29,7 @@ pub struct Job {
 }
 
 pub struct Finished {
-    pub conn_gen: u64,
+    pub job: u64,
     pub task_id: String,
     /// The result message, or `None` when the task was canceled (relay no longer wants it).
     pub message: Option<String>,
@@ -88,9 +90,9 @@ fn work(rx: &Mutex<Receiver<Job>>, kinds: &BTreeMap<String, Handler>, finished: 
             Err(_) => return,
         };
         let Ok(job) = job else { return };
-        let Job { conn_gen, task_id, kind, spec, canceled } = job;
+        let Job { job, attempt, task_id, kind, spec, canceled } = job;
         if canceled.load(Ordering::SeqCst) {
-            let _ = finished.send(Finished { conn_gen, task_id, message: None, failed: false });
+            let _ = finished.send(Finished { job, task_id, message: None, failed: false });
             continue;
         }
         let started = Instant::now();
@@ -109,9 +111,12 @@ fn work(rx: &Mutex<Receiver<Job>>, kinds: &BTreeMap<String, Handler>, finished: 
             );
         }
         let failed = outcome.is_err();
-        let message =
-            if canceled.load(Ordering::SeqCst) { None } else { Some(protocol::result(&task_id, &outcome, max)) };
-        if finished.send(Finished { conn_gen, task_id, message, failed }).is_err() {
+        let message = if canceled.load(Ordering::SeqCst) {
+            None
+        } else {
+            Some(protocol::result_of(&task_id, attempt, &outcome, max))
+        };
+        if finished.send(Finished { job, task_id, message, failed }).is_err() {
             return;
         }
     }
@@ -174,7 +179,8 @@ mod tests {
         let (tx, rx) = channel();
         let pool = Pool::start(1, 1, Arc::new(kinds), tx, 1 << 20).expect("pool");
         let job = |id: &str, canceled: bool| Job {
-            conn_gen: 1,
+            job: 1,
+            attempt: None,
             task_id: id.into(),
             kind: "sleep".into(),
             spec: protocol::null_raw(),

@@ -295,6 +295,7 @@ mod tests {
                 duration_ms: 1,
                 ended_wall_ms: 1_000_001,
                 uncounted: false,
+                resumes: 0,
             };
             s.attempt_ended(*id, 1, &end, Next::Done { result: &big });
         }

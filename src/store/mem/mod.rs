@@ -585,6 +585,7 @@ impl MemStore {
             a.error = end.error.map(Box::from);
             a.duration_ms = end.duration_ms;
             a.restarted |= end.uncounted;
+            a.resumes = end.resumes;
             a.answered |= matches!(end.outcome, crate::tasks::Outcome::Done | crate::tasks::Outcome::Failed);
         }
         let later = match next {

@@ -448,6 +448,7 @@ impl PgStore {
             uncounted: end.uncounted,
             next_attempt_ms,
             again: later.again.map(uuid_string),
+            resumes: end.resumes,
         };
         let final_status = status != "pending";
         if !final_status {

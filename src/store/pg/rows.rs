@@ -91,6 +91,9 @@ struct LogEntry {
     error: Option<String>,
     #[serde(default)]
     duration_ms: Option<u64>,
+    /// Times a resuming worker took the attempt back (SPEC §12).
+    #[serde(default)]
+    resumes: Option<u32>,
     /// Closed by a lost node: does not count against max_retries.
     #[serde(default)]
     uncounted: bool,
@@ -147,6 +150,7 @@ pub fn task(row: &Row) -> Option<Task> {
                 duration_ms: duration.unwrap_or(0),
                 answered: false,
                 restarted: e.uncounted,
+                resumes: e.resumes.unwrap_or(0),
             }
         })
         .collect();
@@ -231,6 +235,7 @@ pub fn worker(row: &Row) -> Option<WorkerInfo> {
         version: row.text(wcol::VERSION).map(str::to_string),
         node: row.text(wcol::NODE_NAME).map(str::to_string),
         node_id: row.text(wcol::NODE_ID).and_then(parse_id),
+        resumable_until_wall_ms: None,
     })
 }
 
