@@ -80,7 +80,7 @@ fn a_retry_waits_out_a_jittered_backoff_as_pending_and_within_its_bounds() {
                 assert_eq!(outcomes(&t), ["failed", "done"]);
                 let gap = gap_after(&t, 0);
                 // At most min(backoff_max, backoff · 2^0) = 1 s (plus a loop turn or a claim).
-                assert!(gap <= 1_400, "retry 1 waited {gap} ms, more than its 1 s bound: {t}");
+                assert!(gap <= 1_800, "retry 1 waited {gap} ms, more than its 1 s bound: {t}");
                 gaps.push(gap);
             }
             assert!(t.get("waiting_on").is_none() && t.get("next_attempt_at").is_none(), "{t}");
@@ -110,7 +110,7 @@ fn the_configured_backoff_applies_and_doubles_per_retry() {
         assert_eq!(outcomes(&t), ["failed", "failed", "failed", "failed"], "{t}");
         for (i, bound) in [(0, 300), (1, 600), (2, 700)] {
             let gap = gap_after(&t, i);
-            assert!(gap <= bound + 400, "retry {} waited {gap} ms (bound {bound}): {t}", i + 1);
+            assert!(gap <= bound + 800, "retry {} waited {gap} ms (bound {bound}): {t}", i + 1);
         }
         drop(ws);
     });
@@ -175,7 +175,9 @@ fn retry_after_ms_paces_the_retry_on_another_worker() {
         other.done(&retry.id, json!(1));
         let t = relay.wait_status(&id, "done", Duration::from_secs(5));
         let gap = gap_after(&t, 0);
-        assert!((800..1_400).contains(&gap), "retry_after_ms 800, waited {gap} ms: {t}");
+        // (The end is timed on the monotonic clock, the start on the wall clock: a few ms apart;
+        // the upper bound leaves room for a loaded machine.)
+        assert!((790..2_300).contains(&gap), "retry_after_ms 800, waited {gap} ms: {t}");
     });
 }
 
