@@ -20,10 +20,12 @@ use crate::http::Response;
 use crate::log::Level;
 use crate::metrics::{Gauges, Ignored, Metrics};
 use crate::store::{
-    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask as StoreTask, Next, ReadHow, Refusal, Store,
-    Takers, WorkerInfo,
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, Later, NewTask as StoreTask, Next, ReadHow, Refusal,
+    Store, Takers, WorkerInfo,
 };
-use crate::tasks::{ConnRef, IdHasher, Outcome, Status, TaskId, accepted_json, push_json_str, push_uuid, uuid_string};
+use crate::tasks::{
+    ConnRef, IdHasher, Outcome, RetryPolicy, Status, TaskId, accepted_json, push_json_str, push_uuid, uuid_string,
+};
 use crate::timer::{TimerHandle, Wheel};
 use workers::{Accepts, Groups, Reach, Worker};
 
@@ -98,11 +100,28 @@ const MAX_KINDS_NAMED: usize = 10;
 /// it did not ask for, and one that never does is served as the seed protocol says.
 pub const HELLO_GRACE_MS: u64 = 1_000;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct CoreConfig {
     pub task_timeout_ms: u64,
     pub max_retries: u32,
     pub wait_timeout_ms: u64,
+    /// The default retry policy (SPEC §13): `RETRY_BACKOFF` (0: retry at once),
+    /// `RETRY_BACKOFF_MAX`, `RETRY_ANY_WORKER`.
+    pub retry_backoff_ms: u64,
+    pub retry_backoff_max_ms: u64,
+    pub retry_any_worker: bool,
+}
+
+/// The longest wait a worker's `retry_after_ms` asks for that is honoured (a day).
+pub const MAX_RETRY_AFTER_MS: u64 = 86_400_000;
+
+/// What a worker said about its failure besides the error (SPEC §13).
+#[derive(Debug, Clone, Copy, Default)]
+struct Hint {
+    /// `"retry": false`: the task fails at once.
+    permanent: bool,
+    /// `"retry_after_ms": N`: the next attempt waits at least N ms.
+    after_ms: Option<u64>,
 }
 
 /// A new task as the API hands it over (already validated and authorised).
@@ -114,6 +133,8 @@ pub struct NewTask<'a> {
     pub queue: bool,
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
+    /// Its own retry policy (SPEC §13).
+    pub retry: RetryPolicy,
     /// Seconds of head start among due tasks (SPEC §14; 0: none).
     pub priority: i32,
     /// (token identity, Idempotency-Key).
@@ -131,6 +152,7 @@ struct Running {
     timeout_ms: u64,
     kind: Option<Box<str>>,
     max_retries: u32,
+    retry: RetryPolicy,
     /// Earlier attempts that count against `max_retries`.
     counted: u32,
     /// Workers sent the task, this one included.
@@ -181,6 +203,12 @@ struct Incoming<'a> {
     concurrency: Option<u64>,
     #[serde(default)]
     version: Option<String>,
+    /// (A result) `false`: a permanent failure (SPEC §13).
+    #[serde(default)]
+    retry: Option<bool>,
+    /// (A result) the next attempt waits at least this long (SPEC §13).
+    #[serde(default)]
+    retry_after_ms: Option<u64>,
     /// Sessions (SPEC §12): hello's `worker_id`, `session`, `running`; a result's `attempt`.
     #[serde(default)]
     worker_id: Option<String>,
@@ -234,6 +262,8 @@ pub struct Core {
     answering: Option<ConnRef>,
     captured: Option<Response>,
     events: Vec<Event>,
+    /// For the jitter of retry backoffs.
+    rng: crate::store::mem::Rng,
     /// Worker sessions (SPEC §12) and how long a lost one's attempts are held (0: never).
     sessions: sessions::Sessions,
     pub resume_window_ms: u64,
@@ -272,6 +302,7 @@ impl Core {
             answering: None,
             captured: None,
             events: Vec::new(),
+            rng: crate::store::mem::Rng::from_os(),
             sessions: sessions::Sessions::default(),
             resume_window_ms: 0,
         }
@@ -282,6 +313,7 @@ impl Core {
         self.now_ms = now_ms;
         self.wall_ms = wall_ms;
         self.store.set_clock(now_ms, wall_ms);
+        crate::tasks::set_json_clock(wall_ms);
     }
 
     // ----- queries -------------------------------------------------------------------------
@@ -490,6 +522,7 @@ impl Core {
             queue: new.queue,
             timeout_ms: new.timeout_ms,
             max_retries: new.max_retries,
+            retry: new.retry,
             priority: new.priority,
             idempotency: new.idempotency,
             runs_now: taker.is_some(),
@@ -871,8 +904,12 @@ impl Core {
                     }
                 };
                 let attempt = msg.attempt.map(|a| u32::try_from(a).unwrap_or(u32::MAX));
+                let hint = Hint {
+                    permanent: msg.retry == Some(false),
+                    after_ms: msg.retry_after_ms.map(|ms| ms.min(MAX_RETRY_AFTER_MS)),
+                };
                 match id {
-                    Some(id) => self.on_result(conn, id, attempt, outcome),
+                    Some(id) => self.on_result(conn, id, attempt, outcome, hint),
                     None => {
                         self.metrics.ws_messages_malformed += 1;
                         crate::log!(Level::Warn, "result without a valid task_id ignored");
@@ -929,6 +966,7 @@ impl Core {
         id: TaskId,
         attempt: Option<u32>,
         outcome: Result<Option<Box<RawValue>>, String>,
+        hint: Hint,
     ) {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
         let current = self.running.get(&id).is_some_and(|r| r.client_id == client_id && r.conn == conn);
@@ -952,7 +990,7 @@ impl Core {
                 let result = data.unwrap_or_else(null_value);
                 self.end_attempt(id, Outcome::Done, None, Some(&result));
             }
-            Err(error) => self.end_attempt(id, Outcome::Failed, Some(&error), None),
+            Err(error) => self.end_attempt_with(id, Outcome::Failed, Some(&error), None, hint),
         }
     }
 
@@ -1045,7 +1083,8 @@ impl Core {
                 continue;
             }
             let frame_bytes = c.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
-            let first = c.tried.is_empty();
+            // (Never attempted: `tried` may be empty for a retry whose worker may take it again.)
+            let first = c.attempt == 1;
             match self.pick(io, group, c.kind.as_deref(), &c.tried, frame_bytes, first) {
                 Some(slot) => self.start(io, slot, c),
                 None => {
@@ -1144,6 +1183,7 @@ impl Core {
                 timeout_ms: c.timeout_ms,
                 kind: c.kind,
                 max_retries: c.max_retries,
+                retry: c.retry,
                 counted: c.counted,
                 tried,
                 created_wall_ms: c.created_wall_ms,
@@ -1193,6 +1233,18 @@ impl Core {
     /// retry on an untried worker (of any node), or failed — retries used up, or nobody left
     /// to try. The one place that decides.
     fn end_attempt(&mut self, id: TaskId, outcome: Outcome, error: Option<&str>, result: Option<&RawValue>) {
+        self.end_attempt_with(id, outcome, error, result, Hint::default());
+    }
+
+    /// [`Core::end_attempt`] with what the worker said about its failure (SPEC §13).
+    fn end_attempt_with(
+        &mut self,
+        id: TaskId,
+        outcome: Outcome,
+        error: Option<&str>,
+        result: Option<&RawValue>,
+        hint: Hint,
+    ) {
         let Some(r) = self.running.remove(&id) else { return };
         self.wheel.cancel(r.timer);
         if let Some(sid) = r.held {
@@ -1224,20 +1276,48 @@ impl Core {
                 if self.shutting_down || uncounted {
                     // A node shutting down hands its tasks back: not the task's fault.
                     Next::Retry
-                } else if r.counted + 1 > r.max_retries {
+                } else if hint.permanent || r.counted + 1 > r.max_retries {
                     Next::Failed { error }
                 } else if self.takers().untried(r.kind.as_deref(), &r.tried) {
-                    Next::Retry
+                    self.retry_later(&r, hint, None)
+                } else if r.retry.any_worker.unwrap_or(self.cfg.retry_any_worker)
+                    && let Some(again) = self.tried_longest_ago(r.kind.as_deref(), &r.tried)
+                {
+                    self.retry_later(&r, hint, Some(again))
                 } else {
                     Next::Failed { error }
                 }
             }
         };
         self.store.attempt_ended(id, r.attempt, &end, next);
-        if matches!(next, Next::Retry) {
+        if matches!(next, Next::Retry | Next::Later(_)) {
             self.claim_wanted = true;
         }
         let _ = r.created_wall_ms;
+    }
+
+    /// How retry *n* (this attempt was the n-th that counts) waits (SPEC §13): a random time in
+    /// `[0, min(backoff_max, backoff · 2^(n-1))]` (full jitter), and at least what the worker
+    /// asked for; `again`: a worker that tried it may take it again.
+    fn retry_later<'a>(&mut self, r: &Running, hint: Hint, again: Option<u128>) -> Next<'a> {
+        let backoff = r.retry.backoff_ms.unwrap_or(self.cfg.retry_backoff_ms);
+        let max = r.retry.backoff_max_ms.unwrap_or(self.cfg.retry_backoff_max_ms);
+        let n = r.counted + 1;
+        let cap = backoff.saturating_mul(1u64.checked_shl(n.saturating_sub(1)).unwrap_or(u64::MAX)).min(max);
+        let jitter = if cap == 0 { 0 } else { self.rng.next_u64() % (cap + 1) };
+        let wait = jitter.max(hint.after_ms.unwrap_or(0));
+        if wait == 0 && again.is_none() {
+            return Next::Retry;
+        }
+        Next::Later(Later { at_wall_ms: (wait > 0).then(|| self.wall_ms + wait), again })
+    }
+
+    /// `any_worker` (SPEC §13): of the connected workers (of any node) that could take a task
+    /// of `kind` — all tried it — the one whose last attempt at it is the oldest.
+    fn tried_longest_ago(&self, kind: Option<&str>, tried: &[u128]) -> Option<u128> {
+        let local = self.order.iter().filter_map(|&s| self.worker(s)).filter(|w| w.accepts(kind)).map(|w| w.client_id);
+        let remote = self.store.remote_workers().iter().filter(|w| w.accepts(kind)).map(|w| w.client_id);
+        local.chain(remote).filter_map(|c| tried.iter().rposition(|&t| t == c).map(|at| (at, c))).min().map(|(_, c)| c)
     }
 
     // ----- timers ----------------------------------------------------------------------------
@@ -1410,6 +1490,10 @@ impl Core {
                 self.reply(io, conn, r);
             }
             Event::Ready => self.claim_wanted = true,
+            Event::RetriesDue { kinds } => {
+                let snapshot = Snapshot::of(self);
+                self.store.fail_unplaceable(&snapshot, kinds.as_deref());
+            }
             Event::Orphaned { tasks, error } => self.adopt_orphans(tasks, &error),
         }
     }

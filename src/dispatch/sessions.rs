@@ -402,6 +402,7 @@ impl Core {
                     counted: c.counted,
                     tried: c.tried,
                     created_wall_ms: c.created_wall_ms,
+                    retry: c.retry,
                     answered: false,
                     held: Some(sid),
                     resumes: 0,

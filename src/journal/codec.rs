@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use serde_json::value::RawValue;
 
 use super::crc::crc32c;
-use crate::tasks::{Attempt, Outcome, Status, Stored, Task, TaskId};
+use crate::tasks::{Attempt, Outcome, RetryPolicy, Status, Stored, Task, TaskId};
 
 /// Every segment file starts with these 16 bytes: magic, format version, reserved.
 pub const SEGMENT_MAGIC: &[u8; 8] = b"relayjnl";
@@ -148,9 +148,6 @@ const F_FINISHED: u16 = 1 << 7;
 /// A priority other than 0 follows the idempotency key (SPEC §14). High bits for flow control:
 /// records written before it never set them.
 const F_PRIORITY: u16 = 1 << 14;
-/// The open (last) attempt runs on a session worker: its worker id and secret follow the
-/// attempts (SPEC §12; a restart holds the attempt for the worker to resume).
-const F_SESSION: u16 = 1 << 13;
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -218,8 +215,9 @@ fn task_fixed_len(t: &Task) -> usize {
         + s(t.error.as_deref().map(error_len))
         + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
         + if t.priority != 0 { 4 } else { 0 }
-        + open_session(t).map_or(0, |s| 8 + s.worker_id.len() + s.secret.len())
+        + open_session(t).map_or(0, |s| 3 + session_len(s))
         + 4
+        + Ext::of(t).len()
 }
 
 /// The session of a task's open attempt, if it has one.
@@ -287,7 +285,6 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
     set(&mut flags, F_IDEMPOTENCY, t.idempotency.is_some());
     set(&mut flags, F_FINISHED, t.finished_wall_ms.is_some());
     set(&mut flags, F_PRIORITY, t.priority != 0);
-    set(&mut flags, F_SESSION, open_session(t).is_some());
     put_u128(out, t.id);
     out.extend_from_slice(&flags.to_le_bytes());
     out.push(t.status as u8);
@@ -339,9 +336,114 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
             None => out.push(0),
         }
     }
+    Ext::of(t).put(out);
     if let Some(s) = open_session(t) {
-        put_str(out, &s.worker_id);
-        put_str(out, &s.secret);
+        put_session(out, s);
+    }
+}
+
+/// The session field of the optional fields (tag [`EXT_SESSION`]): worker id and secret.
+fn put_session(out: &mut Vec<u8>, s: &crate::tasks::SessionTag) {
+    out.push(EXT_SESSION);
+    out.extend_from_slice(&(session_len(s) as u16).to_le_bytes());
+    put_str(out, &s.worker_id);
+    put_str(out, &s.secret);
+}
+
+/// Bytes of a session field's value (worker ids and secrets are at most 128 bytes each).
+fn session_len(s: &crate::tasks::SessionTag) -> usize {
+    8 + s.worker_id.len() + s.secret.len()
+}
+
+/// Optional fields after a record's fixed ones (added after the format's first release, so a
+/// journal written before them still replays): zero or more `tag: u8 | len: u16 | bytes`. A
+/// decoder skips a tag it does not know. Tags: 1 `next_attempt_wall_ms` (u64), 2 `again`
+/// (u128), 3 the retry policy (flags u8: 1 backoff, 2 backoff_max, 4 any_worker given,
+/// 8 any_worker; then backoff u64, backoff_max u64), 4 the session of the open attempt (in a
+/// Task or AttemptStart record: worker id and secret, two strings; SPEC §12). Further fields
+/// take further tags.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Ext {
+    pub next_attempt_wall_ms: Option<u64>,
+    pub again: Option<u128>,
+    pub retry: RetryPolicy,
+}
+
+const EXT_NEXT_ATTEMPT: u8 = 1;
+const EXT_AGAIN: u8 = 2;
+const EXT_RETRY: u8 = 3;
+const EXT_SESSION: u8 = 4;
+
+impl Ext {
+    pub fn of(t: &Task) -> Ext {
+        Ext { next_attempt_wall_ms: t.next_attempt_wall_ms, again: t.again, retry: t.retry }
+    }
+
+    /// Bytes it takes in a record.
+    fn len(&self) -> usize {
+        self.next_attempt_wall_ms.map_or(0, |_| 3 + 8)
+            + self.again.map_or(0, |_| 3 + 16)
+            + if self.retry.is_default() { 0 } else { 3 + 17 }
+    }
+
+    fn put(&self, out: &mut Vec<u8>) {
+        if let Some(at) = self.next_attempt_wall_ms {
+            out.push(EXT_NEXT_ATTEMPT);
+            out.extend_from_slice(&8u16.to_le_bytes());
+            put_u64(out, at);
+        }
+        if let Some(c) = self.again {
+            out.push(EXT_AGAIN);
+            out.extend_from_slice(&16u16.to_le_bytes());
+            put_u128(out, c);
+        }
+        if !self.retry.is_default() {
+            let r = self.retry;
+            let flags = u8::from(r.backoff_ms.is_some())
+                | u8::from(r.backoff_max_ms.is_some()) << 1
+                | u8::from(r.any_worker.is_some()) << 2
+                | u8::from(r.any_worker == Some(true)) << 3;
+            out.push(EXT_RETRY);
+            out.extend_from_slice(&17u16.to_le_bytes());
+            out.push(flags);
+            put_u64(out, r.backoff_ms.unwrap_or(0));
+            put_u64(out, r.backoff_max_ms.unwrap_or(0));
+        }
+    }
+
+    /// Reads what is left of a record (nothing: no extension).
+    fn decode(d: &mut Dec<'_>) -> Option<Ext> {
+        Ext::decode_with_session(d).map(|(ext, _)| ext)
+    }
+
+    /// [`Ext::decode`], and the session field (which is not `Copy`, so kept apart).
+    fn decode_with_session(d: &mut Dec<'_>) -> Option<(Ext, Option<crate::tasks::SessionTag>)> {
+        let mut ext = Ext::default();
+        let mut session = None;
+        while !d.done() {
+            let tag = d.u8()?;
+            let len = d.u16()? as usize;
+            let mut f = Dec { b: d.take(len)? };
+            match tag {
+                EXT_NEXT_ATTEMPT => ext.next_attempt_wall_ms = Some(f.u64()?),
+                EXT_AGAIN => ext.again = Some(f.u128()?),
+                EXT_RETRY => {
+                    let flags = f.u8()?;
+                    let (backoff, max) = (f.u64()?, f.u64()?);
+                    ext.retry = RetryPolicy {
+                        backoff_ms: (flags & 1 != 0).then_some(backoff),
+                        backoff_max_ms: (flags & 2 != 0).then_some(max),
+                        any_worker: (flags & 4 != 0).then_some(flags & 8 != 0),
+                    };
+                }
+                EXT_SESSION => session = Some(f.session()?),
+                _ => continue,
+            }
+            if !f.done() {
+                return None;
+            }
+        }
+        Some((ext, session))
     }
 }
 
@@ -354,13 +456,16 @@ pub fn put_attempt_start(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
     put_ip(out, a.client_ip);
     put_u64(out, a.started_wall_ms);
     if let Some(s) = &a.session {
-        out.push(1);
-        put_str(out, &s.worker_id);
-        put_str(out, &s.secret);
+        put_session(out, s);
     }
 }
 
 pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
+    put_attempt_end_with(out, id, num, a, &Ext::default());
+}
+
+/// [`put_attempt_end`] with what a retry waits for (`ext`: its backoff and `again`).
+pub fn put_attempt_end_with(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt, ext: &Ext) {
     put_u128(out, id);
     put_u32(out, num);
     out.push(outcome_code(a.outcome));
@@ -372,6 +477,8 @@ pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
         }
         None => out.push(0),
     }
+    // (The policy is the task's, in its Task record; an attempt's end says how its retry waits.)
+    Ext { retry: RetryPolicy::default(), ..*ext }.put(out);
 }
 
 pub fn put_forget(out: &mut Vec<u8>, id: TaskId) {
@@ -397,6 +504,7 @@ pub struct TaskImage {
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
     pub priority: i32,
     pub attempts: Vec<Attempt>,
+    pub ext: Ext,
 }
 
 impl TaskImage {
@@ -419,6 +527,9 @@ impl TaskImage {
             queued: self.queued,
             submit_seq: self.submit_seq,
             idempotency: self.idempotency,
+            retry: self.ext.retry,
+            next_attempt_wall_ms: self.ext.next_attempt_wall_ms,
+            again: self.ext.again,
             priority: self.priority,
             stored,
             ..Task::default()
@@ -430,7 +541,7 @@ impl TaskImage {
 pub enum Record {
     Task(Box<TaskImage>),
     AttemptStart { id: TaskId, num: u32, attempt: Attempt },
-    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>> },
+    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>>, ext: Ext },
     Forget { id: TaskId },
 }
 
@@ -551,11 +662,11 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         a.restarted = a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(RESTART_ERROR);
         attempts.push(a);
     }
-    if flags & F_SESSION != 0 {
-        let s = d.session()?;
-        if let Some(a) = attempts.last_mut().filter(|a| a.outcome.is_none()) {
-            a.session = Some(Box::new(s));
-        }
+    let (ext, session) = Ext::decode_with_session(d)?;
+    if let Some(s) = session
+        && let Some(a) = attempts.last_mut().filter(|a| a.outcome.is_none())
+    {
+        a.session = Some(Box::new(s));
     }
     Some(TaskImage {
         id,
@@ -574,6 +685,7 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         idempotency,
         priority,
         attempts,
+        ext,
     })
 }
 
@@ -586,12 +698,9 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
             let id = d.u128()?;
             let num = d.u32()?;
             let mut attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
-            if !d.done() {
-                if d.u8()? != 1 {
-                    return None;
-                }
-                attempt.session = Some(Box::new(d.session()?));
-            }
+            // (Optional fields: the session; a start written without them has none.)
+            let (_, session) = Ext::decode_with_session(&mut d)?;
+            attempt.session = session.map(Box::new);
             Record::AttemptStart { id, num, attempt }
         }
         RecordType::AttemptEnd => Record::AttemptEnd {
@@ -600,6 +709,7 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
             outcome: d.outcome()?,
             duration_ms: d.u64()?,
             error: d.opt_error()?,
+            ext: Ext::decode(&mut d)?,
         },
         RecordType::Forget => Record::Forget { id: d.u128()? },
     };
@@ -680,6 +790,7 @@ mod tests {
             idempotency: None,
             priority: 0,
             attempts: Vec::new(),
+            ext: Ext::default(),
         }
         .into_task(Stored::default());
         for i in 0..n {

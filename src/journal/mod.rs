@@ -525,7 +525,9 @@ impl Journal {
         if !self.has_room(stored) {
             return self.task(t, stored);
         }
-        let (lsn, loc) = self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end(out, t.id, num, a));
+        let ext = codec::Ext::of(t);
+        let (lsn, loc) =
+            self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end_with(out, t.id, num, a, &ext));
         if !self.add_record(stored, lsn, loc) {
             self.task(t, stored);
         }
@@ -627,7 +629,7 @@ impl Journal {
 
 #[cfg(test)]
 mod tests {
-    use super::codec::TaskImage;
+    use super::codec::{Ext, TaskImage};
     use super::*;
     use crate::tasks::{Attempt, Status};
 
@@ -649,6 +651,7 @@ mod tests {
             idempotency: None,
             priority: 0,
             attempts: Vec::new(),
+            ext: Ext::default(),
         }
         .into_task(Stored::default())
     }

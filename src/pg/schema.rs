@@ -20,6 +20,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (2, "listing scans one index; an index of the waiting tasks that can fail", V2),
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
     (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
+    (5, "retry policies per task", V5),
 ];
 
 /// The newest version this build knows.
@@ -254,6 +255,15 @@ ALTER TABLE relay_pending ALTER COLUMN ord_ms SET NOT NULL;
 DROP INDEX IF EXISTS relay_pending_kind_due;
 CREATE INDEX IF NOT EXISTS relay_pending_ord ON relay_pending (ord_ms, seq);
 CREATE INDEX IF NOT EXISTS relay_pending_kind_ord ON relay_pending (kind, ord_ms, seq);
+"#;
+
+/// Version 5 (SPEC §13): a task's own retry policy (NULL: the node's configured default). A
+/// retry waiting out its backoff needs no column: its pending row is due when the wait ends,
+/// and its attempt_log entry says when (`next_attempt_ms`).
+const V5: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_backoff_max_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_any_worker boolean;
 "#;
 
 /// What [`migrate`] did.

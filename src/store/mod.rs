@@ -22,7 +22,7 @@ use std::net::IpAddr;
 use serde_json::value::RawValue;
 
 use crate::http::Response;
-use crate::tasks::{ConnRef, Outcome, Status, TaskId};
+use crate::tasks::{ConnRef, Outcome, RetryPolicy, Status, TaskId};
 
 pub mod mem;
 pub mod pg;
@@ -39,6 +39,8 @@ pub struct NewTask<'a> {
     /// Per-task overrides (`None`: the configured default).
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
+    /// Its own retry policy (SPEC §13).
+    pub retry: RetryPolicy,
     /// Seconds of head start among due tasks (SPEC §14; 0: none).
     pub priority: i32,
     /// (token identity, `Idempotency-Key`).
@@ -112,7 +114,10 @@ pub struct Claimed {
     pub payload: std::sync::Arc<RawValue>,
     pub timeout_ms: u64,
     pub max_retries: u32,
-    /// Workers already sent the task (client ids).
+    /// The task's own retry policy (SPEC §13).
+    pub retry: RetryPolicy,
+    /// Workers already sent the task (client ids, in the order they were), but one made
+    /// eligible again ([`Later::again`]).
     pub tried: Vec<u128>,
     /// Earlier attempts that count against `max_retries` (a relay restart's do not).
     pub counted: u32,
@@ -165,10 +170,22 @@ pub struct AttemptEnd<'a> {
 pub enum Next<'a> {
     /// Back to pending, for another worker.
     Retry,
+    /// Back to pending, after a wait and/or for a worker that tried it (SPEC §13).
+    Later(Later),
     /// `done`, with the worker's data.
     Done { result: &'a RawValue },
     /// `failed`, with this error.
     Failed { error: &'a str },
+}
+
+/// How a retry waits (SPEC §13).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Later {
+    /// Not claimable before this (wall clock): its backoff, or the worker's `retry_after_ms`.
+    pub at_wall_ms: Option<u64>,
+    /// A worker that tried it and may take it again (`any_worker`: no untried eligible worker
+    /// is connected; the one tried longest ago).
+    pub again: Option<u128>,
 }
 
 /// What a store tells the core. A memory store's events are ready when the operation
@@ -203,6 +220,9 @@ pub enum Event {
     Clients { conn: ConnRef, remote: Vec<WorkerInfo> },
     /// Tasks became due or went back to pending: idle workers may claim.
     Ready,
+    /// Retries of these kinds (`None`: of any) finished waiting out their backoff: those whose
+    /// last possible worker left meanwhile fail ([`Store::fail_unplaceable`]).
+    RetriesDue { kinds: Option<Vec<Option<Box<str>>>> },
     /// Attempts of a dead node were handed to this node to close (`disconnect`, naming the
     /// lost node); the core decides what becomes of each task.
     Orphaned { tasks: Vec<Claimed>, error: String },

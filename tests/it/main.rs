@@ -18,6 +18,7 @@ mod openapi;
 mod ops;
 mod pg_cluster;
 mod regressions;
+mod retries;
 mod review;
 mod sessions;
 mod store;

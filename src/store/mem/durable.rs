@@ -195,7 +195,11 @@ impl MemStore {
                 if let Some(key) = &task.idempotency {
                     self.remember_key((**key).clone(), id, ttl);
                 }
+                // (A retry waiting out its backoff keeps waiting: SPEC §13.)
                 task.due_wall_ms = task.run_at_wall_ms.unwrap_or(0).max(task.created_wall_ms);
+                if let Some(at) = task.next_attempt_wall_ms {
+                    task.due_wall_ms = task.due_wall_ms.max(at);
+                }
                 unfinished.push(task);
             }
             // (Not before: a task whose TASK_TTL ran out while relay was down is not listed.)
@@ -272,6 +276,7 @@ impl MemStore {
                 tried: task.attempts.iter().map(|a| a.client_id).collect(),
                 counted: earlier.iter().filter(|a| !a.restarted).count() as u32,
                 created_wall_ms: task.created_wall_ms,
+                retry: task.retry,
             },
             client_id: a.client_id,
             client_ip: a.client_ip,

@@ -134,6 +134,7 @@ mod tests {
             queue: true,
             timeout_ms: None,
             max_retries: None,
+            retry: Default::default(),
             priority: 0,
             idempotency: None,
             runs_now: false,

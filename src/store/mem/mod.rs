@@ -55,6 +55,9 @@ fn ready_key(task: &Task) -> QueueKey {
 /// worker) before it stops.
 const MAX_CLAIM_SKIP: usize = 4096;
 
+/// Kinds one [`Event::RetriesDue`] names at most (beyond: the next timer run).
+const MAX_RETRY_KINDS_DUE: usize = 64;
+
 /// Tasks carried forward by one compaction step (bounded work per loop turn).
 const COMPACT_TASKS_PER_TURN: usize = 4096;
 /// Finished tasks evicted from memory per loop turn at most.
@@ -155,6 +158,9 @@ pub struct MemStore {
     /// Ready tasks that fail when no untried worker that could take them is connected.
     fragile: Fragile,
     scheduled: BTreeMap<QueueKey, TaskId>,
+    /// Kinds of retries whose backoff ended in this timer run ([`Event::RetriesDue`]).
+    retries_due: Option<Vec<fragile::KindKey>>,
+    retries_due_all: bool,
     /// Final tasks in finishing order, with the time (monotonic) they are forgotten.
     finished: VecDeque<(u64, TaskId)>,
     idempotency: HashMap<IdempotencyKey, TaskId>,
@@ -204,6 +210,8 @@ impl MemStore {
             ready_due: BTreeMap::new(),
             fragile: Fragile::default(),
             scheduled: BTreeMap::new(),
+            retries_due: Some(Vec::new()),
+            retries_due_all: false,
             finished: VecDeque::new(),
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
@@ -319,6 +327,7 @@ impl MemStore {
             priority: new.priority,
             queued: new.queue || new.run_at_wall_ms.is_some(),
             idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
+            retry: new.retry,
             ..Task::default()
         };
         self.tasks.insert(id, task);
@@ -480,7 +489,8 @@ impl MemStore {
             payload,
             timeout_ms: task.timeout_ms,
             max_retries: task.max_retries,
-            tried: task.attempts.iter().map(|a| a.client_id).collect(),
+            retry: task.retry,
+            tried: task.tried_by(),
             counted: task.attempts.iter().filter(|a| !a.restarted).count() as u32,
             created_wall_ms: task.created_wall_ms,
         })
@@ -556,6 +566,7 @@ impl MemStore {
             return;
         }
         task.place = Place::Nowhere;
+        task.next_attempt_wall_ms = None;
         let mut a = Attempt::new(start.client_id, start.client_ip, start.started_wall_ms);
         a.node = start.node.map(Box::from);
         a.session = start.session.map(|(worker_id, secret)| {
@@ -586,14 +597,36 @@ impl MemStore {
             a.resumes = end.resumes;
             a.answered |= matches!(end.outcome, crate::tasks::Outcome::Done | crate::tasks::Outcome::Failed);
         }
-        match next {
-            Next::Retry => {
-                // (It keeps its place: due order is the order it fell due in, SPEC §7.)
-                self.set_status(id, Status::Pending);
-                self.record(id, Rec::AttemptEnded);
-                self.enqueue_ready(id);
-                self.events.push(Event::Ready);
+        let later = match next {
+            Next::Retry => Some(super::Later::default()),
+            Next::Later(l) => Some(l),
+            _ => None,
+        };
+        if let Some(later) = later {
+            let wait = later.at_wall_ms.filter(|&at| at > self.wall_ms);
+            task.next_attempt_wall_ms = wait;
+            task.again = later.again;
+            self.set_status(id, Status::Pending);
+            self.record(id, Rec::AttemptEnded);
+            match wait {
+                Some(at) => {
+                    // It waits out its backoff like a scheduled task, and is due when it ends
+                    // (SPEC §13): due order counts from then.
+                    if let Some(task) = self.tasks.get_mut(&id) {
+                        task.due_wall_ms = at;
+                    }
+                    self.schedule(id);
+                }
+                None => {
+                    // (It keeps its place: due order is the order it fell due in, SPEC §7.)
+                    self.enqueue_ready(id);
+                    self.events.push(Event::Ready);
+                }
             }
+            return;
+        }
+        match next {
+            Next::Retry | Next::Later(_) => {}
             Next::Done { result } => self.finalize(id, Status::Done, Some(result.to_owned()), None),
             Next::Failed { error } => self.finalize(id, Status::Failed, None, Some(error)),
         }
@@ -655,7 +688,7 @@ impl MemStore {
             } else {
                 for id in self.fragile.retries_with_at_least(&kind, count) {
                     let Some(t) = self.tasks.get(&id) else { continue };
-                    let tried: Vec<u128> = t.attempts.iter().map(|a| a.client_id).collect();
+                    let tried = t.tried_by();
                     if !takers.untried(kind.as_deref(), &tried) {
                         hopeless.push(id);
                     }
@@ -787,12 +820,34 @@ impl MemStore {
             self.scheduled.remove(&(due, seq));
             if let Some(task) = self.tasks.get_mut(&id) {
                 task.place = Place::Nowhere;
+                if !task.attempts.is_empty() && !task.restored {
+                    // A retry whose backoff ended: its last possible worker may have left
+                    // meanwhile (the core asks, SPEC §5).
+                    let kind = task.kind.clone();
+                    if let Some(due) = &mut self.retries_due
+                        && !due.contains(&kind)
+                    {
+                        if due.len() < MAX_RETRY_KINDS_DUE {
+                            due.push(kind);
+                        } else {
+                            // (Many kinds at once: every kind is looked at.)
+                            self.retries_due_all = true;
+                        }
+                    }
+                }
                 self.enqueue_ready(id);
                 any = true;
             }
         }
         if any {
             self.events.push(Event::Ready);
+        }
+        let due = self.retries_due.as_mut().map(std::mem::take).unwrap_or_default();
+        if self.retries_due_all {
+            self.retries_due_all = false;
+            self.events.push(Event::RetriesDue { kinds: None });
+        } else if !due.is_empty() {
+            self.events.push(Event::RetriesDue { kinds: Some(due) });
         }
     }
 
