@@ -14,7 +14,7 @@ use std::time::Instant;
 use serde_json::value::RawValue;
 
 use crate::log::Level;
-use crate::{Handler, log, protocol};
+use crate::{Error, Handler, log, protocol};
 
 pub struct Job {
     /// The runner's number for this task (unique per process): `Finished` names it.
@@ -96,9 +96,12 @@ fn work(rx: &Mutex<Receiver<Job>>, kinds: &BTreeMap<String, Handler>, finished: 
             continue;
         }
         let started = Instant::now();
-        let outcome = match kinds.get(&kind) {
-            Some(handler) => run_one(handler, &task_id, &spec),
-            None => Err(format!("unknown task kind: {kind}")),
+        let (outcome, hint) = match kinds.get(&kind) {
+            Some(handler) => match run_one(handler, &task_id, &spec) {
+                Ok(v) => (Ok(v), crate::RetryHint::default()),
+                Err(e) => (Err(e.message().to_string()), e.retry_hint()),
+            },
+            None => (Err(format!("unknown task kind: {kind}")), crate::RetryHint::default()),
         };
         if let Err(error) = &outcome {
             log!(
@@ -114,7 +117,7 @@ fn work(rx: &Mutex<Receiver<Job>>, kinds: &BTreeMap<String, Handler>, finished: 
         let message = if canceled.load(Ordering::SeqCst) {
             None
         } else {
-            Some(protocol::result_of(&task_id, attempt, &outcome, max))
+            Some(protocol::result_with(&task_id, attempt, &outcome, hint, max))
         };
         if finished.send(Finished { job, task_id, message, failed }).is_err() {
             return;
@@ -123,17 +126,17 @@ fn work(rx: &Mutex<Receiver<Job>>, kinds: &BTreeMap<String, Handler>, finished: 
 }
 
 /// Runs a handler; a panic becomes an error naming the panic's message.
-pub fn run_one(handler: &Handler, task_id: &str, spec: &RawValue) -> Result<serde_json::Value, String> {
+pub fn run_one(handler: &Handler, task_id: &str, spec: &RawValue) -> Result<serde_json::Value, Error> {
     match catch_unwind(AssertUnwindSafe(|| handler(task_id, spec))) {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(e.message().to_string()),
+        Ok(Err(e)) => Err(e),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "non-string panic payload".into());
-            Err(format!("handler panicked: {what}"))
+            Err(Error::new(format!("handler panicked: {what}")))
         }
     }
 }
@@ -152,7 +155,7 @@ mod tests {
 
     fn check(h: fn(&str, &RawValue) -> Result<Value, Error>, expected: Result<Value, &str>) {
         let spec = RawValue::from_string("[1]".into()).expect("raw");
-        let got = run_one(&handler(h), "t1", &spec);
+        let got = run_one(&handler(h), "t1", &spec).map_err(|e| e.message().to_string());
         assert_eq!(got, expected.map_err(str::to_string));
     }
 

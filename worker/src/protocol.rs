@@ -160,9 +160,30 @@ pub fn result_of(
     outcome: &Result<Value, String>,
     max_message_bytes: usize,
 ) -> String {
+    result_with(task_id, attempt, outcome, crate::RetryHint::default(), max_message_bytes)
+}
+
+/// [`result_of`], a failure carrying what it says about its retry (`retry: false`,
+/// `retry_after_ms`, SPEC §13).
+pub fn result_with(
+    task_id: &str,
+    attempt: Option<u64>,
+    outcome: &Result<Value, String>,
+    hint: crate::RetryHint,
+    max_message_bytes: usize,
+) -> String {
     let mut v = match outcome {
         Ok(data) => json!({"type": "result", "task_id": task_id, "status": "done", "data": data}),
-        Err(error) => failed(task_id, error),
+        Err(error) => {
+            let mut v = failed(task_id, error);
+            if hint.permanent {
+                v["retry"] = json!(false);
+            }
+            if let Some(ms) = hint.after_ms {
+                v["retry_after_ms"] = json!(ms);
+            }
+            v
+        }
     };
     if let Some(a) = attempt {
         v["attempt"] = json!(a);
@@ -269,6 +290,14 @@ mod tests {
         let v: Value = serde_json::from_str(&big).expect("json");
         assert_eq!(v["status"], "failed");
         assert!(v["error"].as_str().is_some_and(|e| e.starts_with("result too large")), "{v}");
+        let paced =
+            result_with("t", None, &Err("503".into()), crate::RetryHint { permanent: false, after_ms: Some(7) }, 1024);
+        let v: Value = serde_json::from_str(&paced).expect("json");
+        assert_eq!((v["retry_after_ms"].as_u64(), v.get("retry")), (Some(7), None));
+        let permanent =
+            result_with("t", None, &Err("no".into()), crate::RetryHint { permanent: true, after_ms: None }, 1024);
+        let v: Value = serde_json::from_str(&permanent).expect("json");
+        assert_eq!(v["retry"], false);
         let long_error = result("t", &Err("é".repeat(5000)), 1_000_000);
         let v: Value = serde_json::from_str(&long_error).expect("json");
         assert_eq!(v["error"].as_str().map(str::len), Some(4096));
