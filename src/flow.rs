@@ -217,6 +217,17 @@ impl Policy {
         [self.rate, self.rate_per_key].into_iter().flatten().map(|r| Bucket::new(r, self.burst))
     }
 
+    /// One bucket for a store that keeps one per kind: the tighter rate (tokens per ms) and the
+    /// burst (given, or one second's worth of that rate).
+    pub fn one_bucket(&self) -> Option<(f64, f64)> {
+        let tight = [self.rate, self.rate_per_key]
+            .into_iter()
+            .flatten()
+            .min_by(|a, b| (f64::from(a.count) / a.per_ms as f64).total_cmp(&(f64::from(b.count) / b.per_ms as f64)))?;
+        let burst = self.burst.unwrap_or_else(|| tight.default_burst()).max(1);
+        Some((f64::from(tight.count) / tight.per_ms as f64, f64::from(burst)))
+    }
+
     /// Does it hold anything back?
     pub fn limits(&self) -> bool {
         self.paused || self.running_cap().is_some() || self.rate.is_some() || self.rate_per_key.is_some()

@@ -525,7 +525,9 @@ impl Journal {
         if !self.has_room(stored) {
             return self.task(t, stored);
         }
-        let (lsn, loc) = self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end(out, t.id, num, a));
+        let ext = codec::Ext::of(t);
+        let (lsn, loc) =
+            self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end_with(out, t.id, num, a, &ext));
         if !self.add_record(stored, lsn, loc) {
             self.task(t, stored);
         }
@@ -640,7 +642,7 @@ impl Journal {
 
 #[cfg(test)]
 mod tests {
-    use super::codec::TaskImage;
+    use super::codec::{Ext, TaskImage};
     use super::*;
     use crate::tasks::{Attempt, Status};
 
@@ -662,6 +664,7 @@ mod tests {
             idempotency: None,
             priority: 0,
             attempts: Vec::new(),
+            ext: Ext::default(),
         }
         .into_task(Stored::default())
     }
@@ -677,6 +680,8 @@ mod tests {
             duration_ms: 0,
             answered: false,
             restarted: false,
+            resumes: 0,
+            session: None,
         }
     }
 

@@ -20,7 +20,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (2, "listing scans one index; an index of the waiting tasks that can fail", V2),
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
     (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
-    (5, "kind policies: concurrency, rate, pause", V5),
+    (5, "retry policies per task", V5),
+    (6, "kind policies: concurrency, rate, pause", V6),
 ];
 
 /// The newest version this build knows.
@@ -257,14 +258,35 @@ CREATE INDEX IF NOT EXISTS relay_pending_ord ON relay_pending (ord_ms, seq);
 CREATE INDEX IF NOT EXISTS relay_pending_kind_ord ON relay_pending (kind, ord_ms, seq);
 "#;
 
-/// Version 5 (SPEC §14 kind policies): one row per kind that has (or had) a policy; `changed`
-/// grows on every change, so nodes read what changed since they last looked, every second.
+/// Version 5 (SPEC §13): a task's own retry policy (NULL: the node's configured default). A
+/// retry waiting out its backoff needs no column: its pending row is due when the wait ends,
+/// and its attempt_log entry says when (`next_attempt_ms`).
 const V5: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_backoff_max_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_any_worker boolean;
+"#;
+
+/// Version 6 (SPEC §14 kind policies): one row per kind that has (or had) a policy; `changed`
+/// grows on every change, so nodes read what changed since they last looked, every second. The
+/// running attempts carry their kind (claims of a capped kind count them), and rate-limited
+/// kinds have a token bucket row.
+const V6: &str = r#"
 CREATE SEQUENCE IF NOT EXISTS relay_kind_policies_changed;
 CREATE TABLE IF NOT EXISTS relay_kind_policies (
     kind          text PRIMARY KEY,
     policy        text,                                -- the policy's JSON; NULL: removed
     changed       int8 NOT NULL DEFAULT nextval('relay_kind_policies_changed')
+);
+-- A kind's running attempts are counted from their rows (never a counter that can drift).
+ALTER TABLE relay_running ADD COLUMN IF NOT EXISTS kind text;
+UPDATE relay_running r SET kind = t.kind FROM relay_tasks t WHERE t.id = r.task_id AND r.kind IS NULL;
+CREATE INDEX IF NOT EXISTS relay_running_kind ON relay_running (kind) WHERE kind IS NOT NULL;
+-- The token bucket of each rate-limited kind, updated by claims under the kind's lock.
+CREATE TABLE IF NOT EXISTS relay_kind_buckets (
+    kind          text PRIMARY KEY,
+    tokens        float8 NOT NULL,
+    at_ms         int8 NOT NULL                        -- database clock (relay_now_ms())
 );
 "#;
 

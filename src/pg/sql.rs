@@ -94,10 +94,14 @@ pub struct NewTask {
     pub runs_now: bool,
     /// Seconds of head start (SPEC §14).
     pub priority: i32,
+    /// Its own retry policy (SPEC §13): backoff, backoff_max (ms), any_worker.
+    pub retry_backoff_ms: Option<u64>,
+    pub retry_backoff_max_ms: Option<u64>,
+    pub retry_any_worker: Option<bool>,
 }
 
 /// Inserts the tasks and their pending rows in one statement, in order, as long as room is
-/// left under $12 tasks and $13 payload bytes waiting (counted by `relay_pending_counts`, read
+/// left under $12 tasks and $13 payload bytes waiting (the retry policy: $15–$17) (counted by `relay_pending_counts`, read
 /// under [`INSERT_LOCK`]; a task marked `runs_now` needs no room). A task whose (owner, key) is
 /// already taken is not inserted. Returns one row per task given: id, seq (NULL: not inserted),
 /// and whether there was room (not inserted but room: its key is taken — [`IDEMPOTENT_LOOKUP`]
@@ -106,9 +110,10 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
        SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
      ), n AS (
        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::int4[],
-                            $7::int8[], $8::int8[], $9::text[], $10::text[], $11::bool[], $14::int4[]) WITH ORDINALITY
+                            $7::int8[], $8::int8[], $9::text[], $10::text[], $11::bool[], $14::int4[],
+                            $15::int8[], $16::int8[], $17::bool[]) WITH ORDINALITY
          AS n(id, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key,
-              runs_now, priority, ord)
+              runs_now, priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, ord)
      ), room AS (
        SELECT n.*, count(*) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord) AS cum_n,
               coalesce(sum(octet_length(n.payload)) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord), 0) AS cum_b
@@ -118,9 +123,10 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
        WHERE room.runs_now OR (lim.n + room.cum_n <= $12::int8 AND lim.b + room.cum_b <= $13::int8)
      ), ins AS (
        INSERT INTO relay_tasks (id, status, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms,
-                                idem_owner, idem_key, priority)
+                                idem_owner, idem_key, priority, retry_backoff_ms, retry_backoff_max_ms,
+                                retry_any_worker)
        SELECT id, 'pending', kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key,
-              priority
+              priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
        FROM ok ORDER BY ord
        ON CONFLICT (idem_owner, idem_key) WHERE idem_key IS NOT NULL DO NOTHING
        RETURNING id, seq, kind, queue, greatest(run_at_ms, created_ms) AS due_ms,
@@ -156,8 +162,8 @@ pub const KINDS: &str = "WITH p AS (
        SELECT kind, count(*) AS n FROM relay_pending
        WHERE kind IS NOT NULL AND ($1::text IS NULL OR kind = $1::text) GROUP BY kind
      ), r AS (
-       SELECT t.kind, count(*) AS n FROM relay_running x JOIN relay_tasks t ON t.id = x.task_id
-       WHERE t.kind IS NOT NULL AND ($1::text IS NULL OR t.kind = $1::text) GROUP BY t.kind
+       SELECT kind, count(*) AS n FROM relay_running
+       WHERE kind IS NOT NULL AND ($1::text IS NULL OR kind = $1::text) GROUP BY kind
      ), pol AS (
        SELECT kind, policy FROM relay_kind_policies
        WHERE policy IS NOT NULL AND ($1::text IS NULL OR kind = $1::text)
@@ -176,6 +182,8 @@ pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64)
     let run_at: Vec<String> = tasks.iter().map(|t| t.run_at_ms.to_string()).collect();
     let priorities: Vec<String> = tasks.iter().map(|t| t.priority.to_string()).collect();
     let flag = |b: bool| if b { "t" } else { "f" };
+    let backoffs: Vec<Option<String>> = tasks.iter().map(|t| num(t.retry_backoff_ms)).collect();
+    let maxes: Vec<Option<String>> = tasks.iter().map(|t| num(t.retry_backoff_max_ms)).collect();
     Stmt::new(
         INSERT_TASKS,
         vec![
@@ -193,6 +201,9 @@ pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64)
             (max_pending.min(i64::MAX as u64) as i64).into(),
             (max_pending_bytes.min(i64::MAX as u64) as i64).into(),
             arr(priorities.iter().map(String::as_str)),
+            arr_opt(backoffs.iter().map(Option::as_deref)),
+            arr_opt(maxes.iter().map(Option::as_deref)),
+            arr_opt(tasks.iter().map(|t| t.retry_any_worker.map(flag))),
         ],
     )
 }
@@ -229,11 +240,13 @@ pub const CLAIM: &str = "WITH c AS (
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
        RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
                  d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                              WHERE e ? 'uncounted') END AS uncounted
+                                                              WHERE e ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
      ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
      FROM u ORDER BY ord_ms, seq";
 
 /// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
@@ -252,12 +265,96 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
        RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
                  d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                              WHERE e ? 'uncounted') END AS uncounted
+                                                              WHERE e ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
      ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
      FROM u ORDER BY ord_ms, seq";
+
+/// Taken before [`CLAIM_LIMITED`], one lock per limited kind ($1, sorted: every node locks in
+/// the same order): claims of one kind on all nodes take turns, so what they count — the
+/// kind's running attempts, its token bucket — is exact cluster-wide (SPEC §14).
+pub const KIND_LOCKS: &str = "SELECT pg_advisory_xact_lock(hashtextextended('relay kind ' || k, 0))
+     FROM unnest($1::text[]) WITH ORDINALITY AS x(k, i) ORDER BY i";
+
+/// [`CLAIM_KINDS`] for the kinds $3 that a `max_running` ($7, NULL: none) or a rate ($8 tokens
+/// per ms, $9 burst; NULL: none) limits, under [`KIND_LOCKS`]: each kind takes at most what it
+/// has room for — its cap less its attempts running on every node (`relay_running`), and the
+/// whole tokens of its bucket (`relay_kind_buckets`, refilled on the database's clock, full when
+/// new) — and its bucket keeps what is left.
+pub const CLAIM_LIMITED: &str = "WITH k AS (
+       SELECT k.kind, k.cap, k.per_ms, k.burst, b.tokens AS b_tokens, b.at_ms AS b_at, relay_now_ms() AS now_db
+       FROM unnest($3::text[], $7::int8[], $8::float8[], $9::float8[]) AS k(kind, cap, per_ms, burst)
+       LEFT JOIN relay_kind_buckets b ON b.kind = k.kind
+     ), k2 AS (
+       SELECT k.*, CASE WHEN per_ms IS NULL THEN NULL
+                        ELSE least(burst, coalesce(b_tokens + greatest(0, now_db - b_at) * per_ms, burst)) END AS tokens
+       FROM k
+     ), room AS (
+       SELECT kind, per_ms, now_db, tokens,
+              greatest(0, least($5::int8,
+                coalesce(cap - (SELECT count(*) FROM relay_running r WHERE r.kind = k2.kind), $5::int8),
+                coalesce(floor(tokens + 1e-9)::int8, $5::int8))) AS n
+       FROM k2
+     ), c AS (
+       SELECT x.task_id FROM room CROSS JOIN LATERAL (
+         SELECT p.task_id FROM relay_pending p
+         WHERE p.kind = room.kind AND p.ord_ms <= $4::int8 + 86400000 AND p.due_ms <= $4::int8
+           AND NOT (p.tried @> $6::uuid[])
+         ORDER BY p.ord_ms, p.seq LIMIT room.n
+         FOR UPDATE SKIP LOCKED) x
+     ), d AS (
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
+       FROM d WHERE t.id = d.task_id AND t.status = 'pending'
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
+                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
+                                                              WHERE e ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
+     ), r AS (
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
+     ), bk AS (
+       INSERT INTO relay_kind_buckets (kind, tokens, at_ms)
+       SELECT room.kind, greatest(0, room.tokens - (SELECT count(*) FROM u WHERE u.kind = room.kind)), room.now_db
+       FROM room WHERE room.per_ms IS NOT NULL
+       ON CONFLICT (kind) DO UPDATE SET tokens = excluded.tokens, at_ms = excluded.at_ms
+     )
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
+     FROM u ORDER BY ord_ms, seq";
+
+/// After a claim of limited kinds: how many of them ($1) still have due tasks ($2 now) — the
+/// node looks again shortly (a slot or a token frees on any node without telling it).
+pub const KIND_BACKLOG: &str = "SELECT count(*) FROM unnest($1::text[]) AS k(kind)
+     WHERE EXISTS (SELECT 1 FROM relay_pending p WHERE p.kind = k.kind AND p.due_ms <= $2::int8)";
+
+/// A limited kind in a claim: (kind, running cap, tokens per ms, burst).
+pub type Limited<'a> = (&'a str, Option<u32>, Option<f64>, Option<f64>);
+
+/// [`CLAIM_LIMITED`] for one group.
+pub fn claim_limited(node: &str, group: u32, kinds: &[Limited<'_>], now_ms: u64, limit: u32, takers: &str) -> Stmt {
+    let caps: Vec<Option<String>> = kinds.iter().map(|k| k.1.map(|c| c.to_string())).collect();
+    let rates: Vec<Option<String>> = kinds.iter().map(|k| k.2.map(|r| format!("{r:e}"))).collect();
+    let bursts: Vec<Option<String>> = kinds.iter().map(|k| k.3.map(|b| b.to_string())).collect();
+    Stmt::new(
+        CLAIM_LIMITED,
+        vec![
+            node.into(),
+            i64::from(group).into(),
+            arr(kinds.iter().map(|k| k.0)),
+            (now_ms.min(i64::MAX as u64) as i64).into(),
+            i64::from(limit).into(),
+            Param::Text(takers.to_string()),
+            arr_opt(caps.iter().map(Option::as_deref)),
+            arr_opt(rates.iter().map(Option::as_deref)),
+            arr_opt(bursts.iter().map(Option::as_deref)),
+        ],
+    )
+}
 
 /// One claim: $2 echoes the group (so one statement's rows say whose they are); `held`: kinds
 /// a policy holds back (a claim of every kind leaves them out: $7).
@@ -414,6 +511,13 @@ pub struct Ended {
     /// Closed by a lost node: not counted against max_retries (the entry says `uncounted`, which
     /// claims read), and the task waits for a worker as a queued one.
     pub uncounted: bool,
+    /// A retry not claimable before this (its backoff, SPEC §13): the pending row's due time,
+    /// and the entry's `next_attempt_ms` (which the task JSON shows as `next_attempt_at`).
+    pub next_attempt_ms: Option<u64>,
+    /// A worker that tried it and may take it again (`any_worker`): out of `tried`.
+    pub again: Option<String>,
+    /// Times a resuming worker took it back (SPEC §12; 0: the entry has no `resumes`).
+    pub resumes: u32,
 }
 
 /// Closes attempts with their whole attempt_log entry (an attempt that started and ended
@@ -425,9 +529,9 @@ pub struct Ended {
 pub const ATTEMPT_ENDED: &str = "WITH a AS (
        SELECT * FROM unnest($3::uuid[], $4::int4[], $5::text[], $6::text[], $7::int8[], $8::int8[], $9::text[],
                             $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[], $2::text[],
-                            $15::bool[])
+                            $15::bool[], $16::int4[], $17::int8[], $18::uuid[])
          AS a(id, attempt, outcome, error, ended_ms, duration_ms, status, result, final_error, client_id, client_ip,
-              started_ms, node, uncounted)
+              started_ms, node, uncounted, resumes, next_attempt_ms, again)
      ), u AS (
        UPDATE relay_tasks t SET
          status = a.status,
@@ -438,7 +542,8 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
          error = a.final_error,
          client_id = coalesce(a.client_id, t.client_id),
          client_ip = coalesce(a.client_ip, t.client_ip),
-         tried = CASE WHEN a.client_id IS NULL OR a.client_id = ANY(t.tried) THEN t.tried ELSE t.tried || a.client_id END,
+         tried = array_remove(CASE WHEN a.client_id IS NULL OR a.client_id = ANY(t.tried) THEN t.tried
+                                   ELSE t.tried || a.client_id END, a.again),
          attempt_log = jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
            coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
              || jsonb_strip_nulls(jsonb_build_object('client_id', a.client_id, 'client_ip', a.client_ip,
@@ -446,17 +551,21 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
                   'outcome', a.outcome, 'error', a.error,
                   'duration_ms', coalesce(a.duration_ms,
                     greatest(0, a.ended_ms - ((t.attempt_log -> (t.attempt - 1)) ->> 'started_ms')::int8)),
-                  'uncounted', CASE WHEN a.uncounted THEN true END)), true)
+                  'uncounted', CASE WHEN a.uncounted THEN true END,
+                  'resumes', CASE WHEN a.resumes > 0 THEN a.resumes END,
+                  'next_attempt_ms', a.next_attempt_ms)), true)
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.status, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes, t.created_ms,
                  t.priority,
-                 t.run_at_ms, t.finished_ms, t.result, t.error, t.client_id, t.client_ip, t.attempt_log, a.ended_ms
+                 t.run_at_ms, t.finished_ms, t.result, t.error, t.client_id, t.client_ip, t.attempt_log, a.ended_ms,
+                 a.next_attempt_ms
      ), run AS (
        DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      ), requeue AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes)
-       SELECT id, greatest(run_at_ms, created_ms), greatest(run_at_ms, created_ms) - priority::int8 * 1000, seq, kind,
+       SELECT id, greatest(run_at_ms, created_ms, next_attempt_ms),
+              greatest(run_at_ms, created_ms, next_attempt_ms) - priority::int8 * 1000, seq, kind,
               queue, tried, bytes FROM u WHERE status = 'pending'
      )
      SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text, client_ip,
@@ -465,10 +574,12 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
 
 pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
     let attempts: Vec<String> = ended.iter().map(|e| e.attempt.to_string()).collect();
+    let resumes: Vec<String> = ended.iter().map(|e| e.resumes.to_string()).collect();
     let ends: Vec<String> = ended.iter().map(|e| e.ended_ms.to_string()).collect();
     let durations: Vec<Option<String>> = ended.iter().map(|e| e.duration_ms.map(|d| d.to_string())).collect();
     let starts: Vec<Option<String>> =
         ended.iter().map(|e| e.runner.as_ref().map(|r| r.started_ms.to_string())).collect();
+    let nexts: Vec<Option<String>> = ended.iter().map(|e| e.next_attempt_ms.map(|n| n.to_string())).collect();
     Stmt::new(
         ATTEMPT_ENDED,
         vec![
@@ -487,6 +598,9 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
             arr_opt(ended.iter().map(|e| e.runner.as_ref().map(|r| r.client_ip.as_str()))),
             arr_opt(starts.iter().map(Option::as_deref)),
             arr(ended.iter().map(|e| if e.uncounted { "t" } else { "f" })),
+            arr(resumes.iter().map(String::as_str)),
+            arr_opt(nexts.iter().map(Option::as_deref)),
+            arr_opt(ended.iter().map(|e| e.again.as_deref())),
         ],
     )
 }
@@ -795,6 +909,9 @@ pub const ALL: &[(&str, &str)] = &[
     ("CLAIM_KINDS", CLAIM_KINDS),
     ("POLICY_LOCK", POLICY_LOCK),
     ("SET_POLICY", SET_POLICY),
+    ("KIND_LOCKS", KIND_LOCKS),
+    ("CLAIM_LIMITED", CLAIM_LIMITED),
+    ("KIND_BACKLOG", KIND_BACKLOG),
     ("POLICY_CHANGES", POLICY_CHANGES),
     ("KINDS", KINDS),
     ("UNCLAIM", UNCLAIM),

@@ -416,3 +416,49 @@ fn rate_bounds_dispatch_starts_with_a_full_bucket_and_holds_no_other_kind() {
         assert!(relay.metric("relay_dispatch_held_total{reason=\"rate\"}") >= 1.0);
     });
 }
+
+#[test]
+fn max_running_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once() {
+    let Ok(pg) = crate::support::pg::shared() else {
+        assert!(!crate::support::pg::required(), "PostgreSQL is required");
+        return;
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let nodes: Vec<Relay> = (0..3).map(|_| Mode::start_on(db.clone(), &[])).collect();
+    let mut workers = Vec::new();
+    for node in &nodes {
+        for _ in 0..3 {
+            workers.push(FakeWorker::connect(node, Some(json!({"type":"hello","kinds":["m"],"concurrency":4})), Auto::Manual));
+        }
+        node.wait_clients(9, |c| c["concurrency"] == 4);
+    }
+    put_policy(&nodes[0], "m", r#"{"max_running":3}"#);
+    // Every node knows the policy before the tasks come (SPEC §14: within a second).
+    let set = std::time::Instant::now();
+    poll_until(Duration::from_secs(2), || set.elapsed() >= Duration::from_millis(1_100));
+    let body = (0..40).map(|i| format!(r#"{{"payload":{{"kind":"m","n":{i}}}}}"#)).collect::<Vec<_>>().join(",");
+    let batch = nodes[1].api("POST", "/tasks/batch", Some(&format!(r#"{{"tasks":[{body}]}}"#)));
+    assert_eq!(batch.status, 202, "{}", batch.text());
+    let mut running: Vec<(usize, String)> = Vec::new();
+    let (mut done, mut most) = (0, 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    let mut last_new = std::time::Instant::now();
+    while done < 40 && std::time::Instant::now() < deadline {
+        for (i, w) in workers.iter().enumerate() {
+            while let Some(t) = w.next_task(Duration::from_millis(5)) {
+                running.push((i, t.id));
+                last_new = std::time::Instant::now();
+            }
+        }
+        most = most.max(running.len());
+        assert!(running.len() <= 3, "max_running 3 exceeded across nodes: {running:?}");
+        // Answer one when the cap is reached (or nothing more comes for a while: the tail).
+        if !running.is_empty() && (running.len() == 3 || last_new.elapsed() > Duration::from_millis(600)) {
+            let (i, id) = running.remove(0);
+            workers[i].done(&id, json!(null));
+            done += 1;
+        }
+    }
+    assert_eq!(done, 40, "every task ran");
+    assert_eq!(most, 3, "the cap was used");
+}

@@ -133,6 +133,7 @@ impl Harness {
             queue: true,
             timeout_ms: None,
             max_retries: None,
+            retry: Default::default(),
             priority: 0,
             idempotency: None,
             runs_now: false,
@@ -202,6 +203,7 @@ impl Harness {
             started_wall_ms: relay::timefmt::wall_ms(),
             started_mono_ms: 0,
             node: Some("node-t"),
+            session: None,
         };
         self.store.attempt_started(c.id, c.attempt, &start);
     }
@@ -213,6 +215,7 @@ impl Harness {
             duration_ms: 5,
             ended_wall_ms: relay::timefmt::wall_ms(),
             uncounted: false,
+            resumes: 0,
         };
         self.store.attempt_ended(id, attempt, &end, next);
         self.settle()
@@ -365,6 +368,7 @@ fn store_an_insert_offered_to_an_idle_group_is_claimed_once_and_never_overtakes(
                 queue: false,
                 timeout_ms: None,
                 max_retries: None,
+                retry: Default::default(),
                 priority: 0,
                 idempotency: None,
                 runs_now: true,

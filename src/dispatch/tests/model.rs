@@ -691,7 +691,12 @@ impl Drop for Harness {
 
 impl Harness {
     fn core_config(cfg: &ModelConfig) -> CoreConfig {
-        CoreConfig { task_timeout_ms: TASK_TIMEOUT_MS, max_retries: cfg.max_retries, wait_timeout_ms: WAIT_TIMEOUT_MS }
+        CoreConfig {
+            task_timeout_ms: TASK_TIMEOUT_MS,
+            max_retries: cfg.max_retries,
+            wait_timeout_ms: WAIT_TIMEOUT_MS,
+            ..CoreConfig::default()
+        }
     }
 
     fn mem_config(cfg: &ModelConfig) -> MemConfig {
@@ -1336,6 +1341,7 @@ impl Harness {
             queue,
             timeout_ms,
             max_retries,
+            retry: Default::default(),
             priority: 0,
             idempotency,
         };

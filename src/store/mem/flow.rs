@@ -526,26 +526,18 @@ impl MemStore {
         }
     }
 
-    /// Why a pending task is not running yet (SPEC §14).
-    pub(super) fn waiting_on(&self, task: &Task) -> Option<WaitingOn> {
+    /// The kind policy that holds a pending task back now, if one does (SPEC §14).
+    pub(super) fn held_by(&self, task: &Task) -> Option<WaitingOn> {
         if task.status != Status::Pending {
             return None;
         }
-        if task.place == Place::Scheduled {
-            return Some(WaitingOn::Schedule);
-        }
-        if let Some(k) = task.kind.as_deref()
-            && let Some(s) = self.kinds.get(k)
-            && let (_, Some(why)) = s.room(self.wall_ms)
-        {
-            return Some(why);
-        }
-        Some(WaitingOn::Worker)
+        let s = self.kinds.get(task.kind.as_deref()?)?;
+        s.room(self.wall_ms).1
     }
 
-    /// Marks the task with why it waits, for its JSON.
+    /// Marks the task with the policy that holds it back, for its JSON's `waiting_on`.
     pub(super) fn note_waiting(&self, task: &Task) {
-        task.waiting_on.set(self.waiting_on(task));
+        task.held_by.set(self.held_by(task));
     }
 
     /// `relay_kind_running` / `relay_kind_pending` (kinds with a policy, at most

@@ -56,6 +56,9 @@ fn ready_key(task: &Task) -> QueueKey {
 /// worker) before it stops.
 const MAX_CLAIM_SKIP: usize = 4096;
 
+/// Kinds one [`Event::RetriesDue`] names at most (beyond: the next timer run).
+const MAX_RETRY_KINDS_DUE: usize = 64;
+
 /// Tasks carried forward by one compaction step (bounded work per loop turn).
 const COMPACT_TASKS_PER_TURN: usize = 4096;
 /// Finished tasks evicted from memory per loop turn at most.
@@ -167,6 +170,9 @@ pub struct MemStore {
     /// Ready tasks that fail when no untried worker that could take them is connected.
     fragile: Fragile,
     scheduled: BTreeMap<QueueKey, TaskId>,
+    /// Kinds of retries whose backoff ended in this timer run ([`Event::RetriesDue`]).
+    retries_due: Option<Vec<fragile::KindKey>>,
+    retries_due_all: bool,
     /// Final tasks in finishing order, with the time (monotonic) they are forgotten.
     finished: VecDeque<(u64, TaskId)>,
     idempotency: HashMap<IdempotencyKey, TaskId>,
@@ -193,6 +199,10 @@ pub struct MemStore {
     compacted_upto: u32,
     logged_forgetting: bool,
     events: Vec<Event>,
+    /// A restart holds the attempts session workers ran (RESUME_WINDOW is not 0): they stay
+    /// dispatched and are listed in `restored_held` for the core (SPEC §12).
+    pub hold_sessions: bool,
+    pub restored_held: Vec<crate::store::RestoredAttempt>,
     /// Finished tasks evicted from memory (`relay_tasks_evicted_total`).
     pub tasks_evicted: u64,
 }
@@ -217,6 +227,8 @@ impl MemStore {
             ready_due: BTreeMap::new(),
             fragile: Fragile::default(),
             scheduled: BTreeMap::new(),
+            retries_due: Some(Vec::new()),
+            retries_due_all: false,
             finished: VecDeque::new(),
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
@@ -235,6 +247,8 @@ impl MemStore {
             compacted_upto: 0,
             logged_forgetting: false,
             events: Vec::new(),
+            hold_sessions: false,
+            restored_held: Vec::new(),
             tasks_evicted: 0,
         }
     }
@@ -330,6 +344,7 @@ impl MemStore {
             priority: new.priority,
             queued: new.queue || new.run_at_wall_ms.is_some(),
             idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
+            retry: new.retry,
             ..Task::default()
         };
         self.tasks.insert(id, task);
@@ -493,7 +508,8 @@ impl MemStore {
             payload,
             timeout_ms: task.timeout_ms,
             max_retries: task.max_retries,
-            tried: task.attempts.iter().map(|a| a.client_id).collect(),
+            retry: task.retry,
+            tried: task.tried_by(),
             counted: task.attempts.iter().filter(|a| !a.restarted).count() as u32,
             created_wall_ms: task.created_wall_ms,
         })
@@ -513,8 +529,12 @@ impl MemStore {
             return;
         }
         task.place = Place::Nowhere;
+        task.next_attempt_wall_ms = None;
         let mut a = Attempt::new(start.client_id, start.client_ip, start.started_wall_ms);
         a.node = start.node.map(Box::from);
+        a.session = start.session.map(|(worker_id, secret)| {
+            Box::new(crate::tasks::SessionTag { worker_id: worker_id.into(), secret: secret.into() })
+        });
         task.attempts.push(a);
         let kind = task.kind.clone();
         self.set_status(id, Status::Dispatched);
@@ -539,16 +559,39 @@ impl MemStore {
             a.error = end.error.map(Box::from);
             a.duration_ms = end.duration_ms;
             a.restarted |= end.uncounted;
+            a.resumes = end.resumes;
             a.answered |= matches!(end.outcome, crate::tasks::Outcome::Done | crate::tasks::Outcome::Failed);
         }
-        match next {
-            Next::Retry => {
-                // (It keeps its place: due order is the order it fell due in, SPEC §7.)
-                self.set_status(id, Status::Pending);
-                self.record(id, Rec::AttemptEnded);
-                self.enqueue_ready(id);
-                self.events.push(Event::Ready);
+        let later = match next {
+            Next::Retry => Some(super::Later::default()),
+            Next::Later(l) => Some(l),
+            _ => None,
+        };
+        if let Some(later) = later {
+            let wait = later.at_wall_ms.filter(|&at| at > self.wall_ms);
+            task.next_attempt_wall_ms = wait;
+            task.again = later.again;
+            self.set_status(id, Status::Pending);
+            self.record(id, Rec::AttemptEnded);
+            match wait {
+                Some(at) => {
+                    // It waits out its backoff like a scheduled task, and is due when it ends
+                    // (SPEC §13): due order counts from then.
+                    if let Some(task) = self.tasks.get_mut(&id) {
+                        task.due_wall_ms = at;
+                    }
+                    self.schedule(id);
+                }
+                None => {
+                    // (It keeps its place: due order is the order it fell due in, SPEC §7.)
+                    self.enqueue_ready(id);
+                    self.events.push(Event::Ready);
+                }
             }
+            return;
+        }
+        match next {
+            Next::Retry | Next::Later(_) => {}
             Next::Done { result } => self.finalize(id, Status::Done, Some(result.to_owned()), None),
             Next::Failed { error } => self.finalize(id, Status::Failed, None, Some(error)),
         }
@@ -610,7 +653,7 @@ impl MemStore {
             } else {
                 for id in self.fragile.retries_with_at_least(&kind, count) {
                     let Some(t) = self.tasks.get(&id) else { continue };
-                    let tried: Vec<u128> = t.attempts.iter().map(|a| a.client_id).collect();
+                    let tried = t.tried_by();
                     if !takers.untried(kind.as_deref(), &tried) {
                         hopeless.push(id);
                     }
@@ -744,12 +787,34 @@ impl MemStore {
             self.scheduled.remove(&(due, seq));
             if let Some(task) = self.tasks.get_mut(&id) {
                 task.place = Place::Nowhere;
+                if !task.attempts.is_empty() && !task.restored {
+                    // A retry whose backoff ended: its last possible worker may have left
+                    // meanwhile (the core asks, SPEC §5).
+                    let kind = task.kind.clone();
+                    if let Some(due) = &mut self.retries_due
+                        && !due.contains(&kind)
+                    {
+                        if due.len() < MAX_RETRY_KINDS_DUE {
+                            due.push(kind);
+                        } else {
+                            // (Many kinds at once: every kind is looked at.)
+                            self.retries_due_all = true;
+                        }
+                    }
+                }
                 self.enqueue_ready(id);
                 any = true;
             }
         }
         if any {
             self.events.push(Event::Ready);
+        }
+        let due = self.retries_due.as_mut().map(std::mem::take).unwrap_or_default();
+        if self.retries_due_all {
+            self.retries_due_all = false;
+            self.events.push(Event::RetriesDue { kinds: None });
+        } else if !due.is_empty() {
+            self.events.push(Event::RetriesDue { kinds: Some(due) });
         }
     }
 

@@ -70,6 +70,10 @@ struct Start {
 /// node's own reads show the worker meanwhile.
 const START_WRITE_DELAY_MS: u64 = 200;
 
+/// How soon a node with idle workers looks again for tasks of a limited kind that still has
+/// some waiting (a slot or a token may free on another node, which does not tell).
+const LIMITED_POLL_MS: u64 = 100;
+
 pub struct PgStore {
     /// Attempts that ended on this node, for [`PgStore::stray`].
     recent: crate::store::recent::Recent,
@@ -138,6 +142,8 @@ pub struct PgStore {
     policies: HashMap<String, crate::flow::Policy>,
     policies_high: i64,
     want_policies: bool,
+    /// Tasks the `CLAIM_LIMITED` of the claim being read took (they join its `Claimed`).
+    limited_claimed: Vec<Claimed>,
 
     // ----- timers of the store's own tick
     next_tick_ms: u64,
@@ -227,6 +233,7 @@ impl PgStore {
             policies: HashMap::new(),
             policies_high: 0,
             want_policies: true,
+            limited_claimed: Vec::new(),
             next_tick_ms: 0,
             next_tokens_ms: 0,
             next_cache_ms: 0,
@@ -360,6 +367,9 @@ impl PgStore {
             idem_owner: new.idempotency.map(|(o, _)| o.to_string()),
             idem_key: new.idempotency.map(|(_, k)| k.to_string()),
             runs_now: new.runs_now,
+            retry_backoff_ms: new.retry.backoff_ms,
+            retry_backoff_max_ms: new.retry.backoff_max_ms,
+            retry_any_worker: new.retry.any_worker,
             priority: new.priority,
         };
         if new.runs_now {
@@ -439,20 +449,10 @@ impl PgStore {
         }
     }
 
-    /// Why a pending task waits, as this node knows (its schedule, its kind's policy).
+    /// The kind policy that holds a pending task back, as this node knows it (SPEC §14).
     fn note_waiting(&self, task: &crate::tasks::Task) {
-        use crate::flow::WaitingOn;
-        if task.status != Status::Pending {
-            return;
-        }
-        let why = if task.due_wall_ms > self.wall_ms {
-            WaitingOn::Schedule
-        } else if self.kind_paused(task.kind.as_deref()) {
-            WaitingOn::Paused
-        } else {
-            WaitingOn::Worker
-        };
-        task.waiting_on.set(Some(why));
+        let paused = task.status == Status::Pending && self.kind_paused(task.kind.as_deref());
+        task.held_by.set(paused.then_some(crate::flow::WaitingOn::Paused));
     }
 
     pub fn give_back(&mut self, id: TaskId, attempt: u32) {
@@ -472,13 +472,29 @@ impl PgStore {
     }
 
     pub fn attempt_ended(&mut self, id: TaskId, attempt: u32, end: &AttemptEnd<'_>, next: Next<'_>) {
+        if self.policies.values().any(|p| p.running_cap().is_some()) {
+            // A capped kind may have room again: this node's idle workers look.
+            self.unstarve();
+        }
         self.running.remove(&id);
         let runner = self.starts.remove(&id).filter(|s| s.attempt == attempt).map(|s| s.runner);
         let lost = self.adopted_from.remove(&id);
         let adopted = lost.is_some();
         let node = if runner.is_some() { Some(self.name.clone()) } else { lost };
+        let later = match next {
+            Next::Later(l) => l,
+            _ => super::Later::default(),
+        };
+        let next_attempt_ms = later.at_wall_ms.filter(|&at| at > self.wall_ms);
+        if let Some(at) = next_attempt_ms {
+            // This node looks for it when its wait ends (the others within the slow poll).
+            self.due_ms.insert(self.now_ms + (at - self.wall_ms));
+            if self.due_ms.len() > node::MAX_DUE_TIMES {
+                self.due_ms.pop_last();
+            }
+        }
         let (status, result, final_error) = match next {
-            Next::Retry => ("pending", None, None),
+            Next::Retry | Next::Later(_) => ("pending", None, None),
             Next::Done { result } => ("done", Some(result.get().to_string()), None),
             Next::Failed { error } => ("failed", None, Some(storable_lossy(error))),
         };
@@ -496,6 +512,9 @@ impl PgStore {
             runner,
             node,
             uncounted: end.uncounted,
+            next_attempt_ms,
+            again: later.again.map(uuid_string),
+            resumes: end.resumes,
         };
         let final_status = status != "pending";
         if !final_status {
@@ -861,10 +880,36 @@ impl PgStore {
             stmts.push(Stmt::new(sql::KINDS, vec![kind.map_or(Param::Null, Param::Text)]));
             parts.push(Part::Kinds(conn, op));
         }
-        let held: Vec<&str> = self.policies.iter().filter(|(_, p)| p.paused).map(|(k, _)| k.as_str()).collect();
+        // Kinds a policy holds back: paused ones wait; limited ones are claimed on their own,
+        // under their locks (`CLAIM_LIMITED`).
+        let held: Vec<&str> = self.policies.iter().filter(|(_, p)| p.limits()).map(|(k, _)| k.as_str()).collect();
+        let mut limited: Vec<sql::Limited<'_>> = self
+            .policies
+            .iter()
+            .filter(|(_, p)| !p.paused && p.limits())
+            .map(|(k, p)| {
+                let bucket = p.one_bucket();
+                (k.as_str(), p.running_cap(), bucket.map(|b| b.0), bucket.map(|b| b.1))
+            })
+            .collect();
+        limited.sort_unstable_by(|a, b| a.0.cmp(b.0));
         for c in std::mem::take(&mut self.claims) {
             let kinds: Option<Vec<&str>> =
                 c.kinds.as_ref().map(|k| k.iter().map(String::as_str).filter(|k| !held.contains(k)).collect());
+            let mine: Vec<sql::Limited<'_>> = limited
+                .iter()
+                .filter(|l| c.kinds.as_ref().is_none_or(|ks| ks.iter().any(|k| k == l.0)))
+                .copied()
+                .collect();
+            if !mine.is_empty() {
+                let names: Vec<&str> = mine.iter().map(|l| l.0).collect();
+                stmts.push(Stmt::new(sql::KIND_LOCKS, vec![text_array_of(&names)]));
+                parts.push(Part::KindLocks);
+                stmts.push(sql::claim_limited(&node_id, c.group, &mine, wall, c.limit, &c.takers).with_json(ccol::JSON));
+                parts.push(Part::ClaimLimited);
+                stmts.push(Stmt::new(sql::KIND_BACKLOG, vec![text_array_of(&names), (wall as i64).into()]));
+                parts.push(Part::KindBacklog);
+            }
             stmts.push(
                 sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers, &held).with_json(ccol::JSON),
             );
@@ -1068,7 +1113,12 @@ impl PgStore {
                 Part::Retention => {}
                 Part::Finished(ids) => self.check_finished.extend(ids),
                 Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
-                Part::PolicyLock | Part::PolicySet(..) => {}
+                Part::PolicyLock | Part::PolicySet(..) | Part::KindLocks | Part::KindBacklog => {}
+                Part::ClaimLimited => {
+                    if matches!(why, Failure::Lost(_)) {
+                        self.orphans = true;
+                    }
+                }
                 Part::Kinds(conn, _) => self.events.push(Event::Answer { conn, response: answer.clone() }),
                 Part::PolicyChanges => self.want_policies = true,
             }
@@ -1234,7 +1284,20 @@ impl PgStore {
                         self.want_housekeeping = true;
                     }
                 }
-                Part::PolicyLock => {}
+                Part::PolicyLock | Part::KindLocks => {}
+                Part::ClaimLimited => {
+                    for row in here {
+                        if let Some(claimed) = claimed_of(row, &self.cfg) {
+                            self.limited_claimed.push(claimed);
+                        }
+                    }
+                }
+                Part::KindBacklog => {
+                    if here.first().and_then(|r| r.i64(0)).is_some_and(|n| n > 0) {
+                        // A slot or a token may free on any node: look again shortly.
+                        self.due_ms.insert(self.now_ms + LIMITED_POLL_MS);
+                    }
+                }
                 Part::PolicySet(kind, policy) => {
                     if let Some(changed) = here.first().and_then(|r| r.i64(0)) {
                         // (Changes commit in `changed` order: the next read goes on from here.)
@@ -1361,7 +1424,10 @@ impl PgStore {
     }
 
     fn on_claimed(&mut self, c: ClaimReq, here: &[Row]) {
-        let mut tasks = Vec::with_capacity(here.len());
+        let mut tasks = std::mem::take(&mut self.limited_claimed);
+        for t in &tasks {
+            self.running.insert(t.id, t.attempt);
+        }
         for row in here {
             let Some(claimed) = claimed_of(row, &self.cfg) else { continue };
             self.running.insert(claimed.id, claimed.attempt);
@@ -1506,6 +1572,11 @@ fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
             .saturating_sub(1)
             .saturating_sub(row.i64(ccol::UNCOUNTED).and_then(|n| u32::try_from(n).ok()).unwrap_or(0)),
         tried,
+        retry: crate::tasks::RetryPolicy {
+            backoff_ms: rows::ms(row, ccol::RETRY_BACKOFF_MS),
+            backoff_max_ms: rows::ms(row, ccol::RETRY_BACKOFF_MAX_MS),
+            any_worker: row.bool(ccol::RETRY_ANY_WORKER),
+        },
         created_wall_ms: rows::ms(row, ccol::CREATED_MS).unwrap_or(0),
     })
 }
@@ -1529,6 +1600,10 @@ fn idempotent_lookup<'a>(keys: impl Iterator<Item = (&'a str, &'a str)> + Clone)
             Param::Text(sql::array(keys.map(|(_, k)| Some(k)))),
         ],
     )
+}
+
+fn text_array_of(items: &[&str]) -> Param {
+    Param::Text(sql::array(items.iter().map(|s| Some(*s))))
 }
 
 fn text_array(items: &[String]) -> Param {

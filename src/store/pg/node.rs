@@ -149,6 +149,11 @@ pub enum Part {
     /// `KINDS`: the answer to a `/kinds` request.
     Kinds(ConnRef, crate::flow::KindOp),
     PolicyChanges,
+    /// `KIND_LOCKS`, then `CLAIM_LIMITED` (its tasks join the group's claim that follows),
+    /// then `KIND_BACKLOG`.
+    KindLocks,
+    ClaimLimited,
+    KindBacklog,
 }
 
 /// The transaction in flight.
