@@ -611,6 +611,36 @@ impl Core {
         self.end(io)
     }
 
+    /// `POST /tasks/{id}/retry` (SPEC §13): a failed or canceled task runs again; with `wait`,
+    /// the answer waits for it to be final.
+    pub fn rerun(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        id: TaskId,
+        scope: Option<&[String]>,
+        wait: bool,
+    ) -> Option<Response> {
+        self.begin(conn);
+        self.store.rerun(id, scope, conn, wait && !self.shutting_down);
+        self.claim_wanted = true;
+        self.end(io)
+    }
+
+    /// `POST /tasks/retry`: the failed (or canceled) tasks the filter selects run again.
+    pub fn rerun_many(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        filter: &crate::store::RerunFilter,
+        scope: Option<&[String]>,
+    ) -> Option<Response> {
+        self.begin(conn);
+        self.store.rerun_many(filter, scope, conn);
+        self.claim_wanted = true;
+        self.end(io)
+    }
+
     /// `GET /clients`: this node's workers and (cluster mode) every other live node's.
     pub fn clients(&mut self, io: &mut dyn Io, conn: ConnRef) -> Option<Response> {
         self.begin(conn);

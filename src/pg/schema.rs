@@ -21,6 +21,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
     (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
     (5, "retry policies per task", V5),
+    (6, "re-runs of failed and canceled tasks", V6),
 ];
 
 /// The newest version this build knows.
@@ -264,6 +265,13 @@ const V5: &str = r#"
 ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
     ADD COLUMN IF NOT EXISTS retry_backoff_max_ms int8,
     ADD COLUMN IF NOT EXISTS retry_any_worker boolean;
+"#;
+
+/// Version 6 (SPEC §13 re-runs): how many times a task was run again, and the attempts before
+/// its current run (whose retry budget starts after them).
+const V6: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS reruns int4 NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS rerun_base int4 NOT NULL DEFAULT 0;
 "#;
 
 /// What [`migrate`] did.
