@@ -46,7 +46,7 @@ pub struct NewTask<'a> {
     pub runs_now: bool,
     /// With `runs_now`: the group of this node's workers with room for it. A store that can
     /// claims it for them as it inserts it, when no older task waits to be claimed first
-    /// ([`Event::Claimed`] right after [`Event::Inserted`]); else it queues it and sends
+    /// ([`Event::ClaimedOne`] right after [`Event::Inserted`]); else it queues it and sends
     /// [`Event::Ready`], so the core claims as usual.
     pub claim_group: Option<u32>,
 }
@@ -167,6 +167,9 @@ pub enum Event {
     Key { conn: ConnRef, wait: bool, held: Option<(TaskId, Status)>, missing: Response },
     /// Tasks claimed for the workers of `group`.
     Claimed { group: u32, tasks: Vec<Claimed> },
+    /// One task claimed for `group` as it was stored (the same as [`Event::Claimed`] with one
+    /// task, without a vector to allocate on the submit's fast path).
+    ClaimedOne { group: u32, task: Claimed },
     /// The store refused to record the end of this attempt: the task moved on (canceled, or
     /// reaped while this node was cut off). A result that ended it counts `late`.
     Fenced { id: TaskId, attempt: u32 },
@@ -445,6 +448,15 @@ impl Store {
     /// once); a database store answers with a later turn, after its transaction.
     pub fn answers_at_once(&self) -> bool {
         matches!(self, Store::Mem(_))
+    }
+
+    /// Whether a claim could find a task now: `false` only when the store knows, at no cost, that
+    /// none is ready (the memory store's queues are empty); a database is asked.
+    pub fn may_have_ready(&self) -> bool {
+        match self {
+            Store::Mem(s) => s.has_ready(),
+            Store::Pg(_) => true,
+        }
     }
 
     /// The journal record that must be durable before an answer about task `id` leaves (0: none

@@ -312,7 +312,7 @@ impl MemStore {
         } else if let Some(group) = new.claim_group.filter(|_| self.ready_all.is_empty()) {
             // Nothing older waits to be claimed: the idle group takes it as it is stored.
             if let Some(task) = self.claimed(id) {
-                self.events.push(Event::Claimed { group, tasks: vec![task] });
+                self.events.push(Event::ClaimedOne { group, task });
             }
         } else {
             self.enqueue_ready(id);
@@ -845,6 +845,11 @@ impl MemStore {
 
     /// The journal can write (always without one). While it cannot — a full disk — requests
     /// that must write are refused and no attempt starts (SPEC §7).
+    /// Some task is ready to be claimed (O(1): every ready task is in `ready_all`).
+    pub fn has_ready(&self) -> bool {
+        !self.ready_all.is_empty()
+    }
+
     pub fn writable(&self) -> bool {
         self.journal.as_ref().is_none_or(|j| j.writable())
     }
