@@ -4,7 +4,7 @@
 Needs Python 3.9+ and the `websockets` package (python3 -m pip install websockets).
 
 Environment: RELAY_URL (default ws://localhost:8080/ws), TOKEN (required: relay's
-WORKER_TOKEN), CONCURRENCY (default 4).
+WORKER_TOKEN), CONCURRENCY (default 4), WORKER_ID (default: a UUID per process).
 
 Kinds:
   echo   result = the task's spec
@@ -15,6 +15,12 @@ result, reconnects with exponential backoff and jitter (but exits 2 when relay r
 with 401: no retry can fix that), and on SIGTERM/SIGINT says hello with
 concurrency 0, refuses tasks that still arrive ("worker shutting down"), lets running tasks
 finish, and exits 0. Pings are answered by the websockets library.
+
+Sessions (docs/protocol.md, "Sessions"): every hello says WORKER_ID; relay's welcome gives a
+secret. After a lost connection the next hello presents it and lists the tasks still running
+or finished meanwhile; results finished while disconnected are kept (at most CONCURRENCY) and
+sent once the welcome adopts their tasks, abandoned ones are dropped. {"type":"reconnect"}
+brings it back at once (jitter up to 1 s).
 """
 
 import json
@@ -25,6 +31,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidURI
@@ -54,57 +61,111 @@ def log(msg, **fields):
     print(" ".join(parts), file=sys.stderr, flush=True)
 
 
-def hello(concurrency):
-    return json.dumps({"type": "hello", "kinds": sorted(KINDS), "concurrency": concurrency,
-                       "version": "worker.py/1"})
+class State:
+    """What outlives a connection: the session, the tasks running, the results kept."""
+
+    def __init__(self, worker_id, concurrency):
+        self.worker_id, self.concurrency = worker_id, concurrency
+        self.lock = threading.Lock()
+        self.secret = None  # from the last welcome: relay has sessions
+        self.gen = 0  # the connection number
+        self.ws = None  # the live connection, once welcomed or without sessions
+        self.tasks = {}  # task_id -> (connection number, attempt)
+        self.kept = {}  # task_id -> (attempt, result message)
+        self.reconnect_now = False
 
 
-def result(task_id, data=None, error=None):
+def hello(state, concurrency, running=None):
+    msg = {"type": "hello", "kinds": sorted(KINDS), "concurrency": concurrency,
+           "version": "worker.py/1", "worker_id": state.worker_id}
+    if state.secret is not None:
+        msg["session"] = state.secret
+    if running is not None:
+        msg["running"] = running
+    return json.dumps(msg)
+
+
+def result(task_id, data=None, error=None, attempt=None):
     if error is None:
-        return json.dumps({"type": "result", "task_id": task_id, "status": "done", "data": data})
-    return json.dumps({"type": "result", "task_id": task_id, "status": "failed", "error": error})
+        msg = {"type": "result", "task_id": task_id, "status": "done", "data": data}
+    else:
+        msg = {"type": "result", "task_id": task_id, "status": "failed", "error": error}
+    if attempt is not None:
+        msg["attempt"] = attempt
+    return json.dumps(msg)
 
 
 class Session:
     """One connection: reads tasks, runs them on the pool, sends their results."""
 
-    def __init__(self, ws, pool, stop, concurrency):
-        self.ws, self.pool, self.stop, self.concurrency = ws, pool, stop, concurrency
+    def __init__(self, ws, pool, stop, state):
+        self.ws, self.pool, self.stop, self.state = ws, pool, stop, state
         self.send_lock = threading.Lock()
-        self.running = set()
-        self.running_lock = threading.Lock()
 
     def send(self, text):
         with self.send_lock:
             self.ws.send(text)
 
-    def run_task(self, task_id, handler, spec):
+    def run_task(self, task_id, handler, spec, attempt):
         try:
-            message = result(task_id, data=handler(task_id, spec))
+            message = result(task_id, data=handler(task_id, spec), attempt=attempt)
         except Exception as e:  # a failing handler fails its task, not the worker
-            message = result(task_id, error=f"{type(e).__name__}: {e}")
-        try:
-            self.send(message)
-        except ConnectionClosed:
-            # relay has moved the task on (outcome "disconnect"); a new connection could not
-            # deliver this result, so it is dropped.
+            message = result(task_id, error=f"{type(e).__name__}: {e}", attempt=attempt)
+        state = self.state
+        with state.lock:
+            gen = state.tasks.pop(task_id, (None, None))[0]
+            live = state.ws if gen == state.gen else None
+            if live is None and state.secret is not None and len(state.kept) < state.concurrency:
+                # Its connection is gone; a resumed session delivers it.
+                state.kept[task_id] = (attempt, message)
+                log("result kept", task_id=task_id)
+                return
+        if live is None:
             log("result dropped", task_id=task_id)
-        finally:
-            with self.running_lock:
-                self.running.discard(task_id)
+            return
+        try:
+            live.send(message)
+        except ConnectionClosed:
+            # Without a session relay has moved the task on (outcome "disconnect"); a new
+            # connection could not deliver this result, so it is dropped.
+            log("result dropped", task_id=task_id)
+
+    def on_welcome(self, msg):
+        state = self.state
+        adopted = set(msg.get("adopted") or [])
+        with state.lock:
+            resumed = state.secret == msg.get("session")
+            state.secret = msg.get("session")
+            for task_id, (gen, attempt) in list(state.tasks.items()):
+                if task_id in adopted:
+                    state.tasks[task_id] = (state.gen, attempt)
+            kept, state.kept = state.kept, {}
+            state.ws = self
+        for task_id, (_attempt, message) in kept.items():
+            if task_id in adopted:
+                self.send(message)
+        log("session resumed" if resumed else "session started", adopted=len(adopted),
+            abandoned=len(msg.get("abandon") or []))
 
     def serve(self):
         """Returns True when drained after a stop signal, False if the connection ended."""
-        self.send(hello(self.concurrency))
+        state = self.state
+        with state.lock:
+            state.gen += 1
+            running = [{"task_id": t, "attempt": a} for t, (_g, a) in state.tasks.items()]
+            running += [{"task_id": t, "attempt": a} for t, (a, _m) in state.kept.items()]
+            # Until a welcome says relay has sessions, results go out on this connection.
+            state.ws = self
+        self.send(hello(state, state.concurrency, running))
         draining_since = None
         while True:
             if self.stop.is_set() and draining_since is None:
                 draining_since = time.monotonic()
-                self.send(hello(0))
-                log("draining", in_flight=len(self.running))
+                self.send(hello(state, 0))
+                log("draining", in_flight=len(state.tasks))
             if draining_since is not None:
-                with self.running_lock:
-                    idle = not self.running
+                with state.lock:
+                    idle = not state.tasks
                 if idle or time.monotonic() - draining_since > GRACE_SECONDS:
                     self.ws.close()
                     log("stopped")
@@ -114,25 +175,37 @@ class Session:
             except TimeoutError:
                 continue
             except ConnectionClosed:
+                with state.lock:
+                    state.ws = None
                 return False
             try:
                 msg = json.loads(raw)
             except ValueError:
                 log("malformed message ignored")
                 continue
+            if isinstance(msg, dict) and msg.get("type") == "welcome":
+                self.on_welcome(msg)
+                continue
+            if isinstance(msg, dict) and msg.get("type") == "reconnect":
+                with state.lock:
+                    state.ws = None
+                    state.reconnect_now = True
+                self.ws.close()
+                return False
             if not isinstance(msg, dict) or msg.get("type") != "task":
                 continue  # "cancel" is advisory: relay has stopped waiting already
             task_id = msg.get("task_id")
+            attempt = msg.get("attempt")
             payload = msg.get("payload")
             kind = payload.get("kind") if isinstance(payload, dict) else None
             if draining_since is not None:
-                self.send(result(task_id, error="worker shutting down"))
+                self.send(result(task_id, error="worker shutting down", attempt=attempt))
             elif kind not in KINDS:
-                self.send(result(task_id, error=f"unknown task kind: {kind}"))
+                self.send(result(task_id, error=f"unknown task kind: {kind}", attempt=attempt))
             else:
-                with self.running_lock:
-                    self.running.add(task_id)
-                self.pool.submit(self.run_task, task_id, KINDS[kind], payload.get("spec"))
+                with state.lock:
+                    state.tasks[task_id] = (state.gen, attempt)
+                self.pool.submit(self.run_task, task_id, KINDS[kind], payload.get("spec"), attempt)
 
 
 def main():
@@ -149,6 +222,12 @@ def main():
         print("worker.py: CONCURRENCY must be a positive integer", file=sys.stderr)
         return 2
 
+    worker_id = os.environ.get("WORKER_ID") or str(uuid.uuid4())
+    if len(worker_id.encode()) > 128:
+        print("worker.py: WORKER_ID must be 1 to 128 bytes", file=sys.stderr)
+        return 2
+    state = State(worker_id, concurrency)
+
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -161,7 +240,7 @@ def main():
             with connect(full_url, max_size=MAX_MESSAGE_BYTES, open_timeout=10, close_timeout=2) as ws:
                 log("connected", url=url)
                 started = time.monotonic()
-                if Session(ws, pool, stop, concurrency).serve():
+                if Session(ws, pool, stop, state).serve():
                     break
                 if time.monotonic() - started > 10:
                     delay = 0.25  # the connection was stable: start the backoff over
@@ -178,6 +257,9 @@ def main():
         except (OSError, ConnectionClosed, InvalidURI, TimeoutError) as e:
             reason = f"{type(e).__name__}: {e}"
         wait = delay / 2 + random.random() * delay / 2
+        if state.reconnect_now:
+            # relay is restarting: back at once, spread over a second.
+            state.reconnect_now, delay, wait = False, 0.25, random.random()
         log("disconnected", reason=reason, retry_in_ms=int(wait * 1000))
         stop.wait(wait)
         delay = min(delay * 2, 30)

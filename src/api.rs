@@ -334,6 +334,8 @@ impl Api {
             queue: parsed.queue.unwrap_or(false),
             timeout_ms: parsed.timeout_ms,
             max_retries: parsed.max_retries,
+            retry: parsed.retry,
+            priority: parsed.priority,
             idempotency: key.map(|k| (owner, k)),
         };
         held_or(core.submit(io, conn, &new, wait))
@@ -479,6 +481,8 @@ impl Api {
                         queue: parsed.queue.unwrap_or(true),
                         timeout_ms: parsed.timeout_ms,
                         max_retries: parsed.max_retries,
+                        retry: parsed.retry,
+                        priority: parsed.priority,
                         idempotency: None,
                     };
                     core.batch_item(io, batch.key, Ok(new));
@@ -552,6 +556,9 @@ pub struct Submit<'a> {
     pub queue: Option<bool>,
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
+    pub retry: crate::tasks::RetryPolicy,
+    /// Seconds of head start (SPEC §14; 0 when absent).
+    pub priority: i32,
 }
 
 /// `Some(raw)` when the field is present, even as `null` (an `Option<&RawValue>` would turn a
@@ -574,6 +581,54 @@ struct SubmitBody<'a> {
     timeout: Option<Cow<'a, str>>,
     #[serde(default)]
     max_retries: Option<u64>,
+    #[serde(borrow, default, deserialize_with = "present")]
+    priority: Option<&'a RawValue>,
+    /// (Raw: serde would take an array for the struct, positionally.)
+    #[serde(borrow, default)]
+    retry: Option<&'a RawValue>,
+}
+
+/// `"retry": {...}` of a submit (SPEC §13). Unknown fields are refused: a misspelt policy must
+/// not pass for the default.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RetryBody<'a> {
+    #[serde(borrow, default)]
+    backoff: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    backoff_max: Option<Cow<'a, str>>,
+    #[serde(default)]
+    any_worker: Option<bool>,
+}
+
+/// The longest `retry.backoff`/`retry.backoff_max` a task may ask for.
+const MAX_TASK_BACKOFF_MS: u64 = 24 * 3_600_000;
+
+/// A task's `retry` object, checked (SPEC §13): durations as elsewhere, `0s` allowed for
+/// `backoff` (no wait), each at most 24h.
+fn parse_retry(raw: Option<&RawValue>) -> Result<crate::tasks::RetryPolicy, String> {
+    let Some(raw) = raw.filter(|r| r.get() != "null") else { return Ok(Default::default()) };
+    if !raw.get().starts_with('{') {
+        return Err("retry must be an object such as {\"backoff\":\"2s\"}".into());
+    }
+    let raw: RetryBody = serde_json::from_str(raw.get()).map_err(|e| format!("invalid retry: {e}"))?;
+    let duration = |name: &str, text: Option<&str>, zero_ok: bool| -> Result<Option<u64>, String> {
+        let Some(t) = text else { return Ok(None) };
+        let ms = match parse_duration_ms(t) {
+            Ok(ms) => ms,
+            Err(e) if zero_ok && e == "must be positive" => 0,
+            Err(e) => return Err(format!("invalid retry.{name} {t:?}: {e}")),
+        };
+        if ms > MAX_TASK_BACKOFF_MS {
+            return Err(format!("retry.{name} {t:?} is more than 24h"));
+        }
+        Ok(Some(ms))
+    };
+    Ok(crate::tasks::RetryPolicy {
+        backoff_ms: duration("backoff", raw.backoff.as_deref(), true)?,
+        backoff_max_ms: duration("backoff_max", raw.backoff_max.as_deref(), false)?,
+        any_worker: raw.any_worker,
+    })
 }
 
 #[derive(Deserialize)]
@@ -656,7 +711,28 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
         }
         None => None,
     };
-    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries })
+    // (`null` is absent, as for every optional field of a submit.)
+    let priority = match raw.priority {
+        Some(p) if p.get() != "null" => parse_priority(p.get())?,
+        _ => 0,
+    };
+    let retry = parse_retry(raw.retry)?;
+    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries, priority, retry })
+}
+
+/// Most seconds of head start a priority gives (SPEC §14).
+pub const MAX_PRIORITY_S: i32 = 86_400;
+
+/// `"priority"`: a JSON integer as written (no fraction, no exponent) within ±86,400.
+fn parse_priority(text: &str) -> Result<i32, String> {
+    let digits = text.strip_prefix('-').unwrap_or(text);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("priority must be a JSON integer of seconds (-86400..86400)".into());
+    }
+    match text.parse::<i32>() {
+        Ok(n) if (-MAX_PRIORITY_S..=MAX_PRIORITY_S).contains(&n) => Ok(n),
+        _ => Err("priority is outside -86400..86400 seconds".into()),
+    }
 }
 
 #[cfg(test)]
@@ -684,6 +760,14 @@ mod tests {
         check_submit(r#"{"payload":1,"delay":"2s"}"#, Ok((None, Some(3_000), false)));
         check_submit(r#"{"payload":1,"run_at":"1970-01-01T00:00:05Z"}"#, Ok((None, Some(5_000), false)));
         check_submit(r#"{"payload":1,"unknown":true}"#, Ok((None, None, false)));
+        for good in ["0", "-0", "86400", "-86400", "7"] {
+            check_submit(&format!(r#"{{"payload":1,"priority":{good}}}"#), Ok((None, None, false)));
+        }
+        check_submit(r#"{"payload":1,"priority":null}"#, Ok((None, None, false)));
+        for bad in ["86401", "-86401", "1.0", "1e3", "\"5\"", "true", "1000000000000", "{}"] {
+            check_submit(&format!(r#"{{"payload":1,"priority":{bad}}}"#), Err("priority"));
+        }
+        assert_eq!(parse_submit(br#"{"payload":1,"priority":-30}"#, 0).map(|s| s.priority), Ok(-30));
         check_submit(r#"{"payload":null}"#, Err("payload is required"));
         check_submit(r#"{}"#, Err("payload is required"));
         check_submit("", Err("empty body"));
@@ -702,6 +786,20 @@ mod tests {
         check_submit(r#"{"payload":1,"max_retries":100}"#, Ok((None, None, false)));
         check_submit(r#"{"payload":1,"max_retries":101}"#, Err("more than 100"));
         check_submit(r#"{"payload":1,"max_retries":3000000000}"#, Err("more than 100"));
+        check_submit(
+            r#"{"payload":1,"retry":{"backoff":"2s","backoff_max":"1m","any_worker":true}}"#,
+            Ok((None, None, false)),
+        );
+        check_submit(r#"{"payload":1,"retry":{"backoff":"0s"}}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":1,"retry":{}}"#, Ok((None, None, false)));
+        check_submit(r#"{"payload":1,"retry":{"backoff":"soon"}}"#, Err("invalid retry.backoff"));
+        check_submit(r#"{"payload":1,"retry":{"backoff_max":"0s"}}"#, Err("invalid retry.backoff_max"));
+        check_submit(r#"{"payload":1,"retry":{"backoff":"25h"}}"#, Err("more than 24h"));
+        check_submit(r#"{"payload":1,"retry":{"any_worker":"yes"}}"#, Err("invalid retry"));
+        check_submit(r#"{"payload":1,"retry":{"backof":"1s"}}"#, Err("invalid retry"));
+        check_submit(r#"{"payload":1,"retry":true}"#, Err("retry must be an object"));
+        check_submit(r#"{"payload":1,"retry":[null,null]}"#, Err("retry must be an object"));
+        check_submit(r#"{"payload":1,"retry":null}"#, Ok((None, None, false)));
         check_submit(r#"{"payload":{"kind":"a\u0000b"}}"#, Err("U+0000"));
         check_submit(r#"{"payload":1,"queue":"yes"}"#, Err("invalid JSON"));
         check_submit(r#"[1]"#, Err("must be a JSON object"));

@@ -17,6 +17,9 @@ pub struct Config {
     pub api_token: String,
     pub ping_interval_ms: u64,
     pub pong_wait_ms: u64,
+    /// How long a session worker's attempts are held after its connection is lost
+    /// (RESUME_WINDOW, SPEC §12; 0 = nothing is held).
+    pub resume_window_ms: u64,
     pub task_timeout_ms: u64,
     pub max_retries: u32,
     pub wait_timeout_ms: u64,
@@ -46,6 +49,11 @@ pub struct Config {
     pub trusted_proxies: TrustedProxies,
     /// `DATABASE_URL`: cluster mode on PostgreSQL (SPEC §11); `None` = single node.
     pub database: Option<DbParams>,
+    /// The retry policy (SPEC §13): `RETRY_BACKOFF` (0: retry at once), `RETRY_BACKOFF_MAX`,
+    /// `RETRY_ANY_WORKER`.
+    pub retry_backoff_ms: u64,
+    pub retry_backoff_max_ms: u64,
+    pub retry_any_worker: bool,
 }
 
 /// A configuration error: which variable, what value, and why. Shown on stderr, exit code 2.
@@ -75,8 +83,24 @@ pub const VARS: &[(&str, &str, &str)] = &[
     ("AUTH_TOKEN", "-", "legacy single token: fills whichever of the two above is unset"),
     ("PING_INTERVAL", "2s", "WebSocket ping period"),
     ("PONG_WAIT", "6s", "a worker silent this long is dead"),
+    (
+        "RESUME_WINDOW",
+        "10s",
+        "a session worker's running attempts are held this long after its connection is lost (0s = never)",
+    ),
     ("TASK_TIMEOUT", "10s", "one attempt: how long to wait for a worker's answer"),
     ("MAX_RETRIES", "2", "how many other workers to try after the first attempt"),
+    (
+        "RETRY_BACKOFF",
+        "0s",
+        "delay before a task's first retry, doubling for each further one (random, up to it); 0s: at once",
+    ),
+    ("RETRY_BACKOFF_MAX", "5m", "the longest retry delay"),
+    (
+        "RETRY_ANY_WORKER",
+        "false",
+        "with no untried eligible worker connected, retry on the one tried longest ago instead of failing",
+    ),
     ("WAIT_TIMEOUT", "35s", "longest an HTTP wait=true call blocks"),
     ("BLOB_DIR", "$TMPDIR/relay-blobs", "uploaded files"),
     ("BLOB_TTL", "1h", "files are deleted this long after upload"),
@@ -216,6 +240,23 @@ impl Config {
         }
         let max_retries = count("MAX_RETRIES", 2)?;
         let max_retries = u32::try_from(max_retries.min(1000)).unwrap_or(1000);
+        let retry_backoff_ms = match var("RETRY_BACKOFF") {
+            None => 0,
+            Some(v) => match parse_duration_ms(&v) {
+                Ok(ms) => ms,
+                // (`0s` is allowed: no backoff.)
+                Err(reason) if reason == "must be positive" => 0,
+                Err(reason) => return Err(ConfigError { var: "RETRY_BACKOFF", value: v.clone(), reason }),
+            },
+        };
+        let retry_any_worker = match var("RETRY_ANY_WORKER") {
+            None => false,
+            Some(v) => parse_bool(&v).ok_or_else(|| ConfigError {
+                var: "RETRY_ANY_WORKER",
+                value: v.clone(),
+                reason: "expected true, false, 1 or 0".into(),
+            })?,
+        };
         Ok(Config {
             port,
             bind,
@@ -223,6 +264,15 @@ impl Config {
             api_token,
             ping_interval_ms,
             pong_wait_ms,
+            // (`0s` is valid here: it turns holding off.)
+            resume_window_ms: match var("RESUME_WINDOW") {
+                None => 10_000,
+                Some(v) => match parse_duration_ms(&v) {
+                    Ok(ms) => ms,
+                    Err(reason) if reason == "must be positive" => 0,
+                    Err(reason) => return Err(ConfigError { var: "RESUME_WINDOW", value: v.clone(), reason }),
+                },
+            },
             task_timeout_ms: duration("TASK_TIMEOUT", 10_000)?,
             max_retries,
             wait_timeout_ms: duration("WAIT_TIMEOUT", 35_000)?,
@@ -270,6 +320,9 @@ impl Config {
             log_level,
             trusted_proxies,
             database,
+            retry_backoff_ms,
+            retry_backoff_max_ms: duration("RETRY_BACKOFF_MAX", 300_000)?,
+            retry_any_worker,
         })
     }
 }
@@ -321,6 +374,15 @@ fn database_from(value: Option<String>) -> Result<Option<DbParams>, ConfigError>
     })
 }
 
+/// SPEC §2's booleans: `true`/`false`/`1`/`0`.
+fn parse_bool(text: &str) -> Option<bool> {
+    match text.trim() {
+        "true" | "1" => Some(true),
+        "false" | "0" => Some(false),
+        _ => None,
+    }
+}
+
 fn as_usize(n: u64) -> usize {
     usize::try_from(n).unwrap_or(usize::MAX)
 }
@@ -360,6 +422,20 @@ mod tests {
     }
 
     #[test]
+    fn retry_policy() {
+        let base = [("WORKER_TOKEN", "w"), ("API_TOKEN", "a")];
+        let c = from(&base).expect("defaults");
+        assert_eq!((c.retry_backoff_ms, c.retry_backoff_max_ms, c.retry_any_worker), (0, 300_000, false));
+        let mut vars = base.to_vec();
+        vars.extend([("RETRY_BACKOFF", "200ms"), ("RETRY_BACKOFF_MAX", "1m"), ("RETRY_ANY_WORKER", "1")]);
+        let c = from(&vars).expect("set");
+        assert_eq!((c.retry_backoff_ms, c.retry_backoff_max_ms, c.retry_any_worker), (200, 60_000, true));
+        let mut vars = base.to_vec();
+        vars.push(("RETRY_BACKOFF", "0s"));
+        assert_eq!(from(&vars).expect("0s is no backoff").retry_backoff_ms, 0);
+    }
+
+    #[test]
     fn tokens_and_legacy() {
         let c = from(&[("AUTH_TOKEN", "x")]).expect("legacy fills both");
         assert_eq!((c.worker_token.as_str(), c.api_token.as_str()), ("x", "x"));
@@ -380,6 +456,10 @@ mod tests {
             ("TASK_TIMEOUT", "-3s"),
             ("MAX_RETRIES", "-1"),
             ("MAX_RETRIES", "two"),
+            ("RETRY_BACKOFF", "-1s"),
+            ("RETRY_BACKOFF", "soon"),
+            ("RETRY_BACKOFF_MAX", "0s"),
+            ("RETRY_ANY_WORKER", "yes"),
             ("LOG_LEVEL", "loud"),
             ("MAX_CONNECTIONS", "0"),
             ("TOKEN_SECRET", "short"),
@@ -391,6 +471,8 @@ mod tests {
             // of tasks that left memory point at the wrong bytes.
             ("JOURNAL_SEGMENT_SIZE", "5000000000"),
             ("MAX_MESSAGE_SIZE", "268435457"),
+            ("RESUME_WINDOW", "soon"),
+            ("RESUME_WINDOW", "-1s"),
         ];
         for (var, value) in table {
             let mut vars = base.to_vec();
@@ -403,6 +485,9 @@ mod tests {
         assert_eq!(c.log_level, Level::Debug);
         assert!(c.data_dir.is_none());
         assert!(c.database.is_none(), "no DATABASE_URL: single node");
+        assert_eq!(c.resume_window_ms, 10_000, "RESUME_WINDOW defaults to 10s");
+        let c = from(&[("WORKER_TOKEN", "w"), ("API_TOKEN", "a"), ("RESUME_WINDOW", "0s")]).expect("0s disables");
+        assert_eq!(c.resume_window_ms, 0);
     }
 
     #[test]

@@ -145,6 +145,8 @@ pub struct Ws {
     pub next_ping_ms: u64,
     /// The core was told its output buffer is full (`Io::has_room`): tell it when it drains.
     pub starved: bool,
+    /// The worker sent a close frame (it is stopping: its session ends, SPEC §12).
+    pub peer_closed: bool,
 }
 
 impl Conn {

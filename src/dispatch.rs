@@ -20,14 +20,17 @@ use crate::http::Response;
 use crate::log::Level;
 use crate::metrics::{Gauges, Ignored, Metrics};
 use crate::store::{
-    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask as StoreTask, Next, ReadHow, Refusal, Store,
-    Takers, WorkerInfo,
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, Later, NewTask as StoreTask, Next, ReadHow, Refusal,
+    Store, Takers, WorkerInfo,
 };
-use crate::tasks::{ConnRef, IdHasher, Outcome, Status, TaskId, accepted_json, push_json_str, push_uuid, uuid_string};
+use crate::tasks::{
+    ConnRef, IdHasher, Outcome, RetryPolicy, Status, TaskId, accepted_json, push_json_str, push_uuid, uuid_string,
+};
 use crate::timer::{TimerHandle, Wheel};
 use workers::{Accepts, Groups, Reach, Worker};
 
 mod direct;
+mod sessions;
 pub mod workers;
 
 pub use direct::{CancelResult, DIRECT, SubmitError, submit_answer};
@@ -62,6 +65,8 @@ pub enum Timer {
     Wait(ConnRef),
     /// A new worker's [`HELLO_GRACE_MS`] is over.
     HelloGrace(ConnRef),
+    /// A held session's RESUME_WINDOW is over (SPEC §12).
+    Session(u64),
     /// The store's own time (schedules, expiry, a database's refreshes).
     Store,
     /// A claim round was cut short by its budget: the rest claim in the next turn.
@@ -95,11 +100,28 @@ const MAX_KINDS_NAMED: usize = 10;
 /// it did not ask for, and one that never does is served as the seed protocol says.
 pub const HELLO_GRACE_MS: u64 = 1_000;
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct CoreConfig {
     pub task_timeout_ms: u64,
     pub max_retries: u32,
     pub wait_timeout_ms: u64,
+    /// The default retry policy (SPEC §13): `RETRY_BACKOFF` (0: retry at once),
+    /// `RETRY_BACKOFF_MAX`, `RETRY_ANY_WORKER`.
+    pub retry_backoff_ms: u64,
+    pub retry_backoff_max_ms: u64,
+    pub retry_any_worker: bool,
+}
+
+/// The longest wait a worker's `retry_after_ms` asks for that is honoured (a day).
+pub const MAX_RETRY_AFTER_MS: u64 = 86_400_000;
+
+/// What a worker said about its failure besides the error (SPEC §13).
+#[derive(Debug, Clone, Copy, Default)]
+struct Hint {
+    /// `"retry": false`: the task fails at once.
+    permanent: bool,
+    /// `"retry_after_ms": N`: the next attempt waits at least N ms.
+    after_ms: Option<u64>,
 }
 
 /// A new task as the API hands it over (already validated and authorised).
@@ -111,6 +133,10 @@ pub struct NewTask<'a> {
     pub queue: bool,
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
+    /// Its own retry policy (SPEC §13).
+    pub retry: RetryPolicy,
+    /// Seconds of head start among due tasks (SPEC §14; 0: none).
+    pub priority: i32,
     /// (token identity, Idempotency-Key).
     pub idempotency: Option<(&'a str, &'a str)>,
 }
@@ -126,12 +152,19 @@ struct Running {
     timeout_ms: u64,
     kind: Option<Box<str>>,
     max_retries: u32,
+    retry: RetryPolicy,
     /// Earlier attempts that count against `max_retries`.
     counted: u32,
     /// Workers sent the task, this one included.
     tried: Vec<u128>,
     created_wall_ms: u64,
     answered: bool,
+    /// Held for this session while its worker's connection is lost (SPEC §12).
+    held: Option<u64>,
+    /// Times a resuming worker took it back.
+    resumes: u32,
+    /// Read back from the journal at start, held for its session (SPEC §12).
+    restored: bool,
 }
 
 /// A `wait=true` request held until its task is final or WAIT_TIMEOUT.
@@ -191,6 +224,21 @@ struct Incoming<'a> {
     concurrency: Option<u64>,
     #[serde(default)]
     version: Option<String>,
+    /// (A result) `false`: a permanent failure (SPEC §13).
+    #[serde(default)]
+    retry: Option<bool>,
+    /// (A result) the next attempt waits at least this long (SPEC §13).
+    #[serde(default)]
+    retry_after_ms: Option<u64>,
+    /// Sessions (SPEC §12): hello's `worker_id`, `session`, `running`; a result's `attempt`.
+    #[serde(default)]
+    worker_id: Option<String>,
+    #[serde(default)]
+    session: Option<String>,
+    #[serde(default)]
+    running: Option<Vec<sessions::RunningEntry>>,
+    #[serde(default)]
+    attempt: Option<u64>,
 }
 
 pub struct Core {
@@ -235,6 +283,11 @@ pub struct Core {
     answering: Option<ConnRef>,
     captured: Option<Response>,
     events: Vec<Event>,
+    /// For the jitter of retry backoffs.
+    rng: crate::store::mem::Rng,
+    /// Worker sessions (SPEC §12) and how long a lost one's attempts are held (0: never).
+    sessions: sessions::Sessions,
+    pub resume_window_ms: u64,
 }
 
 impl Core {
@@ -270,6 +323,9 @@ impl Core {
             answering: None,
             captured: None,
             events: Vec::new(),
+            rng: crate::store::mem::Rng::from_os(),
+            sessions: sessions::Sessions::default(),
+            resume_window_ms: 0,
         }
     }
 
@@ -278,6 +334,7 @@ impl Core {
         self.now_ms = now_ms;
         self.wall_ms = wall_ms;
         self.store.set_clock(now_ms, wall_ms);
+        crate::tasks::set_json_clock(wall_ms);
     }
 
     // ----- queries -------------------------------------------------------------------------
@@ -370,7 +427,11 @@ impl Core {
 
     /// `/clients` entries of this node's workers.
     fn local_infos(&self) -> Vec<WorkerInfo> {
-        self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.info(self.node_name.as_deref())).collect()
+        let mut v: Vec<WorkerInfo> =
+            self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.info(self.node_name.as_deref())).collect();
+        // Held sessions too: inactive, with `resumable_until` (SPEC §12).
+        v.extend(self.sessions.held_infos().cloned());
+        v
     }
 
     /// `/healthz`: this node's workers, the store's counts (cluster-wide in cluster mode),
@@ -482,6 +543,8 @@ impl Core {
             queue: new.queue,
             timeout_ms: new.timeout_ms,
             max_retries: new.max_retries,
+            retry: new.retry,
+            priority: new.priority,
             idempotency: new.idempotency,
             runs_now: taker.is_some(),
             claim_group,
@@ -763,8 +826,30 @@ impl Core {
         }
     }
 
-    /// A worker's connection is gone (closed, dead, or failed): its attempts end `disconnect`.
+    /// A worker's connection is lost (reset, or silent past PONG_WAIT): a session worker's
+    /// attempts are held for RESUME_WINDOW (SPEC §12); any other's end `disconnect`.
     pub fn worker_disconnected(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        if self.leave_for_restart(conn) {
+            return;
+        }
+        if self.try_hold(conn, why) {
+            self.settle(io);
+            return;
+        }
+        self.worker_gone(io, conn, why);
+    }
+
+    /// A worker closed its connection with a close frame (it is stopping), or relay closed it:
+    /// its session ends, nothing is held, its attempts end `disconnect`.
+    pub fn worker_closed(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        if self.leave_for_restart(conn) {
+            return;
+        }
+        self.end_session_of(conn);
+        self.worker_gone(io, conn, why);
+    }
+
+    fn worker_gone(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
         let Some(mut worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return };
         if worker.conn != conn {
             self.workers[conn.slot as usize] = Some(worker);
@@ -805,14 +890,14 @@ impl Core {
         // Any first text message, hello or not, ends the wait (a hello is applied first, so its
         // kinds and concurrency decide the first claim).
         let first = self.worker_at(conn).is_some_and(|w| !w.greeted);
-        self.on_message(conn, text);
+        self.on_message(io, conn, text);
         if first {
             self.greet(conn);
         }
         self.settle(io);
     }
 
-    fn on_message(&mut self, conn: ConnRef, text: &str) {
+    fn on_message(&mut self, io: &mut dyn Io, conn: ConnRef, text: &str) {
         let msg: Incoming = match serde_json::from_str(text) {
             Ok(m) => m,
             Err(e) => {
@@ -838,15 +923,25 @@ impl Core {
                         return;
                     }
                 };
+                let attempt = msg.attempt.map(|a| u32::try_from(a).unwrap_or(u32::MAX));
+                let hint = Hint {
+                    permanent: msg.retry == Some(false),
+                    after_ms: msg.retry_after_ms.map(|ms| ms.min(MAX_RETRY_AFTER_MS)),
+                };
                 match id {
-                    Some(id) => self.on_result(conn, id, outcome),
+                    Some(id) => self.on_result(conn, id, attempt, outcome, hint),
                     None => {
                         self.metrics.ws_messages_malformed += 1;
                         crate::log!(Level::Warn, "result without a valid task_id ignored");
                     }
                 }
             }
-            "hello" => self.on_hello(conn, msg.kinds, msg.concurrency, msg.version),
+            "hello" => {
+                self.on_hello(conn, msg.kinds, msg.concurrency, msg.version);
+                let hello =
+                    sessions::SessionHello { worker_id: msg.worker_id, session: msg.session, running: msg.running };
+                self.session_hello(io, conn, hello);
+            }
             other => {
                 self.metrics.ws_messages_malformed += 1;
                 crate::log!(Level::Warn, "unknown worker message type ignored", r#type = other);
@@ -885,9 +980,22 @@ impl Core {
         self.refresh(conn.slot);
     }
 
-    fn on_result(&mut self, conn: ConnRef, id: TaskId, outcome: Result<Option<Box<RawValue>>, String>) {
+    fn on_result(
+        &mut self,
+        conn: ConnRef,
+        id: TaskId,
+        attempt: Option<u32>,
+        outcome: Result<Option<Box<RawValue>>, String>,
+        hint: Hint,
+    ) {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
         let current = self.running.get(&id).is_some_and(|r| r.client_id == client_id && r.conn == conn);
+        // A result that names its attempt is accepted only for that attempt (SPEC §12).
+        if current && attempt.is_some_and(|a| self.running.get(&id).is_some_and(|r| r.attempt != a)) {
+            self.metrics.ignored(Ignored::Late);
+            crate::log!(Level::Debug, "result for another attempt ignored", task_id = uuid_string(id));
+            return;
+        }
         if !current {
             let why = self.store.stray(id, client_id).unwrap_or(Ignored::Unknown);
             self.metrics.ignored(why);
@@ -902,7 +1010,7 @@ impl Core {
                 let result = data.unwrap_or_else(null_value);
                 self.end_attempt(id, Outcome::Done, None, Some(&result));
             }
-            Err(error) => self.end_attempt(id, Outcome::Failed, Some(&error), None),
+            Err(error) => self.end_attempt_with(id, Outcome::Failed, Some(&error), None, hint),
         }
     }
 
@@ -1000,7 +1108,8 @@ impl Core {
                 continue;
             }
             let frame_bytes = c.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
-            let first = c.tried.is_empty();
+            // (Never attempted: `tried` may be empty for a retry whose worker may take it again.)
+            let first = c.attempt == 1;
             match self.pick(io, group, c.kind.as_deref(), &c.tried, frame_bytes, first) {
                 Some(slot) => self.start(io, slot, c),
                 None => {
@@ -1071,7 +1180,7 @@ impl Core {
             self.store.give_back(c.id, c.attempt);
             return;
         };
-        let (conn, client_id, ip) = (w.conn, w.client_id, w.ip);
+        let (conn, client_id, ip, sid) = (w.conn, w.client_id, w.ip, w.session);
         let node = self.node_name.clone();
         self.store.attempt_started(
             c.id,
@@ -1082,6 +1191,7 @@ impl Core {
                 started_wall_ms: self.wall_ms,
                 started_mono_ms: self.now_ms,
                 node: node.as_deref(),
+                session: sid.and_then(|s| self.sessions.tag(s)),
             },
         );
         let timer = self.wheel.arm(self.now_ms + c.timeout_ms, Timer::Attempt { task: c.id, num: c.attempt });
@@ -1098,10 +1208,14 @@ impl Core {
                 timeout_ms: c.timeout_ms,
                 kind: c.kind,
                 max_retries: c.max_retries,
+                retry: c.retry,
                 counted: c.counted,
                 tried,
                 created_wall_ms: c.created_wall_ms,
                 answered: false,
+                held: None,
+                resumes: 0,
+                restored: false,
             },
         );
         if let Some(w) = self.workers[slot as usize].as_mut() {
@@ -1110,8 +1224,24 @@ impl Core {
         self.refresh(slot);
         let mut buf = uuid::Uuid::encode_buffer();
         let id_text = uuid::Uuid::from_u128(c.id).hyphenated().encode_lower(&mut buf);
-        let sent = io
-            .send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", c.payload.get(), "}"]);
+        let sent = if self.has_session(conn) {
+            // A session's task frames carry the attempt, which its result may echo (SPEC §12).
+            let num = c.attempt.to_string();
+            io.send_text(
+                conn,
+                &[
+                    "{\"type\":\"task\",\"task_id\":\"",
+                    id_text,
+                    "\",\"attempt\":",
+                    &num,
+                    ",\"payload\":",
+                    c.payload.get(),
+                    "}",
+                ],
+            )
+        } else {
+            io.send_text(conn, &["{\"type\":\"task\",\"task_id\":\"", id_text, "\",\"payload\":", c.payload.get(), "}"])
+        };
         crate::log!(
             Level::Debug,
             "task dispatched",
@@ -1128,8 +1258,23 @@ impl Core {
     /// retry on an untried worker (of any node), or failed — retries used up, or nobody left
     /// to try. The one place that decides.
     fn end_attempt(&mut self, id: TaskId, outcome: Outcome, error: Option<&str>, result: Option<&RawValue>) {
+        self.end_attempt_with(id, outcome, error, result, Hint::default());
+    }
+
+    /// [`Core::end_attempt`] with what the worker said about its failure (SPEC §13).
+    fn end_attempt_with(
+        &mut self,
+        id: TaskId,
+        outcome: Outcome,
+        error: Option<&str>,
+        result: Option<&RawValue>,
+        hint: Hint,
+    ) {
         let Some(r) = self.running.remove(&id) else { return };
         self.wheel.cancel(r.timer);
+        if let Some(sid) = r.held {
+            self.unheld(sid, id);
+        }
         if let Some(w) = self.worker_at_mut(r.conn) {
             if let Some(pos) = w.in_flight.iter().position(|t| *t == id) {
                 w.in_flight.swap_remove(pos);
@@ -1138,34 +1283,66 @@ impl Core {
         }
         self.metrics.attempt(outcome);
         self.store.attempt_closed(id, r.client_id, r.answered);
+        // An attempt a restart held whose worker never came back: the loss is relay's (as a
+        // restart's without sessions), it uses up no retry (SPEC §12).
+        let uncounted = r.restored && outcome == Outcome::Disconnect && error == Some(sessions::RESTART_ERROR);
         let end = AttemptEnd {
             outcome,
             error,
             duration_ms: self.now_ms.saturating_sub(r.started_mono_ms),
             ended_wall_ms: self.wall_ms,
-            uncounted: false,
+            uncounted,
+            resumes: r.resumes,
         };
         let next = match (outcome, result) {
             (Outcome::Done, Some(result)) => Next::Done { result },
             _ => {
                 let error = error.unwrap_or("failed");
-                if self.shutting_down {
+                if self.shutting_down || uncounted {
                     // A node shutting down hands its tasks back: not the task's fault.
                     Next::Retry
-                } else if r.counted + 1 > r.max_retries {
+                } else if hint.permanent || r.counted + 1 > r.max_retries {
                     Next::Failed { error }
                 } else if self.takers().untried(r.kind.as_deref(), &r.tried) {
-                    Next::Retry
+                    self.retry_later(&r, hint, None)
+                } else if r.retry.any_worker.unwrap_or(self.cfg.retry_any_worker)
+                    && let Some(again) = self.tried_longest_ago(r.kind.as_deref(), &r.tried)
+                {
+                    self.retry_later(&r, hint, Some(again))
                 } else {
                     Next::Failed { error }
                 }
             }
         };
         self.store.attempt_ended(id, r.attempt, &end, next);
-        if matches!(next, Next::Retry) {
+        if matches!(next, Next::Retry | Next::Later(_)) {
             self.claim_wanted = true;
         }
         let _ = r.created_wall_ms;
+    }
+
+    /// How retry *n* (this attempt was the n-th that counts) waits (SPEC §13): a random time in
+    /// `[0, min(backoff_max, backoff · 2^(n-1))]` (full jitter), and at least what the worker
+    /// asked for; `again`: a worker that tried it may take it again.
+    fn retry_later<'a>(&mut self, r: &Running, hint: Hint, again: Option<u128>) -> Next<'a> {
+        let backoff = r.retry.backoff_ms.unwrap_or(self.cfg.retry_backoff_ms);
+        let max = r.retry.backoff_max_ms.unwrap_or(self.cfg.retry_backoff_max_ms);
+        let n = r.counted + 1;
+        let cap = backoff.saturating_mul(1u64.checked_shl(n.saturating_sub(1)).unwrap_or(u64::MAX)).min(max);
+        let jitter = if cap == 0 { 0 } else { self.rng.next_u64() % (cap + 1) };
+        let wait = jitter.max(hint.after_ms.unwrap_or(0));
+        if wait == 0 && again.is_none() {
+            return Next::Retry;
+        }
+        Next::Later(Later { at_wall_ms: (wait > 0).then(|| self.wall_ms + wait), again })
+    }
+
+    /// `any_worker` (SPEC §13): of the connected workers (of any node) that could take a task
+    /// of `kind` — all tried it — the one whose last attempt at it is the oldest.
+    fn tried_longest_ago(&self, kind: Option<&str>, tried: &[u128]) -> Option<u128> {
+        let local = self.order.iter().filter_map(|&s| self.worker(s)).filter(|w| w.accepts(kind)).map(|w| w.client_id);
+        let remote = self.store.remote_workers().iter().filter(|w| w.accepts(kind)).map(|w| w.client_id);
+        local.chain(remote).filter_map(|c| tried.iter().rposition(|&t| t == c).map(|at| (at, c))).min().map(|(_, c)| c)
     }
 
     // ----- timers ----------------------------------------------------------------------------
@@ -1176,6 +1353,7 @@ impl Core {
             Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
             Timer::Wait(conn) => self.release(conn),
             Timer::HelloGrace(conn) => self.greet(conn),
+            Timer::Session(sid) => self.session_expired(sid),
             Timer::Store => {
                 self.store_timer = None;
                 self.store.on_timer();
@@ -1338,6 +1516,10 @@ impl Core {
                 self.reply(io, conn, r);
             }
             Event::Ready => self.claim_wanted = true,
+            Event::RetriesDue { kinds } => {
+                let snapshot = Snapshot::of(self);
+                self.store.fail_unplaceable(&snapshot, kinds.as_deref());
+            }
             Event::Orphaned { tasks, error } => self.adopt_orphans(tasks, &error),
         }
     }
@@ -1374,6 +1556,9 @@ impl Core {
         let conn = r.conn;
         let Some(r) = self.running.remove(&id) else { return };
         self.wheel.cancel(r.timer);
+        if let Some(sid) = r.held {
+            self.unheld(sid, id);
+        }
         self.metrics.attempt(Outcome::Canceled);
         self.store.attempt_closed(id, r.client_id, r.answered);
         if let Some(w) = self.worker_at_mut(conn) {
@@ -1397,6 +1582,7 @@ impl Core {
                 duration_ms: 0,
                 ended_wall_ms: self.wall_ms,
                 uncounted: true,
+                resumes: 0,
             };
             self.metrics.attempt(Outcome::Disconnect);
             self.store.attempt_ended(c.id, c.attempt, &end, Next::Retry);

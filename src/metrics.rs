@@ -32,6 +32,12 @@ pub struct Metrics {
     pub output_buffered_bytes: usize,
     /// Connections closed because their output stalled while OUTPUT_MEMORY was used up.
     pub output_stalled_closed: u64,
+    /// Sessions a worker took back after a lost connection (SPEC §12).
+    pub sessions_resumed: u64,
+    /// Held attempts a resuming worker took back.
+    pub attempts_adopted: u64,
+    /// Attempts held now for workers whose connection was lost (the core keeps it).
+    pub attempts_held: usize,
 }
 
 /// Point-in-time values the core knows and the metrics do not keep.
@@ -142,6 +148,16 @@ impl Metrics {
         for (name, v) in ["late", "duplicate", "unknown"].iter().zip(self.ignored) {
             let _ = writeln!(w, "relay_results_ignored_total{{reason=\"{name}\"}} {v}");
         }
+        counter_header(w, "relay_sessions_resumed_total", "Worker sessions resumed on a new connection.");
+        let _ = writeln!(w, "relay_sessions_resumed_total {}", self.sessions_resumed);
+        counter_header(w, "relay_attempts_adopted_total", "Held attempts a resuming worker took back.");
+        let _ = writeln!(w, "relay_attempts_adopted_total {}", self.attempts_adopted);
+        gauge(
+            w,
+            "relay_attempts_held",
+            "Attempts held for session workers whose connection was lost (RESUME_WINDOW).",
+            self.attempts_held,
+        );
         gauge(w, "relay_workers_connected", "Connected worker WebSockets.", g.workers_connected);
         gauge(w, "relay_workers_active", "Workers alive and not draining.", g.workers_active);
         gauge(w, "relay_tasks_pending", "Tasks waiting for a worker or their time.", g.tasks_pending);

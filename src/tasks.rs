@@ -172,6 +172,17 @@ pub struct Attempt {
     pub answered: bool,
     /// A restart of relay closed this attempt: it does not count against `max_retries`.
     pub restarted: bool,
+    /// Times a resuming worker took the attempt back after a lost connection (SPEC §12).
+    pub resumes: u32,
+    /// The session of the worker that runs it (SPEC §12): a restart holds the attempt for it.
+    pub session: Option<Box<SessionTag>>,
+}
+
+/// A worker session as an attempt remembers it, for a restart (SPEC §12).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionTag {
+    pub worker_id: Box<str>,
+    pub secret: Box<str>,
 }
 
 impl Attempt {
@@ -187,8 +198,41 @@ impl Attempt {
             duration_ms: 0,
             answered: false,
             restarted: false,
+            resumes: 0,
+            session: None,
         }
     }
+}
+
+/// A task's own retry policy (SPEC §13, `"retry": {...}` on submit): `None` fields take the
+/// configured default (`RETRY_BACKOFF`, `RETRY_BACKOFF_MAX`, `RETRY_ANY_WORKER`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetryPolicy {
+    pub backoff_ms: Option<u64>,
+    pub backoff_max_ms: Option<u64>,
+    pub any_worker: Option<bool>,
+}
+
+impl RetryPolicy {
+    pub fn is_default(&self) -> bool {
+        *self == RetryPolicy::default()
+    }
+}
+
+thread_local! {
+    /// The wall clock of the loop turn, for the task JSON writer's time-dependent fields
+    /// (`waiting_on`, `next_attempt_at`): set with the core's clock ([`set_json_clock`]); the
+    /// writer reads no clock of its own. 0: not set (nothing is taken as not due yet).
+    static JSON_WALL_MS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Sets the wall clock the task JSON writer compares due times with (the loop's, each turn).
+pub fn set_json_clock(wall_ms: u64) {
+    JSON_WALL_MS.with(|c| c.set(wall_ms));
+}
+
+fn json_clock() -> u64 {
+    JSON_WALL_MS.with(std::cell::Cell::get)
 }
 
 /// Where a pending task waits (the memory store's queues).
@@ -227,6 +271,8 @@ pub struct Task {
     /// The submission sequence number: set once, never changed. Orders the listing (newest
     /// first), is what a listing cursor points at, and breaks ties in due order.
     pub submit_seq: u64,
+    /// Seconds of head start among due tasks (SPEC §14): ready order is due − priority.
+    pub priority: i32,
     /// Which pending queue holds the task, if any (the memory store's).
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
@@ -237,6 +283,15 @@ pub struct Task {
     pub restored: bool,
     /// (token identity, `Idempotency-Key`) it was submitted with: a key lives with its task.
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
+    /// Its own retry policy (SPEC §13; defaults: the configuration's).
+    pub retry: RetryPolicy,
+    /// A retry waits out its backoff until then (wall clock, SPEC §13): pending, not claimable
+    /// before. Cleared when an attempt starts.
+    pub next_attempt_wall_ms: Option<u64>,
+    /// A worker that tried the task and may take it again (`any_worker`: no untried eligible
+    /// worker was connected, so the one tried longest ago is eligible again, SPEC §13). Not
+    /// counted in [`Task::tried_by`]; cleared when the next attempt ends.
+    pub again: Option<u128>,
     /// Where the storage backend keeps the task; `stored.lsn` is the newest record about it,
     /// which must be durable before anyone is shown the task as it is now.
     pub stored: Stored,
@@ -303,7 +358,34 @@ impl Task {
     }
 
     pub fn tried(&self, client_id: u128) -> bool {
-        self.attempts.iter().any(|a| a.client_id == client_id)
+        self.again != Some(client_id) && self.attempts.iter().any(|a| a.client_id == client_id)
+    }
+
+    /// The workers a claim must not give the task to: every one sent it, but [`Task::again`].
+    pub fn tried_by(&self) -> Vec<u128> {
+        self.attempts.iter().map(|a| a.client_id).filter(|&c| Some(c) != self.again).collect()
+    }
+
+    /// Why a pending task is not running yet (SPEC §14's order: `schedule`, `backoff`, `paused`,
+    /// `concurrency`, `rate`, `worker`), against the loop's wall clock. `None` unless pending.
+    /// (A store that knows of more reasons — kind policies — adds them between.)
+    pub fn waiting_on(&self) -> Option<&'static str> {
+        if self.status != Status::Pending {
+            return None;
+        }
+        let now = json_clock();
+        if self.run_at_wall_ms.is_some_and(|at| at > now) && self.attempts.is_empty() {
+            return Some("schedule");
+        }
+        if self.backoff_until().is_some() {
+            return Some("backoff");
+        }
+        Some("worker")
+    }
+
+    /// While a retry waits out its backoff: when it may run (SPEC §13 `next_attempt_at`).
+    pub fn backoff_until(&self) -> Option<u64> {
+        self.next_attempt_wall_ms.filter(|&at| self.status == Status::Pending && at > json_clock())
     }
 
     /// The last error among finished attempts (the task's error when it fails).
@@ -337,6 +419,13 @@ impl Task {
         push_time(s, "created_at", Some(self.created_wall_ms));
         push_time(s, "run_at", self.run_at_wall_ms);
         push_time(s, "finished_at", self.finished_wall_ms);
+        if self.priority != 0 {
+            s.push_str(",\"priority\":");
+            if self.priority < 0 {
+                s.push('-');
+            }
+            push_u64(s, u64::from(self.priority.unsigned_abs()));
+        }
         if self.status == Status::Done {
             s.push_str(",\"result\":");
             s.push_str(self.result.as_deref().map_or("null", RawValue::get));
@@ -344,6 +433,12 @@ impl Task {
         if let Some(error) = &self.error {
             s.push_str(",\"error\":");
             push_json_str(s, error);
+        }
+        if let Some(reason) = self.waiting_on() {
+            s.push_str(",\"waiting_on\":\"");
+            s.push_str(reason);
+            s.push('"');
+            push_time(s, "next_attempt_at", self.backoff_until());
         }
         if matches!(self.status, Status::Done | Status::Failed)
             && let Some(last) = self.attempts.last()
@@ -385,6 +480,10 @@ impl Task {
             if a.outcome.is_some() {
                 s.push_str(",\"duration_ms\":");
                 push_u64(s, a.duration_ms);
+            }
+            if a.resumes > 0 {
+                s.push_str(",\"resumes\":");
+                push_u64(s, u64::from(a.resumes));
             }
             s.push('}');
         }
@@ -558,10 +657,14 @@ mod tests {
             max_retries: 2,
             timeout_ms: 10_000,
             submit_seq: 0,
+            priority: 0,
             place: Place::Nowhere,
             queued: false,
             restored: false,
             idempotency: None,
+            retry: RetryPolicy::default(),
+            next_attempt_wall_ms: None,
+            again: None,
             stored: Stored::default(),
         }
     }
@@ -577,6 +680,8 @@ mod tests {
             duration_ms: 12,
             answered: false,
             restarted: false,
+            resumes: 0,
+            session: None,
         }
     }
 
@@ -593,7 +698,7 @@ mod tests {
         let pending = task(Status::Pending);
         check(
             &pending,
-            serde_json::json!({"task_id": id, "status": "pending", "kind": "http",
+            serde_json::json!({"task_id": id, "status": "pending", "kind": "http", "waiting_on": "worker",
                 "created_at": "1970-01-01T00:00:00.000Z", "attempts": 0, "attempt_log": []}),
         );
 
@@ -624,6 +729,32 @@ mod tests {
                     {"num": 1, "client_id": "00000000-0000-0000-0000-000000000007", "client_ip": "10.0.0.5",
                      "outcome": "done", "started_at": "1970-01-01T00:00:01.000Z", "duration_ms": 12}]}),
         );
+    }
+
+    #[test]
+    fn a_retry_waiting_out_its_backoff_says_so_until_it_is_due() {
+        let mut t = task(Status::Pending);
+        t.attempts.push(attempt(Some(Outcome::Failed), Some("boom")));
+        t.next_attempt_wall_ms = Some(5_000);
+        let json = |t: &Task| {
+            let mut s = String::new();
+            t.write_json(&mut s);
+            serde_json::from_str::<serde_json::Value>(&s).expect("JSON")
+        };
+        set_json_clock(4_000);
+        let v = json(&t);
+        assert_eq!(v["waiting_on"], "backoff");
+        assert_eq!(v["next_attempt_at"], "1970-01-01T00:00:05.000Z");
+        set_json_clock(5_000);
+        let v = json(&t);
+        assert_eq!(v["waiting_on"], "worker");
+        assert!(v.get("next_attempt_at").is_none());
+        t.run_at_wall_ms = Some(9_000);
+        t.attempts.clear();
+        assert_eq!(json(&t)["waiting_on"], "schedule");
+        t.status = Status::Dispatched;
+        assert!(json(&t).get("waiting_on").is_none());
+        set_json_clock(0);
     }
 
     #[test]

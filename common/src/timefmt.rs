@@ -161,6 +161,48 @@ fn days_in_month(y: i64, m: i64) -> i64 {
 }
 
 /// Days since 1970-01-01 → (year, month, day). Howard Hinnant's algorithm.
+/// An HTTP-date in IMF-fixdate form (`Sun, 06 Nov 1994 08:49:37 GMT`, RFC 9110 §5.6.7, the
+/// form senders must use) as ms since the epoch. Untrusted text (a `Retry-After` header):
+/// anything else is `None`, never a panic.
+pub fn parse_http_date_ms(text: &str) -> Option<u64> {
+    const MONTHS: [&str; 12] = ["Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec"];
+    let b = text.trim().as_bytes();
+    if b.len() != 29 || &b[3..5] != b", " || &b[25..] != b" GMT" || b[7] != b' ' || b[11] != b' ' || b[16] != b' ' {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let d = b.get(r)?;
+        if !d.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        std::str::from_utf8(d).ok()?.parse().ok()
+    };
+    let day = num(5..7)?;
+    let month = MONTHS.iter().position(|m| m.as_bytes() == &b[8..11])? as i64 + 1;
+    let year = num(12..16)?;
+    if b[19] != b':' || b[22] != b':' {
+        return None;
+    }
+    let (h, mi, s) = (num(17..19)?, num(20..22)?, num(23..25)?);
+    if !(1..=31).contains(&day) || h > 23 || mi > 59 || s > 60 || year < 1970 {
+        return None;
+    }
+    let days = days_from_civil(year, month, day);
+    let secs = days * 86_400 + h * 3600 + mi * 60 + s;
+    u64::try_from(secs).ok().map(|s| s * 1000)
+}
+
+/// A `Retry-After` header (RFC 9110 §10.2.3): delay-seconds or an HTTP-date, as ms to wait
+/// from `now_wall_ms` (a date in the past: 0). `None` when it is neither.
+pub fn parse_retry_after_ms(text: &str, now_wall_ms: u64) -> Option<u64> {
+    let t = text.trim();
+    if !t.is_empty() && t.bytes().all(|c| c.is_ascii_digit()) {
+        // (An absurd number of seconds is capped, never an overflow.)
+        return Some(t.parse::<u64>().unwrap_or(u64::MAX / 1000).saturating_mul(1000));
+    }
+    parse_http_date_ms(t).map(|at| at.saturating_sub(now_wall_ms))
+}
+
 fn civil_from_days(z: i64) -> (i64, i64, i64) {
     let z = z + 719_468;
     let era = z.div_euclid(146_097);
@@ -187,6 +229,30 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retry_after_is_seconds_or_an_http_date() {
+        assert_eq!(parse_retry_after_ms("120", 0), Some(120_000));
+        assert_eq!(parse_retry_after_ms(" 0 ", 0), Some(0));
+        let at = parse_http_date_ms("Sun, 06 Nov 1994 08:49:37 GMT").expect("date");
+        assert_eq!(String::from_utf8_lossy(&http_date(at / 1000)), "Sun, 06 Nov 1994 08:49:37 GMT");
+        assert_eq!(parse_retry_after_ms("Sun, 06 Nov 1994 08:49:37 GMT", at - 5_000), Some(5_000));
+        assert_eq!(parse_retry_after_ms("Sun, 06 Nov 1994 08:49:37 GMT", at + 5_000), Some(0));
+        assert_eq!(parse_retry_after_ms("99999999999999999999999", 0), Some((u64::MAX / 1000) * 1000));
+        for bad in [
+            "",
+            "-1",
+            "1.5",
+            "soon",
+            "Sun, 06 Nov 1994 08:49:37 UTC",
+            "Sun, 32 Nov 1994 08:49:37 GMT",
+            "Sun, 06 Foo 1994 08:49:37 GMT",
+            "Sun, 06 Nov 1994 24:49:37 GMT",
+            "Sun, 06 Nov 19x4 08:49:37 GMT",
+        ] {
+            assert_eq!(parse_retry_after_ms(bad, 0), None, "{bad:?}");
+        }
+    }
 
     fn check(text: &str, expected: Result<u64, ()>) {
         assert_eq!(parse_rfc3339_ms(text).map_err(|_| ()), expected, "parse_rfc3339_ms({text:?})");

@@ -19,7 +19,7 @@ pub const WORKER: ConnRef = ConnRef { slot: 0, generation: 1 };
 
 pub fn core_with_worker() -> Core {
     let (task_timeout_ms, max_retries) = (1000, 2);
-    let cfg = CoreConfig { task_timeout_ms, max_retries, wait_timeout_ms: 1000 };
+    let cfg = CoreConfig { task_timeout_ms, max_retries, wait_timeout_ms: 1000, ..CoreConfig::default() };
     let store = MemConfig {
         task_ttl_ms: 1000,
         max_pending: 10,

@@ -58,7 +58,7 @@ fn core_with(tune: impl FnOnce(&mut crate::store::mem::MemConfig)) -> Core {
     };
     tune(&mut mem);
     let store = Store::Mem(Box::new(crate::store::mem::MemStore::new(mem, None)));
-    let cfg = CoreConfig { task_timeout_ms: 1_000, max_retries: 2, wait_timeout_ms: 5_000 };
+    let cfg = CoreConfig { task_timeout_ms: 1_000, max_retries: 2, wait_timeout_ms: 5_000, ..CoreConfig::default() };
     let mut c = Core::new(cfg, store, 0, 1_000_000);
     c.set_clock(0, 1_000_000);
     c
@@ -83,6 +83,8 @@ fn submit(core: &mut Core, io: &mut FakeIo, body: &str, kind: Option<&str>) -> R
             queue: false,
             timeout_ms: None,
             max_retries: None,
+            retry: Default::default(),
+            priority: 0,
             idempotency: None,
         },
     )

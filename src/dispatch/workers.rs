@@ -156,6 +156,8 @@ pub struct Worker {
     pub starved: bool,
     /// The group it is counted in and the free slots it adds there (see [`Groups`]).
     pub listed: Option<(u32, u32)>,
+    /// Its session (SPEC §12): the key of the core's session table.
+    pub session: Option<u64>,
 }
 
 impl Worker {
@@ -172,6 +174,7 @@ impl Worker {
             greeted: false,
             starved: false,
             listed: None,
+            session: None,
         }
     }
 
@@ -223,6 +226,7 @@ impl Worker {
             version: self.version.as_ref().map(|v| v.to_string()),
             node: node.map(str::to_string),
             node_id: None,
+            resumable_until_wall_ms: None,
         }
     }
 }

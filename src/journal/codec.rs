@@ -11,7 +11,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use serde_json::value::RawValue;
 
 use super::crc::crc32c;
-use crate::tasks::{Attempt, Outcome, Status, Stored, Task, TaskId};
+use crate::tasks::{Attempt, Outcome, RetryPolicy, Status, Stored, Task, TaskId};
 
 /// Every segment file starts with these 16 bytes: magic, format version, reserved.
 pub const SEGMENT_MAGIC: &[u8; 8] = b"relayjnl";
@@ -145,6 +145,9 @@ const F_RESULT: u16 = 1 << 4;
 const F_ERROR: u16 = 1 << 5;
 const F_IDEMPOTENCY: u16 = 1 << 6;
 const F_FINISHED: u16 = 1 << 7;
+/// A priority other than 0 follows the idempotency key (SPEC §14). High bits for flow control:
+/// records written before it never set them.
+const F_PRIORITY: u16 = 1 << 14;
 
 fn put_u32(out: &mut Vec<u8>, v: u32) {
     out.extend_from_slice(&v.to_le_bytes());
@@ -211,7 +214,15 @@ fn task_fixed_len(t: &Task) -> usize {
         + s(t.result.as_ref().map(|r| r.get().len()))
         + s(t.error.as_deref().map(error_len))
         + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
+        + if t.priority != 0 { 4 } else { 0 }
+        + open_session(t).map_or(0, |s| 3 + session_len(s))
         + 4
+        + Ext::of(t).len()
+}
+
+/// The session of a task's open attempt, if it has one.
+fn open_session(t: &Task) -> Option<&crate::tasks::SessionTag> {
+    t.attempts.last().filter(|a| a.outcome.is_none()).and_then(|a| a.session.as_deref())
 }
 
 /// How a Task record fits in `limit`: the first `left_out` attempts carry [`ERROR_LEFT_OUT`]
@@ -273,6 +284,7 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
     set(&mut flags, F_ERROR, t.error.is_some());
     set(&mut flags, F_IDEMPOTENCY, t.idempotency.is_some());
     set(&mut flags, F_FINISHED, t.finished_wall_ms.is_some());
+    set(&mut flags, F_PRIORITY, t.priority != 0);
     put_u128(out, t.id);
     out.extend_from_slice(&flags.to_le_bytes());
     out.push(t.status as u8);
@@ -302,6 +314,9 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
         put_str(out, &idem.0);
         put_str(out, &idem.1);
     }
+    if t.priority != 0 {
+        out.extend_from_slice(&t.priority.to_le_bytes());
+    }
     put_u32(out, (t.attempts.len() - skipped) as u32);
     for (i, a) in t.attempts.iter().enumerate().skip(skipped) {
         put_u128(out, a.client_id);
@@ -321,17 +336,136 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
             None => out.push(0),
         }
     }
+    Ext::of(t).put(out);
+    if let Some(s) = open_session(t) {
+        put_session(out, s);
+    }
 }
 
+/// The session field of the optional fields (tag [`EXT_SESSION`]): worker id and secret.
+fn put_session(out: &mut Vec<u8>, s: &crate::tasks::SessionTag) {
+    out.push(EXT_SESSION);
+    out.extend_from_slice(&(session_len(s) as u16).to_le_bytes());
+    put_str(out, &s.worker_id);
+    put_str(out, &s.secret);
+}
+
+/// Bytes of a session field's value (worker ids and secrets are at most 128 bytes each).
+fn session_len(s: &crate::tasks::SessionTag) -> usize {
+    8 + s.worker_id.len() + s.secret.len()
+}
+
+/// Optional fields after a record's fixed ones (added after the format's first release, so a
+/// journal written before them still replays): zero or more `tag: u8 | len: u16 | bytes`. A
+/// decoder skips a tag it does not know. Tags: 1 `next_attempt_wall_ms` (u64), 2 `again`
+/// (u128), 3 the retry policy (flags u8: 1 backoff, 2 backoff_max, 4 any_worker given,
+/// 8 any_worker; then backoff u64, backoff_max u64), 4 the session of the open attempt (in a
+/// Task or AttemptStart record: worker id and secret, two strings; SPEC §12). Further fields
+/// take further tags.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Ext {
+    pub next_attempt_wall_ms: Option<u64>,
+    pub again: Option<u128>,
+    pub retry: RetryPolicy,
+}
+
+const EXT_NEXT_ATTEMPT: u8 = 1;
+const EXT_AGAIN: u8 = 2;
+const EXT_RETRY: u8 = 3;
+const EXT_SESSION: u8 = 4;
+
+impl Ext {
+    pub fn of(t: &Task) -> Ext {
+        Ext { next_attempt_wall_ms: t.next_attempt_wall_ms, again: t.again, retry: t.retry }
+    }
+
+    /// Bytes it takes in a record.
+    fn len(&self) -> usize {
+        self.next_attempt_wall_ms.map_or(0, |_| 3 + 8)
+            + self.again.map_or(0, |_| 3 + 16)
+            + if self.retry.is_default() { 0 } else { 3 + 17 }
+    }
+
+    fn put(&self, out: &mut Vec<u8>) {
+        if let Some(at) = self.next_attempt_wall_ms {
+            out.push(EXT_NEXT_ATTEMPT);
+            out.extend_from_slice(&8u16.to_le_bytes());
+            put_u64(out, at);
+        }
+        if let Some(c) = self.again {
+            out.push(EXT_AGAIN);
+            out.extend_from_slice(&16u16.to_le_bytes());
+            put_u128(out, c);
+        }
+        if !self.retry.is_default() {
+            let r = self.retry;
+            let flags = u8::from(r.backoff_ms.is_some())
+                | u8::from(r.backoff_max_ms.is_some()) << 1
+                | u8::from(r.any_worker.is_some()) << 2
+                | u8::from(r.any_worker == Some(true)) << 3;
+            out.push(EXT_RETRY);
+            out.extend_from_slice(&17u16.to_le_bytes());
+            out.push(flags);
+            put_u64(out, r.backoff_ms.unwrap_or(0));
+            put_u64(out, r.backoff_max_ms.unwrap_or(0));
+        }
+    }
+
+    /// Reads what is left of a record (nothing: no extension).
+    fn decode(d: &mut Dec<'_>) -> Option<Ext> {
+        Ext::decode_with_session(d).map(|(ext, _)| ext)
+    }
+
+    /// [`Ext::decode`], and the session field (which is not `Copy`, so kept apart).
+    fn decode_with_session(d: &mut Dec<'_>) -> Option<(Ext, Option<crate::tasks::SessionTag>)> {
+        let mut ext = Ext::default();
+        let mut session = None;
+        while !d.done() {
+            let tag = d.u8()?;
+            let len = d.u16()? as usize;
+            let mut f = Dec { b: d.take(len)? };
+            match tag {
+                EXT_NEXT_ATTEMPT => ext.next_attempt_wall_ms = Some(f.u64()?),
+                EXT_AGAIN => ext.again = Some(f.u128()?),
+                EXT_RETRY => {
+                    let flags = f.u8()?;
+                    let (backoff, max) = (f.u64()?, f.u64()?);
+                    ext.retry = RetryPolicy {
+                        backoff_ms: (flags & 1 != 0).then_some(backoff),
+                        backoff_max_ms: (flags & 2 != 0).then_some(max),
+                        any_worker: (flags & 4 != 0).then_some(flags & 8 != 0),
+                    };
+                }
+                EXT_SESSION => session = Some(f.session()?),
+                _ => continue,
+            }
+            if !f.done() {
+                return None;
+            }
+        }
+        Some((ext, session))
+    }
+}
+
+/// An attempt's start; a session worker's carries its worker id and secret after the fields
+/// older records have (which decode as before: no session).
 pub fn put_attempt_start(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
     put_u128(out, id);
     put_u32(out, num);
     put_u128(out, a.client_id);
     put_ip(out, a.client_ip);
     put_u64(out, a.started_wall_ms);
+    if let Some(s) = &a.session {
+        put_session(out, s);
+    }
 }
 
 pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
+    put_attempt_end_with(out, id, num, a, &Ext::default());
+}
+
+/// [`put_attempt_end`] with what a retry waits for (`ext`: its backoff and `again`).
+pub fn put_attempt_end_with(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt, ext: &Ext) {
     put_u128(out, id);
     put_u32(out, num);
     out.push(outcome_code(a.outcome));
@@ -343,6 +477,8 @@ pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
         }
         None => out.push(0),
     }
+    // (The policy is the task's, in its Task record; an attempt's end says how its retry waits.)
+    Ext { retry: RetryPolicy::default(), ..*ext }.put(out);
 }
 
 pub fn put_forget(out: &mut Vec<u8>, id: TaskId) {
@@ -366,7 +502,9 @@ pub struct TaskImage {
     pub result: Option<Box<RawValue>>,
     pub error: Option<Box<str>>,
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
+    pub priority: i32,
     pub attempts: Vec<Attempt>,
+    pub ext: Ext,
 }
 
 impl TaskImage {
@@ -389,6 +527,10 @@ impl TaskImage {
             queued: self.queued,
             submit_seq: self.submit_seq,
             idempotency: self.idempotency,
+            retry: self.ext.retry,
+            next_attempt_wall_ms: self.ext.next_attempt_wall_ms,
+            again: self.ext.again,
+            priority: self.priority,
             stored,
             ..Task::default()
         }
@@ -399,7 +541,7 @@ impl TaskImage {
 pub enum Record {
     Task(Box<TaskImage>),
     AttemptStart { id: TaskId, num: u32, attempt: Attempt },
-    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>> },
+    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>>, ext: Ext },
     Forget { id: TaskId },
 }
 
@@ -473,6 +615,11 @@ impl<'a> Dec<'a> {
     fn done(&self) -> bool {
         self.b.is_empty()
     }
+    fn session(&mut self) -> Option<crate::tasks::SessionTag> {
+        let worker_id = Box::from(self.str()?);
+        let secret = Box::from(self.str()?);
+        Some(crate::tasks::SessionTag { worker_id, secret })
+    }
 }
 
 /// An attempt read back from the journal: no connection, and marked when a restart closed it.
@@ -500,6 +647,7 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
     let error = if flags & F_ERROR != 0 { Some(Box::from(d.str()?)) } else { None };
     let idempotency =
         if flags & F_IDEMPOTENCY != 0 { Some(Box::new((Box::from(d.str()?), Box::from(d.str()?)))) } else { None };
+    let priority = if flags & F_PRIORITY != 0 { d.u32()? as i32 } else { 0 };
     let n = d.u32()? as usize;
     // Each attempt takes at least 38 bytes: a count beyond what is left is damage.
     if n > d.b.len() / 38 {
@@ -513,6 +661,12 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         a.error = d.opt_error()?;
         a.restarted = a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(RESTART_ERROR);
         attempts.push(a);
+    }
+    let (ext, session) = Ext::decode_with_session(d)?;
+    if let Some(s) = session
+        && let Some(a) = attempts.last_mut().filter(|a| a.outcome.is_none())
+    {
+        a.session = Some(Box::new(s));
     }
     Some(TaskImage {
         id,
@@ -529,7 +683,9 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         result,
         error,
         idempotency,
+        priority,
         attempts,
+        ext,
     })
 }
 
@@ -541,7 +697,10 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
         RecordType::AttemptStart => {
             let id = d.u128()?;
             let num = d.u32()?;
-            let attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+            let mut attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+            // (Optional fields: the session; a start written without them has none.)
+            let (_, session) = Ext::decode_with_session(&mut d)?;
+            attempt.session = session.map(Box::new);
             Record::AttemptStart { id, num, attempt }
         }
         RecordType::AttemptEnd => Record::AttemptEnd {
@@ -550,6 +709,7 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
             outcome: d.outcome()?,
             duration_ms: d.u64()?,
             error: d.opt_error()?,
+            ext: Ext::decode(&mut d)?,
         },
         RecordType::Forget => Record::Forget { id: d.u128()? },
     };
@@ -628,7 +788,9 @@ mod tests {
             result: None,
             error: Some(Box::from("last")),
             idempotency: None,
+            priority: 0,
             attempts: Vec::new(),
+            ext: Ext::default(),
         }
         .into_task(Stored::default());
         for i in 0..n {
@@ -638,6 +800,45 @@ mod tests {
             t.attempts.push(a);
         }
         t
+    }
+
+    /// A session worker's open attempt keeps its worker id and secret, in the attempt's start
+    /// and in the task's record (SPEC §12); a start written without them (older records) still
+    /// decodes, without a session.
+    #[test]
+    fn an_open_attempt_keeps_its_session() {
+        let tag = crate::tasks::SessionTag { worker_id: "w-1".into(), secret: "s".repeat(64).into() };
+        let mut t = task_with_attempts(2, 10);
+        t.status = Status::Dispatched;
+        t.finished_wall_ms = None;
+        t.error = None;
+        let mut open = restored_attempt(7, IpAddr::V4(Ipv4Addr::LOCALHOST), 5);
+        open.session = Some(Box::new(tag.clone()));
+        t.attempts.push(open);
+        let (len, image) = round_trip(&t, MAX_RECORD_BYTES);
+        assert_eq!(image.attempts.len(), 3);
+        assert_eq!(image.attempts[2].session.as_deref(), Some(&tag));
+        assert!(image.attempts[1].session.is_none());
+        assert_eq!(
+            len,
+            task_fixed_len(&t)
+                + t.attempts.iter().map(|a| attempt_len(a, a.error.as_deref().map(error_len))).sum::<usize>()
+        );
+
+        let mut buf = Vec::new();
+        put_attempt_start(&mut buf, 9, 3, &t.attempts[2]);
+        let Some(Record::AttemptStart { attempt, .. }) = decode(RecordType::AttemptStart as u8, &buf) else {
+            panic!("decodes")
+        };
+        assert_eq!(attempt.session.as_deref(), Some(&tag));
+        let mut old = Vec::new();
+        put_attempt_start(&mut old, 9, 1, &t.attempts[0]);
+        let Some(Record::AttemptStart { attempt, .. }) = decode(RecordType::AttemptStart as u8, &old) else {
+            panic!("decodes")
+        };
+        assert!(attempt.session.is_none());
+        old.push(2);
+        assert!(decode(RecordType::AttemptStart as u8, &old).is_none(), "an unknown trailer is damage");
     }
 
     fn round_trip(t: &Task, limit: usize) -> (usize, TaskImage) {
@@ -652,6 +853,21 @@ mod tests {
     /// attempt log, which retries and re-runs can grow without end, so past the limit the
     /// oldest attempts' errors are left out (then, far beyond any real log, the oldest
     /// attempts), and the record still reads back.
+    #[test]
+    fn a_priority_round_trips_and_a_record_without_one_reads_as_zero() {
+        for p in [-86_400, -1, 0, 1, 86_400] {
+            let mut t = task_with_attempts(2, 10);
+            t.priority = p;
+            let (len, back) = round_trip(&t, usize::MAX);
+            assert_eq!(back.priority, p);
+            assert_eq!(
+                len,
+                task_fixed_len(&t)
+                    + t.attempts.iter().map(|a| attempt_len(a, a.error.as_deref().map(error_len))).sum::<usize>()
+            );
+        }
+    }
+
     #[test]
     fn a_task_record_stays_within_the_limit_replay_accepts_and_reads_back() {
         let t = task_with_attempts(40, 100_000);

@@ -525,7 +525,9 @@ impl Journal {
         if !self.has_room(stored) {
             return self.task(t, stored);
         }
-        let (lsn, loc) = self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end(out, t.id, num, a));
+        let ext = codec::Ext::of(t);
+        let (lsn, loc) =
+            self.append(RecordType::AttemptEnd, |out| codec::put_attempt_end_with(out, t.id, num, a, &ext));
         if !self.add_record(stored, lsn, loc) {
             self.task(t, stored);
         }
@@ -627,7 +629,7 @@ impl Journal {
 
 #[cfg(test)]
 mod tests {
-    use super::codec::TaskImage;
+    use super::codec::{Ext, TaskImage};
     use super::*;
     use crate::tasks::{Attempt, Status};
 
@@ -647,7 +649,9 @@ mod tests {
             result: None,
             error: None,
             idempotency: None,
+            priority: 0,
             attempts: Vec::new(),
+            ext: Ext::default(),
         }
         .into_task(Stored::default())
     }
@@ -663,6 +667,8 @@ mod tests {
             duration_ms: 0,
             answered: false,
             restarted: false,
+            resumes: 0,
+            session: None,
         }
     }
 

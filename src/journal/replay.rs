@@ -140,10 +140,11 @@ impl State {
                 }
                 task.attempts.push(attempt);
                 task.status = Status::Dispatched;
+                task.next_attempt_wall_ms = None;
                 task.stored.lsn = seq;
                 entry.overflow |= !pin(&mut task.stored, loc.seg);
             }
-            Record::AttemptEnd { id, num, outcome, duration_ms, error } => {
+            Record::AttemptEnd { id, num, outcome, duration_ms, error, ext } => {
                 let Some(entry) = self.entry(id) else { return };
                 let Some(task) = entry.task.as_mut().filter(|t| !t.status.is_final()) else { return };
                 if task.attempts.len() != num as usize {
@@ -158,6 +159,8 @@ impl State {
                 a.restarted =
                     a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(codec::RESTART_ERROR);
                 task.status = Status::Pending;
+                task.next_attempt_wall_ms = ext.next_attempt_wall_ms;
+                task.again = ext.again;
                 task.stored.lsn = seq;
                 entry.overflow |= !pin(&mut task.stored, loc.seg);
             }
@@ -591,6 +594,8 @@ mod tests {
                 duration_ms: rng.below(100_000),
                 answered: false,
                 restarted: false,
+                resumes: 0,
+                session: None,
             })
             .collect();
         let payload = format!("{{\"kind\":\"k{}\",\"n\":{}}}", rng.below(3), rng.next());
@@ -612,7 +617,15 @@ mod tests {
             queued: rng.below(2) == 0,
             restored: false,
             submit_seq: rng.next() >> 1,
+            priority: [0, 0, 1, -1, 86_400, -86_400][rng.below(6) as usize],
             idempotency: (rng.below(2) == 0).then(|| Box::new((Box::from("jti-1"), Box::from("key é")))),
+            retry: crate::tasks::RetryPolicy {
+                backoff_ms: (rng.below(2) == 0).then(|| rng.below(100_000)),
+                backoff_max_ms: (rng.below(2) == 0).then(|| rng.below(100_000) + 1),
+                any_worker: [None, Some(false), Some(true)][rng.below(3) as usize],
+            },
+            next_attempt_wall_ms: (status == Status::Pending && rng.below(2) == 0).then(|| rng.next() >> 20),
+            again: (status == Status::Pending && rng.below(2) == 0).then(|| u128::from(rng.next())),
             stored: Stored::default(),
         }
     }
@@ -638,10 +651,40 @@ mod tests {
             assert_eq!(json(&back), json(&t));
             assert_eq!(back.payload.as_ref().map(|p| p.get()), t.payload.as_ref().map(|p| p.get()));
             assert_eq!(
-                (back.submit_seq, back.queued, back.max_retries, back.timeout_ms),
-                (t.submit_seq, t.queued, t.max_retries, t.timeout_ms)
+                (back.submit_seq, back.queued, back.max_retries, back.timeout_ms, back.priority),
+                (t.submit_seq, t.queued, t.max_retries, t.timeout_ms, t.priority)
             );
             assert_eq!(back.idempotency, t.idempotency);
+            assert_eq!((back.retry, back.next_attempt_wall_ms, back.again), (t.retry, t.next_attempt_wall_ms, t.again));
+        }
+    }
+
+    #[test]
+    fn an_attempt_end_keeps_how_its_retry_waits_and_an_old_one_still_decodes() {
+        let a = Attempt {
+            client_id: 9,
+            client_ip: "127.0.0.1".parse().expect("ip"),
+            started_wall_ms: 1,
+            node: None,
+            outcome: Some(Outcome::Failed),
+            error: Some(Box::from("boom")),
+            duration_ms: 5,
+            answered: false,
+            restarted: false,
+            resumes: 0,
+            session: None,
+        };
+        let ext = codec::Ext { next_attempt_wall_ms: Some(77), again: Some(9), ..codec::Ext::default() };
+        for (ext, with) in [(ext, true), (codec::Ext::default(), false)] {
+            let mut bytes = Vec::new();
+            put_frame(&mut bytes, 3, RecordType::AttemptEnd, |out| codec::put_attempt_end_with(out, 5, 1, &a, &ext));
+            let FrameAt::Valid { kind, payload, .. } = codec::frame_at(&bytes) else { panic!("frame") };
+            let Some(Record::AttemptEnd { ext: back, .. }) = codec::decode(kind, payload) else { panic!("decode") };
+            assert_eq!(back, ext);
+            // Without a wait, the record is byte for byte what an older relay wrote.
+            let mut old = Vec::new();
+            put_frame(&mut old, 3, RecordType::AttemptEnd, |out| codec::put_attempt_end(out, 5, 1, &a));
+            assert_eq!(old == bytes, !with);
         }
     }
 
@@ -676,6 +719,8 @@ mod tests {
                                 duration_ms: 5,
                                 answered: false,
                                 restarted: false,
+                                resumes: 0,
+                                session: None,
                             });
                             codec::put_attempt_end(out, id, 1, &a[0])
                         }),

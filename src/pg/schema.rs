@@ -19,6 +19,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (1, "tasks, pending, nodes, workers, tokens, files", V1),
     (2, "listing scans one index; an index of the waiting tasks that can fail", V2),
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
+    (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
+    (5, "retry policies per task", V5),
 ];
 
 /// The newest version this build knows.
@@ -240,6 +242,28 @@ CREATE TRIGGER relay_pending_count_insert AFTER INSERT ON relay_pending
     REFERENCING NEW TABLE AS new_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_pending_count_insert();
 CREATE TRIGGER relay_pending_count_delete AFTER DELETE ON relay_pending
     REFERENCING OLD TABLE AS old_rows FOR EACH STATEMENT EXECUTE FUNCTION relay_pending_count_delete();
+"#;
+
+/// Version 4 (SPEC §14 priorities): a task's `priority` (seconds of head start), and the
+/// pending row's `ord_ms` (due time less the head start) that claims order by; the due time
+/// itself still says when a task may run, and orders expiry.
+const V4: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS priority int4 NOT NULL DEFAULT 0;
+ALTER TABLE relay_pending ADD COLUMN IF NOT EXISTS ord_ms int8;
+UPDATE relay_pending SET ord_ms = due_ms WHERE ord_ms IS NULL;
+ALTER TABLE relay_pending ALTER COLUMN ord_ms SET NOT NULL;
+DROP INDEX IF EXISTS relay_pending_kind_due;
+CREATE INDEX IF NOT EXISTS relay_pending_ord ON relay_pending (ord_ms, seq);
+CREATE INDEX IF NOT EXISTS relay_pending_kind_ord ON relay_pending (kind, ord_ms, seq);
+"#;
+
+/// Version 5 (SPEC §13): a task's own retry policy (NULL: the node's configured default). A
+/// retry waiting out its backoff needs no column: its pending row is due when the wait ends,
+/// and its attempt_log entry says when (`next_attempt_ms`).
+const V5: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_backoff_max_ms int8,
+    ADD COLUMN IF NOT EXISTS retry_any_worker boolean;
 "#;
 
 /// What [`migrate`] did.

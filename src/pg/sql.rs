@@ -92,10 +92,16 @@ pub struct NewTask {
     pub idem_key: Option<String>,
     /// A worker of the inserting node can take it now: MAX_PENDING does not refuse it.
     pub runs_now: bool,
+    /// Seconds of head start (SPEC §14).
+    pub priority: i32,
+    /// Its own retry policy (SPEC §13): backoff, backoff_max (ms), any_worker.
+    pub retry_backoff_ms: Option<u64>,
+    pub retry_backoff_max_ms: Option<u64>,
+    pub retry_any_worker: Option<bool>,
 }
 
 /// Inserts the tasks and their pending rows in one statement, in order, as long as room is
-/// left under $12 tasks and $13 payload bytes waiting (counted by `relay_pending_counts`, read
+/// left under $12 tasks and $13 payload bytes waiting (the retry policy: $15–$17) (counted by `relay_pending_counts`, read
 /// under [`INSERT_LOCK`]; a task marked `runs_now` needs no room). A task whose (owner, key) is
 /// already taken is not inserted. Returns one row per task given: id, seq (NULL: not inserted),
 /// and whether there was room (not inserted but room: its key is taken — [`IDEMPOTENT_LOOKUP`]
@@ -104,9 +110,10 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
        SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
      ), n AS (
        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::int4[],
-                            $7::int8[], $8::int8[], $9::text[], $10::text[], $11::bool[]) WITH ORDINALITY
+                            $7::int8[], $8::int8[], $9::text[], $10::text[], $11::bool[], $14::int4[],
+                            $15::int8[], $16::int8[], $17::bool[]) WITH ORDINALITY
          AS n(id, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key,
-              runs_now, ord)
+              runs_now, priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, ord)
      ), room AS (
        SELECT n.*, count(*) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord) AS cum_n,
               coalesce(sum(octet_length(n.payload)) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord), 0) AS cum_b
@@ -116,14 +123,17 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
        WHERE room.runs_now OR (lim.n + room.cum_n <= $12::int8 AND lim.b + room.cum_b <= $13::int8)
      ), ins AS (
        INSERT INTO relay_tasks (id, status, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms,
-                                idem_owner, idem_key)
-       SELECT id, 'pending', kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key
+                                idem_owner, idem_key, priority, retry_backoff_ms, retry_backoff_max_ms,
+                                retry_any_worker)
+       SELECT id, 'pending', kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key,
+              priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
        FROM ok ORDER BY ord
        ON CONFLICT (idem_owner, idem_key) WHERE idem_key IS NOT NULL DO NOTHING
-       RETURNING id, seq, kind, queue, greatest(run_at_ms, created_ms) AS due_ms, octet_length(payload) AS bytes
+       RETURNING id, seq, kind, queue, greatest(run_at_ms, created_ms) AS due_ms,
+                 greatest(run_at_ms, created_ms) - priority::int8 * 1000 AS ord_ms, octet_length(payload) AS bytes
      ), pend AS (
-       INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, payload_bytes)
-       SELECT id, due_ms, seq, kind, queue, bytes FROM ins
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
+       SELECT id, due_ms, ord_ms, seq, kind, queue, bytes FROM ins
      )
      SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
      ORDER BY n.ord";
@@ -134,7 +144,10 @@ pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64)
     let retries: Vec<Option<String>> = tasks.iter().map(|t| num(t.max_retries.map(u64::from))).collect();
     let created: Vec<String> = tasks.iter().map(|t| t.created_ms.to_string()).collect();
     let run_at: Vec<String> = tasks.iter().map(|t| t.run_at_ms.to_string()).collect();
+    let priorities: Vec<String> = tasks.iter().map(|t| t.priority.to_string()).collect();
     let flag = |b: bool| if b { "t" } else { "f" };
+    let backoffs: Vec<Option<String>> = tasks.iter().map(|t| num(t.retry_backoff_ms)).collect();
+    let maxes: Vec<Option<String>> = tasks.iter().map(|t| num(t.retry_backoff_max_ms)).collect();
     Stmt::new(
         INSERT_TASKS,
         vec![
@@ -151,6 +164,10 @@ pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64)
             arr(tasks.iter().map(|t| flag(t.runs_now))),
             (max_pending.min(i64::MAX as u64) as i64).into(),
             (max_pending_bytes.min(i64::MAX as u64) as i64).into(),
+            arr(priorities.iter().map(String::as_str)),
+            arr_opt(backoffs.iter().map(Option::as_deref)),
+            arr_opt(maxes.iter().map(Option::as_deref)),
+            arr_opt(tasks.iter().map(|t| t.retry_any_worker.map(flag))),
         ],
     )
 }
@@ -163,54 +180,62 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 // ---------------------------------------------------------------------------------------------
 // Claim and dispatch.
 
-/// Claims up to $5 due tasks (due at $4) for one group of this node's workers: those that
+/// Claims up to $5 due tasks (due at $4) for one group of this node's workers, in order of due
+/// time less their priority's head start (`ord_ms`; a head start is at most a day, which bounds
+/// the walk over tasks not due yet): those that
 /// declared no kinds ($3 NULL: [`CLAIM`] takes every task, those without a kind included) or the
-/// kinds $3 ([`CLAIM_KINDS`], a statement of its own so its plan walks `relay_pending_kind_due`),
+/// kinds $3 ([`CLAIM_KINDS`], a statement of its own so its plan walks `relay_pending_kind_ord`),
 /// and not tried by every one of the group's workers $6 (client ids). The pending row goes, the
 /// task becomes dispatched to this node ($1), its attempt number (the fencing number) grows by
 /// one, and the node's running row is written. Which worker runs it is the node's choice: the
 /// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
-/// locked by another claim are skipped, never waited for; the rows come back in due order.
+/// locked by another claim are skipped, never waited for; the rows come back in that order.
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
-       WHERE $3::text[] IS NULL AND due_ms <= $4::int8 AND NOT (tried @> $6::uuid[])
-       ORDER BY due_ms, seq
+       WHERE $3::text[] IS NULL AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
+         AND NOT (tried @> $6::uuid[])
+       ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.due_ms, p.seq
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.due_ms,
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
                  d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                              WHERE e ? 'uncounted') END AS uncounted
+                                                              WHERE e ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
-     FROM u ORDER BY due_ms, seq";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
+     FROM u ORDER BY ord_ms, seq";
 
 /// [`CLAIM`] for a group that declared kinds ($3).
 pub const CLAIM_KINDS: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
-       WHERE kind = ANY($3::text[]) AND due_ms <= $4::int8 AND NOT (tried @> $6::uuid[])
-       ORDER BY due_ms, seq
+       WHERE kind = ANY($3::text[]) AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
+         AND NOT (tried @> $6::uuid[])
+       ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.due_ms, p.seq
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.due_ms,
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
                  d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                              WHERE e ? 'uncounted') END AS uncounted
+                                                              WHERE e ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted
-     FROM u ORDER BY due_ms, seq";
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
+     FROM u ORDER BY ord_ms, seq";
 
 /// One claim: $2 echoes the group (so one statement's rows say whose they are).
 pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit: u32, takers: &str) -> Stmt {
@@ -234,13 +259,14 @@ pub const UNCLAIM: &str = "WITH u AS (
        UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1
        FROM unnest($2::uuid[], $3::int4[]) AS a(id, attempt)
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
-       RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms, t.seq, t.kind, t.queue, t.tried,
+       RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms,
+                 greatest(t.run_at_ms, t.created_ms) - t.priority::int8 * 1000 AS ord_ms, t.seq, t.kind, t.queue, t.tried,
                  octet_length(t.payload) AS bytes
      ), r AS (
        DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      )
-     INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-     SELECT id, due_ms, seq, kind, queue, tried, bytes FROM u
+     INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes)
+     SELECT id, due_ms, ord_ms, seq, kind, queue, tried, bytes FROM u
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 pub fn unclaim(node: &str, claimed: &[(String, u32)]) -> Stmt {
@@ -260,11 +286,12 @@ pub const RELEASE_ORPHANS: &str = "WITH o AS (
      ), u AS (
        UPDATE relay_tasks t SET status = 'pending', owner_node = NULL, attempt = t.attempt - 1
        FROM o WHERE t.id = o.task_id AND t.attempt = o.attempt AND t.owner_node = $1::uuid AND t.status = 'dispatched'
-       RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms, t.seq, t.kind, t.queue, t.tried,
+       RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms,
+                 greatest(t.run_at_ms, t.created_ms) - t.priority::int8 * 1000 AS ord_ms, t.seq, t.kind, t.queue, t.tried,
                  octet_length(t.payload) AS bytes
      )
-     INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-     SELECT id, due_ms, seq, kind, queue, tried, bytes FROM u
+     INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes)
+     SELECT id, due_ms, ord_ms, seq, kind, queue, tried, bytes FROM u
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 /// Dead nodes' attempts: the running rows of nodes without a heartbeat within the lease ($2)
@@ -355,6 +382,13 @@ pub struct Ended {
     /// Closed by a lost node: not counted against max_retries (the entry says `uncounted`, which
     /// claims read), and the task waits for a worker as a queued one.
     pub uncounted: bool,
+    /// A retry not claimable before this (its backoff, SPEC §13): the pending row's due time,
+    /// and the entry's `next_attempt_ms` (which the task JSON shows as `next_attempt_at`).
+    pub next_attempt_ms: Option<u64>,
+    /// A worker that tried it and may take it again (`any_worker`): out of `tried`.
+    pub again: Option<String>,
+    /// Times a resuming worker took it back (SPEC §12; 0: the entry has no `resumes`).
+    pub resumes: u32,
 }
 
 /// Closes attempts with their whole attempt_log entry (an attempt that started and ended
@@ -366,9 +400,9 @@ pub struct Ended {
 pub const ATTEMPT_ENDED: &str = "WITH a AS (
        SELECT * FROM unnest($3::uuid[], $4::int4[], $5::text[], $6::text[], $7::int8[], $8::int8[], $9::text[],
                             $10::text[], $11::text[], $12::uuid[], $13::text[], $14::int8[], $2::text[],
-                            $15::bool[])
+                            $15::bool[], $16::int4[], $17::int8[], $18::uuid[])
          AS a(id, attempt, outcome, error, ended_ms, duration_ms, status, result, final_error, client_id, client_ip,
-              started_ms, node, uncounted)
+              started_ms, node, uncounted, resumes, next_attempt_ms, again)
      ), u AS (
        UPDATE relay_tasks t SET
          status = a.status,
@@ -379,7 +413,8 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
          error = a.final_error,
          client_id = coalesce(a.client_id, t.client_id),
          client_ip = coalesce(a.client_ip, t.client_ip),
-         tried = CASE WHEN a.client_id IS NULL OR a.client_id = ANY(t.tried) THEN t.tried ELSE t.tried || a.client_id END,
+         tried = array_remove(CASE WHEN a.client_id IS NULL OR a.client_id = ANY(t.tried) THEN t.tried
+                                   ELSE t.tried || a.client_id END, a.again),
          attempt_log = jsonb_set(t.attempt_log, ARRAY[(t.attempt - 1)::text],
            coalesce(t.attempt_log -> (t.attempt - 1), jsonb_build_object('num', t.attempt))
              || jsonb_strip_nulls(jsonb_build_object('client_id', a.client_id, 'client_ip', a.client_ip,
@@ -387,27 +422,35 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
                   'outcome', a.outcome, 'error', a.error,
                   'duration_ms', coalesce(a.duration_ms,
                     greatest(0, a.ended_ms - ((t.attempt_log -> (t.attempt - 1)) ->> 'started_ms')::int8)),
-                  'uncounted', CASE WHEN a.uncounted THEN true END)), true)
+                  'uncounted', CASE WHEN a.uncounted THEN true END,
+                  'resumes', CASE WHEN a.resumes > 0 THEN a.resumes END,
+                  'next_attempt_ms', a.next_attempt_ms)), true)
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.status, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes, t.created_ms,
-                 t.run_at_ms, t.finished_ms, t.result, t.error, t.client_id, t.client_ip, t.attempt_log, a.ended_ms
+                 t.priority,
+                 t.run_at_ms, t.finished_ms, t.result, t.error, t.client_id, t.client_ip, t.attempt_log, a.ended_ms,
+                 a.next_attempt_ms
      ), run AS (
        DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      ), requeue AS (
-       INSERT INTO relay_pending (task_id, due_ms, seq, kind, queue, tried, payload_bytes)
-       SELECT id, greatest(run_at_ms, created_ms), seq, kind, queue, tried, bytes FROM u WHERE status = 'pending'
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes)
+       SELECT id, greatest(run_at_ms, created_ms, next_attempt_ms),
+              greatest(run_at_ms, created_ms, next_attempt_ms) - priority::int8 * 1000, seq, kind,
+              queue, tried, bytes FROM u WHERE status = 'pending'
      )
      SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text, client_ip,
-            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END
+            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END, priority
      FROM u";
 
 pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
     let attempts: Vec<String> = ended.iter().map(|e| e.attempt.to_string()).collect();
+    let resumes: Vec<String> = ended.iter().map(|e| e.resumes.to_string()).collect();
     let ends: Vec<String> = ended.iter().map(|e| e.ended_ms.to_string()).collect();
     let durations: Vec<Option<String>> = ended.iter().map(|e| e.duration_ms.map(|d| d.to_string())).collect();
     let starts: Vec<Option<String>> =
         ended.iter().map(|e| e.runner.as_ref().map(|r| r.started_ms.to_string())).collect();
+    let nexts: Vec<Option<String>> = ended.iter().map(|e| e.next_attempt_ms.map(|n| n.to_string())).collect();
     Stmt::new(
         ATTEMPT_ENDED,
         vec![
@@ -426,6 +469,9 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
             arr_opt(ended.iter().map(|e| e.runner.as_ref().map(|r| r.client_ip.as_str()))),
             arr_opt(starts.iter().map(Option::as_deref)),
             arr(ended.iter().map(|e| if e.uncounted { "t" } else { "f" })),
+            arr(resumes.iter().map(String::as_str)),
+            arr_opt(nexts.iter().map(Option::as_deref)),
+            arr_opt(ended.iter().map(|e| e.again.as_deref())),
         ],
     )
 }
@@ -437,12 +483,12 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
 /// the payload only with `?include=payload`: [`GET_TASKS_PAYLOAD`]): every read of a turn in
 /// one statement.
 pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text
+            client_id::text, client_ip, attempt_log::text, priority
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
 /// [`GET_TASKS`] with the payload (a task that is done has none).
 pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text, CASE WHEN status = 'done' THEN NULL ELSE payload END
+            client_id::text, client_ip, attempt_log::text, priority, CASE WHEN status = 'done' THEN NULL ELSE payload END
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
 /// $1 task ids → the final ones among them, with [`GET_TASKS`]'s columns (wait=true waiters
@@ -451,7 +497,7 @@ pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, 
 /// join on the ids so that every plan looks each id up by its key.
 pub const FINISHED_AMONG: &str =
     "SELECT t.id::text, t.status, t.kind, t.created_ms, t.run_at_ms, t.finished_ms, t.result,
-            t.error, t.client_id::text, t.client_ip, t.attempt_log::text
+            t.error, t.client_id::text, t.client_ip, t.attempt_log::text, t.priority
      FROM unnest($1::uuid[]) AS k(id) JOIN relay_tasks t ON t.id = k.id
      WHERE t.status IN ('done', 'failed', 'canceled')";
 
@@ -483,7 +529,7 @@ pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
        SELECT seq FROM s ORDER BY seq LIMIT 1
      )
      SELECT p.id::text, p.status, p.kind, p.created_ms, p.run_at_ms, p.finished_ms, p.result, p.error,
-            p.client_id::text, p.client_ip, p.attempt_log::text, NULL::text, p.seq, walked.n, stop.seq
+            p.client_id::text, p.client_ip, p.attempt_log::text, p.priority, NULL::text, p.seq, walked.n, stop.seq
      FROM walked LEFT JOIN stop ON true LEFT JOIN page p ON p.before < $7::int8
      ORDER BY p.seq DESC";
 

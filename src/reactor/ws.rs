@@ -20,6 +20,7 @@ impl Server {
             last_seen_ms: now,
             next_ping_ms: now + self.cfg.ping_interval_ms,
             starved: false,
+            peer_closed: false,
         }));
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         conn.deadline_ms = u64::MAX;
@@ -42,6 +43,7 @@ impl Server {
         let mut texts = Vec::new();
         let mut close: Option<(CloseCode, &'static str)> = None;
         let mut gone = false;
+        let peer_closed: bool;
         let mut more = false;
         let mut blocked = false;
         {
@@ -67,7 +69,8 @@ impl Server {
                             close = Some((CloseCode::Unsupported, "binary frames are not accepted"));
                             break;
                         }
-                        Ok(_) => {} // ping (answered by tungstenite), pong, close (reply queued)
+                        Ok(Message::Close(_)) => ws.peer_closed = true, // (reply queued)
+                        Ok(_) => {}                                     // ping (answered by tungstenite), pong
                         Err(tungstenite::Error::Io(e)) if e.kind() == io::ErrorKind::WouldBlock => break,
                         Err(tungstenite::Error::Capacity(_)) => {
                             close = Some((CloseCode::Size, "message over MAX_MESSAGE_SIZE"));
@@ -113,6 +116,7 @@ impl Server {
                 }
             }
             conn.read_more = more || blocked;
+            peer_closed = ws.peer_closed;
             if conn.pending_out() > 0 {
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }
@@ -125,7 +129,12 @@ impl Server {
             self.close_ws(r, code, reason);
         } else if gone {
             // Closed (after a close handshake, whose reply is already queued) or reset.
-            self.worker_gone(r, "connection closed");
+            if peer_closed {
+                let (mut wire, core) = self.wire();
+                core.worker_closed(&mut wire, r, "connection closed");
+            } else {
+                self.worker_gone(r, "connection lost");
+            }
             self.finish_after_flush(r);
         } else if more {
             self.again.push(r);
@@ -135,6 +144,12 @@ impl Server {
     pub(super) fn worker_gone(&mut self, r: ConnRef, why: &str) {
         let (mut wire, core) = self.wire();
         core.worker_disconnected(&mut wire, r, why);
+    }
+
+    /// Queues `{"type":"reconnect"}` for a session worker (relay is restarting).
+    pub(super) fn send_reconnect(&mut self, r: ConnRef) {
+        let (mut wire, _core) = self.wire();
+        wire.send_text(r, &["{\"type\":\"reconnect\"}"]);
     }
 
     /// Sends a close frame, ends the worker, and closes once the frame is written.
@@ -152,7 +167,10 @@ impl Server {
                 reason = reason
             );
         }
-        self.worker_gone(r, reason);
+        {
+            let (mut wire, core) = self.wire();
+            core.worker_closed(&mut wire, r, reason);
+        }
         self.finish_after_flush(r);
     }
 

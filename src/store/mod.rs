@@ -22,7 +22,7 @@ use std::net::IpAddr;
 use serde_json::value::RawValue;
 
 use crate::http::Response;
-use crate::tasks::{ConnRef, Outcome, Status, TaskId};
+use crate::tasks::{ConnRef, Outcome, RetryPolicy, Status, TaskId};
 
 pub mod mem;
 pub mod pg;
@@ -39,6 +39,10 @@ pub struct NewTask<'a> {
     /// Per-task overrides (`None`: the configured default).
     pub timeout_ms: Option<u64>,
     pub max_retries: Option<u32>,
+    /// Its own retry policy (SPEC §13).
+    pub retry: RetryPolicy,
+    /// Seconds of head start among due tasks (SPEC §14; 0: none).
+    pub priority: i32,
     /// (token identity, `Idempotency-Key`).
     pub idempotency: Option<(&'a str, &'a str)>,
     /// A worker of this node that can take it has room now: it will not wait, so MAX_PENDING
@@ -110,12 +114,27 @@ pub struct Claimed {
     pub payload: std::sync::Arc<RawValue>,
     pub timeout_ms: u64,
     pub max_retries: u32,
-    /// Workers already sent the task (client ids).
+    /// The task's own retry policy (SPEC §13).
+    pub retry: RetryPolicy,
+    /// Workers already sent the task (client ids, in the order they were), but one made
+    /// eligible again ([`Later::again`]).
     pub tried: Vec<u128>,
     /// Earlier attempts that count against `max_retries` (a relay restart's do not).
     pub counted: u32,
     /// Submitted (wall clock), for the submit-to-final histogram.
     pub created_wall_ms: u64,
+}
+
+/// An attempt a session worker was running when relay stopped (a crash or a SIGTERM), read
+/// back from the journal: the core holds it for RESUME_WINDOW from the restart (SPEC §12).
+#[derive(Debug)]
+pub struct RestoredAttempt {
+    /// The task as a claim would hand it over (`attempt` is the open attempt's number).
+    pub task: Claimed,
+    pub client_id: u128,
+    pub client_ip: IpAddr,
+    pub started_wall_ms: u64,
+    pub session: crate::tasks::SessionTag,
 }
 
 /// Who runs an attempt that starts.
@@ -127,6 +146,9 @@ pub struct AttemptStart<'a> {
     pub started_mono_ms: u64,
     /// The node's name (cluster mode): the attempt_log entry carries it (SPEC §11).
     pub node: Option<&'a str>,
+    /// The worker's session (worker id, secret), if it has one (SPEC §12): kept with the
+    /// attempt, so that a restart holds it for the worker to resume.
+    pub session: Option<(&'a str, &'a str)>,
 }
 
 /// How an attempt ended.
@@ -139,6 +161,8 @@ pub struct AttemptEnd<'a> {
     /// Closed by a loss of relay's own (a lost node): not counted against `max_retries`, and
     /// the task waits for a worker however long it takes, as one read back after a restart.
     pub uncounted: bool,
+    /// Times a resuming worker took the attempt back (SPEC §12): its attempt_log entry counts them.
+    pub resumes: u32,
 }
 
 /// What becomes of the task after an attempt ended: the core's decision.
@@ -146,10 +170,22 @@ pub struct AttemptEnd<'a> {
 pub enum Next<'a> {
     /// Back to pending, for another worker.
     Retry,
+    /// Back to pending, after a wait and/or for a worker that tried it (SPEC §13).
+    Later(Later),
     /// `done`, with the worker's data.
     Done { result: &'a RawValue },
     /// `failed`, with this error.
     Failed { error: &'a str },
+}
+
+/// How a retry waits (SPEC §13).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Later {
+    /// Not claimable before this (wall clock): its backoff, or the worker's `retry_after_ms`.
+    pub at_wall_ms: Option<u64>,
+    /// A worker that tried it and may take it again (`any_worker`: no untried eligible worker
+    /// is connected; the one tried longest ago).
+    pub again: Option<u128>,
 }
 
 /// What a store tells the core. A memory store's events are ready when the operation
@@ -187,6 +223,9 @@ pub enum Event {
     Clients { conn: ConnRef, remote: Vec<WorkerInfo> },
     /// Tasks became due or went back to pending: idle workers may claim.
     Ready,
+    /// Retries of these kinds (`None`: of any) finished waiting out their backoff: those whose
+    /// last possible worker left meanwhile fail ([`Store::fail_unplaceable`]).
+    RetriesDue { kinds: Option<Vec<Option<Box<str>>>> },
     /// Attempts of a dead node were handed to this node to close (`disconnect`, naming the
     /// lost node); the core decides what becomes of each task.
     Orphaned { tasks: Vec<Claimed>, error: String },
@@ -208,6 +247,8 @@ pub struct WorkerInfo {
     pub node: Option<String>,
     /// `None`: it takes every kind's tasks (for the core's "can anyone take it" questions).
     pub node_id: Option<u128>,
+    /// A session worker whose connection was lost: until when it may resume (SPEC §12).
+    pub resumable_until_wall_ms: Option<u64>,
 }
 
 impl WorkerInfo {
@@ -254,6 +295,11 @@ impl WorkerInfo {
         if let Some(n) = &self.node {
             s.push_str(",\"node\":");
             push_json_str(s, n);
+        }
+        if let Some(until) = self.resumable_until_wall_ms {
+            s.push_str(",\"resumable_until\":\"");
+            crate::timefmt::write_rfc3339_ms(s, until);
+            s.push('"');
         }
         s.push('}');
     }
@@ -479,6 +525,24 @@ impl Store {
     /// a store without the task's attempt log at hand remembers it for [`Store::stray`].
     pub fn attempt_closed(&mut self, id: TaskId, client_id: u128, answered: bool) {
         each!(self, s => s.attempt_closed(id, client_id, answered))
+    }
+
+    /// A restart holds session workers' running attempts (a journal, and RESUME_WINDOW not 0):
+    /// a shutdown leaves them open for the next run (SPEC §12).
+    pub fn holds_restarts(&self) -> bool {
+        match self {
+            Store::Mem(s) => s.hold_sessions && s.journal().is_some(),
+            Store::Pg(_) => false,
+        }
+    }
+
+    /// Attempts of session workers read back at start, for the core to hold (SPEC §12); taken
+    /// once.
+    pub fn take_restored(&mut self) -> Vec<RestoredAttempt> {
+        match self {
+            Store::Mem(s) => std::mem::take(&mut s.restored_held),
+            Store::Pg(_) => Vec::new(),
+        }
     }
 
     /// The store's own figures for `/metrics`.

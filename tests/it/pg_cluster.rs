@@ -413,6 +413,10 @@ fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
         idem_owner: key.map(|_| "root".to_string()),
         idem_key: key.map(String::from),
         runs_now: false,
+        retry_backoff_ms: None,
+        retry_backoff_max_ms: None,
+        retry_any_worker: None,
+        priority: 0,
     }
 }
 
@@ -549,6 +553,9 @@ fn ended(id: &str, attempt: u32, outcome: &'static str, status: &'static str, cl
         runner: Some(runner(client)),
         node: None,
         uncounted: false,
+        next_attempt_ms: None,
+        again: None,
+        resumes: 0,
     }
 }
 

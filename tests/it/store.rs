@@ -133,6 +133,8 @@ impl Harness {
             queue: true,
             timeout_ms: None,
             max_retries: None,
+            retry: Default::default(),
+            priority: 0,
             idempotency: None,
             runs_now: false,
             claim_group: None,
@@ -208,6 +210,7 @@ impl Harness {
             started_wall_ms: relay::timefmt::wall_ms(),
             started_mono_ms: 0,
             node: Some("node-t"),
+            session: None,
         };
         self.store.attempt_started(c.id, c.attempt, &start);
     }
@@ -219,6 +222,7 @@ impl Harness {
             duration_ms: 5,
             ended_wall_ms: relay::timefmt::wall_ms(),
             uncounted: false,
+            resumes: 0,
         };
         self.store.attempt_ended(id, attempt, &end, next);
         self.settle()
@@ -371,6 +375,8 @@ fn store_an_insert_offered_to_an_idle_group_is_claimed_once_and_never_overtakes(
                 queue: false,
                 timeout_ms: None,
                 max_retries: None,
+                retry: Default::default(),
+                priority: 0,
                 idempotency: None,
                 runs_now: true,
                 claim_group: Some(5),

@@ -44,6 +44,12 @@ pub struct Config {
     pub backoff_max_ms: u64,
     /// A connection that stayed up this long resets the backoff.
     pub stable_after_ms: u64,
+    /// The worker's session identity (SPEC §12): `WORKER_ID`, or a UUID made at start. Sent in
+    /// every hello; a relay with sessions holds the tasks of a lost connection for it.
+    pub worker_id: String,
+    /// Results kept while disconnected, for a resumed session to deliver: at most
+    /// `concurrency` of them and this many bytes.
+    pub kept_results_max_bytes: usize,
 }
 
 /// A configuration error: which variable, what value, and why. Shown on stderr, exit code 2.
@@ -80,6 +86,11 @@ pub const VARS: &[(&str, &str, &str)] = &[
     ("CA_FILE", "-", "PEM bundle trusted in addition to the web PKI roots (wss://, https)"),
     ("SHUTDOWN_TIMEOUT", "30s", "on SIGTERM/SIGINT, how long running tasks may take to finish"),
     ("MAX_MESSAGE_SIZE", "1048576", "largest WebSocket message; keep equal to relay's"),
+    (
+        "WORKER_ID",
+        "(a UUID per process)",
+        "the worker's session identity (1 to 128 bytes): relay holds its tasks across a lost connection",
+    ),
 ];
 
 impl Config {
@@ -106,6 +117,8 @@ impl Config {
             backoff_initial_ms: 250,
             backoff_max_ms: 30_000,
             stable_after_ms: 10_000,
+            worker_id: uuid::Uuid::new_v4().to_string(),
+            kept_results_max_bytes: 64 << 20,
         })
     }
 
@@ -149,6 +162,12 @@ impl Config {
                 Some(v) => parse_duration_ms(&v).map_err(|reason| ConfigError { var: name, value: v, reason }),
             }
         };
+        if let Some(v) = get("WORKER_ID").filter(|v| !v.is_empty()) {
+            if v.len() > 128 {
+                return Err(ConfigError { var: "WORKER_ID", value: v, reason: "expected 1 to 128 bytes".into() });
+            }
+            cfg.worker_id = v;
+        }
         cfg.http_timeout_ms = duration("HTTP_TIMEOUT", cfg.http_timeout_ms)?;
         cfg.shutdown_timeout_ms = duration("SHUTDOWN_TIMEOUT", cfg.shutdown_timeout_ms)?;
         if let Some(v) = var("ALLOW_HOSTS") {
@@ -357,6 +376,8 @@ mod tests {
             (&[t, ("ALLOW_HOSTS", " , ")], Err("ALLOW_HOSTS")),
             (&[t, ("CA_FILE", "/nonexistent/ca.pem")], Err("CA_FILE")),
             (&[t, ("MAX_MESSAGE_SIZE", "10")], Err("MAX_MESSAGE_SIZE")),
+            (&[t, ("WORKER_ID", "w-1")], Ok(())),
+            (&[t, ("WORKER_ID", &"x".repeat(129))], Err("WORKER_ID")),
         ];
         for (vars, expected) in table {
             check(vars, *expected);
@@ -368,6 +389,8 @@ mod tests {
         let c = from(&[("TOKEN", "w")]).expect("defaults");
         assert_eq!(c.relay_url.as_str(), DEFAULT_RELAY_URL);
         assert_eq!((c.concurrency, c.http_timeout_ms), (16, 30_000));
+        assert!(uuid::Uuid::parse_str(&c.worker_id).is_ok(), "WORKER_ID defaults to a UUID: {}", c.worker_id);
+        assert_ne!(c.worker_id, from(&[("TOKEN", "w")]).expect("again").worker_id, "one per process start");
         let c = from(&[("TOKEN", "w"), ("MESH_URL", "ws://mesh:1/ws")]).expect("legacy");
         assert_eq!(c.relay_url.as_str(), "ws://mesh:1/ws");
         let c = from(&[("TOKEN", "w"), ("MESH_URL", "ws://mesh:1/ws"), ("RELAY_URL", "ws://r:2/ws")]).expect("both");

@@ -69,17 +69,42 @@ pub use crate::config::{AllowHosts, Config, ConfigError};
 pub struct Error {
     message: String,
     config: bool,
+    retry: RetryHint,
+}
+
+/// What a failed task tells relay about retrying it (SPEC §13; docs/protocol.md).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RetryHint {
+    /// `"retry": false`: a permanent failure, the task fails at once.
+    pub permanent: bool,
+    /// `"retry_after_ms"`: the next attempt waits at least this long.
+    pub after_ms: Option<u64>,
 }
 
 impl Error {
     pub fn new(message: impl Into<String>) -> Error {
-        Error { message: message.into(), config: false }
+        Error { message: message.into(), config: false, retry: RetryHint::default() }
     }
 
     /// An error of the worker's configuration: no retry can fix it (relay refused `TOKEN`, a
     /// value is invalid). `main_with` exits 2 on it.
     pub fn config(message: impl Into<String>) -> Error {
-        Error { message: message.into(), config: true }
+        Error { message: message.into(), config: true, retry: RetryHint::default() }
+    }
+
+    /// A failure no retry can fix (a bad request, not a bad network): relay fails the task at
+    /// once, whatever retries remain.
+    pub fn permanent(message: impl Into<String>) -> Error {
+        Error { retry: RetryHint { permanent: true, after_ms: None }, ..Error::new(message) }
+    }
+
+    /// A failure to retry no sooner than `ms` from now (e.g. an upstream's `Retry-After`).
+    pub fn retry_after(message: impl Into<String>, ms: u64) -> Error {
+        Error { retry: RetryHint { permanent: false, after_ms: Some(ms) }, ..Error::new(message) }
+    }
+
+    pub fn retry_hint(&self) -> RetryHint {
+        self.retry
     }
 
     pub fn message(&self) -> &str {

@@ -14,11 +14,13 @@ use std::time::Instant;
 use serde_json::value::RawValue;
 
 use crate::log::Level;
-use crate::{Handler, log, protocol};
+use crate::{Error, Handler, log, protocol};
 
 pub struct Job {
-    /// The connection the task arrived on (its result is only sent on that one).
-    pub conn_gen: u64,
+    /// The runner's number for this task (unique per process): `Finished` names it.
+    pub job: u64,
+    /// The attempt the task frame named (a session's; the result echoes it).
+    pub attempt: Option<u64>,
     pub task_id: String,
     pub kind: String,
     pub spec: Box<RawValue>,
@@ -27,7 +29,7 @@ pub struct Job {
 }
 
 pub struct Finished {
-    pub conn_gen: u64,
+    pub job: u64,
     pub task_id: String,
     /// The result message, or `None` when the task was canceled (relay no longer wants it).
     pub message: Option<String>,
@@ -88,15 +90,18 @@ fn work(rx: &Mutex<Receiver<Job>>, kinds: &BTreeMap<String, Handler>, finished: 
             Err(_) => return,
         };
         let Ok(job) = job else { return };
-        let Job { conn_gen, task_id, kind, spec, canceled } = job;
+        let Job { job, attempt, task_id, kind, spec, canceled } = job;
         if canceled.load(Ordering::SeqCst) {
-            let _ = finished.send(Finished { conn_gen, task_id, message: None, failed: false });
+            let _ = finished.send(Finished { job, task_id, message: None, failed: false });
             continue;
         }
         let started = Instant::now();
-        let outcome = match kinds.get(&kind) {
-            Some(handler) => run_one(handler, &task_id, &spec),
-            None => Err(format!("unknown task kind: {kind}")),
+        let (outcome, hint) = match kinds.get(&kind) {
+            Some(handler) => match run_one(handler, &task_id, &spec) {
+                Ok(v) => (Ok(v), crate::RetryHint::default()),
+                Err(e) => (Err(e.message().to_string()), e.retry_hint()),
+            },
+            None => (Err(format!("unknown task kind: {kind}")), crate::RetryHint::default()),
         };
         if let Err(error) = &outcome {
             log!(
@@ -109,26 +114,29 @@ fn work(rx: &Mutex<Receiver<Job>>, kinds: &BTreeMap<String, Handler>, finished: 
             );
         }
         let failed = outcome.is_err();
-        let message =
-            if canceled.load(Ordering::SeqCst) { None } else { Some(protocol::result(&task_id, &outcome, max)) };
-        if finished.send(Finished { conn_gen, task_id, message, failed }).is_err() {
+        let message = if canceled.load(Ordering::SeqCst) {
+            None
+        } else {
+            Some(protocol::result_with(&task_id, attempt, &outcome, hint, max))
+        };
+        if finished.send(Finished { job, task_id, message, failed }).is_err() {
             return;
         }
     }
 }
 
 /// Runs a handler; a panic becomes an error naming the panic's message.
-pub fn run_one(handler: &Handler, task_id: &str, spec: &RawValue) -> Result<serde_json::Value, String> {
+pub fn run_one(handler: &Handler, task_id: &str, spec: &RawValue) -> Result<serde_json::Value, Error> {
     match catch_unwind(AssertUnwindSafe(|| handler(task_id, spec))) {
         Ok(Ok(value)) => Ok(value),
-        Ok(Err(e)) => Err(e.message().to_string()),
+        Ok(Err(e)) => Err(e),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "non-string panic payload".into());
-            Err(format!("handler panicked: {what}"))
+            Err(Error::new(format!("handler panicked: {what}")))
         }
     }
 }
@@ -147,7 +155,7 @@ mod tests {
 
     fn check(h: fn(&str, &RawValue) -> Result<Value, Error>, expected: Result<Value, &str>) {
         let spec = RawValue::from_string("[1]".into()).expect("raw");
-        let got = run_one(&handler(h), "t1", &spec);
+        let got = run_one(&handler(h), "t1", &spec).map_err(|e| e.message().to_string());
         assert_eq!(got, expected.map_err(str::to_string));
     }
 
@@ -174,7 +182,8 @@ mod tests {
         let (tx, rx) = channel();
         let pool = Pool::start(1, 1, Arc::new(kinds), tx, 1 << 20).expect("pool");
         let job = |id: &str, canceled: bool| Job {
-            conn_gen: 1,
+            job: 1,
+            attempt: None,
             task_id: id.into(),
             kind: "sleep".into(),
             spec: protocol::null_raw(),

@@ -5,13 +5,21 @@
 //! `stopped`.
 //!
 //! Connection identity: every connection gets a generation (`conn_gen`), and every task
-//! carries the generation it arrived on. relay knows a worker by its connection (a new
-//! connection is a new `client_id`), and it ends the attempts of a lost connection with
-//! `disconnect` and retries them elsewhere, so a result is only ever sent on the connection its
-//! task came from. A task whose connection dropped still runs to the end (its side effects
-//! happen once, not half), but its result is dropped with a `result dropped` log line: sent on a
-//! new connection relay would only count it as `unknown`. That keeps the policy bounded — no
-//! result is stored beyond its task.
+//! carries the generation it arrived on. Without a session relay knows a worker by its
+//! connection (a new connection is a new `client_id`), and it ends the attempts of a lost
+//! connection with `disconnect` and retries them elsewhere, so a result is only ever sent on
+//! the connection its task came from. A task whose connection dropped still runs to the end (its
+//! side effects happen once, not half), but its result is dropped with a `result dropped` log
+//! line: sent on a new connection relay would only count it as `unknown`.
+//!
+//! Sessions (SPEC §12): every hello says `worker_id`; a relay with sessions answers `welcome`
+//! with a secret. After a lost connection the next hello presents it and lists the tasks still
+//! running or finished meanwhile (`running`); relay holds them for its resume window. Results
+//! that finish while disconnected are kept (bounded: `concurrency` of them and
+//! `kept_results_max_bytes`) and sent once the welcome adopts their tasks; tasks it lists in
+//! `abandon` are stopped and their results dropped. `{"type":"reconnect"}` (relay restarting)
+//! reconnects at once, with up to 1 s of jitter. A relay that sends no welcome gets the
+//! behaviour above, unchanged.
 //!
 //! A 401 on connect (`TOKEN` is not relay's `WORKER_TOKEN`) is final: no retry; running tasks
 //! of an earlier connection finish as in a drain, then `run` fails with a configuration error
@@ -67,6 +75,12 @@ pub fn run(cfg: Config, kinds: BTreeMap<String, Handler>, stop: &AtomicBool) -> 
         pool: Some(pool),
         finished,
         in_flight: HashMap::new(),
+        jobs: HashMap::new(),
+        next_job: 0,
+        secret: None,
+        kept: Vec::new(),
+        kept_bytes: 0,
+        reconnect_now: false,
         conn_gen: 0,
         drain_deadline: None,
         stop,
@@ -89,6 +103,22 @@ pub fn run(cfg: Config, kinds: BTreeMap<String, Handler>, stop: &AtomicBool) -> 
 /// What a 401 on connect means, for the log and the exit message.
 const TOKEN_REFUSED: &str = "relay refused the worker token: set TOKEN to relay's WORKER_TOKEN";
 
+/// A task handed to the pool.
+struct Flight {
+    job: u64,
+    /// The attempt its task frame named (a session's).
+    attempt: Option<u64>,
+    /// Its cancel mark.
+    canceled: Arc<AtomicBool>,
+}
+
+/// A result waiting for a resumed session to take its task back.
+struct Kept {
+    task_id: String,
+    attempt: Option<u64>,
+    message: String,
+}
+
 /// How a connection ended.
 enum End {
     /// Drained (or the grace period ran out): the worker stops.
@@ -103,9 +133,21 @@ struct Runner<'a> {
     names: Vec<String>,
     pool: Option<Pool>,
     finished: Receiver<Finished>,
-    /// Tasks handed to the pool and not finished, by (connection, task id); the flag is the
-    /// task's cancel mark. Bounded by the pool: threads + queue.
-    in_flight: HashMap<(u64, String), Arc<AtomicBool>>,
+    /// Tasks handed to the pool and not finished, by (connection, task id). Bounded by the
+    /// pool: threads + queue.
+    in_flight: HashMap<(u64, String), Flight>,
+    /// The pool's job numbers → their `in_flight` key (a resumed session moves tasks to the
+    /// new connection's key).
+    jobs: HashMap<u64, (u64, String)>,
+    next_job: u64,
+    /// The secret of the last `welcome` (relay has sessions): results are kept while
+    /// disconnected, for the resumed session.
+    secret: Option<String>,
+    /// Results finished while disconnected (or before the welcome adopted their task).
+    kept: Vec<Kept>,
+    kept_bytes: usize,
+    /// relay sent `reconnect`: the next connect comes at once (jitter ≤ 1 s).
+    reconnect_now: bool,
     conn_gen: u64,
     /// Set once the stop flag is seen: the end of the grace period.
     drain_deadline: Option<Instant>,
@@ -141,7 +183,15 @@ impl Runner<'_> {
                     match end {
                         End::Done => return,
                         End::Lost(reason) => {
-                            let delay = if self.drain_deadline.is_some() { 0 } else { self.backoff.next(random()) };
+                            let delay = if self.drain_deadline.is_some() {
+                                0
+                            } else if std::mem::take(&mut self.reconnect_now) {
+                                // relay is restarting: back at once, spread over a second.
+                                self.backoff.reset();
+                                random() % 1001
+                            } else {
+                                self.backoff.next(random())
+                            };
                             log!(
                                 Level::Warn,
                                 "disconnected",
@@ -224,15 +274,20 @@ impl Runner<'_> {
     }
 
     /// Takes every finished task; sends the results that belong to the live connection `ws`.
+    /// With a session, a result whose connection is gone is kept for the resume.
     fn collect(&mut self, mut ws: Option<&mut Ws>) -> Result<(), String> {
         while let Ok(f) = self.finished.try_recv() {
-            let Finished { conn_gen, task_id, message, failed } = f;
-            let key = (conn_gen, task_id);
-            self.in_flight.remove(&key);
-            let task_id = key.1;
+            let Finished { job, message, failed, task_id } = f;
+            let Some(key) = self.jobs.remove(&job) else {
+                log!(Level::Warn, "result of an unknown job dropped", task_id = task_id);
+                continue;
+            };
+            let attempt = self.in_flight.remove(&key).and_then(|f| f.attempt);
+            let (conn_gen, task_id) = key;
             let Some(message) = message else { continue };
             match ws.as_deref_mut() {
                 Some(ws) if conn_gen == self.conn_gen => send(ws, message)?,
+                _ if self.secret.is_some() => self.keep(task_id, attempt, message),
                 _ => log!(
                     Level::Warn,
                     "result dropped",
@@ -245,11 +300,81 @@ impl Runner<'_> {
         Ok(())
     }
 
+    /// Keeps a result for the resumed session, within its bounds.
+    fn keep(&mut self, task_id: String, attempt: Option<u64>, message: String) {
+        if self.kept.len() >= self.cfg.concurrency || self.kept_bytes + message.len() > self.cfg.kept_results_max_bytes
+        {
+            log!(Level::Warn, "result dropped", task_id = task_id, reason = "too many results kept while disconnected");
+            return;
+        }
+        log!(Level::Info, "result kept for the session resume", task_id = task_id);
+        self.kept_bytes += message.len();
+        self.kept.push(Kept { task_id, attempt, message });
+    }
+
+    /// The session part of this connection's first hello: every task still running or kept.
+    fn running_list(&self) -> Vec<(String, Option<u64>)> {
+        let mut list: Vec<(String, Option<u64>)> =
+            self.in_flight.iter().map(|((_, id), f)| (id.clone(), f.attempt)).collect();
+        list.extend(self.kept.iter().map(|k| (k.task_id.clone(), k.attempt)));
+        list
+    }
+
+    fn hello(&self, concurrency: usize, running: Option<&[(String, Option<u64>)]>) -> String {
+        let session =
+            protocol::SessionHello { worker_id: &self.cfg.worker_id, secret: self.secret.as_deref(), running };
+        protocol::hello(&self.names, concurrency, Some(session))
+    }
+
+    /// relay's `welcome`: the session's secret; adopted tasks are this connection's now (their
+    /// kept results go out), abandoned ones stop.
+    fn on_welcome(&mut self, ws: &mut Ws, w: protocol::Welcome) -> Result<(), String> {
+        let resumed = self.secret.as_deref() == Some(w.session.as_str());
+        self.secret = Some(w.session);
+        let conn_gen = self.conn_gen;
+        let old: Vec<(u64, String)> = self.in_flight.keys().filter(|(g, _)| *g != conn_gen).cloned().collect();
+        for key in old {
+            if w.adopted.contains(&key.1) {
+                if let Some(f) = self.in_flight.remove(&key) {
+                    let new_key = (conn_gen, key.1.clone());
+                    self.jobs.insert(f.job, new_key.clone());
+                    self.in_flight.insert(new_key, f);
+                }
+            } else if let Some(f) = self.in_flight.get(&key) {
+                // Not relay's any more (abandoned, or not held): stop it, drop its result.
+                f.canceled.store(true, Ordering::SeqCst);
+            }
+        }
+        let kept = std::mem::take(&mut self.kept);
+        self.kept_bytes = 0;
+        let (mut sent, mut dropped) = (0, 0);
+        for k in kept {
+            if w.adopted.contains(&k.task_id) {
+                send(ws, k.message)?;
+                sent += 1;
+            } else {
+                dropped += 1;
+            }
+        }
+        log!(
+            Level::Info,
+            if resumed { "session resumed" } else { "session started" },
+            client_id = w.client_id,
+            adopted = w.adopted.len(),
+            abandoned = w.abandon.len(),
+            kept_results_sent = sent,
+            kept_results_dropped = dropped,
+            resume_window_ms = w.resume_window_ms
+        );
+        Ok(())
+    }
+
     fn session(&mut self, ws: &mut Ws) -> End {
         let conn_gen = self.conn_gen;
         let mut announced_drain = self.drain_deadline.is_some();
         let concurrency = if announced_drain { 0 } else { self.cfg.concurrency };
-        if let Err(e) = send(ws, protocol::hello(&self.names, concurrency)) {
+        let running = self.running_list();
+        if let Err(e) = send(ws, self.hello(concurrency, Some(&running))) {
             return End::Lost(e);
         }
         let mut last_rx = Instant::now();
@@ -257,7 +382,7 @@ impl Runner<'_> {
         let mut close_reason: Option<String> = None;
         loop {
             if self.check_stop() && !announced_drain {
-                if let Err(e) = send(ws, protocol::hello(&self.names, 0)) {
+                if let Err(e) = send(ws, self.hello(0, None)) {
                     return End::Lost(e);
                 }
                 announced_drain = true;
@@ -322,10 +447,15 @@ impl Runner<'_> {
         let task = match protocol::parse_server_msg(text) {
             Ok(ServerMsg::Task(task)) => task,
             Ok(ServerMsg::Cancel { task_id }) => {
-                if let Some(flag) = self.in_flight.get(&(conn_gen, task_id)) {
-                    flag.store(true, Ordering::SeqCst);
+                if let Some(f) = self.in_flight.get(&(conn_gen, task_id)) {
+                    f.canceled.store(true, Ordering::SeqCst);
                 }
                 return Ok(());
+            }
+            Ok(ServerMsg::Welcome(w)) => return self.on_welcome(ws, w),
+            Ok(ServerMsg::Reconnect) => {
+                self.reconnect_now = true;
+                return Err("relay asked to reconnect (it is restarting)".into());
             }
             Ok(ServerMsg::Other(kind)) => {
                 log!(Level::Warn, "message from relay ignored", r#type = kind);
@@ -348,7 +478,7 @@ impl Runner<'_> {
         };
         if let Some(error) = refuse {
             log!(Level::Warn, "task refused", task_id = task.task_id, error = error);
-            return send(ws, protocol::result(&task.task_id, &Err(error), max));
+            return send(ws, protocol::result_of(&task.task_id, task.attempt, &Err(error), max));
         }
         let key = (conn_gen, task.task_id);
         if self.in_flight.contains_key(&key) {
@@ -356,8 +486,12 @@ impl Runner<'_> {
             return Ok(());
         }
         let canceled = Arc::new(AtomicBool::new(false));
+        self.next_job += 1;
+        let job_no = self.next_job;
+        let attempt = task.attempt;
         let job = Job {
-            conn_gen,
+            job: job_no,
+            attempt,
             task_id: key.1.clone(),
             kind: task.kind.unwrap_or_default(),
             spec: task.spec,
@@ -366,13 +500,14 @@ impl Runner<'_> {
         let Some(pool) = &self.pool else { return Ok(()) };
         match pool.submit(job) {
             Ok(()) => {
-                self.in_flight.insert(key, canceled);
+                self.jobs.insert(job_no, key.clone());
+                self.in_flight.insert(key, Flight { job: job_no, attempt, canceled });
                 Ok(())
             }
             Err(job) => {
                 let error = format!("worker busy: {} tasks running or queued", self.in_flight.len());
                 log!(Level::Warn, "task refused", task_id = job.task_id, error = error);
-                send(ws, protocol::result(&job.task_id, &Err(error), max))
+                send(ws, protocol::result_of(&job.task_id, attempt, &Err(error), max))
             }
         }
     }

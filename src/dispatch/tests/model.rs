@@ -691,7 +691,12 @@ impl Drop for Harness {
 
 impl Harness {
     fn core_config(cfg: &ModelConfig) -> CoreConfig {
-        CoreConfig { task_timeout_ms: TASK_TIMEOUT_MS, max_retries: cfg.max_retries, wait_timeout_ms: WAIT_TIMEOUT_MS }
+        CoreConfig {
+            task_timeout_ms: TASK_TIMEOUT_MS,
+            max_retries: cfg.max_retries,
+            wait_timeout_ms: WAIT_TIMEOUT_MS,
+            ..CoreConfig::default()
+        }
     }
 
     fn mem_config(cfg: &ModelConfig) -> MemConfig {
@@ -1329,7 +1334,17 @@ impl Harness {
         } else {
             Ok(None)
         };
-        let new = NewTask { payload: &raw, kind, run_at_wall_ms: run_at, queue, timeout_ms, max_retries, idempotency };
+        let new = NewTask {
+            payload: &raw,
+            kind,
+            run_at_wall_ms: run_at,
+            queue,
+            timeout_ms,
+            max_retries,
+            retry: Default::default(),
+            priority: 0,
+            idempotency,
+        };
         let immediate = self.core.submit(&mut self.io, relay::dispatch::DIRECT, &new, false);
         let got = relay::dispatch::submit_answer(self.answer_for(relay::dispatch::DIRECT, immediate)?);
         match (expected, got) {

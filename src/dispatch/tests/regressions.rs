@@ -13,6 +13,8 @@ fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId
             queue: true,
             timeout_ms: None,
             max_retries: None,
+            retry: Default::default(),
+            priority: 0,
             idempotency: None,
         },
     )
@@ -150,6 +152,8 @@ fn max_pending_counts_tasks_whatever_their_payload_size() {
                 queue: true,
                 timeout_ms: None,
                 max_retries: None,
+                retry: Default::default(),
+                priority: 0,
                 idempotency: None,
             },
         )

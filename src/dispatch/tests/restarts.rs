@@ -29,7 +29,7 @@ impl Drop for DataDir {
 
 /// relay starts at `wall_ms` on `dir`.
 fn start(dir: &DataDir, wall_ms: u64) -> Core {
-    let cfg = CoreConfig { task_timeout_ms: 1_000, max_retries: 2, wait_timeout_ms: 5_000 };
+    let cfg = CoreConfig { task_timeout_ms: 1_000, max_retries: 2, wait_timeout_ms: 5_000, ..CoreConfig::default() };
     let mem = crate::store::mem::MemConfig {
         task_ttl_ms: TTL_MS,
         max_pending: 100,
@@ -69,6 +69,8 @@ fn queued(core: &mut Core, io: &mut FakeIo, max_retries: Option<u32>) -> TaskId 
         queue: true,
         timeout_ms: None,
         max_retries,
+        retry: Default::default(),
+        priority: 0,
         idempotency: None,
     };
     let id = core.submit_direct(io, new).expect("queued");

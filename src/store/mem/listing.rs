@@ -134,6 +134,8 @@ mod tests {
             queue: true,
             timeout_ms: None,
             max_retries: None,
+            retry: Default::default(),
+            priority: 0,
             idempotency: None,
             runs_now: false,
             claim_group: None,
@@ -285,6 +287,7 @@ mod tests {
                 started_wall_ms: 1_000_000,
                 started_mono_ms: 0,
                 node: None,
+                session: None,
             };
             s.attempt_started(*id, 1, &start);
             let end = AttemptEnd {
@@ -293,6 +296,7 @@ mod tests {
                 duration_ms: 1,
                 ended_wall_ms: 1_000_001,
                 uncounted: false,
+                resumes: 0,
             };
             s.attempt_ended(*id, 1, &end, Next::Done { result: &big });
         }

@@ -35,12 +35,28 @@ mod listing;
 /// (token identity, `Idempotency-Key` header).
 type IdempotencyKey = (Box<str>, Box<str>);
 
-/// A pending queue's order: due time (wall clock), then submission.
+/// A pending queue's order: due time (wall clock; in the ready queues less the priority's head
+/// start, SPEC §14), then submission.
 type QueueKey = (u64, u64);
+
+/// A ready task's place in the ready queues: due time less its priority's head start, then
+/// submission (SPEC §14; with priority 0, §7's due order).
+fn ready_key(task: &Task) -> QueueKey {
+    let head_start = i64::from(task.priority) * 1000;
+    let ord = if head_start >= 0 {
+        task.due_wall_ms.saturating_sub(head_start as u64)
+    } else {
+        task.due_wall_ms.saturating_add(head_start.unsigned_abs())
+    };
+    (ord, task.submit_seq)
+}
 
 /// How far one claim may look past tasks its takers all tried (retries waiting for another
 /// worker) before it stops.
 const MAX_CLAIM_SKIP: usize = 4096;
+
+/// Kinds one [`Event::RetriesDue`] names at most (beyond: the next timer run).
+const MAX_RETRY_KINDS_DUE: usize = 64;
 
 /// Tasks carried forward by one compaction step (bounded work per loop turn).
 const COMPACT_TASKS_PER_TURN: usize = 4096;
@@ -136,9 +152,15 @@ pub struct MemStore {
     pending_bytes: usize,
     ready_all: BTreeMap<QueueKey, TaskId>,
     ready_kind: HashMap<Box<str>, BTreeMap<QueueKey, TaskId>>,
+    /// Ready first attempts by their real due time (the ready queues' order includes the
+    /// priority): they expire TASK_TTL after they fell due.
+    ready_due: BTreeMap<QueueKey, TaskId>,
     /// Ready tasks that fail when no untried worker that could take them is connected.
     fragile: Fragile,
     scheduled: BTreeMap<QueueKey, TaskId>,
+    /// Kinds of retries whose backoff ended in this timer run ([`Event::RetriesDue`]).
+    retries_due: Option<Vec<fragile::KindKey>>,
+    retries_due_all: bool,
     /// Final tasks in finishing order, with the time (monotonic) they are forgotten.
     finished: VecDeque<(u64, TaskId)>,
     idempotency: HashMap<IdempotencyKey, TaskId>,
@@ -165,6 +187,10 @@ pub struct MemStore {
     compacted_upto: u32,
     logged_forgetting: bool,
     events: Vec<Event>,
+    /// A restart holds the attempts session workers ran (RESUME_WINDOW is not 0): they stay
+    /// dispatched and are listed in `restored_held` for the core (SPEC §12).
+    pub hold_sessions: bool,
+    pub restored_held: Vec<crate::store::RestoredAttempt>,
     /// Finished tasks evicted from memory (`relay_tasks_evicted_total`).
     pub tasks_evicted: u64,
 }
@@ -181,8 +207,11 @@ impl MemStore {
             pending_bytes: 0,
             ready_all: BTreeMap::new(),
             ready_kind: HashMap::new(),
+            ready_due: BTreeMap::new(),
             fragile: Fragile::default(),
             scheduled: BTreeMap::new(),
+            retries_due: Some(Vec::new()),
+            retries_due_all: false,
             finished: VecDeque::new(),
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
@@ -201,6 +230,8 @@ impl MemStore {
             compacted_upto: 0,
             logged_forgetting: false,
             events: Vec::new(),
+            hold_sessions: false,
+            restored_held: Vec::new(),
             tasks_evicted: 0,
         }
     }
@@ -293,8 +324,10 @@ impl MemStore {
             max_retries: new.max_retries.unwrap_or(self.cfg.max_retries),
             timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
             submit_seq: seq,
+            priority: new.priority,
             queued: new.queue || new.run_at_wall_ms.is_some(),
             idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
+            retry: new.retry,
             ..Task::default()
         };
         self.tasks.insert(id, task);
@@ -351,7 +384,7 @@ impl MemStore {
     fn enqueue_ready(&mut self, id: TaskId) {
         let Some(task) = self.tasks.get_mut(&id) else { return };
         task.place = Place::Ready;
-        let key = (task.due_wall_ms, task.submit_seq);
+        let key = ready_key(task);
         let attempts = task.attempts.len();
         let fragile = (attempts > 0 || !task.queued) && !task.restored;
         self.ready_all.insert(key, id);
@@ -370,6 +403,7 @@ impl MemStore {
         }
         if attempts == 0 {
             // A first attempt expires TASK_TTL after it fell due.
+            self.ready_due.insert((task.due_wall_ms, task.submit_seq), id);
             let at = self.now_ms + (task.due_wall_ms + self.cfg.task_ttl_ms).saturating_sub(self.wall_ms);
             if self.next_expiry_ms.is_none_or(|e| at < e) {
                 self.next_expiry_ms = Some(at);
@@ -389,11 +423,14 @@ impl MemStore {
         let key = (task.due_wall_ms, task.submit_seq);
         match task.place {
             Place::Ready => {
-                self.ready_all.remove(&key);
+                self.ready_all.remove(&ready_key(task));
+                if task.attempts.is_empty() {
+                    self.ready_due.remove(&key);
+                }
                 if let Some(kind) = &task.kind
                     && let Some(q) = self.ready_kind.get_mut(kind)
                 {
-                    q.remove(&key);
+                    q.remove(&ready_key(task));
                     if q.is_empty() {
                         self.ready_kind.remove(kind);
                     }
@@ -452,7 +489,8 @@ impl MemStore {
             payload,
             timeout_ms: task.timeout_ms,
             max_retries: task.max_retries,
-            tried: task.attempts.iter().map(|a| a.client_id).collect(),
+            retry: task.retry,
+            tried: task.tried_by(),
             counted: task.attempts.iter().filter(|a| !a.restarted).count() as u32,
             created_wall_ms: task.created_wall_ms,
         })
@@ -528,8 +566,12 @@ impl MemStore {
             return;
         }
         task.place = Place::Nowhere;
+        task.next_attempt_wall_ms = None;
         let mut a = Attempt::new(start.client_id, start.client_ip, start.started_wall_ms);
         a.node = start.node.map(Box::from);
+        a.session = start.session.map(|(worker_id, secret)| {
+            Box::new(crate::tasks::SessionTag { worker_id: worker_id.into(), secret: secret.into() })
+        });
         task.attempts.push(a);
         self.set_status(id, Status::Dispatched);
         self.record(id, Rec::AttemptStarted);
@@ -552,16 +594,39 @@ impl MemStore {
             a.error = end.error.map(Box::from);
             a.duration_ms = end.duration_ms;
             a.restarted |= end.uncounted;
+            a.resumes = end.resumes;
             a.answered |= matches!(end.outcome, crate::tasks::Outcome::Done | crate::tasks::Outcome::Failed);
         }
-        match next {
-            Next::Retry => {
-                // (It keeps its place: due order is the order it fell due in, SPEC §7.)
-                self.set_status(id, Status::Pending);
-                self.record(id, Rec::AttemptEnded);
-                self.enqueue_ready(id);
-                self.events.push(Event::Ready);
+        let later = match next {
+            Next::Retry => Some(super::Later::default()),
+            Next::Later(l) => Some(l),
+            _ => None,
+        };
+        if let Some(later) = later {
+            let wait = later.at_wall_ms.filter(|&at| at > self.wall_ms);
+            task.next_attempt_wall_ms = wait;
+            task.again = later.again;
+            self.set_status(id, Status::Pending);
+            self.record(id, Rec::AttemptEnded);
+            match wait {
+                Some(at) => {
+                    // It waits out its backoff like a scheduled task, and is due when it ends
+                    // (SPEC §13): due order counts from then.
+                    if let Some(task) = self.tasks.get_mut(&id) {
+                        task.due_wall_ms = at;
+                    }
+                    self.schedule(id);
+                }
+                None => {
+                    // (It keeps its place: due order is the order it fell due in, SPEC §7.)
+                    self.enqueue_ready(id);
+                    self.events.push(Event::Ready);
+                }
             }
+            return;
+        }
+        match next {
+            Next::Retry | Next::Later(_) => {}
             Next::Done { result } => self.finalize(id, Status::Done, Some(result.to_owned()), None),
             Next::Failed { error } => self.finalize(id, Status::Failed, None, Some(error)),
         }
@@ -623,7 +688,7 @@ impl MemStore {
             } else {
                 for id in self.fragile.retries_with_at_least(&kind, count) {
                     let Some(t) = self.tasks.get(&id) else { continue };
-                    let tried: Vec<u128> = t.attempts.iter().map(|a| a.client_id).collect();
+                    let tried = t.tried_by();
                     if !takers.untried(kind.as_deref(), &tried) {
                         hopeless.push(id);
                     }
@@ -755,12 +820,34 @@ impl MemStore {
             self.scheduled.remove(&(due, seq));
             if let Some(task) = self.tasks.get_mut(&id) {
                 task.place = Place::Nowhere;
+                if !task.attempts.is_empty() && !task.restored {
+                    // A retry whose backoff ended: its last possible worker may have left
+                    // meanwhile (the core asks, SPEC §5).
+                    let kind = task.kind.clone();
+                    if let Some(due) = &mut self.retries_due
+                        && !due.contains(&kind)
+                    {
+                        if due.len() < MAX_RETRY_KINDS_DUE {
+                            due.push(kind);
+                        } else {
+                            // (Many kinds at once: every kind is looked at.)
+                            self.retries_due_all = true;
+                        }
+                    }
+                }
                 self.enqueue_ready(id);
                 any = true;
             }
         }
         if any {
             self.events.push(Event::Ready);
+        }
+        let due = self.retries_due.as_mut().map(std::mem::take).unwrap_or_default();
+        if self.retries_due_all {
+            self.retries_due_all = false;
+            self.events.push(Event::RetriesDue { kinds: None });
+        } else if !due.is_empty() {
+            self.events.push(Event::RetriesDue { kinds: Some(due) });
         }
     }
 
@@ -802,11 +889,7 @@ impl MemStore {
         let (now, wall, ttl) = (self.now_ms, self.wall_ms, self.cfg.task_ttl_ms);
         let mut expired = Vec::new();
         self.next_expiry_ms = None;
-        for (&(due, _), &id) in &self.ready_all {
-            let Some(task) = self.tasks.get(&id) else { continue };
-            if !task.attempts.is_empty() {
-                continue;
-            }
+        for (&(due, _), &id) in &self.ready_due {
             if due + ttl > wall {
                 self.next_expiry_ms = Some(now + (due + ttl - wall));
                 break;

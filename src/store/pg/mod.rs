@@ -349,6 +349,10 @@ impl PgStore {
             idem_owner: new.idempotency.map(|(o, _)| o.to_string()),
             idem_key: new.idempotency.map(|(_, k)| k.to_string()),
             runs_now: new.runs_now,
+            retry_backoff_ms: new.retry.backoff_ms,
+            retry_backoff_max_ms: new.retry.backoff_max_ms,
+            retry_any_worker: new.retry.any_worker,
+            priority: new.priority,
         };
         if new.runs_now {
             // (This store claims in the transaction that inserts: the core's claim round asks.)
@@ -411,8 +415,20 @@ impl PgStore {
         let lost = self.adopted_from.remove(&id);
         let adopted = lost.is_some();
         let node = if runner.is_some() { Some(self.name.clone()) } else { lost };
+        let later = match next {
+            Next::Later(l) => l,
+            _ => super::Later::default(),
+        };
+        let next_attempt_ms = later.at_wall_ms.filter(|&at| at > self.wall_ms);
+        if let Some(at) = next_attempt_ms {
+            // This node looks for it when its wait ends (the others within the slow poll).
+            self.due_ms.insert(self.now_ms + (at - self.wall_ms));
+            if self.due_ms.len() > node::MAX_DUE_TIMES {
+                self.due_ms.pop_last();
+            }
+        }
         let (status, result, final_error) = match next {
-            Next::Retry => ("pending", None, None),
+            Next::Retry | Next::Later(_) => ("pending", None, None),
             Next::Done { result } => ("done", Some(result.get().to_string()), None),
             Next::Failed { error } => ("failed", None, Some(storable_lossy(error))),
         };
@@ -430,6 +446,9 @@ impl PgStore {
             runner,
             node,
             uncounted: end.uncounted,
+            next_attempt_ms,
+            again: later.again.map(uuid_string),
+            resumes: end.resumes,
         };
         let final_status = status != "pending";
         if !final_status {
@@ -1352,6 +1371,11 @@ fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
             .saturating_sub(1)
             .saturating_sub(row.i64(ccol::UNCOUNTED).and_then(|n| u32::try_from(n).ok()).unwrap_or(0)),
         tried,
+        retry: crate::tasks::RetryPolicy {
+            backoff_ms: rows::ms(row, ccol::RETRY_BACKOFF_MS),
+            backoff_max_ms: rows::ms(row, ccol::RETRY_BACKOFF_MAX_MS),
+            any_worker: row.bool(ccol::RETRY_ANY_WORKER),
+        },
         created_wall_ms: rows::ms(row, ccol::CREATED_MS).unwrap_or(0),
     })
 }

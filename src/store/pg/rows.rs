@@ -27,14 +27,15 @@ pub mod col {
     pub const CLIENT_ID: usize = 8;
     pub const CLIENT_IP: usize = 9;
     pub const ATTEMPT_LOG: usize = 10;
-    pub const PAYLOAD: usize = 11;
-    pub const SEQ: usize = 12;
+    pub const PRIORITY: usize = 11;
+    pub const PAYLOAD: usize = 12;
+    pub const SEQ: usize = 13;
 }
 
 /// `LIST_TASKS`'s columns after the task's.
 pub mod lcol {
-    pub const WALKED: usize = 13;
-    pub const STOP_SEQ: usize = 14;
+    pub const WALKED: usize = 14;
+    pub const STOP_SEQ: usize = 15;
 }
 
 /// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
@@ -53,6 +54,10 @@ pub mod ccol {
     pub const LOST_NODE: usize = 8;
     /// (`CLAIM` only) attempts that do not count against max_retries (closed by a lost node).
     pub const UNCOUNTED: usize = 9;
+    /// (`CLAIM` only) the task's retry policy (SPEC §13; NULL: the default).
+    pub const RETRY_BACKOFF_MS: usize = 10;
+    pub const RETRY_BACKOFF_MAX_MS: usize = 11;
+    pub const RETRY_ANY_WORKER: usize = 12;
 }
 
 /// `LIST_WORKERS` columns.
@@ -86,9 +91,15 @@ struct LogEntry {
     error: Option<String>,
     #[serde(default)]
     duration_ms: Option<u64>,
+    /// Times a resuming worker took the attempt back (SPEC §12).
+    #[serde(default)]
+    resumes: Option<u32>,
     /// Closed by a lost node: does not count against max_retries.
     #[serde(default)]
     uncounted: bool,
+    /// A retry waiting out its backoff: when it may run (SPEC §13).
+    #[serde(default)]
+    next_attempt_ms: Option<u64>,
 }
 
 pub fn ms(row: &Row, i: usize) -> Option<u64> {
@@ -139,11 +150,14 @@ pub fn task(row: &Row) -> Option<Task> {
                 duration_ms: duration.unwrap_or(0),
                 answered: false,
                 restarted: e.uncounted,
+                resumes: e.resumes.unwrap_or(0),
+                session: None,
             }
         })
         .collect();
     let raw = |i: usize| row.json(i);
     let run_at = ms(row, col::RUN_AT_MS).filter(|&at| at != created);
+    let next_attempt = log.last().and_then(|e| e.next_attempt_ms).filter(|_| status == Status::Pending);
     Some(Task {
         id,
         status,
@@ -157,6 +171,8 @@ pub fn task(row: &Row) -> Option<Task> {
         error: if status == Status::Failed { row.text(col::ERROR).map(Box::from) } else { None },
         attempts,
         submit_seq: ms(row, col::SEQ).unwrap_or(0),
+        next_attempt_wall_ms: next_attempt,
+        priority: row.i64(col::PRIORITY).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
         ..Task::default()
     })
     .map(|mut t| {
@@ -220,6 +236,7 @@ pub fn worker(row: &Row) -> Option<WorkerInfo> {
         version: row.text(wcol::VERSION).map(str::to_string),
         node: row.text(wcol::NODE_NAME).map(str::to_string),
         node_id: row.text(wcol::NODE_ID).and_then(parse_id),
+        resumable_until_wall_ms: None,
     })
 }
 
@@ -291,9 +308,24 @@ mod tests {
         let w = "00000000-0000-0000-0000-000000000007";
         check(
             row("pending", Some("http"), "1000", "1000", None, None, None, None, "[]"),
-            serde_json::json!({"task_id": id, "status": "pending", "kind": "http",
+            serde_json::json!({"task_id": id, "status": "pending", "kind": "http", "waiting_on": "worker",
                 "created_at": "1970-01-01T00:00:01.000Z", "attempts": 0, "attempt_log": []}),
         );
+        // A retry waiting out its backoff: its last entry says until when (SPEC §13).
+        let log = format!(
+            r#"[{{"num":1,"client_id":"{w}","client_ip":"10.0.0.5","started_ms":2000,"outcome":"failed",
+                 "error":"boom","duration_ms":10,"next_attempt_ms":9000}}]"#
+        );
+        crate::tasks::set_json_clock(3_000);
+        check(
+            row("pending", Some("http"), "1000", "1000", None, None, None, None, &log),
+            serde_json::json!({"task_id": id, "status": "pending", "kind": "http", "waiting_on": "backoff",
+                "next_attempt_at": "1970-01-01T00:00:09.000Z",
+                "created_at": "1970-01-01T00:00:01.000Z", "attempts": 1, "attempt_log": [
+                    {"num": 1, "client_id": w, "client_ip": "10.0.0.5", "outcome": "failed", "error": "boom",
+                     "started_at": "1970-01-01T00:00:02.000Z", "duration_ms": 10}]}),
+        );
+        crate::tasks::set_json_clock(0);
         let log = format!(
             r#"[{{"num":1,"client_id":"{w}","client_ip":"10.0.0.5","node":"n1","started_ms":2000,
                  "outcome":"timeout","error":"no answer within 10s","duration_ms":10}},

@@ -4,6 +4,7 @@
 pub mod http;
 pub mod modes;
 pub mod pg;
+pub mod proxy;
 pub mod strace;
 pub mod worker;
 

@@ -19,6 +19,8 @@ use super::Relay;
 pub struct TaskMsg {
     pub id: String,
     pub payload: Value,
+    /// The attempt number a task frame to a session carries (SPEC §12).
+    pub attempt: Option<u64>,
 }
 
 /// What the worker does by itself when a task arrives.
@@ -50,6 +52,8 @@ pub struct FakeWorker {
     cmd: Sender<Cmd>,
     tasks: Receiver<TaskMsg>,
     cancels: Receiver<String>,
+    /// Frames of other types (`welcome`, `reconnect`), as they came.
+    others: Receiver<Value>,
     closed: Arc<AtomicBool>,
     close_code: Arc<Mutex<Option<u16>>>,
     /// Pings read from relay (each was answered by tungstenite).
@@ -82,13 +86,24 @@ impl FakeWorker {
         let (cmd_tx, cmd_rx) = channel();
         let (task_tx, task_rx) = channel();
         let (cancel_tx, cancel_rx) = channel();
+        let (other_tx, other_rx) = channel();
         let closed = Arc::new(AtomicBool::new(false));
         let close_code = Arc::new(Mutex::new(None));
         let pings = Arc::new(AtomicUsize::new(0));
-        let shared = Shared { closed: closed.clone(), close_code: close_code.clone(), pings: pings.clone() };
+        let shared =
+            Shared { closed: closed.clone(), close_code: close_code.clone(), pings: pings.clone(), others: other_tx };
         let self_tx = cmd_tx.clone();
         let join = std::thread::spawn(move || run(ws, auto, cmd_rx, self_tx, task_tx, cancel_tx, shared));
-        Ok(FakeWorker { cmd: cmd_tx, tasks: task_rx, cancels: cancel_rx, closed, close_code, pings, join: Some(join) })
+        Ok(FakeWorker {
+            cmd: cmd_tx,
+            tasks: task_rx,
+            cancels: cancel_rx,
+            others: other_rx,
+            closed,
+            close_code,
+            pings,
+            join: Some(join),
+        })
     }
 
     pub fn next_task(&self, within: Duration) -> Option<TaskMsg> {
@@ -105,6 +120,25 @@ impl FakeWorker {
     #[allow(dead_code)]
     pub fn no_task(&self, within: Duration) -> bool {
         self.next_task(within).is_none()
+    }
+
+    /// The next frame relay sent that is neither a task nor a cancel (a `welcome`, ...).
+    pub fn next_other(&self, within: Duration) -> Option<Value> {
+        self.others.recv_timeout(within).ok()
+    }
+
+    /// The `welcome` relay answers a hello with a `worker_id` with (SPEC §12).
+    pub fn expect_welcome(&self) -> Value {
+        let w = self.next_other(Duration::from_secs(5)).expect("a frame within 5s");
+        assert_eq!(w["type"], "welcome", "{w}");
+        w
+    }
+
+    /// `done` for attempt `attempt` of the task (the result echoes it).
+    pub fn done_attempt(&self, id: &str, attempt: u64, data: Value) {
+        self.send(
+            json!({"type": "result", "task_id": id, "attempt": attempt, "status": "done", "data": data}).to_string(),
+        );
     }
 
     pub fn next_cancel(&self, within: Duration) -> Option<String> {
@@ -175,6 +209,7 @@ struct Shared {
     closed: Arc<AtomicBool>,
     close_code: Arc<Mutex<Option<u16>>>,
     pings: Arc<AtomicUsize>,
+    others: Sender<Value>,
 }
 
 fn run(
@@ -186,7 +221,7 @@ fn run(
     cancels: Sender<String>,
     shared: Shared,
 ) {
-    let Shared { closed, close_code, pings } = shared;
+    let Shared { closed, close_code, pings, others } = shared;
     let mut frozen = false;
     loop {
         while let Ok(cmd) = cmds.try_recv() {
@@ -222,14 +257,17 @@ fn run(
                 let id = v["task_id"].as_str().unwrap_or_default().to_string();
                 match v["type"].as_str() {
                     Some("task") => {
-                        let msg = TaskMsg { id: id.clone(), payload: v["payload"].clone() };
+                        let msg =
+                            TaskMsg { id: id.clone(), payload: v["payload"].clone(), attempt: v["attempt"].as_u64() };
                         let _ = tasks.send(msg.clone());
                         auto_answer(&auto, &msg, &self_tx);
                     }
                     Some("cancel") => {
                         let _ = cancels.send(id);
                     }
-                    _ => {}
+                    _ => {
+                        let _ = others.send(v);
+                    }
                 }
             }
             Ok(Message::Ping(_)) => {

@@ -2,8 +2,11 @@
 //! `{method (default GET), url, headers, body}`, answered with
 //! `{status_code, headers, body | body_base64}`.
 //!
-//! Any answer, 2xx or not, is `done` (the caller sees the status); a network error (DNS,
-//! connect, TLS, timeout, a cut-off body) is `failed`, so relay retries from another worker.
+//! Any answer, 2xx or not, is `done` (the caller sees the status) — except a status the spec
+//! lists in `retry_on` (e.g. `[429, 503]`), which ends the attempt `failed` with the answer's
+//! `Retry-After` (seconds or an HTTP-date) as `retry_after_ms`, so relay retries no sooner (SPEC
+//! §13); a network error (DNS, connect, TLS, timeout, a cut-off body) is `failed`, so relay
+//! retries from another worker.
 //! `ALLOW_HOSTS` is checked before the first byte is sent and on every redirect; redirects are
 //! followed up to 5 and a 6th, or one to a host not allowed, fails the task without contacting
 //! that host. `HTTP_TIMEOUT` bounds the whole exchange, body included. The response body is
@@ -41,6 +44,8 @@ struct Spec {
     url: Option<String>,
     headers: Option<Map<String, Value>>,
     body: Option<Value>,
+    /// Statuses that end the attempt `failed`, paced by the answer's `Retry-After` (SPEC §13).
+    retry_on: Option<Vec<u16>>,
 }
 
 impl HttpKind {
@@ -108,6 +113,21 @@ impl HttpKind {
         }
         let response = request.send().map_err(|e| Error::new(describe_error(&e)))?;
         let status = response.status().as_u16();
+        if spec.retry_on.as_ref().is_some_and(|codes| codes.contains(&status)) {
+            // The upstream says "not now": a failed attempt relay retries, no sooner than its
+            // Retry-After (seconds or an HTTP-date), if it gave one.
+            let after = response.headers().get(reqwest::header::RETRY_AFTER).and_then(|v| v.to_str().ok());
+            let wait =
+                after.and_then(|v| relay_common::timefmt::parse_retry_after_ms(v, relay_common::timefmt::wall_ms()));
+            let message = match after {
+                Some(v) => format!("HTTP {status} (spec.retry_on), Retry-After: {v}"),
+                None => format!("HTTP {status} (spec.retry_on)"),
+            };
+            return Err(match wait {
+                Some(ms) => Error::retry_after(message, ms),
+                None => Error::new(message),
+            });
+        }
         let headers = response_headers(response.headers());
         let is_json = response.headers().get(CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(is_json_type);
         let mut body = Vec::new();

@@ -184,3 +184,45 @@ fn slow_target_times_out_as_failed() {
     assert!(task["error"].as_str().is_some_and(|e| e.contains("timed out")), "{task}");
     assert!(started.elapsed() < Duration::from_secs(2), "failed at the timeout, not when the target answered");
 }
+
+/// `spec.retry_on` (SPEC §13): a listed status is a failed attempt paced by the answer's
+/// `Retry-After` — in seconds, or as an HTTP-date — so the retry comes no sooner.
+#[test]
+fn retry_on_statuses_fail_the_attempt_and_retry_after_paces_the_retry() {
+    crate::require_relay!();
+    let target = Target::start(|req, _| match req.path.as_str() {
+        "/secs" => Reply::new(503, &[("Retry-After", "1")], "busy"),
+        "/date" => {
+            let at = relay_common::timefmt::wall_ms() / 1000 + 2;
+            let date = String::from_utf8_lossy(&relay_common::timefmt::http_date(at)).into_owned();
+            Reply::new(429, &[("Retry-After", date.as_str())], "slow down")
+        }
+        "/plain" => Reply::new(503, &[], "down"),
+        _ => Reply::new(200, &[], "fine"),
+    });
+    let relay = Relay::start();
+    let worker = Worker::start(&relay.ws_url(), &[]);
+    worker.wait_connected();
+    relay.wait_clients(1, Duration::from_secs(5), |_| true);
+    let ms = |v: &serde_json::Value| relay_common::timefmt::parse_rfc3339_ms(v.as_str().expect("time")).expect("time");
+    for (path, at_least) in [("/secs", 1_000), ("/date", 900)] {
+        // One worker: the retry goes to it again (any_worker), once the upstream's wait is over.
+        let body = json!({"payload": {"kind": "http", "spec": {"url": target.url(path), "retry_on": [429, 503]}},
+                          "max_retries": 1, "retry": {"any_worker": true}});
+        let (status, task) = relay.api("POST", "/tasks?wait=true", Some(&body.to_string()));
+        assert_eq!(status, 502, "{task}");
+        let log = task["attempt_log"].as_array().expect("log");
+        assert_eq!(log.len(), 2, "{task}");
+        assert!(log[0]["error"].as_str().is_some_and(|e| e.contains("spec.retry_on")), "{task}");
+        let end = ms(&log[0]["started_at"]) + log[0]["duration_ms"].as_u64().expect("ms");
+        let gap = ms(&log[1]["started_at"]).saturating_sub(end);
+        assert!(gap + 10 >= at_least && gap < at_least + 2_500, "{path}: the retry came {gap} ms later: {task}");
+    }
+    // Without Retry-After the listed status still fails the attempt; unlisted ones are done.
+    let body = json!({"payload": {"kind": "http", "spec": {"url": target.url("/plain"), "retry_on": [503]}},
+                      "max_retries": 0});
+    let (status, task) = relay.api("POST", "/tasks?wait=true", Some(&body.to_string()));
+    assert_eq!((status, task["error"].as_str()), (502, Some("HTTP 503 (spec.retry_on)")), "{task}");
+    let task = relay.run_task(json!({"kind": "http", "spec": {"url": target.url("/plain"), "retry_on": [429]}}));
+    assert_eq!((task["status"].as_str(), &task["result"]["status_code"]), (Some("done"), &json!(503)), "{task}");
+}

@@ -58,11 +58,13 @@ fn restarted_worker_connects_by_itself() {
     relay.wait_clients(1, Duration::from_secs(5), |_| true);
     let first = relay.clients()["clients"][0]["client_id"].clone();
     worker.proc.kill();
-    relay.wait_clients(0, Duration::from_secs(5), |_| true);
+    // Killed without a close frame: relay holds its session for RESUME_WINDOW (SPEC §12),
+    // listed inactive, and a new process (a new WORKER_ID) is a new worker.
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["active"] == false && c["resumable_until"].is_string());
 
     let worker = Worker::start(&relay.ws_url(), &[]);
     worker.wait_connected();
-    relay.wait_clients(1, Duration::from_secs(5), |c| c["client_id"] != first);
+    relay.wait_clients(2, Duration::from_secs(5), |c| c["client_id"] != first || c["active"] == false);
     let target = Target::start(|_, _| Reply::json(200, &json!({"ok": true})));
     let task = relay.run_task(json!({"kind": "http", "spec": {"url": target.url("/")}}));
     assert_eq!(task["status"], "done", "{task}");

@@ -11,4 +11,5 @@ mod http_kind;
 mod library;
 mod link;
 mod python;
+mod sessions;
 mod shutdown;

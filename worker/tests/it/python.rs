@@ -56,3 +56,38 @@ fn python_example_worker_stops_on_a_wrong_token() {
     assert!(log.contains("relay refused TOKEN (HTTP 401)"), "{log}");
     assert!(!log.contains("retry_in_ms"), "{log}");
 }
+
+/// The Python worker speaks sessions (docs/protocol.md, "Sessions"): after a cut it presents
+/// its session and what it ran, and a result finished meanwhile goes out once adopted, echoing
+/// the attempt.
+#[test]
+fn python_example_worker_resumes_its_session() {
+    if let Some(why) = python_missing() {
+        skip_or_fail(&why);
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/worker.py");
+    let fake = crate::support::fake_relay::FakeRelay::start();
+    let url = fake.ws_url();
+    let worker = spawn_python(&script, &[("RELAY_URL", &url), ("TOKEN", WRK), ("WORKER_ID", "py-1")]);
+    let mut conn = fake.accept(Duration::from_secs(15)).expect("worker.py connects");
+    let hello = conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    assert_eq!((hello["worker_id"].clone(), hello["running"].clone()), (json!("py-1"), json!([])), "{hello}");
+    conn.send(
+        &json!({"type":"welcome","client_id":"c","session":"s-1","resume_window_ms":10000,"adopted":[],"abandon":[]}),
+    );
+    conn.send(&json!({"type":"task","task_id":"t-1","attempt":2,"payload":{"kind":"sleep","spec":{"ms":300}}}));
+    conn.cut();
+    let mut again = fake.accept(Duration::from_secs(15)).expect("worker.py reconnects");
+    let hello = again.recv_type("hello", Duration::from_secs(5)).expect("hello again");
+    assert_eq!(hello["session"], "s-1", "{hello}");
+    assert_eq!(hello["running"], json!([{"task_id": "t-1", "attempt": 2}]), "{hello}");
+    assert!(worker.wait_log("result kept", Duration::from_secs(5)), "{}", worker.log_text());
+    again.send(&json!({"type":"welcome","client_id":"c","session":"s-1","resume_window_ms":10000,"adopted":["t-1"],"abandon":[]}));
+    let r = again.recv_type("result", Duration::from_secs(5)).expect("the kept result");
+    assert_eq!(
+        (r["task_id"].clone(), r["attempt"].clone(), r["data"].clone()),
+        (json!("t-1"), json!(2), json!({"slept_ms": 300})),
+        "{r}"
+    );
+}

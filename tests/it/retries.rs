@@ -1,0 +1,263 @@
+//! Retries (SPEC §13): backoff with full jitter, waiting as `pending` with `waiting_on:
+//! "backoff"` and `next_attempt_at` (across a restart too), `any_worker`, a worker's permanent
+//! (`"retry": false`) and paced (`"retry_after_ms"`) failures. Both modes.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+use crate::support::worker::TaskMsg;
+use crate::support::*;
+
+fn ms(v: &Value) -> u64 {
+    relay::timefmt::parse_rfc3339_ms(v.as_str().unwrap_or_else(|| panic!("a time, got {v}"))).expect("RFC 3339")
+}
+
+fn id_of(r: &Resp) -> String {
+    assert_eq!(r.status, 202, "{}", r.text());
+    r.json()["task_id"].as_str().expect("task_id").to_string()
+}
+
+fn outcomes(t: &Value) -> Vec<String> {
+    t["attempt_log"].as_array().expect("log").iter().map(|a| a["outcome"].as_str().unwrap_or("-").to_string()).collect()
+}
+
+/// From the end of attempt `i` (0-based) to the start of the next, in ms.
+fn gap_after(t: &Value, i: usize) -> u64 {
+    let a = &t["attempt_log"][i];
+    let end = ms(&a["started_at"]) + a["duration_ms"].as_u64().expect("duration");
+    ms(&t["attempt_log"][i + 1]["started_at"]).saturating_sub(end)
+}
+
+/// The first task any of `workers` receives within `within`, and which worker got it.
+fn first_task(workers: &[&FakeWorker], within: Duration) -> Option<(usize, TaskMsg)> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        for (i, w) in workers.iter().enumerate() {
+            if let Some(t) = w.next_task(Duration::from_millis(5)) {
+                return Some((i, t));
+            }
+        }
+    }
+    None
+}
+
+fn fail_with(w: &FakeWorker, id: &str, extra: Value) {
+    let mut msg = json!({"type": "result", "task_id": id, "status": "failed", "error": "upstream down"});
+    if let (Some(m), Some(e)) = (msg.as_object_mut(), extra.as_object()) {
+        m.extend(e.clone());
+    }
+    w.send(msg.to_string());
+}
+
+#[test]
+fn a_retry_waits_out_a_jittered_backoff_as_pending_and_within_its_bounds() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let hello = json!({"type":"hello","kinds":["k"]});
+        let bad = FakeWorker::connect(&relay, Some(hello.clone()), Auto::Fail("upstream down".into()));
+        let good = FakeWorker::connect(&relay, Some(hello), Auto::Echo);
+        relay.wait_clients(2, |c| c.get("kinds").is_some());
+        let body = r#"{"payload":{"kind":"k"},"retry":{"backoff":"1s","backoff_max":"1s"}}"#;
+        let ids: Vec<String> = (0..8).map(|_| id_of(&relay.submit(body))).collect();
+        let seen_waiting = std::cell::Cell::new(false);
+        let mut gaps = Vec::new();
+        for id in &ids {
+            let t = relay.wait_task(id, Duration::from_secs(10), |t| {
+                if t["waiting_on"] == "backoff" {
+                    seen_waiting.set(true);
+                    // While it waits: pending, and when it may run is said.
+                    assert_eq!(t["status"], "pending", "{t}");
+                    let next = ms(&t["next_attempt_at"]);
+                    let a = &t["attempt_log"][0];
+                    let end = ms(&a["started_at"]) + a["duration_ms"].as_u64().expect("duration");
+                    assert!(next >= end && next <= end + 1_000, "next_attempt_at outside [end, end + 1s]: {t}");
+                }
+                t["status"] == "done"
+            });
+            if outcomes(&t).len() == 2 {
+                assert_eq!(outcomes(&t), ["failed", "done"]);
+                let gap = gap_after(&t, 0);
+                // At most min(backoff_max, backoff · 2^0) = 1 s (plus a loop turn or a claim).
+                assert!(gap <= 1_800, "retry 1 waited {gap} ms, more than its 1 s bound: {t}");
+                gaps.push(gap);
+            }
+            assert!(t.get("waiting_on").is_none() && t.get("next_attempt_at").is_none(), "{t}");
+        }
+        // First attempts alternate over the two workers: half the tasks met the failing one.
+        assert!(gaps.len() >= 3, "{gaps:?}");
+        // Uniform in [0, 1 s]: that every wait was under 150 ms has odds of 0.15^n.
+        assert!(gaps.iter().any(|&g| g >= 150), "no wait at all: {gaps:?}");
+        // (Polled every 10 ms, a wait of 150 ms or more is seen while it lasts.)
+        assert!(seen_waiting.get(), "no task was seen waiting_on backoff: {gaps:?}");
+        drop((bad, good));
+    });
+}
+
+#[test]
+fn the_configured_backoff_applies_and_doubles_per_retry() {
+    for_each_mode(|mode| {
+        // RETRY_BACKOFF 300ms: retry 1 waits ≤ 300 ms, retry 2 ≤ 600 ms, retry 3 ≤ 700 ms (the max).
+        let relay =
+            mode.start_with(&[("RETRY_BACKOFF", "300ms"), ("RETRY_BACKOFF_MAX", "700ms"), ("MAX_RETRIES", "3")]);
+        let ws: Vec<FakeWorker> =
+            (0..4).map(|i| FakeWorker::connect(&relay, None, Auto::Fail(format!("e{i}")))).collect();
+        relay.wait_clients(4, |_| true);
+        let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+        assert_eq!(r.status, 502, "a wait=true caller keeps waiting through the backoffs: {}", r.text());
+        let t = r.json();
+        assert_eq!(outcomes(&t), ["failed", "failed", "failed", "failed"], "{t}");
+        for (i, bound) in [(0, 300), (1, 600), (2, 700)] {
+            let gap = gap_after(&t, i);
+            assert!(gap <= bound + 800, "retry {} waited {gap} ms (bound {bound}): {t}", i + 1);
+        }
+        drop(ws);
+    });
+}
+
+#[test]
+fn a_worker_asks_for_a_pause_and_the_next_attempt_waits_at_least_that_long_also_across_a_restart() {
+    for_each_mode(|mode| {
+        let data = files_dir("retry-restart");
+        let data_dir = data.to_string_lossy().into_owned();
+        let env: Vec<(&str, &str)> = if mode.is_cluster() { vec![] } else { vec![("DATA_DIR", data_dir.as_str())] };
+        let relay = mode.start_with(&env);
+        let w = FakeWorker::connect(&relay, None, Auto::Manual);
+        relay.wait_clients(1, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":1,"retry":{"any_worker":true}}"#));
+        let task = w.expect_task();
+        fail_with(&w, &task.id, json!({"retry_after_ms": 2500}));
+        let t = relay.wait_task(&id, Duration::from_secs(5), |t| t["waiting_on"] == "backoff");
+        let next = ms(&t["next_attempt_at"]);
+        let end = ms(&t["attempt_log"][0]["started_at"]) + t["attempt_log"][0]["duration_ms"].as_u64().expect("ms");
+        // (The end is timed on the monotonic clock, next_attempt_at on the wall clock: a few ms apart.)
+        assert!(next + 10 >= end + 2_500 && next <= end + 2_700, "{t}");
+        // A restart keeps the wait.
+        let db = relay.db.clone();
+        drop(w);
+        assert!(relay.stop().success());
+        let relay = match db {
+            Some(db) => Mode::start_on(Arc::clone(&db), &env),
+            None => mode.start_with(&env),
+        };
+        let t = relay.get_task(&id);
+        assert_eq!((t["status"].as_str(), t["waiting_on"].as_str()), (Some("pending"), Some("backoff")), "{t}");
+        assert_eq!(ms(&t["next_attempt_at"]), next, "{t}");
+        let w = FakeWorker::connect(&relay, None, Auto::Echo);
+        let t = relay.wait_status(&id, "done", Duration::from_secs(10));
+        let started = ms(&t["attempt_log"][1]["started_at"]);
+        assert!(started >= next, "the retry started {} ms before its time: {t}", next - started);
+        drop(w);
+        let _ = std::fs::remove_dir_all(&data);
+    });
+}
+
+fn files_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("relay-it-{tag}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+#[test]
+fn retry_after_ms_paces_the_retry_on_another_worker() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let a = FakeWorker::connect(&relay, None, Auto::Manual);
+        let b = FakeWorker::connect(&relay, None, Auto::Manual);
+        relay.wait_clients(2, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":1}"#));
+        let workers = [&a, &b];
+        let (first, task) = first_task(&workers, Duration::from_secs(5)).expect("a first attempt");
+        fail_with(workers[first], &task.id, json!({"retry_after_ms": 800}));
+        let other = workers[1 - first];
+        let retry = other.next_task(Duration::from_secs(5)).expect("the retry, on the other worker");
+        other.done(&retry.id, json!(1));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        let gap = gap_after(&t, 0);
+        // (The end is timed on the monotonic clock, the start on the wall clock: a few ms apart;
+        // the upper bound leaves room for a loaded machine.)
+        assert!((790..2_300).contains(&gap), "retry_after_ms 800, waited {gap} ms: {t}");
+    });
+}
+
+#[test]
+fn retry_false_ends_the_task_after_one_attempt() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_RETRIES", "5")]);
+        let a = FakeWorker::connect(&relay, None, Auto::Manual);
+        let b = FakeWorker::connect(&relay, None, Auto::Manual);
+        relay.wait_clients(2, |_| true);
+        let mut waiter = Client::connect(relay.addr);
+        let auth = format!("Bearer {API}");
+        waiter.send("POST", "/tasks?wait=true", &[("Authorization", auth.as_str())], Some(br#"{"payload":1}"#));
+        let workers = [&a, &b];
+        let (first, task) = first_task(&workers, Duration::from_secs(5)).expect("a first attempt");
+        fail_with(workers[first], &task.id, json!({"error": "bad request: no such user", "retry": false}));
+        let r = waiter.read_response().expect("the answer");
+        assert_eq!(r.status, 502, "{}", r.text());
+        let t = r.json();
+        assert_eq!(outcomes(&t), ["failed"], "a permanent failure is not retried: {t}");
+        assert_eq!(t["error"], "bad request: no such user");
+    });
+}
+
+#[test]
+fn any_worker_retries_on_the_only_worker_and_then_on_the_one_tried_longest_ago() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let only = FakeWorker::connect(&relay, None, Auto::Manual);
+        relay.wait_clients(1, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":1,"retry":{"any_worker":true}}"#));
+        let t1 = only.expect_task();
+        only.fail(&t1.id, "blip");
+        let t2 = only.next_task(Duration::from_secs(5)).expect("the retry, on the same worker");
+        only.done(&t2.id, json!("ok"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["failed", "done"]);
+        assert_eq!(t["attempt_log"][0]["client_id"], t["attempt_log"][1]["client_id"]);
+        drop(only);
+
+        // RETRY_ANY_WORKER: with both tried, attempts alternate (longest ago first).
+        let relay = mode.start_with(&[("RETRY_ANY_WORKER", "true"), ("MAX_RETRIES", "3")]);
+        let ws: Vec<FakeWorker> =
+            (0..2).map(|i| FakeWorker::connect(&relay, None, Auto::Fail(format!("e{i}")))).collect();
+        relay.wait_clients(2, |_| true);
+        let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+        assert_eq!(r.status, 502, "{}", r.text());
+        let t = r.json();
+        let who: Vec<&str> =
+            t["attempt_log"].as_array().expect("log").iter().map(|a| a["client_id"].as_str().expect("id")).collect();
+        assert_eq!(who.len(), 4, "{t}");
+        assert!(who[0] != who[1] && who[0] == who[2] && who[1] == who[3], "{t}");
+        // Without it, a task whose every worker was tried fails (SPEC §5).
+        let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1,"retry":{"any_worker":false}}"#));
+        assert_eq!(outcomes(&r.json()).len(), 2, "{}", r.text());
+        drop(ws);
+    });
+}
+
+#[test]
+fn bad_retry_policies_are_refused() {
+    let relay = Relay::start();
+    for body in [
+        r#"{"payload":1,"retry":{"backoff":"soon"}}"#,
+        r#"{"payload":1,"retry":{"backoff_max":"0s"}}"#,
+        r#"{"payload":1,"retry":{"any_worker":1}}"#,
+        r#"{"payload":1,"retry":{"backof":"1s"}}"#,
+        r#"{"payload":1,"retry":"2s"}"#,
+    ] {
+        let r = relay.api("POST", "/tasks", Some(body));
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(r.json()["error"], "bad_request", "{}", r.text());
+        assert!(r.json()["message"].is_string());
+    }
+    for (var, value) in [("RETRY_BACKOFF", "-1s"), ("RETRY_BACKOFF_MAX", "0s"), ("RETRY_ANY_WORKER", "maybe")] {
+        let (code, _, err) = run_relay_env(
+            &[],
+            &[("API_TOKEN", "a"), ("WORKER_TOKEN", "w"), ("DATA_DIR", ""), ("PORT", "0"), (var, value)],
+        );
+        assert_eq!(code, Some(2), "{var}={value}: {err}");
+        assert!(err.contains(var), "{err}");
+    }
+}

@@ -1,0 +1,450 @@
+//! Worker sessions (SPEC §12): a lost connection's attempts are held for RESUME_WINDOW and a
+//! worker that resumes its session takes them back; a blip costs no attempt. Connections are cut
+//! by a loopback proxy (no close frame), as a NAT or a restarting proxy cuts them. Every test
+//! runs in both modes: the hold is the one core's, on the node the worker was connected to.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::proxy::Proxy;
+use crate::support::*;
+
+fn id_of(r: &Resp) -> String {
+    assert_eq!(r.status, 202, "{}", r.text());
+    r.json()["task_id"].as_str().expect("task_id").to_string()
+}
+
+fn outcomes(t: &Value) -> Vec<String> {
+    t["attempt_log"].as_array().expect("log").iter().map(|a| a["outcome"].as_str().unwrap_or("-").to_string()).collect()
+}
+
+fn hello(worker_id: &str) -> Value {
+    json!({"type": "hello", "worker_id": worker_id, "version": "it"})
+}
+
+fn resume(worker_id: &str, session: &Value, running: Value) -> Value {
+    json!({"type": "hello", "worker_id": worker_id, "session": session, "running": running, "version": "it"})
+}
+
+/// Waits until `/clients` lists one held session (inactive, with `resumable_until`).
+fn wait_held(relay: &Relay) -> Value {
+    let mut last = Value::Null;
+    let held = poll_until(Duration::from_secs(5), || {
+        last = relay.clients();
+        last["clients"]
+            .as_array()
+            .is_some_and(|c| c.iter().any(|w| w["active"] == false && w["resumable_until"].is_string()))
+    });
+    assert!(held, "no held session listed: {last}\n{}", worker_losses(&relay.log_text()));
+    last
+}
+
+fn wait_metric(relay: &Relay, series: &str, value: f64) {
+    let ok = poll_until(Duration::from_secs(5), || relay.metric(series) == value);
+    assert!(ok, "{series} never became {value}: {}", relay.metric(series));
+}
+
+#[test]
+fn a_cut_connection_resumes_and_the_task_runs_once() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-blip")), Auto::Manual).expect("connects");
+        let welcome = a.expect_welcome();
+        assert_eq!(welcome["resume_window_ms"], 5000, "{welcome}");
+        assert_eq!(welcome["adopted"], json!([]));
+        assert_eq!(welcome["abandon"], json!([]));
+        let secret = welcome["session"].clone();
+        assert!(secret.as_str().is_some_and(|s| s.len() >= 32), "at least 128 bits: {welcome}");
+        let client_id = welcome["client_id"].clone();
+        relay.wait_clients(1, |c| c["version"] == "it" && c["client_id"] == client_id);
+
+        let id = id_of(&relay.submit(r#"{"payload":{"n":1}}"#));
+        let task = a.expect_task();
+        assert_eq!(
+            (task.id.as_str(), task.attempt),
+            (id.as_str(), Some(1)),
+            "a session's task frame carries the attempt"
+        );
+
+        proxy.cut();
+        let clients = wait_held(&relay);
+        let w = &clients["clients"][0];
+        assert_eq!((w["client_id"].clone(), w["in_flight"].clone()), (client_id.clone(), json!(1)), "{clients}");
+        wait_metric(&relay, "relay_attempts_held", 1.0);
+        let t = relay.get_task(&id);
+        assert_eq!((t["status"].as_str(), t["attempts"].as_u64()), (Some("dispatched"), Some(1)), "held: {t}");
+
+        let b = FakeWorker::connect_url(
+            &proxy.ws_url(),
+            Some(resume("w-blip", &secret, json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        )
+        .expect("reconnects");
+        let welcome = b.expect_welcome();
+        assert_eq!(welcome["client_id"], client_id, "a resume keeps the client id: {welcome}");
+        assert_eq!(welcome["adopted"], json!([id]), "{welcome}");
+        assert_eq!(welcome["abandon"], json!([]), "{welcome}");
+        b.done_attempt(&id, 1, json!({"ok": true}));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(t["attempts"], 1, "one attempt: {t}");
+        assert_eq!(t["attempt_log"][0]["resumes"], 1, "{t}");
+        assert_eq!(t["attempt_log"][0]["outcome"], "done", "{t}");
+        assert_eq!(t["client_id"], client_id, "{t}");
+        assert_eq!(t["result"], json!({"ok": true}));
+        assert_eq!(relay.metric("relay_sessions_resumed_total"), 1.0);
+        assert_eq!(relay.metric("relay_attempts_adopted_total"), 1.0);
+        assert_eq!(relay.metric("relay_attempts_held"), 0.0);
+        assert_eq!(relay.metric("relay_attempts_total{outcome=\"disconnect\"}"), 0.0);
+        relay.wait_clients(1, |c| {
+            c["active"] == true && c["client_id"] == client_id && c.get("resumable_until").is_none()
+        });
+        drop((a, b, proxy));
+    });
+}
+
+#[test]
+fn a_worker_silent_past_pong_wait_is_held_and_resumes() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let a = FakeWorker::connect(&relay, Some(hello("w-silent")), Auto::Manual);
+        let secret = a.expect_welcome()["session"].clone();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":2}"#));
+        assert_eq!(a.expect_task().id, id);
+        // Silence: relay closes it after PONG_WAIT (1 s), and holds its attempt.
+        a.freeze();
+        wait_held(&relay);
+        let b = FakeWorker::connect(
+            &relay,
+            Some(resume("w-silent", &secret, json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        );
+        assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+        b.done(&id, json!("late but fine"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["done"], "{t}");
+        drop((a, b));
+    });
+}
+
+#[test]
+fn a_worker_not_back_within_the_window_is_retried_elsewhere() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "800ms")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-gone")), Auto::Manual).expect("connects");
+        let a_id = a.expect_welcome()["client_id"].clone();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":3}"#));
+        assert_eq!(a.expect_task().id, id);
+        let c = FakeWorker::connect(&relay, Some(json!({"type": "hello", "version": "other"})), Auto::Echo);
+        relay.wait_clients(2, |_| true);
+        proxy.cut();
+        wait_held(&relay);
+        // Held: not retried on the idle worker while the window is open.
+        assert_eq!(relay.get_task(&id)["attempts"], 1);
+        let t = relay.wait_status(&id, "done", Duration::from_secs(8));
+        assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+        assert_eq!(t["attempt_log"][0]["client_id"], a_id);
+        assert_eq!(t["attempt_log"][0]["error"], "worker disconnected");
+        assert_ne!(t["client_id"], a_id);
+        assert_eq!(relay.metric("relay_attempts_held"), 0.0);
+        // The session is gone: its worker id and secret no longer resume anything.
+        relay.wait_clients(1, |w| w["version"] == "other");
+        drop((a, c, proxy));
+    });
+}
+
+#[test]
+fn a_worker_id_without_the_secret_gets_a_new_session_and_never_takes_over() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "1500ms")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-same")), Auto::Manual).expect("connects");
+        let first = a.expect_welcome();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":4}"#));
+        assert_eq!(a.expect_task().id, id);
+        proxy.cut();
+        wait_held(&relay);
+        let running = json!([{"task_id": id, "attempt": 1}]);
+        // No secret, then a wrong one: each a new session of its own.
+        let b = FakeWorker::connect(
+            &relay,
+            Some(json!({"type":"hello","worker_id":"w-same","running":running,"version":"b"})),
+            Auto::Echo,
+        );
+        let wb = b.expect_welcome();
+        let forged = json!("0".repeat(64));
+        let c = FakeWorker::connect(&relay, Some(resume("w-same", &forged, running.clone())), Auto::Echo);
+        let wc = c.expect_welcome();
+        for w in [&wb, &wc] {
+            assert_ne!(w["client_id"], first["client_id"], "{w}");
+            assert_ne!(w["session"], first["session"], "{w}");
+            assert_eq!(w["adopted"], json!([]), "{w}");
+            assert_eq!(w["abandon"], json!([id]), "{w}");
+        }
+        assert_ne!(wb["session"], wc["session"]);
+        // Its result for the task it does not hold is ignored; the held attempt stays held.
+        b.done_attempt(&id, 1, json!("not mine"));
+        assert!(poll_until(Duration::from_secs(5), || relay.metric("relay_results_ignored_total{reason=\"unknown\"}")
+            >= 1.0));
+        let t = relay.get_task(&id);
+        assert_eq!((t["status"].as_str(), t["attempts"].as_u64()), (Some("dispatched"), Some(1)), "{t}");
+        // The window passes: the task runs on another worker (b or c), never on a's session.
+        let t = relay.wait_status(&id, "done", Duration::from_secs(8));
+        assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+        assert_ne!(t["client_id"], first["client_id"]);
+        assert_ne!(t["result"], json!("not mine"));
+        drop((a, b, c, proxy));
+    });
+}
+
+#[test]
+fn a_close_frame_or_an_empty_running_list_frees_the_attempts_at_once() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "60s")]);
+        let proxy = Proxy::start(relay.addr);
+        let other = FakeWorker::connect(&relay, Some(json!({"type": "hello", "kinds": ["x"]})), Auto::Echo);
+        relay.wait_clients(1, |_| true);
+
+        // A close frame: the worker is stopping; nothing is held.
+        let a = FakeWorker::connect(
+            &relay,
+            Some(json!({"type":"hello","worker_id":"w-close","kinds":["k"]})),
+            Auto::Manual,
+        );
+        a.expect_welcome();
+        relay.wait_clients(2, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":{"kind":"k"}}"#));
+        assert_eq!(a.expect_task().id, id);
+        let other2 = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["k"]})), Auto::Echo);
+        relay.wait_clients(3, |_| true);
+        a.close();
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+
+        // A resume that runs nothing (the worker restarted): its held attempts end at once.
+        let b = FakeWorker::connect_url(
+            &proxy.ws_url(),
+            Some(json!({"type":"hello","worker_id":"w-restart","kinds":["k"]})),
+            Auto::Manual,
+        )
+        .expect("connects");
+        let secret = b.expect_welcome()["session"].clone();
+        drop(other2);
+        relay.wait_clients(2, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":{"kind":"k"}}"#));
+        assert_eq!(b.expect_task().id, id);
+        let other3 = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["k"]})), Auto::Echo);
+        relay.wait_clients(3, |_| true);
+        proxy.cut();
+        wait_held(&relay);
+        let b2 = FakeWorker::connect(
+            &relay,
+            Some(json!({"type":"hello","worker_id":"w-restart","session":secret,"running":[],"kinds":["k"]})),
+            Auto::Manual,
+        );
+        let w = b2.expect_welcome();
+        assert_eq!((w["adopted"].clone(), w["abandon"].clone()), (json!([]), json!([])), "{w}");
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+        assert_eq!(t["attempt_log"][0]["error"], "worker no longer runs this task", "{t}");
+        assert_eq!(relay.metric("relay_attempts_held"), 0.0);
+        drop((other, other3, a, b, b2, proxy));
+    });
+}
+
+#[test]
+fn a_result_naming_another_attempt_is_ignored_and_a_hello_without_worker_id_gets_no_welcome() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let plain = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["plain"]})), Auto::Manual);
+        let a = FakeWorker::connect(
+            &relay,
+            Some(json!({"type":"hello","worker_id":"w-fence","kinds":["s"]})),
+            Auto::Manual,
+        );
+        assert_eq!(a.expect_welcome()["resume_window_ms"], 10000, "RESUME_WINDOW defaults to 10s");
+        relay.wait_clients(2, |_| true);
+
+        let id = id_of(&relay.submit(r#"{"payload":{"kind":"plain"}}"#));
+        let t = plain.expect_task();
+        assert_eq!((t.id.as_str(), t.attempt), (id.as_str(), None), "no session, no attempt field");
+        assert!(plain.next_other(Duration::ZERO).is_none(), "no welcome without worker_id (it would precede the task)");
+        plain.done(&id, json!(1));
+        relay.wait_status(&id, "done", Duration::from_secs(5));
+
+        let id = id_of(&relay.submit(r#"{"payload":{"kind":"s"}}"#));
+        assert_eq!(a.expect_task().attempt, Some(1));
+        a.done_attempt(&id, 2, json!("wrong attempt"));
+        assert!(
+            poll_until(Duration::from_secs(5), || relay.metric("relay_results_ignored_total{reason=\"late\"}") == 1.0)
+        );
+        assert_eq!(relay.get_task(&id)["status"], "dispatched");
+        a.done_attempt(&id, 1, json!("right attempt"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(t["result"], "right attempt");
+        drop((plain, a));
+    });
+}
+
+#[test]
+fn resume_window_0s_holds_nothing() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "0s")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-zero")), Auto::Manual).expect("connects");
+        assert_eq!(a.expect_welcome()["resume_window_ms"], 0);
+        relay.wait_clients(1, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":5}"#));
+        assert_eq!(a.expect_task().id, id);
+        let c = FakeWorker::connect(&relay, Some(json!({"type": "hello", "version": "other"})), Auto::Echo);
+        relay.wait_clients(2, |_| true);
+        proxy.cut();
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+        drop((a, c, proxy));
+    });
+}
+
+#[test]
+fn a_bad_resume_window_is_a_startup_error_naming_it() {
+    let (code, _out, err) = run_relay_env(&[], &[("WORKER_TOKEN", WRK), ("API_TOKEN", API), ("RESUME_WINDOW", "soon")]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("RESUME_WINDOW"), "{err}");
+}
+
+#[test]
+fn a_resume_before_relay_noticed_the_loss_takes_the_session_over() {
+    for_each_mode(|mode| {
+        // PONG_WAIT far beyond the test: relay still thinks the first connection is alive.
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s"), ("PING_INTERVAL", "20s"), ("PONG_WAIT", "60s")]);
+        let a = FakeWorker::connect(&relay, Some(hello("w-early")), Auto::Manual);
+        let welcome = a.expect_welcome();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":6}"#));
+        assert_eq!(a.expect_task().id, id);
+        a.freeze();
+        let b = FakeWorker::connect(
+            &relay,
+            Some(resume("w-early", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        );
+        let w = b.expect_welcome();
+        assert_eq!((w["client_id"].clone(), w["adopted"].clone()), (welcome["client_id"].clone(), json!([id])), "{w}");
+        // The old connection no longer counts as the worker: one client, active.
+        relay.wait_clients(1, |c| c["active"] == true && c["client_id"] == welcome["client_id"]);
+        b.done_attempt(&id, 1, json!("from the new connection"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!((t["attempts"].as_u64(), t["attempt_log"][0]["resumes"].as_u64()), (Some(1), Some(1)), "{t}");
+        drop((a, b));
+    });
+}
+
+// ----- relay restarts (single node: the journal keeps the sessions' attempts) ------------------
+
+/// A DATA_DIR of the test's own, removed on drop.
+struct DataDir(std::path::PathBuf);
+
+impl DataDir {
+    fn new(tag: &str) -> DataDir {
+        DataDir(std::env::temp_dir().join(format!("relay-it-sessions-{tag}-{}", uuid::Uuid::new_v4().simple())))
+    }
+    fn path(&self) -> &str {
+        self.0.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A session worker runs a task, relay stops (`how`: KILL or TERM) and starts again on the same
+/// DATA_DIR; returns the new relay, the task, and the worker's welcome.
+fn running_at_restart(dir: &DataDir, how: &str, window: &str) -> (Relay, String, Value, FakeWorker) {
+    // (MAX_RETRIES=0: a retry after a restart's loss must not need one.)
+    let env = [("DATA_DIR", dir.path()), ("RESUME_WINDOW", window), ("MAX_RETRIES", "0")];
+    let mut relay = Relay::start_with(&env);
+    let a = FakeWorker::connect(&relay, Some(hello("w-restart")), Auto::Manual);
+    let welcome = a.expect_welcome();
+    relay.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&relay.submit(r#"{"payload":{"n":7}}"#));
+    assert_eq!(a.expect_task().id, id);
+    // (A read shows what is durable: the attempt's start is on disk.)
+    relay.wait_status(&id, "dispatched", Duration::from_secs(5));
+    relay.signal(how);
+    if how == "TERM" {
+        let msg = a.next_other(Duration::from_secs(5)).expect("a frame before the close");
+        assert_eq!(msg["type"], "reconnect", "SIGTERM tells session workers to reconnect: {msg}");
+    }
+    let status = relay.wait_exit(Duration::from_secs(10)).expect("relay exits");
+    if how == "TERM" {
+        assert!(status.success(), "{status:?}");
+    }
+    let relay = Relay::start_with(&env);
+    (relay, id, welcome, a)
+}
+
+#[test]
+fn after_kill_9_a_running_attempt_is_held_and_the_worker_resumes_it() {
+    let dir = DataDir::new("kill");
+    let (relay, id, welcome, _a) = running_at_restart(&dir, "KILL", "5s");
+    let t = relay.get_task(&id);
+    assert_eq!((t["status"].as_str(), t["attempts"].as_u64()), (Some("dispatched"), Some(1)), "held: {t}");
+    let clients = wait_held(&relay);
+    assert_eq!(clients["clients"][0]["client_id"], welcome["client_id"], "{clients}");
+    assert_eq!(relay.metric("relay_attempts_held"), 1.0);
+    let b = FakeWorker::connect(
+        &relay,
+        Some(resume("w-restart", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+        Auto::Manual,
+    );
+    let w = b.expect_welcome();
+    assert_eq!((w["client_id"].clone(), w["adopted"].clone()), (welcome["client_id"].clone(), json!([id])), "{w}");
+    b.done_attempt(&id, 1, json!("after the crash"));
+    let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!((t["attempts"].as_u64(), t["attempt_log"][0]["resumes"].as_u64()), (Some(1), Some(1)), "{t}");
+    assert_eq!(t["result"], "after the crash");
+    assert_eq!(relay.metric("relay_sessions_resumed_total"), 1.0);
+}
+
+#[test]
+fn after_sigterm_the_worker_is_told_to_reconnect_and_resumes() {
+    let dir = DataDir::new("term");
+    let (relay, id, welcome, _a) = running_at_restart(&dir, "TERM", "5s");
+    let b = FakeWorker::connect(
+        &relay,
+        Some(resume("w-restart", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+        Auto::Manual,
+    );
+    assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+    b.done_attempt(&id, 1, json!("after the restart"));
+    let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["done"], "one attempt: {t}");
+}
+
+#[test]
+fn after_a_restart_a_worker_not_back_within_the_window_is_retried_without_using_a_retry() {
+    let dir = DataDir::new("expire");
+    let (relay, id, welcome, _a) = running_at_restart(&dir, "KILL", "700ms");
+    let c = FakeWorker::connect(&relay, Some(json!({"type": "hello", "version": "other"})), Auto::Echo);
+    let t = relay.wait_status(&id, "done", Duration::from_secs(8));
+    assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+    assert_eq!(t["attempt_log"][0]["client_id"], welcome["client_id"]);
+    assert_eq!(t["attempt_log"][0]["error"], "relay restarted while this attempt was running", "{t}");
+    drop(c);
+}
+
+#[test]
+fn resume_window_0s_restarts_as_before() {
+    let dir = DataDir::new("zero");
+    let (relay, id, _welcome, _a) = running_at_restart(&dir, "KILL", "0s");
+    let t = relay.wait_status(&id, "pending", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["disconnect"], "{t}");
+    assert_eq!(relay.metric("relay_attempts_held"), 0.0);
+}
