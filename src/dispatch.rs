@@ -163,6 +163,8 @@ struct Running {
     held: Option<u64>,
     /// Times a resuming worker took it back.
     resumes: u32,
+    /// Read back from the journal at start, held for its session (SPEC §12).
+    restored: bool,
 }
 
 /// A `wait=true` request held until its task is final or WAIT_TIMEOUT.
@@ -170,6 +172,27 @@ struct Held {
     task: TaskId,
     post: bool,
     timer: TimerHandle,
+}
+
+/// The `wait=true` requests held for one task: nearly always one (no vector allocated then).
+struct Waiters {
+    first: ConnRef,
+    more: Vec<ConnRef>,
+}
+
+impl Waiters {
+    /// Forgets `conn`; true when no request is left.
+    fn remove(&mut self, conn: ConnRef) -> bool {
+        if self.first == conn {
+            match self.more.pop() {
+                Some(next) => self.first = next,
+                None => return true,
+            }
+        } else {
+            self.more.retain(|&c| c != conn);
+        }
+        false
+    }
 }
 
 /// A `POST /tasks/batch` whose items are being stored.
@@ -244,9 +267,9 @@ pub struct Core {
     claim_takers: Vec<u128>,
     /// Workers a submit found without room for its frame (kept between submits).
     claim_takers_slots: Vec<u32>,
-    held: HashMap<ConnRef, Held>,
-    waiters: HashMap<TaskId, Vec<ConnRef>, BuildHasherDefault<IdHasher>>,
-    batches: HashMap<u64, BatchWait>,
+    held: HashMap<ConnRef, Held, BuildHasherDefault<IdHasher>>,
+    waiters: HashMap<TaskId, Waiters, BuildHasherDefault<IdHasher>>,
+    batches: HashMap<u64, BatchWait, BuildHasherDefault<IdHasher>>,
     next_batch: u64,
     /// A task became ready or a worker gained room: a claim round is due.
     claim_wanted: bool,
@@ -289,9 +312,9 @@ impl Core {
             claim_asks: Vec::new(),
             claim_takers: Vec::new(),
             claim_takers_slots: Vec::new(),
-            held: HashMap::new(),
+            held: HashMap::default(),
             waiters: HashMap::default(),
-            batches: HashMap::new(),
+            batches: HashMap::default(),
             next_batch: 1,
             claim_wanted: true,
             claim_timer: false,
@@ -654,11 +677,13 @@ impl Core {
         if let Some(old) = self.held.insert(conn, Held { task: id, post, timer }) {
             self.wheel.cancel(old.timer);
         }
-        let list = self.waiters.entry(id).or_default();
-        if list.is_empty() {
-            self.store.watch(id);
+        match self.waiters.entry(id) {
+            std::collections::hash_map::Entry::Occupied(w) => w.into_mut().more.push(conn),
+            std::collections::hash_map::Entry::Vacant(w) => {
+                w.insert(Waiters { first: conn, more: Vec::new() });
+                self.store.watch(id);
+            }
         }
-        list.push(conn);
     }
 
     /// The wait of `conn` ends without the task being final (or it is, and is read): it is
@@ -671,12 +696,9 @@ impl Core {
     fn unhold(&mut self, conn: ConnRef) -> Option<Held> {
         let held = self.held.remove(&conn)?;
         self.wheel.cancel(held.timer);
-        if let Some(list) = self.waiters.get_mut(&held.task) {
-            list.retain(|c| *c != conn);
-            if list.is_empty() {
-                self.waiters.remove(&held.task);
-                self.store.unwatch(held.task);
-            }
+        if self.waiters.get_mut(&held.task).is_some_and(|w| w.remove(conn)) {
+            self.waiters.remove(&held.task);
+            self.store.unwatch(held.task);
         }
         Some(held)
     }
@@ -837,6 +859,9 @@ impl Core {
     /// A worker's connection is lost (reset, or silent past PONG_WAIT): a session worker's
     /// attempts are held for RESUME_WINDOW (SPEC §12); any other's end `disconnect`.
     pub fn worker_disconnected(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        if self.leave_for_restart(conn) {
+            return;
+        }
         if self.try_hold(conn, why) {
             self.settle(io);
             return;
@@ -847,6 +872,9 @@ impl Core {
     /// A worker closed its connection with a close frame (it is stopping), or relay closed it:
     /// its session ends, nothing is held, its attempts end `disconnect`.
     pub fn worker_closed(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        if self.leave_for_restart(conn) {
+            return;
+        }
         self.end_session_of(conn);
         self.worker_gone(io, conn, why);
     }
@@ -1026,6 +1054,11 @@ impl Core {
             return;
         }
         self.claim_wanted = false;
+        if !self.store.may_have_ready() {
+            // (A submit offered to an idle worker was claimed as it was stored: most rounds that a
+            // finished attempt calls for find the queue empty.)
+            return;
+        }
         let mut claimed = 0;
         let mut asks = std::mem::take(&mut self.claim_asks);
         let mut takers = std::mem::take(&mut self.claim_takers);
@@ -1092,7 +1125,7 @@ impl Core {
 
     /// Tasks claimed for a group: each goes to the next of its workers round-robin (for its
     /// kind) that has room and has not tried it, or back to the store.
-    fn on_claimed(&mut self, io: &mut dyn Io, group: u32, tasks: Vec<Claimed>) {
+    fn on_claimed(&mut self, io: &mut dyn Io, group: u32, tasks: impl ExactSizeIterator<Item = Claimed>) {
         let asked = self.groups.groups.get(&group).map_or(0, |g| g.asked);
         if asked > 0 && tasks.len() as u64 >= asked {
             // A full claim: more may wait (a database's next transaction asks again).
@@ -1177,7 +1210,7 @@ impl Core {
             self.store.give_back(c.id, c.attempt);
             return;
         };
-        let (conn, client_id, ip) = (w.conn, w.client_id, w.ip);
+        let (conn, client_id, ip, sid) = (w.conn, w.client_id, w.ip, w.session);
         let node = self.node_name.clone();
         self.store.attempt_started(
             c.id,
@@ -1188,6 +1221,7 @@ impl Core {
                 started_wall_ms: self.wall_ms,
                 started_mono_ms: self.now_ms,
                 node: node.as_deref(),
+                session: sid.and_then(|s| self.sessions.tag(s)),
             },
         );
         let timer = self.wheel.arm(self.now_ms + c.timeout_ms, Timer::Attempt { task: c.id, num: c.attempt });
@@ -1211,6 +1245,7 @@ impl Core {
                 answered: false,
                 held: None,
                 resumes: 0,
+                restored: false,
             },
         );
         if let Some(w) = self.workers[slot as usize].as_mut() {
@@ -1278,19 +1313,22 @@ impl Core {
         }
         self.metrics.attempt(outcome);
         self.store.attempt_closed(id, r.client_id, r.answered);
+        // An attempt a restart held whose worker never came back: the loss is relay's (as a
+        // restart's without sessions), it uses up no retry (SPEC §12).
+        let uncounted = r.restored && outcome == Outcome::Disconnect && error == Some(sessions::RESTART_ERROR);
         let end = AttemptEnd {
             outcome,
             error,
             duration_ms: self.now_ms.saturating_sub(r.started_mono_ms),
             ended_wall_ms: self.wall_ms,
-            uncounted: false,
+            uncounted,
             resumes: r.resumes,
         };
         let next = match (outcome, result) {
             (Outcome::Done, Some(result)) => Next::Done { result },
             _ => {
                 let error = error.unwrap_or("failed");
-                if self.shutting_down {
+                if self.shutting_down || uncounted {
                     // A node shutting down hands its tasks back: not the task's fault.
                     Next::Retry
                 } else if hint.permanent || r.counted + 1 > r.max_retries {
@@ -1478,7 +1516,8 @@ impl Core {
                 Some((id, status)) => self.answer_existing(io, conn, id, status, wait),
                 None => self.reply(io, conn, missing),
             },
-            Event::Claimed { group, tasks } => self.on_claimed(io, group, tasks),
+            Event::Claimed { group, tasks } => self.on_claimed(io, group, tasks.into_iter()),
+            Event::ClaimedOne { group, task } => self.on_claimed(io, group, std::iter::once(task)),
             Event::Fenced { id, attempt } => {
                 // A stale write: the task was canceled, or reaped while this node was cut off.
                 self.metrics.ignored(Ignored::Late);
@@ -1530,9 +1569,9 @@ impl Core {
 
     /// Task `id` is final: everyone waiting on it is answered.
     fn answer_waiters(&mut self, id: TaskId) {
-        let Some(conns) = self.waiters.remove(&id) else { return };
+        let Some(waiters) = self.waiters.remove(&id) else { return };
         self.store.unwatch(id);
-        for conn in conns {
+        for conn in std::iter::once(waiters.first).chain(waiters.more) {
             if let Some(held) = self.held.remove(&conn) {
                 self.wheel.cancel(held.timer);
                 self.store.read(id, None, conn, ReadHow::Release { post: held.post });

@@ -174,6 +174,15 @@ pub struct Attempt {
     pub restarted: bool,
     /// Times a resuming worker took the attempt back after a lost connection (SPEC §12).
     pub resumes: u32,
+    /// The session of the worker that runs it (SPEC §12): a restart holds the attempt for it.
+    pub session: Option<Box<SessionTag>>,
+}
+
+/// A worker session as an attempt remembers it, for a restart (SPEC §12).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionTag {
+    pub worker_id: Box<str>,
+    pub secret: Box<str>,
 }
 
 impl Attempt {
@@ -190,6 +199,7 @@ impl Attempt {
             answered: false,
             restarted: false,
             resumes: 0,
+            session: None,
         }
     }
 }
@@ -693,6 +703,7 @@ mod tests {
             answered: false,
             restarted: false,
             resumes: 0,
+            session: None,
         }
     }
 

@@ -27,6 +27,9 @@ pub const MAX_HELD_SESSIONS: usize = 10_000;
 pub const MAX_RUNNING_LISTED: usize = 4_096;
 /// A presented session secret longer than this is no secret relay issued.
 const MAX_SECRET_BYTES: usize = 128;
+/// The error of a held attempt read back after a restart whose worker did not resume in time
+/// (the journal's: such an attempt uses up no retry, also after later restarts).
+pub use crate::journal::codec::RESTART_ERROR;
 
 /// One entry of a hello's `running`: a task the worker still runs, and which attempt of it.
 #[derive(Debug, Deserialize)]
@@ -71,6 +74,11 @@ impl Sessions {
     /// `/clients` entries of the sessions held now.
     pub fn held_infos(&self) -> impl Iterator<Item = &WorkerInfo> {
         self.by_id.values().filter(|s| s.conn.is_none()).filter_map(|s| s.shown.as_ref())
+    }
+
+    /// (worker id, secret) of session `sid`, for the attempts it starts.
+    pub fn tag(&self, sid: u64) -> Option<(&str, &str)> {
+        self.by_id.get(&sid).map(|s| (&*s.worker_id, &*s.secret))
     }
 
     fn insert(&mut self, s: Session) -> u64 {
@@ -323,6 +331,96 @@ impl Core {
         self.lost_takers(&before, &crate::dispatch::workers::Accepts::Nothing);
     }
 
+    /// At start: the attempts session workers ran when relay stopped, read back by the store,
+    /// are held for RESUME_WINDOW from now, each for its session (SPEC §12), their
+    /// TASK_TIMEOUT counted from when they started.
+    pub fn restore_held(&mut self) {
+        let restored = self.store.take_restored();
+        if restored.is_empty() {
+            return;
+        }
+        let until_mono_ms = self.now_ms + self.resume_window_ms;
+        let mut held = 0;
+        for r in restored {
+            let sid = match self.sessions.by_secret.get(&*r.session.secret).copied() {
+                Some(sid) => sid,
+                None => {
+                    let shown = WorkerInfo {
+                        client_id: r.client_id,
+                        ip: r.client_ip.to_string(),
+                        connected_wall_ms: r.started_wall_ms,
+                        active: false,
+                        in_flight: 0,
+                        kinds: None,
+                        concurrency: None,
+                        version: None,
+                        node: self.node_name.as_deref().map(str::to_string),
+                        node_id: None,
+                        resumable_until_wall_ms: Some(self.wall_ms + self.resume_window_ms),
+                    };
+                    let sid = self.sessions.insert(Session {
+                        worker_id: r.session.worker_id.clone(),
+                        secret: r.session.secret.clone(),
+                        client_id: r.client_id,
+                        conn: None,
+                        held: Vec::new(),
+                        shown: Some(shown),
+                        until_mono_ms,
+                        timer: None,
+                    });
+                    let timer = self.wheel.arm(until_mono_ms, Timer::Session(sid));
+                    if let Some(s) = self.sessions.by_id.get_mut(&sid) {
+                        s.timer = Some(timer);
+                    }
+                    self.sessions.held_sessions += 1;
+                    sid
+                }
+            };
+            let c = r.task;
+            let ran_ms = self.wall_ms.saturating_sub(r.started_wall_ms);
+            let started_mono_ms = self.now_ms.saturating_sub(ran_ms);
+            let deadline = self.now_ms + c.timeout_ms.saturating_sub(ran_ms);
+            let timer = self.wheel.arm(deadline, Timer::Attempt { task: c.id, num: c.attempt });
+            if let Some(s) = self.sessions.by_id.get_mut(&sid) {
+                s.held.push(c.id);
+                if let Some(shown) = s.shown.as_mut() {
+                    shown.in_flight = s.held.len() as u32;
+                }
+            }
+            self.running.insert(
+                c.id,
+                super::Running {
+                    attempt: c.attempt,
+                    // (No connection: a resume gives it one.)
+                    conn: ConnRef { slot: u32::MAX, generation: u32::MAX },
+                    client_id: r.client_id,
+                    timer,
+                    started_mono_ms,
+                    timeout_ms: c.timeout_ms,
+                    kind: c.kind,
+                    max_retries: c.max_retries,
+                    counted: c.counted,
+                    tried: c.tried,
+                    created_wall_ms: c.created_wall_ms,
+                    retry: c.retry,
+                    answered: false,
+                    held: Some(sid),
+                    resumes: 0,
+                    restored: true,
+                },
+            );
+            held += 1;
+        }
+        self.metrics.attempts_held += held;
+        crate::log!(
+            Level::Info,
+            "attempts held for their workers after a restart",
+            attempts = held,
+            sessions = self.sessions.held_sessions,
+            window_ms = self.resume_window_ms
+        );
+    }
+
     /// A held session's window passed: its attempts end `disconnect` and retry (SPEC §5).
     pub(super) fn session_expired(&mut self, sid: u64) {
         let Some(s) = self.sessions.by_id.get(&sid) else { return };
@@ -334,10 +432,10 @@ impl Core {
         self.metrics.attempts_held = self.metrics.attempts_held.saturating_sub(s.held.len());
         self.store.worker_gone(s.client_id);
         for id in s.held {
-            if let Some(r) = self.running.get_mut(&id) {
-                r.held = None;
-            }
-            self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"), None);
+            let Some(r) = self.running.get_mut(&id) else { continue };
+            r.held = None;
+            let error = if r.restored { RESTART_ERROR } else { "worker disconnected" };
+            self.end_attempt(id, Outcome::Disconnect, Some(error), None);
         }
     }
 
@@ -352,6 +450,34 @@ impl Core {
                 shown.in_flight = s.held.len() as u32;
             }
         }
+    }
+
+    /// Whether the worker on `conn` has a session.
+    pub fn is_session_worker(&self, conn: ConnRef) -> bool {
+        self.has_session(conn)
+    }
+
+    /// Shutdown with a store that holds attempts across the restart: a session worker's
+    /// attempts stay open (the next run holds them for it to resume); the worker is let go.
+    pub(super) fn leave_for_restart(&mut self, conn: ConnRef) -> bool {
+        if !(self.shutting_down && self.store.holds_restarts() && self.has_session(conn)) {
+            return false;
+        }
+        let Some(mut worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return false };
+        if worker.conn != conn {
+            self.workers[conn.slot as usize] = Some(worker);
+            return false;
+        }
+        self.order.retain(|&s| s != conn.slot);
+        self.reach.remove(&worker.acceptance());
+        self.groups.remove(conn.slot, &mut worker);
+        crate::log!(
+            Level::Info,
+            "session worker left for the restart",
+            client_id = uuid_string(worker.client_id),
+            running = worker.in_flight.len()
+        );
+        true
     }
 
     /// The worker on `conn` closed with a close frame (or relay closed it): its session ends.

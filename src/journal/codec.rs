@@ -215,8 +215,14 @@ fn task_fixed_len(t: &Task) -> usize {
         + s(t.error.as_deref().map(error_len))
         + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
         + if t.priority != 0 { 4 } else { 0 }
+        + open_session(t).map_or(0, |s| 3 + session_len(s))
         + 4
         + Ext::of(t).len()
+}
+
+/// The session of a task's open attempt, if it has one.
+fn open_session(t: &Task) -> Option<&crate::tasks::SessionTag> {
+    t.attempts.last().filter(|a| a.outcome.is_none()).and_then(|a| a.session.as_deref())
 }
 
 /// How a Task record fits in `limit`: the first `left_out` attempts carry [`ERROR_LEFT_OUT`]
@@ -331,14 +337,31 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
         }
     }
     Ext::of(t).put(out);
+    if let Some(s) = open_session(t) {
+        put_session(out, s);
+    }
+}
+
+/// The session field of the optional fields (tag [`EXT_SESSION`]): worker id and secret.
+fn put_session(out: &mut Vec<u8>, s: &crate::tasks::SessionTag) {
+    out.push(EXT_SESSION);
+    out.extend_from_slice(&(session_len(s) as u16).to_le_bytes());
+    put_str(out, &s.worker_id);
+    put_str(out, &s.secret);
+}
+
+/// Bytes of a session field's value (worker ids and secrets are at most 128 bytes each).
+fn session_len(s: &crate::tasks::SessionTag) -> usize {
+    8 + s.worker_id.len() + s.secret.len()
 }
 
 /// Optional fields after a record's fixed ones (added after the format's first release, so a
 /// journal written before them still replays): zero or more `tag: u8 | len: u16 | bytes`. A
 /// decoder skips a tag it does not know. Tags: 1 `next_attempt_wall_ms` (u64), 2 `again`
 /// (u128), 3 the retry policy (flags u8: 1 backoff, 2 backoff_max, 4 any_worker given,
-/// 8 any_worker; then backoff u64, backoff_max u64), 4 re-runs (reruns u32, rerun_base u32).
-/// Further fields take further tags.
+/// 8 any_worker; then backoff u64, backoff_max u64), 4 the session of the open attempt (in a
+/// Task or AttemptStart record: worker id and secret, two strings; SPEC §12), 5 re-runs (reruns
+/// u32, rerun_base u32). Further fields take further tags.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Ext {
     pub next_attempt_wall_ms: Option<u64>,
@@ -352,7 +375,8 @@ pub struct Ext {
 const EXT_NEXT_ATTEMPT: u8 = 1;
 const EXT_AGAIN: u8 = 2;
 const EXT_RETRY: u8 = 3;
-const EXT_RERUNS: u8 = 4;
+const EXT_SESSION: u8 = 4;
+const EXT_RERUNS: u8 = 5;
 
 impl Ext {
     pub fn of(t: &Task) -> Ext {
@@ -406,7 +430,13 @@ impl Ext {
 
     /// Reads what is left of a record (nothing: no extension).
     fn decode(d: &mut Dec<'_>) -> Option<Ext> {
+        Ext::decode_with_session(d).map(|(ext, _)| ext)
+    }
+
+    /// [`Ext::decode`], and the session field (which is not `Copy`, so kept apart).
+    fn decode_with_session(d: &mut Dec<'_>) -> Option<(Ext, Option<crate::tasks::SessionTag>)> {
         let mut ext = Ext::default();
+        let mut session = None;
         while !d.done() {
             let tag = d.u8()?;
             let len = d.u16()? as usize;
@@ -427,22 +457,28 @@ impl Ext {
                     ext.reruns = f.u32()?;
                     ext.rerun_base = f.u32()?;
                 }
+                EXT_SESSION => session = Some(f.session()?),
                 _ => continue,
             }
             if !f.done() {
                 return None;
             }
         }
-        Some(ext)
+        Some((ext, session))
     }
 }
 
+/// An attempt's start; a session worker's carries its worker id and secret after the fields
+/// older records have (which decode as before: no session).
 pub fn put_attempt_start(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
     put_u128(out, id);
     put_u32(out, num);
     put_u128(out, a.client_id);
     put_ip(out, a.client_ip);
     put_u64(out, a.started_wall_ms);
+    if let Some(s) = &a.session {
+        put_session(out, s);
+    }
 }
 
 pub fn put_attempt_end(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt) {
@@ -600,6 +636,11 @@ impl<'a> Dec<'a> {
     fn done(&self) -> bool {
         self.b.is_empty()
     }
+    fn session(&mut self) -> Option<crate::tasks::SessionTag> {
+        let worker_id = Box::from(self.str()?);
+        let secret = Box::from(self.str()?);
+        Some(crate::tasks::SessionTag { worker_id, secret })
+    }
 }
 
 /// An attempt read back from the journal: no connection, and marked when a restart closed it.
@@ -642,7 +683,12 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         a.restarted = a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(RESTART_ERROR);
         attempts.push(a);
     }
-    let ext = Ext::decode(d)?;
+    let (ext, session) = Ext::decode_with_session(d)?;
+    if let Some(s) = session
+        && let Some(a) = attempts.last_mut().filter(|a| a.outcome.is_none())
+    {
+        a.session = Some(Box::new(s));
+    }
     Some(TaskImage {
         id,
         status,
@@ -672,7 +718,10 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
         RecordType::AttemptStart => {
             let id = d.u128()?;
             let num = d.u32()?;
-            let attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+            let mut attempt = restored_attempt(d.u128()?, d.ip()?, d.u64()?);
+            // (Optional fields: the session; a start written without them has none.)
+            let (_, session) = Ext::decode_with_session(&mut d)?;
+            attempt.session = session.map(Box::new);
             Record::AttemptStart { id, num, attempt }
         }
         RecordType::AttemptEnd => Record::AttemptEnd {
@@ -772,6 +821,45 @@ mod tests {
             t.attempts.push(a);
         }
         t
+    }
+
+    /// A session worker's open attempt keeps its worker id and secret, in the attempt's start
+    /// and in the task's record (SPEC §12); a start written without them (older records) still
+    /// decodes, without a session.
+    #[test]
+    fn an_open_attempt_keeps_its_session() {
+        let tag = crate::tasks::SessionTag { worker_id: "w-1".into(), secret: "s".repeat(64).into() };
+        let mut t = task_with_attempts(2, 10);
+        t.status = Status::Dispatched;
+        t.finished_wall_ms = None;
+        t.error = None;
+        let mut open = restored_attempt(7, IpAddr::V4(Ipv4Addr::LOCALHOST), 5);
+        open.session = Some(Box::new(tag.clone()));
+        t.attempts.push(open);
+        let (len, image) = round_trip(&t, MAX_RECORD_BYTES);
+        assert_eq!(image.attempts.len(), 3);
+        assert_eq!(image.attempts[2].session.as_deref(), Some(&tag));
+        assert!(image.attempts[1].session.is_none());
+        assert_eq!(
+            len,
+            task_fixed_len(&t)
+                + t.attempts.iter().map(|a| attempt_len(a, a.error.as_deref().map(error_len))).sum::<usize>()
+        );
+
+        let mut buf = Vec::new();
+        put_attempt_start(&mut buf, 9, 3, &t.attempts[2]);
+        let Some(Record::AttemptStart { attempt, .. }) = decode(RecordType::AttemptStart as u8, &buf) else {
+            panic!("decodes")
+        };
+        assert_eq!(attempt.session.as_deref(), Some(&tag));
+        let mut old = Vec::new();
+        put_attempt_start(&mut old, 9, 1, &t.attempts[0]);
+        let Some(Record::AttemptStart { attempt, .. }) = decode(RecordType::AttemptStart as u8, &old) else {
+            panic!("decodes")
+        };
+        assert!(attempt.session.is_none());
+        old.push(2);
+        assert!(decode(RecordType::AttemptStart as u8, &old).is_none(), "an unknown trailer is damage");
     }
 
     fn round_trip(t: &Task, limit: usize) -> (usize, TaskImage) {

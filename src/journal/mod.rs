@@ -668,6 +668,7 @@ mod tests {
             answered: false,
             restarted: false,
             resumes: 0,
+            session: None,
         }
     }
 

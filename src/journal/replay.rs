@@ -595,6 +595,7 @@ mod tests {
                 answered: false,
                 restarted: false,
                 resumes: 0,
+                session: None,
             })
             .collect();
         let payload = format!("{{\"kind\":\"k{}\",\"n\":{}}}", rng.below(3), rng.next());
@@ -673,6 +674,7 @@ mod tests {
             answered: false,
             restarted: false,
             resumes: 0,
+            session: None,
         };
         let ext = codec::Ext { next_attempt_wall_ms: Some(77), again: Some(9), ..codec::Ext::default() };
         for (ext, with) in [(ext, true), (codec::Ext::default(), false)] {
@@ -720,6 +722,7 @@ mod tests {
                                 answered: false,
                                 restarted: false,
                                 resumes: 0,
+                                session: None,
                             });
                             codec::put_attempt_end(out, id, 1, &a[0])
                         }),

@@ -511,6 +511,8 @@ fn open_memory_store(cfg: &Config, wall_ms: u64, waker: &Arc<Waker>) -> Result<c
         (replayed.records, replayed.skipped, replayed.truncated_bytes, replayed.elapsed);
     let segments = replayed.segments.len();
     let mut mem = crate::store::mem::MemStore::new(mem_cfg, Some(Box::new(journal)));
+    // Session workers' running attempts are held across the restart (SPEC §12).
+    mem.hold_sessions = cfg.resume_window_ms > 0;
     mem.set_clock(0, wall_ms);
     let restored = mem.restore(replayed);
     let level = if skipped > 0 { Level::Error } else { Level::Info };
@@ -588,6 +590,7 @@ impl Server {
         );
         core.set_clock(0, wall);
         core.resume_window_ms = cfg.resume_window_ms;
+        core.restore_held();
         {
             // Restored records (attempts a restart cut short) go out with the first turn.
             let mut nothing = NoIo;
@@ -1206,7 +1209,13 @@ impl Server {
                         }
                     }
                 }
-                State::Ws(_) => self.close_ws(r, CloseCode::Away, "server shutting down"),
+                State::Ws(_) => {
+                    if self.core.is_session_worker(r) {
+                        // It reconnects at once and resumes on the next run (SPEC §12).
+                        self.send_reconnect(r);
+                    }
+                    self.close_ws(r, CloseCode::Away, "server shutting down")
+                }
                 State::Closing => {}
             }
         }

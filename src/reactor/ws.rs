@@ -146,6 +146,12 @@ impl Server {
         core.worker_disconnected(&mut wire, r, why);
     }
 
+    /// Queues `{"type":"reconnect"}` for a session worker (relay is restarting).
+    pub(super) fn send_reconnect(&mut self, r: ConnRef) {
+        let (mut wire, _core) = self.wire();
+        wire.send_text(r, &["{\"type\":\"reconnect\"}"]);
+    }
+
     /// Sends a close frame, ends the worker, and closes once the frame is written.
     pub(super) fn close_ws(&mut self, r: ConnRef, code: CloseCode, reason: &'static str) {
         if let Some(conn) = self.conns.get_mut(r)

@@ -50,7 +50,7 @@ pub struct NewTask<'a> {
     pub runs_now: bool,
     /// With `runs_now`: the group of this node's workers with room for it. A store that can
     /// claims it for them as it inserts it, when no older task waits to be claimed first
-    /// ([`Event::Claimed`] right after [`Event::Inserted`]); else it queues it and sends
+    /// ([`Event::ClaimedOne`] right after [`Event::Inserted`]); else it queues it and sends
     /// [`Event::Ready`], so the core claims as usual.
     pub claim_group: Option<u32>,
 }
@@ -125,6 +125,18 @@ pub struct Claimed {
     pub created_wall_ms: u64,
 }
 
+/// An attempt a session worker was running when relay stopped (a crash or a SIGTERM), read
+/// back from the journal: the core holds it for RESUME_WINDOW from the restart (SPEC §12).
+#[derive(Debug)]
+pub struct RestoredAttempt {
+    /// The task as a claim would hand it over (`attempt` is the open attempt's number).
+    pub task: Claimed,
+    pub client_id: u128,
+    pub client_ip: IpAddr,
+    pub started_wall_ms: u64,
+    pub session: crate::tasks::SessionTag,
+}
+
 /// Who runs an attempt that starts.
 #[derive(Debug, Clone, Copy)]
 pub struct AttemptStart<'a> {
@@ -134,6 +146,9 @@ pub struct AttemptStart<'a> {
     pub started_mono_ms: u64,
     /// The node's name (cluster mode): the attempt_log entry carries it (SPEC §11).
     pub node: Option<&'a str>,
+    /// The worker's session (worker id, secret), if it has one (SPEC §12): kept with the
+    /// attempt, so that a restart holds it for the worker to resume.
+    pub session: Option<(&'a str, &'a str)>,
 }
 
 /// How an attempt ended.
@@ -228,6 +243,9 @@ pub enum Event {
     Key { conn: ConnRef, wait: bool, held: Option<(TaskId, Status)>, missing: Response },
     /// Tasks claimed for the workers of `group`.
     Claimed { group: u32, tasks: Vec<Claimed> },
+    /// One task claimed for `group` as it was stored (the same as [`Event::Claimed`] with one
+    /// task, without a vector to allocate on the submit's fast path).
+    ClaimedOne { group: u32, task: Claimed },
     /// The store refused to record the end of this attempt: the task moved on (canceled, or
     /// reaped while this node was cut off). A result that ended it counts `late`.
     Fenced { id: TaskId, attempt: u32 },
@@ -530,6 +548,15 @@ impl Store {
         matches!(self, Store::Mem(_))
     }
 
+    /// Whether a claim could find a task now: `false` only when the store knows, at no cost, that
+    /// none is ready (the memory store's queues are empty); a database is asked.
+    pub fn may_have_ready(&self) -> bool {
+        match self {
+            Store::Mem(s) => s.has_ready(),
+            Store::Pg(_) => true,
+        }
+    }
+
     /// The journal record that must be durable before an answer about task `id` leaves (0: none
     /// is needed, as with a database store, whose answers leave after their COMMIT).
     pub fn lsn(&self, id: TaskId) -> u64 {
@@ -550,6 +577,24 @@ impl Store {
     /// a store without the task's attempt log at hand remembers it for [`Store::stray`].
     pub fn attempt_closed(&mut self, id: TaskId, client_id: u128, answered: bool) {
         each!(self, s => s.attempt_closed(id, client_id, answered))
+    }
+
+    /// A restart holds session workers' running attempts (a journal, and RESUME_WINDOW not 0):
+    /// a shutdown leaves them open for the next run (SPEC §12).
+    pub fn holds_restarts(&self) -> bool {
+        match self {
+            Store::Mem(s) => s.hold_sessions && s.journal().is_some(),
+            Store::Pg(_) => false,
+        }
+    }
+
+    /// Attempts of session workers read back at start, for the core to hold (SPEC §12); taken
+    /// once.
+    pub fn take_restored(&mut self) -> Vec<RestoredAttempt> {
+        match self {
+            Store::Mem(s) => std::mem::take(&mut s.restored_held),
+            Store::Pg(_) => Vec::new(),
+        }
     }
 
     /// The store's own figures for `/metrics`.

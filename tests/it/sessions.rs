@@ -343,3 +343,108 @@ fn a_resume_before_relay_noticed_the_loss_takes_the_session_over() {
         drop((a, b));
     });
 }
+
+// ----- relay restarts (single node: the journal keeps the sessions' attempts) ------------------
+
+/// A DATA_DIR of the test's own, removed on drop.
+struct DataDir(std::path::PathBuf);
+
+impl DataDir {
+    fn new(tag: &str) -> DataDir {
+        DataDir(std::env::temp_dir().join(format!("relay-it-sessions-{tag}-{}", uuid::Uuid::new_v4().simple())))
+    }
+    fn path(&self) -> &str {
+        self.0.to_str().expect("utf-8 temp path")
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A session worker runs a task, relay stops (`how`: KILL or TERM) and starts again on the same
+/// DATA_DIR; returns the new relay, the task, and the worker's welcome.
+fn running_at_restart(dir: &DataDir, how: &str, window: &str) -> (Relay, String, Value, FakeWorker) {
+    // (MAX_RETRIES=0: a retry after a restart's loss must not need one.)
+    let env = [("DATA_DIR", dir.path()), ("RESUME_WINDOW", window), ("MAX_RETRIES", "0")];
+    let mut relay = Relay::start_with(&env);
+    let a = FakeWorker::connect(&relay, Some(hello("w-restart")), Auto::Manual);
+    let welcome = a.expect_welcome();
+    relay.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&relay.submit(r#"{"payload":{"n":7}}"#));
+    assert_eq!(a.expect_task().id, id);
+    // (A read shows what is durable: the attempt's start is on disk.)
+    relay.wait_status(&id, "dispatched", Duration::from_secs(5));
+    relay.signal(how);
+    if how == "TERM" {
+        let msg = a.next_other(Duration::from_secs(5)).expect("a frame before the close");
+        assert_eq!(msg["type"], "reconnect", "SIGTERM tells session workers to reconnect: {msg}");
+    }
+    let status = relay.wait_exit(Duration::from_secs(10)).expect("relay exits");
+    if how == "TERM" {
+        assert!(status.success(), "{status:?}");
+    }
+    let relay = Relay::start_with(&env);
+    (relay, id, welcome, a)
+}
+
+#[test]
+fn after_kill_9_a_running_attempt_is_held_and_the_worker_resumes_it() {
+    let dir = DataDir::new("kill");
+    let (relay, id, welcome, _a) = running_at_restart(&dir, "KILL", "5s");
+    let t = relay.get_task(&id);
+    assert_eq!((t["status"].as_str(), t["attempts"].as_u64()), (Some("dispatched"), Some(1)), "held: {t}");
+    let clients = wait_held(&relay);
+    assert_eq!(clients["clients"][0]["client_id"], welcome["client_id"], "{clients}");
+    assert_eq!(relay.metric("relay_attempts_held"), 1.0);
+    let b = FakeWorker::connect(
+        &relay,
+        Some(resume("w-restart", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+        Auto::Manual,
+    );
+    let w = b.expect_welcome();
+    assert_eq!((w["client_id"].clone(), w["adopted"].clone()), (welcome["client_id"].clone(), json!([id])), "{w}");
+    b.done_attempt(&id, 1, json!("after the crash"));
+    let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!((t["attempts"].as_u64(), t["attempt_log"][0]["resumes"].as_u64()), (Some(1), Some(1)), "{t}");
+    assert_eq!(t["result"], "after the crash");
+    assert_eq!(relay.metric("relay_sessions_resumed_total"), 1.0);
+}
+
+#[test]
+fn after_sigterm_the_worker_is_told_to_reconnect_and_resumes() {
+    let dir = DataDir::new("term");
+    let (relay, id, welcome, _a) = running_at_restart(&dir, "TERM", "5s");
+    let b = FakeWorker::connect(
+        &relay,
+        Some(resume("w-restart", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+        Auto::Manual,
+    );
+    assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+    b.done_attempt(&id, 1, json!("after the restart"));
+    let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["done"], "one attempt: {t}");
+}
+
+#[test]
+fn after_a_restart_a_worker_not_back_within_the_window_is_retried_without_using_a_retry() {
+    let dir = DataDir::new("expire");
+    let (relay, id, welcome, _a) = running_at_restart(&dir, "KILL", "700ms");
+    let c = FakeWorker::connect(&relay, Some(json!({"type": "hello", "version": "other"})), Auto::Echo);
+    let t = relay.wait_status(&id, "done", Duration::from_secs(8));
+    assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+    assert_eq!(t["attempt_log"][0]["client_id"], welcome["client_id"]);
+    assert_eq!(t["attempt_log"][0]["error"], "relay restarted while this attempt was running", "{t}");
+    drop(c);
+}
+
+#[test]
+fn resume_window_0s_restarts_as_before() {
+    let dir = DataDir::new("zero");
+    let (relay, id, _welcome, _a) = running_at_restart(&dir, "KILL", "0s");
+    let t = relay.wait_status(&id, "pending", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["disconnect"], "{t}");
+    assert_eq!(relay.metric("relay_attempts_held"), 0.0);
+}

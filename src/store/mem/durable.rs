@@ -224,7 +224,15 @@ impl MemStore {
 
         // Unfinished tasks: due order is their queue key, so the order they go in is free.
         let rehome: IdSet = rehome.into_iter().collect();
-        for mut task in unfinished {
+        for task in unfinished {
+            let mut task = if self.hold_sessions {
+                match self.hold_restored(task) {
+                    Ok(()) => continue,
+                    Err(task) => task,
+                }
+            } else {
+                task
+            };
             let id = task.id;
             let mut cut_short = false;
             if let Some(a) = task.attempts.last_mut().filter(|a| a.outcome.is_none()) {
@@ -253,6 +261,39 @@ impl MemStore {
             }
         }
         restored
+    }
+
+    /// A task whose open attempt ran on a session worker stays dispatched: the core holds the
+    /// attempt for the worker to resume (SPEC §12). `Err`: it does not (given back).
+    fn hold_restored(&mut self, mut task: Box<Task>) -> Result<(), Box<Task>> {
+        let Some(a) = task.attempts.last().filter(|a| a.outcome.is_none()) else { return Err(task) };
+        let (Some(session), Some(payload)) = (a.session.as_deref(), task.payload.clone()) else { return Err(task) };
+        let earlier = &task.attempts[..task.attempts.len() - 1];
+        let held = crate::store::RestoredAttempt {
+            task: crate::store::Claimed {
+                id: task.id,
+                attempt: task.attempts.len() as u32,
+                kind: task.kind.clone(),
+                payload,
+                timeout_ms: task.timeout_ms,
+                max_retries: task.max_retries,
+                tried: task.attempts.iter().map(|a| a.client_id).collect(),
+                counted: earlier.iter().filter(|a| !a.restarted).count() as u32,
+                created_wall_ms: task.created_wall_ms,
+                retry: task.retry,
+            },
+            client_id: a.client_id,
+            client_ip: a.client_ip,
+            started_wall_ms: a.started_wall_ms,
+            session: session.clone(),
+        };
+        task.status = Status::Dispatched;
+        task.restored = true;
+        task.place = Place::Nowhere;
+        self.status_counts[Status::Dispatched.index()] += 1;
+        self.tasks.insert_boxed(held.task.id, task);
+        self.restored_held.push(held);
+        Ok(())
     }
 
     /// A task the journal held that expired while relay was down.

@@ -287,6 +287,7 @@ mod tests {
                 started_wall_ms: 1_000_000,
                 started_mono_ms: 0,
                 node: None,
+                session: None,
             };
             s.attempt_started(*id, 1, &start);
             let end = AttemptEnd {

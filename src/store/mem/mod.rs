@@ -193,6 +193,10 @@ pub struct MemStore {
     compacted_upto: u32,
     logged_forgetting: bool,
     events: Vec<Event>,
+    /// A restart holds the attempts session workers ran (RESUME_WINDOW is not 0): they stay
+    /// dispatched and are listed in `restored_held` for the core (SPEC §12).
+    pub hold_sessions: bool,
+    pub restored_held: Vec<crate::store::RestoredAttempt>,
     /// Finished tasks evicted from memory (`relay_tasks_evicted_total`).
     pub tasks_evicted: u64,
 }
@@ -234,6 +238,8 @@ impl MemStore {
             compacted_upto: 0,
             logged_forgetting: false,
             events: Vec::new(),
+            hold_sessions: false,
+            restored_held: Vec::new(),
             tasks_evicted: 0,
         }
     }
@@ -347,7 +353,7 @@ impl MemStore {
         } else if let Some(group) = new.claim_group.filter(|_| self.ready_all.is_empty()) {
             // Nothing older waits to be claimed: the idle group takes it as it is stored.
             if let Some(task) = self.claimed(id) {
-                self.events.push(Event::Claimed { group, tasks: vec![task] });
+                self.events.push(Event::ClaimedOne { group, task });
             }
         } else {
             self.enqueue_ready(id);
@@ -572,6 +578,9 @@ impl MemStore {
         task.next_attempt_wall_ms = None;
         let mut a = Attempt::new(start.client_id, start.client_ip, start.started_wall_ms);
         a.node = start.node.map(Box::from);
+        a.session = start.session.map(|(worker_id, secret)| {
+            Box::new(crate::tasks::SessionTag { worker_id: worker_id.into(), secret: secret.into() })
+        });
         task.attempts.push(a);
         self.set_status(id, Status::Dispatched);
         self.record(id, Rec::AttemptStarted);
@@ -1044,6 +1053,11 @@ impl MemStore {
 
     /// The journal can write (always without one). While it cannot — a full disk — requests
     /// that must write are refused and no attempt starts (SPEC §7).
+    /// Some task is ready to be claimed (O(1): every ready task is in `ready_all`).
+    pub fn has_ready(&self) -> bool {
+        !self.ready_all.is_empty()
+    }
+
     pub fn writable(&self) -> bool {
         self.journal.as_ref().is_none_or(|j| j.writable())
     }

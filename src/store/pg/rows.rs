@@ -154,6 +154,7 @@ pub fn task(row: &Row) -> Option<Task> {
                 answered: false,
                 restarted: e.uncounted,
                 resumes: e.resumes.unwrap_or(0),
+                session: None,
             }
         })
         .collect();

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::support::Worker;
 use crate::support::fake_relay::FakeRelay;
 use crate::support::target::{Reply, Target};
+use crate::support::{Relay, Worker, poll_until};
 
 fn welcome(session: &str, adopted: serde_json::Value, abandon: serde_json::Value) -> serde_json::Value {
     json!({"type": "welcome", "client_id": "c-1", "session": session, "resume_window_ms": 10000,
@@ -97,4 +97,38 @@ fn a_reconnect_frame_brings_the_worker_back_at_once() {
         "back within the 1 s jitter, not the backoff: {took:?}\n{}",
         worker.proc.log_text()
     );
+}
+
+/// The real relay killed with `kill -9` and started again on the same DATA_DIR while the real
+/// relay-worker runs a slow `http` task: the worker resumes its session, the task ends `done`
+/// after one attempt, and the target saw one request (SPEC §12).
+#[test]
+fn a_relay_killed_mid_task_and_restarted_gets_the_result_and_nothing_runs_twice() {
+    crate::require_relay!();
+    let dir = std::env::temp_dir().join(format!("relay-worker-it-data-{}", uuid::Uuid::new_v4().simple()));
+    let data = dir.to_string_lossy().into_owned();
+    let env = [("DATA_DIR", data.as_str()), ("RESUME_WINDOW", "10s")];
+    let target =
+        Target::start(|_, _| Reply::After(Duration::from_millis(1500), Box::new(Reply::new(200, &[], "once"))));
+    let relay = Relay::start_env(0, &env);
+    let port = relay.addr.port();
+    let worker = Worker::start(&relay.ws_url(), &[]);
+    worker.wait_connected();
+    relay.wait_clients(1, Duration::from_secs(5), |c| c["active"] == true);
+    let id = relay.submit(json!({"kind": "http", "spec": {"url": target.url("/slow")}}));
+    assert!(poll_until(Duration::from_secs(5), || target.hit_count() == 1), "the task started");
+    // (A read shows what is durable: the attempt's start is on disk.)
+    let (_, t) = relay.api("GET", &format!("/tasks/{id}"), None);
+    assert_eq!(t["status"], "dispatched", "{t}");
+
+    drop(relay); // SIGKILL: no close frame, nothing flushed beyond what is durable.
+    let relay = Relay::start_env(port, &env);
+    let t = relay.wait_final(&id, Duration::from_secs(15));
+    assert_eq!(t["status"], "done", "{t}\nworker:\n{}", worker.proc.log_text());
+    assert_eq!(t["attempts"], 1, "one attempt: {t}");
+    assert_eq!(t["attempt_log"][0]["resumes"], 1, "{t}");
+    assert_eq!(t["result"]["body"], "once", "{t}");
+    assert_eq!(target.hit_count(), 1, "the target saw one request");
+    drop(relay);
+    let _ = std::fs::remove_dir_all(&dir);
 }

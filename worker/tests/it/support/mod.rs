@@ -242,12 +242,19 @@ impl Relay {
 
     /// Starts relay on `port` (0 = ephemeral); a restart passes the old port.
     pub fn start_on(port: u16) -> Relay {
+        Relay::start_env(port, &[])
+    }
+
+    /// [`Relay::start_on`] with more variables (a DATA_DIR, say).
+    pub fn start_env(port: u16, extra: &[(&str, &str)]) -> Relay {
         let port = port.to_string();
         let blobs = std::env::temp_dir().join(format!("relay-worker-it-blobs-{}", uuid::Uuid::new_v4().simple()));
         let blob_dir = blobs.to_string_lossy().into_owned();
         let mut env = RELAY_ENV.to_vec();
         env.push(("PORT", &port));
         env.push(("BLOB_DIR", &blob_dir));
+        env.retain(|(k, _)| !extra.iter().any(|(e, _)| e == k));
+        env.extend_from_slice(extra);
         let proc = Proc::spawn(relay_bin(), &[], &env, None);
         let mut addr = None;
         let found = poll_until(Duration::from_secs(10), || {
