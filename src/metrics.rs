@@ -17,6 +17,8 @@ pub enum Ignored {
 
 #[derive(Default)]
 pub struct Metrics {
+    /// Submits of a paused kind: dispatches its pause held back (`relay_dispatch_held_total`).
+    pub held_paused: u64,
     /// Final statuses: done, failed, canceled.
     pub tasks_final: [u64; 3],
     pub attempts: [u64; Outcome::COUNT],

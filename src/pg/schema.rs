@@ -21,7 +21,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
     (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
     (5, "retry policies per task", V5),
-    (6, "kind policies: concurrency, rate, pause", V6),
+    (6, "re-runs of failed and canceled tasks", V6),
+    (7, "kind policies: concurrency, rate, pause", V7),
 ];
 
 /// The newest version this build knows.
@@ -267,11 +268,18 @@ ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
     ADD COLUMN IF NOT EXISTS retry_any_worker boolean;
 "#;
 
-/// Version 6 (SPEC §14 kind policies): one row per kind that has (or had) a policy; `changed`
+/// Version 6 (SPEC §13 re-runs): how many times a task was run again, and the attempts before
+/// its current run (whose retry budget starts after them).
+const V6: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS reruns int4 NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS rerun_base int4 NOT NULL DEFAULT 0;
+"#;
+
+/// Version 7 (SPEC §14 kind policies): one row per kind that has (or had) a policy; `changed`
 /// grows on every change, so nodes read what changed since they last looked, every second. The
 /// running attempts carry their kind (claims of a capped kind count them), and rate-limited
 /// kinds have a token bucket row.
-const V6: &str = r#"
+const V7: &str = r#"
 CREATE SEQUENCE IF NOT EXISTS relay_kind_policies_changed;
 CREATE TABLE IF NOT EXISTS relay_kind_policies (
     kind          text PRIMARY KEY,

@@ -234,6 +234,7 @@ fn a_paused_kind_accepts_submits_finishes_what_runs_and_resumes_in_order() {
         assert!(w.no_task(Duration::from_millis(500)), "nothing of the paused kind runs");
         let task = relay.get_task(&a);
         assert_eq!((task["status"].as_str(), task["waiting_on"].as_str()), (Some("pending"), Some("paused")), "{task}");
+        assert_eq!(relay.metric("relay_dispatch_held_total{reason=\"paused\"}"), 3.0);
         let kind = relay.api("GET", "/kinds/p", None).json();
         assert_eq!((kind["pending"].as_u64(), kind["running"].as_u64()), (Some(3), Some(0)), "{kind}");
         put_policy(&relay, "p", r#"{"paused":false}"#);
@@ -303,11 +304,9 @@ fn a_policy_set_on_one_node_applies_on_another_within_a_second() {
 
 // ----- limits --------------------------------------------------------------------------------
 
-const LIMITS_IN_CLUSTER: &str = "cluster claims do not apply max_running and rate yet (SPEC §14, issue 22 stage 3)";
-
 #[test]
 fn max_running_is_never_exceeded_over_many_workers_and_holds_no_other_kind() {
-    crate::support::modes::for_each_mode_known_cluster_defect(LIMITS_IN_CLUSTER, |mode| {
+    for_each_mode(|mode| {
         let relay = mode.start();
         let workers: Vec<FakeWorker> = (0..5)
             .map(|_| {
@@ -367,7 +366,7 @@ fn max_running_is_never_exceeded_over_many_workers_and_holds_no_other_kind() {
 
 #[test]
 fn rate_bounds_dispatch_starts_with_a_full_bucket_and_holds_no_other_kind() {
-    crate::support::modes::for_each_mode_known_cluster_defect(LIMITS_IN_CLUSTER, |mode| {
+    for_each_mode(|mode| {
         let relay = mode.start();
         let w = FakeWorker::connect(
             &relay,
@@ -428,10 +427,14 @@ fn max_running_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once() {
     let mut workers = Vec::new();
     for node in &nodes {
         for _ in 0..3 {
-            workers.push(FakeWorker::connect(node, Some(json!({"type":"hello","kinds":["m"],"concurrency":4})), Auto::Manual));
+            workers.push(FakeWorker::connect(
+                node,
+                Some(json!({"type":"hello","kinds":["m"],"concurrency":4})),
+                Auto::Manual,
+            ));
         }
-        node.wait_clients(9, |c| c["concurrency"] == 4);
     }
+    nodes[0].wait_clients(9, |c| c["concurrency"] == 4);
     put_policy(&nodes[0], "m", r#"{"max_running":3}"#);
     // Every node knows the policy before the tasks come (SPEC §14: within a second).
     let set = std::time::Instant::now();

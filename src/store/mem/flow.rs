@@ -270,7 +270,7 @@ impl MemStore {
             let kinds_state = &self.kinds;
             let tasks = &self.tasks;
             let takeable = |id: &TaskId| {
-                tasks.get(id).is_some_and(|t| t.attempts.is_empty() || ask.takers.iter().any(|&c| !t.tried(c)))
+                tasks.get(id).is_some_and(|t| t.this_run().is_empty() || ask.takers.iter().any(|&c| !t.tried(c)))
             };
             let mut lanes: Vec<LaneIter<'_>> = Vec::new();
             let mut heads = match ask.kinds {

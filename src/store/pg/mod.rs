@@ -26,7 +26,7 @@ use crate::tasks::{ConnRef, Status, TaskId, parse_id, uuid_string};
 use crate::tokens::pg::TokenCache;
 use node::{
     CancelReq, ClaimReq, DbStats, EndRec, InsertRec, KeyLookup, ListReq, MAX_CLAIMS_PER_TXN, MAX_INSERT_BACKLOG_BYTES,
-    MAX_READS_PER_TXN, MAX_REFUSALS, MAX_WORKERS_GONE, Part, REFUSED_UNHEALTHY, ReadReq, STALL_MS, Sent,
+    MAX_READS_PER_TXN, MAX_REFUSALS, MAX_WORKERS_GONE, Part, REFUSED_UNHEALTHY, ReadReq, RerunReq, STALL_MS, Sent,
 };
 use rows::{ccol, storable, storable_lossy, uuid_array};
 
@@ -108,6 +108,7 @@ pub struct PgStore {
     ended: Vec<EndRec>,
     unclaim: Vec<(String, u32)>,
     cancels: Vec<CancelReq>,
+    reruns: Vec<RerunReq>,
     reads: Vec<ReadReq>,
     lists: Vec<ListReq>,
     worker_reads: Vec<ConnRef>,
@@ -144,6 +145,11 @@ pub struct PgStore {
     want_policies: bool,
     /// Tasks the `CLAIM_LIMITED` of the claim being read took (they join its `Claimed`).
     limited_claimed: Vec<Claimed>,
+    /// Limited kinds out of room as their last claim found them (for `waiting_on`).
+    held_kinds: HashMap<String, crate::flow::WaitingOn>,
+    /// Claims a limit held back, by `WaitingOn` index; kinds with a policy as last counted.
+    held_total: [u64; 6],
+    kind_gauges: Vec<(String, u64, u64)>,
 
     // ----- timers of the store's own tick
     next_tick_ms: u64,
@@ -211,6 +217,7 @@ impl PgStore {
             ended: Vec::new(),
             unclaim: Vec::new(),
             cancels: Vec::new(),
+            reruns: Vec::new(),
             reads: Vec::new(),
             lists: Vec::new(),
             worker_reads: Vec::new(),
@@ -234,6 +241,9 @@ impl PgStore {
             policies_high: 0,
             want_policies: true,
             limited_claimed: Vec::new(),
+            held_kinds: HashMap::new(),
+            held_total: [0; 6],
+            kind_gauges: Vec::new(),
             next_tick_ms: 0,
             next_tokens_ms: 0,
             next_cache_ms: 0,
@@ -293,6 +303,13 @@ impl PgStore {
     /// here recently; other nodes' and older attempts are fenced by the database instead.
     pub fn stray(&mut self, id: TaskId, client_id: u128) -> Option<crate::metrics::Ignored> {
         self.recent.stray(id, client_id)
+    }
+
+    /// `relay_kind_running` / `relay_kind_pending` (at most a second old) and
+    /// `relay_dispatch_held_total`.
+    pub fn kind_gauges(&self, g: &mut crate::metrics::Gauges) {
+        g.kinds.clone_from(&self.kind_gauges);
+        g.held = self.held_total;
     }
 
     pub fn gauges(&self) -> ClusterGauges {
@@ -451,8 +468,15 @@ impl PgStore {
 
     /// The kind policy that holds a pending task back, as this node knows it (SPEC §14).
     fn note_waiting(&self, task: &crate::tasks::Task) {
-        let paused = task.status == Status::Pending && self.kind_paused(task.kind.as_deref());
-        task.held_by.set(paused.then_some(crate::flow::WaitingOn::Paused));
+        let why = match task.kind.as_deref() {
+            Some(k) if task.status == Status::Pending => match self.policies.get(k) {
+                Some(p) if p.paused => Some(crate::flow::WaitingOn::Paused),
+                Some(p) if p.limits() => self.held_kinds.get(k).copied(),
+                _ => None,
+            },
+            _ => None,
+        };
+        task.held_by.set(why);
     }
 
     pub fn give_back(&mut self, id: TaskId, attempt: u32) {
@@ -529,6 +553,54 @@ impl PgStore {
             return;
         }
         self.cancels.push(CancelReq { conn, id, scope: scope.map(<[String]>::to_vec) });
+    }
+
+    pub fn rerun(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, wait: bool) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        self.reruns.push(RerunReq { conn, id, scope: scope.map(<[String]>::to_vec), wait, filter: None });
+    }
+
+    pub fn rerun_many(&mut self, filter: &crate::store::RerunFilter, scope: Option<&[String]>, conn: ConnRef) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        let filter = Some(filter.clone());
+        self.reruns.push(RerunReq { conn, id: 0, scope: scope.map(<[String]>::to_vec), wait: false, filter });
+    }
+
+    /// A re-run committed (`rows` of `RERUN`, `task_row` read after it) or `RERUN_MANY` did.
+    fn on_rerun(&mut self, r: RerunReq, rows: &[Row], task_row: Option<&Row>) {
+        if r.filter.is_some() {
+            let ids: Vec<TaskId> = rows.iter().filter_map(|row| row.text(0).and_then(parse_id)).collect();
+            if r.filter.as_ref().is_some_and(|f| !f.dry_run) && !ids.is_empty() {
+                self.unstarve();
+            }
+            let response = crate::store::rerun_answer(&ids);
+            self.events.push(Event::Answer { conn: r.conn, response });
+            return;
+        }
+        let task = task_row.filter(|row| rows::in_scope(row, r.scope.as_deref())).and_then(rows::task);
+        let (Some(old), Some(task)) = (rows.first(), task) else {
+            self.events.push(Event::Answer { conn: r.conn, response: not_found() });
+            return;
+        };
+        if old.bool(1) != Some(true) {
+            let mut response = crate::tasks::task_response(&task, false);
+            response.status = 409;
+            self.events.push(Event::Answer { conn: r.conn, response });
+            return;
+        }
+        self.unstarve();
+        if r.wait {
+            self.events.push(Event::NotFinal { conn: r.conn, id: r.id, post: true });
+        } else {
+            let response = crate::tasks::task_response(&task, true);
+            self.events.push(Event::Answer { conn: r.conn, response });
+        }
     }
 
     pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
@@ -696,6 +768,7 @@ impl PgStore {
             || !self.ended.is_empty()
             || !self.unclaim.is_empty()
             || !self.cancels.is_empty()
+            || !self.reruns.is_empty()
             || !self.reads.is_empty()
             || !self.lists.is_empty()
             || !self.worker_reads.is_empty()
@@ -841,6 +914,23 @@ impl PgStore {
             parts.push(Part::CancelRead);
             notify_finished = true;
         }
+        for r in std::mem::take(&mut self.reruns) {
+            match &r.filter {
+                None => {
+                    stmts.push(sql::rerun(&uuid_string(r.id), r.scope.as_deref(), wall));
+                    stmts.push(
+                        Stmt::new(sql::GET_TASKS, vec![Param::Text(uuid_array([r.id]))]).with_json(rows::col::JSON),
+                    );
+                    parts.push(Part::Rerun(r));
+                    parts.push(Part::CancelRead);
+                }
+                Some(f) => {
+                    stmts.push(sql::rerun_many(f, r.scope.as_deref(), crate::store::RERUN_SCAN, wall));
+                    parts.push(Part::Rerun(r));
+                }
+            }
+            notify_pending = true;
+        }
         if std::mem::take(&mut self.workers_resync) {
             self.workers_gone.clear();
             let connected: Vec<u128> = self.workers_written.keys().copied().collect();
@@ -905,7 +995,8 @@ impl PgStore {
                 let names: Vec<&str> = mine.iter().map(|l| l.0).collect();
                 stmts.push(Stmt::new(sql::KIND_LOCKS, vec![text_array_of(&names)]));
                 parts.push(Part::KindLocks);
-                stmts.push(sql::claim_limited(&node_id, c.group, &mine, wall, c.limit, &c.takers).with_json(ccol::JSON));
+                stmts
+                    .push(sql::claim_limited(&node_id, c.group, &mine, wall, c.limit, &c.takers).with_json(ccol::JSON));
                 parts.push(Part::ClaimLimited);
                 stmts.push(Stmt::new(sql::KIND_BACKLOG, vec![text_array_of(&names), (wall as i64).into()]));
                 parts.push(Part::KindBacklog);
@@ -985,6 +1076,15 @@ impl PgStore {
         if std::mem::take(&mut self.want_counts) {
             stmts.push(Stmt::new(sql::COUNTS, vec![]));
             parts.push(Part::Counts);
+            if !self.policies.is_empty() {
+                let mut kinds: Vec<&str> = self.policies.keys().map(String::as_str).collect();
+                kinds.sort_unstable();
+                kinds.truncate(crate::flow::MAX_LABELLED_KINDS);
+                stmts.push(Stmt::new(sql::KIND_GAUGES, vec![text_array_of(&kinds)]));
+                parts.push(Part::KindGauges);
+            } else {
+                self.kind_gauges.clear();
+            }
         }
         if std::mem::take(&mut self.want_policies) {
             stmts.push(Stmt::new(sql::POLICY_CHANGES, vec![self.policies_high.into()]));
@@ -1017,6 +1117,9 @@ impl PgStore {
         }
         for c in std::mem::take(&mut self.cancels) {
             parts.push(Part::Cancel(c));
+        }
+        for r in std::mem::take(&mut self.reruns) {
+            parts.push(Part::Rerun(r));
         }
         if !self.reads.is_empty() {
             parts.push(Part::Reads(std::mem::take(&mut self.reads)));
@@ -1083,6 +1186,7 @@ impl PgStore {
                 Part::Orphans => self.orphans = true,
                 Part::Adopt => {}
                 Part::Cancel(c) => self.events.push(Event::Answer { conn: c.conn, response: answer.clone() }),
+                Part::Rerun(r) => self.events.push(Event::Answer { conn: r.conn, response: answer.clone() }),
                 Part::DeleteWorkers(gone) => self.workers_gone.extend(gone),
                 Part::ResyncWorkers => self.workers_resync = true,
                 Part::UpsertWorkers(_) => self.workers_resync = true,
@@ -1113,7 +1217,7 @@ impl PgStore {
                 Part::Retention => {}
                 Part::Finished(ids) => self.check_finished.extend(ids),
                 Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
-                Part::PolicyLock | Part::PolicySet(..) | Part::KindLocks | Part::KindBacklog => {}
+                Part::PolicyLock | Part::PolicySet(..) | Part::KindLocks | Part::KindBacklog | Part::KindGauges => {}
                 Part::ClaimLimited => {
                     if matches!(why, Failure::Lost(_)) {
                         self.orphans = true;
@@ -1240,6 +1344,13 @@ impl PgStore {
                     let task_row = parts.peek().and_then(|(j, _)| rows_of(rows, *j).first());
                     self.on_canceled(c, canceled, task_row);
                 }
+                Part::Rerun(r) => {
+                    let task_row = match (&r.filter, parts.peek()) {
+                        (None, Some((j, _))) => rows_of(rows, *j).first(),
+                        _ => None,
+                    };
+                    self.on_rerun(r, here, task_row);
+                }
                 Part::Finished(_) => {
                     for row in here {
                         let Some(t) = rows::task(row) else { continue };
@@ -1285,6 +1396,15 @@ impl PgStore {
                     }
                 }
                 Part::PolicyLock | Part::KindLocks => {}
+                Part::KindGauges => {
+                    self.kind_gauges = here
+                        .iter()
+                        .filter_map(|r| {
+                            let n = |i: usize| r.i64(i).map_or(0, |n| n.max(0) as u64);
+                            Some((r.text(0)?.to_string(), n(1), n(2)))
+                        })
+                        .collect();
+                }
                 Part::ClaimLimited => {
                     for row in here {
                         if let Some(claimed) = claimed_of(row, &self.cfg) {
@@ -1293,7 +1413,31 @@ impl PgStore {
                     }
                 }
                 Part::KindBacklog => {
-                    if here.first().and_then(|r| r.i64(0)).is_some_and(|n| n > 0) {
+                    let mut waiting = false;
+                    for row in here {
+                        let Some(kind) = row.text(0) else { continue };
+                        waiting |= row.bool(1) == Some(true);
+                        let why = self.policies.get(kind).and_then(|p| {
+                            let running = row.i64(2).unwrap_or(0).max(0) as u64;
+                            if p.running_cap().is_some_and(|cap| running >= u64::from(cap)) {
+                                return Some(crate::flow::WaitingOn::Concurrency);
+                            }
+                            let (per_ms, burst) = p.one_bucket()?;
+                            let tokens = row.text(3).and_then(|t| t.parse::<f64>().ok())?;
+                            let since = row.i64(4).unwrap_or(0).max(0) as f64;
+                            ((tokens + since * per_ms).min(burst) < 1.0 - 1e-9).then_some(crate::flow::WaitingOn::Rate)
+                        });
+                        if let Some(why) = why
+                            && row.bool(1) == Some(true)
+                        {
+                            self.held_total[why.index()] += 1;
+                        }
+                        match why {
+                            Some(why) => self.held_kinds.insert(kind.to_string(), why),
+                            None => self.held_kinds.remove(kind),
+                        };
+                    }
+                    if waiting {
                         // A slot or a token may free on any node: look again shortly.
                         self.due_ms.insert(self.now_ms + LIMITED_POLL_MS);
                     }
@@ -1570,6 +1714,7 @@ fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
         max_retries: row.i64(ccol::MAX_RETRIES).and_then(|v| u32::try_from(v).ok()).unwrap_or(cfg.max_retries),
         counted: attempt
             .saturating_sub(1)
+            .saturating_sub(row.i64(ccol::RERUN_BASE).and_then(|n| u32::try_from(n).ok()).unwrap_or(0))
             .saturating_sub(row.i64(ccol::UNCOUNTED).and_then(|n| u32::try_from(n).ok()).unwrap_or(0)),
         tried,
         retry: crate::tasks::RetryPolicy {
