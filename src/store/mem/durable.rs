@@ -311,6 +311,7 @@ impl MemStore {
         task.restored = true;
         task.place = Place::Nowhere;
         self.status_counts[Status::Dispatched.index()] += 1;
+        self.count_kind(task.kind.as_deref(), None, Some(Status::Dispatched));
         self.tasks.insert_boxed(held.task.id, task);
         self.restored_held.push(held);
         Ok(())

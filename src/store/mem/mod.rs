@@ -771,6 +771,9 @@ impl MemStore {
         self.status_counts[Status::Pending.index()] += 1;
         self.pending_bytes += bytes;
         task.status = Status::Pending;
+        let kind = task.kind.clone();
+        self.count_kind(kind.as_deref(), None, Some(Status::Pending));
+        let Some(task) = self.tasks.get_mut(&id) else { return };
         task.finished_wall_ms = None;
         task.error = None;
         task.result = None;
