@@ -58,6 +58,9 @@ pub mod ccol {
     pub const RETRY_BACKOFF_MS: usize = 10;
     pub const RETRY_BACKOFF_MAX_MS: usize = 11;
     pub const RETRY_ANY_WORKER: usize = 12;
+    /// (`TAKE_SESSION` only) the session worker's client id, and the attempt's start.
+    pub const SESSION_CLIENT_ID: usize = 13;
+    pub const SESSION_STARTED_MS: usize = 14;
 }
 
 /// `LIST_WORKERS` columns.
