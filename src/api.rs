@@ -12,7 +12,7 @@ use crate::auth::{Auth, Identity, RegistryLoading};
 use crate::config::parse_duration_ms;
 use crate::dispatch::{Core, Io, NewTask};
 use crate::http::{Head, Method, Response, error, percent_decode};
-use crate::tasks::{ConnRef, parse_id};
+use crate::tasks::{ConnRef, Status, parse_id};
 
 /// Longest accepted `Idempotency-Key`.
 const MAX_IDEMPOTENCY_KEY_BYTES: usize = 256;
@@ -30,7 +30,11 @@ pub enum Route<'a> {
     Ws,
     Tasks,
     TasksBatch,
+    /// `POST /tasks/retry` (SPEC §13).
+    TasksRetry,
     Task(&'a str),
+    /// `POST /tasks/{id}/retry`.
+    TaskRetry(&'a str),
     Clients,
     Healthz,
     Metrics,
@@ -47,6 +51,7 @@ impl<'a> Route<'a> {
             "/ws" => Route::Ws,
             "/tasks" => Route::Tasks,
             "/tasks/batch" => Route::TasksBatch,
+            "/tasks/retry" => Route::TasksRetry,
             "/clients" => Route::Clients,
             "/healthz" => Route::Healthz,
             "/metrics" => Route::Metrics,
@@ -55,6 +60,12 @@ impl<'a> Route<'a> {
             _ => {
                 if let Some(id) = path.strip_prefix("/tasks/").filter(|id| !id.is_empty() && !id.contains('/')) {
                     Route::Task(id)
+                } else if let Some(id) = path
+                    .strip_prefix("/tasks/")
+                    .and_then(|rest| rest.strip_suffix("/retry"))
+                    .filter(|id| !id.is_empty() && !id.contains('/'))
+                {
+                    Route::TaskRetry(id)
                 } else if let Some(id) = path.strip_prefix("/files/").filter(|id| !id.is_empty() && !id.contains('/')) {
                     Route::File(id)
                 } else if let Some(name) = path.strip_prefix("/ui/").filter(|n| crate::ui::exists(n)) {
@@ -72,7 +83,7 @@ impl<'a> Route<'a> {
             Route::Ws => "GET",
             Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => "GET, HEAD",
             Route::Tasks => "GET, HEAD, POST",
-            Route::TasksBatch | Route::Files => "POST",
+            Route::TasksBatch | Route::Files | Route::TasksRetry | Route::TaskRetry(_) => "POST",
             Route::Task(_) => "GET, HEAD, DELETE",
             Route::NotFound => "",
         }
@@ -86,7 +97,7 @@ impl<'a> Route<'a> {
                 matches!(method, Method::Get | Method::Head)
             }
             Route::Tasks => matches!(method, Method::Get | Method::Head | Method::Post),
-            Route::TasksBatch | Route::Files => method == Method::Post,
+            Route::TasksBatch | Route::Files | Route::TasksRetry | Route::TaskRetry(_) => method == Method::Post,
             Route::Task(_) => matches!(method, Method::Get | Method::Head | Method::Delete),
             Route::NotFound => false,
         }
@@ -222,7 +233,7 @@ impl Api {
             None | Some("false" | "0") => false,
             Some("true" | "1") => true,
             // A misspelt value must not quietly turn a blocking call into a non-blocking one.
-            Some(other) if matches!(route, Route::Tasks | Route::Task(_)) => {
+            Some(other) if matches!(route, Route::Tasks | Route::Task(_) | Route::TaskRetry(_)) => {
                 let msg = format!("invalid wait {:?} (true, false, 1 or 0)", percent_decode(other));
                 return Handled::Respond(error(400, &msg));
             }
@@ -249,10 +260,12 @@ impl Api {
                 return Handled::Respond(error(501, "file transfer is not available in this version"));
             }
             Route::NotFound => return Handled::Respond(error(404, "no such endpoint")),
-            Route::Clients | Route::Tasks | Route::Task(_) => match identity {
-                Some(identity) => identity,
-                None => return Handled::Respond(unauthorized()),
-            },
+            Route::Clients | Route::Tasks | Route::Task(_) | Route::TasksRetry | Route::TaskRetry(_) => {
+                match identity {
+                    Some(identity) => identity,
+                    None => return Handled::Respond(unauthorized()),
+                }
+            }
         };
         // (A store that cannot read answers 503 here; one that cannot write refuses what would
         // write — not an idempotent repeat, not the cancel of a final task — itself.)
@@ -269,6 +282,14 @@ impl Api {
                 Err(msg) => Some(error(400, &msg)),
             },
             Route::Tasks => return self.submit(core, io, conn, head, body, identity, wait),
+            Route::TaskRetry(id_text) => {
+                let Some(id) = parse_id(id_text) else { return Handled::Respond(error(404, "no such task")) };
+                core.rerun(io, conn, id, identity.scope(), wait)
+            }
+            Route::TasksRetry => match parse_rerun(body) {
+                Ok(filter) => core.rerun_many(io, conn, &filter, identity.scope()),
+                Err(msg) => Some(error(400, &msg)),
+            },
             Route::Task(id_text) => {
                 let Some(id) = parse_id(id_text) else { return Handled::Respond(error(404, "no such task")) };
                 let payload = match head.query_param("include") {
@@ -631,6 +652,79 @@ fn parse_retry(raw: Option<&RawValue>) -> Result<crate::tasks::RetryPolicy, Stri
     })
 }
 
+/// `POST /tasks/retry`'s body (SPEC §13), read field by field: each has one JSON type (a
+/// `null` is refused, not taken for "absent"), and an unknown field is a 400.
+#[derive(Default)]
+struct RerunBody {
+    status: Option<String>,
+    kind: Option<String>,
+    error_contains: Option<String>,
+    finished_after: Option<String>,
+    limit: Option<u64>,
+    dry_run: Option<bool>,
+}
+
+/// Checks a `POST /tasks/retry` body: status `failed` (default) or `canceled`, at least one
+/// filter besides it, `limit` 1–10,000 (default 1,000). The error is the 400 message.
+pub fn parse_rerun(body: &[u8]) -> Result<crate::store::RerunFilter, String> {
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return Err("the body must be a JSON object of filters, such as {\"kind\":\"http\"}".into());
+    }
+    let fields: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(body).map_err(|e| format!("invalid JSON body: {e}"))?;
+    let mut raw = RerunBody::default();
+    for (name, v) in fields {
+        let text = || v.as_str().map(str::to_string).ok_or_else(|| format!("{name} must be a string"));
+        match name.as_str() {
+            "status" => raw.status = Some(text()?),
+            "kind" => raw.kind = Some(text()?),
+            "error_contains" => raw.error_contains = Some(text()?),
+            "finished_after" => raw.finished_after = Some(text()?),
+            "limit" => raw.limit = Some(v.as_u64().ok_or("limit must be an integer from 1 to 10000")?),
+            "dry_run" => raw.dry_run = Some(v.as_bool().ok_or("dry_run must be true or false")?),
+            _ => {
+                return Err(format!(
+                    "unknown field {name:?} (status, kind, error_contains, finished_after, limit, dry_run)"
+                ));
+            }
+        }
+    }
+    let status = match raw.status.as_deref() {
+        None | Some("failed") => Status::Failed,
+        Some("canceled") => Status::Canceled,
+        Some(other) => return Err(format!("status {other:?}: only failed or canceled tasks are run again")),
+    };
+    for (name, v) in [("kind", &raw.kind), ("error_contains", &raw.error_contains)] {
+        if let Some(Err(why)) = v.as_deref().map(check_text) {
+            return Err(format!("invalid {name}: {why}"));
+        }
+        if v.as_ref().is_some_and(|t| t.len() > 1024) {
+            return Err(format!("{name} is longer than 1024 bytes"));
+        }
+    }
+    let finished_after_ms = match raw.finished_after.as_deref() {
+        None => None,
+        Some(t) => Some(crate::timefmt::parse_rfc3339_ms(t).map_err(|e| format!("invalid finished_after {t:?}: {e}"))?),
+    };
+    if raw.kind.is_none() && raw.error_contains.is_none() && finished_after_ms.is_none() {
+        return Err("give at least one filter besides status: kind, error_contains or finished_after".into());
+    }
+    let max = crate::store::MAX_RERUN_LIMIT;
+    let limit = match raw.limit {
+        None => 1_000,
+        Some(n) if (1..=u64::from(max)).contains(&n) => n as u32,
+        Some(n) => return Err(format!("limit {n} is outside 1..{max}")),
+    };
+    Ok(crate::store::RerunFilter {
+        status,
+        kind: raw.kind,
+        error_contains: raw.error_contains,
+        finished_after_ms,
+        limit,
+        dry_run: raw.dry_run.unwrap_or(false),
+    })
+}
+
 #[derive(Deserialize)]
 struct KindProbe<'a> {
     #[serde(borrow, default, deserialize_with = "present")]
@@ -838,6 +932,9 @@ mod tests {
             ("/tasks", Route::Tasks),
             ("/tasks/batch", Route::TasksBatch),
             ("/tasks/abc", Route::Task("abc")),
+            ("/tasks/retry", Route::TasksRetry),
+            ("/tasks/abc/retry", Route::TaskRetry("abc")),
+            ("/tasks//retry", Route::NotFound),
             ("/tasks/", Route::NotFound),
             ("/tasks/a/b", Route::NotFound),
             ("/files/x", Route::File("x")),

@@ -174,6 +174,27 @@ struct Held {
     timer: TimerHandle,
 }
 
+/// The `wait=true` requests held for one task: nearly always one (no vector allocated then).
+struct Waiters {
+    first: ConnRef,
+    more: Vec<ConnRef>,
+}
+
+impl Waiters {
+    /// Forgets `conn`; true when no request is left.
+    fn remove(&mut self, conn: ConnRef) -> bool {
+        if self.first == conn {
+            match self.more.pop() {
+                Some(next) => self.first = next,
+                None => return true,
+            }
+        } else {
+            self.more.retain(|&c| c != conn);
+        }
+        false
+    }
+}
+
 /// A `POST /tasks/batch` whose items are being stored.
 struct BatchWait {
     conn: ConnRef,
@@ -246,9 +267,9 @@ pub struct Core {
     claim_takers: Vec<u128>,
     /// Workers a submit found without room for its frame (kept between submits).
     claim_takers_slots: Vec<u32>,
-    held: HashMap<ConnRef, Held>,
-    waiters: HashMap<TaskId, Vec<ConnRef>, BuildHasherDefault<IdHasher>>,
-    batches: HashMap<u64, BatchWait>,
+    held: HashMap<ConnRef, Held, BuildHasherDefault<IdHasher>>,
+    waiters: HashMap<TaskId, Waiters, BuildHasherDefault<IdHasher>>,
+    batches: HashMap<u64, BatchWait, BuildHasherDefault<IdHasher>>,
     next_batch: u64,
     /// A task became ready or a worker gained room: a claim round is due.
     claim_wanted: bool,
@@ -291,9 +312,9 @@ impl Core {
             claim_asks: Vec::new(),
             claim_takers: Vec::new(),
             claim_takers_slots: Vec::new(),
-            held: HashMap::new(),
+            held: HashMap::default(),
             waiters: HashMap::default(),
-            batches: HashMap::new(),
+            batches: HashMap::default(),
             next_batch: 1,
             claim_wanted: true,
             claim_timer: false,
@@ -613,6 +634,36 @@ impl Core {
         self.end(io)
     }
 
+    /// `POST /tasks/{id}/retry` (SPEC §13): a failed or canceled task runs again; with `wait`,
+    /// the answer waits for it to be final.
+    pub fn rerun(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        id: TaskId,
+        scope: Option<&[String]>,
+        wait: bool,
+    ) -> Option<Response> {
+        self.begin(conn);
+        self.store.rerun(id, scope, conn, wait && !self.shutting_down);
+        self.claim_wanted = true;
+        self.end(io)
+    }
+
+    /// `POST /tasks/retry`: the failed (or canceled) tasks the filter selects run again.
+    pub fn rerun_many(
+        &mut self,
+        io: &mut dyn Io,
+        conn: ConnRef,
+        filter: &crate::store::RerunFilter,
+        scope: Option<&[String]>,
+    ) -> Option<Response> {
+        self.begin(conn);
+        self.store.rerun_many(filter, scope, conn);
+        self.claim_wanted = true;
+        self.end(io)
+    }
+
     /// `GET /clients`: this node's workers and (cluster mode) every other live node's.
     pub fn clients(&mut self, io: &mut dyn Io, conn: ConnRef) -> Option<Response> {
         self.begin(conn);
@@ -626,11 +677,13 @@ impl Core {
         if let Some(old) = self.held.insert(conn, Held { task: id, post, timer }) {
             self.wheel.cancel(old.timer);
         }
-        let list = self.waiters.entry(id).or_default();
-        if list.is_empty() {
-            self.store.watch(id);
+        match self.waiters.entry(id) {
+            std::collections::hash_map::Entry::Occupied(w) => w.into_mut().more.push(conn),
+            std::collections::hash_map::Entry::Vacant(w) => {
+                w.insert(Waiters { first: conn, more: Vec::new() });
+                self.store.watch(id);
+            }
         }
-        list.push(conn);
     }
 
     /// The wait of `conn` ends without the task being final (or it is, and is read): it is
@@ -643,12 +696,9 @@ impl Core {
     fn unhold(&mut self, conn: ConnRef) -> Option<Held> {
         let held = self.held.remove(&conn)?;
         self.wheel.cancel(held.timer);
-        if let Some(list) = self.waiters.get_mut(&held.task) {
-            list.retain(|c| *c != conn);
-            if list.is_empty() {
-                self.waiters.remove(&held.task);
-                self.store.unwatch(held.task);
-            }
+        if self.waiters.get_mut(&held.task).is_some_and(|w| w.remove(conn)) {
+            self.waiters.remove(&held.task);
+            self.store.unwatch(held.task);
         }
         Some(held)
     }
@@ -1005,6 +1055,11 @@ impl Core {
             return;
         }
         self.claim_wanted = false;
+        if !self.store.may_have_ready() {
+            // (A submit offered to an idle worker was claimed as it was stored: most rounds that a
+            // finished attempt calls for find the queue empty.)
+            return;
+        }
         let mut claimed = 0;
         let mut asks = std::mem::take(&mut self.claim_asks);
         let mut takers = std::mem::take(&mut self.claim_takers);
@@ -1071,7 +1126,7 @@ impl Core {
 
     /// Tasks claimed for a group: each goes to the next of its workers round-robin (for its
     /// kind) that has room and has not tried it, or back to the store.
-    fn on_claimed(&mut self, io: &mut dyn Io, group: u32, tasks: Vec<Claimed>) {
+    fn on_claimed(&mut self, io: &mut dyn Io, group: u32, tasks: impl ExactSizeIterator<Item = Claimed>) {
         let asked = self.groups.groups.get(&group).map_or(0, |g| g.asked);
         if asked > 0 && tasks.len() as u64 >= asked {
             // A full claim: more may wait (a database's next transaction asks again).
@@ -1462,7 +1517,8 @@ impl Core {
                 Some((id, status)) => self.answer_existing(io, conn, id, status, wait),
                 None => self.reply(io, conn, missing),
             },
-            Event::Claimed { group, tasks } => self.on_claimed(io, group, tasks),
+            Event::Claimed { group, tasks } => self.on_claimed(io, group, tasks.into_iter()),
+            Event::ClaimedOne { group, task } => self.on_claimed(io, group, std::iter::once(task)),
             Event::Fenced { id, attempt } => {
                 // A stale write: the task was canceled, or reaped while this node was cut off.
                 self.metrics.ignored(Ignored::Late);
@@ -1515,9 +1571,9 @@ impl Core {
 
     /// Task `id` is final: everyone waiting on it is answered.
     fn answer_waiters(&mut self, id: TaskId) {
-        let Some(conns) = self.waiters.remove(&id) else { return };
+        let Some(waiters) = self.waiters.remove(&id) else { return };
         self.store.unwatch(id);
-        for conn in conns {
+        for conn in std::iter::once(waiters.first).chain(waiters.more) {
             if let Some(held) = self.held.remove(&conn) {
                 self.wheel.cancel(held.timer);
                 self.store.read(id, None, conn, ReadHow::Release { post: held.post });

@@ -292,6 +292,11 @@ pub struct Task {
     /// worker was connected, so the one tried longest ago is eligible again, SPEC §13). Not
     /// counted in [`Task::tried_by`]; cleared when the next attempt ends.
     pub again: Option<u128>,
+    /// Times `POST /tasks/{id}/retry` ran it again (SPEC §13).
+    pub reruns: u32,
+    /// The attempts before the current run (a re-run's retry budget and tried workers start
+    /// after them; attempt numbers go on).
+    pub rerun_base: u32,
     /// Where the storage backend keeps the task; `stored.lsn` is the newest record about it,
     /// which must be durable before anyone is shown the task as it is now.
     pub stored: Stored,
@@ -358,12 +363,23 @@ impl Task {
     }
 
     pub fn tried(&self, client_id: u128) -> bool {
-        self.again != Some(client_id) && self.attempts.iter().any(|a| a.client_id == client_id)
+        self.again != Some(client_id) && self.this_run().iter().any(|a| a.client_id == client_id)
     }
 
-    /// The workers a claim must not give the task to: every one sent it, but [`Task::again`].
+    /// The workers a claim must not give the task to: every one sent it in this run, but
+    /// [`Task::again`].
     pub fn tried_by(&self) -> Vec<u128> {
-        self.attempts.iter().map(|a| a.client_id).filter(|&c| Some(c) != self.again).collect()
+        self.this_run().iter().map(|a| a.client_id).filter(|&c| Some(c) != self.again).collect()
+    }
+
+    /// The attempts of the current run (all of them, unless it was re-run).
+    pub fn this_run(&self) -> &[Attempt] {
+        self.attempts.get(self.rerun_base as usize..).unwrap_or(&[])
+    }
+
+    /// Attempts of this run that count against `max_retries` (a relay restart's do not).
+    pub fn counted(&self) -> u32 {
+        self.this_run().iter().filter(|a| !a.restarted).count() as u32
     }
 
     /// Why a pending task is not running yet (SPEC §14's order: `schedule`, `backoff`, `paused`,
@@ -448,6 +464,10 @@ impl Task {
             s.push_str("\",\"client_ip\":\"");
             push_ip(s, last.client_ip);
             s.push('"');
+        }
+        if self.reruns > 0 {
+            s.push_str(",\"reruns\":");
+            push_u64(s, u64::from(self.reruns));
         }
         s.push_str(",\"attempts\":");
         push_u64(s, self.attempts.len() as u64);
@@ -665,6 +685,8 @@ mod tests {
             retry: RetryPolicy::default(),
             next_attempt_wall_ms: None,
             again: None,
+            reruns: 0,
+            rerun_base: 0,
             stored: Stored::default(),
         }
     }

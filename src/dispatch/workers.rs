@@ -6,10 +6,11 @@
 //! Owned by the core; no I/O, no clock.
 
 use std::collections::{BTreeSet, HashMap, HashSet};
+use std::hash::BuildHasherDefault;
 use std::net::IpAddr;
 
 use crate::store::{MAX_TAKERS, WorkerInfo};
-use crate::tasks::{ConnRef, TaskId};
+use crate::tasks::{ConnRef, IdHasher, TaskId};
 
 /// Slots of one claim for a worker without a declared concurrency (the seed protocol: it may
 /// take any number, but one claim must not empty the queue into one socket).
@@ -254,7 +255,8 @@ pub struct Group {
 #[derive(Debug, Default)]
 pub struct Groups {
     by_accepts: HashMap<Accepts, u32>,
-    pub groups: HashMap<u32, Group>,
+    /// (Keys are this node's own numbers: a fast hash, not SipHash, on this hot path.)
+    pub groups: HashMap<u32, Group, BuildHasherDefault<IdHasher>>,
     next_id: u32,
 }
 

@@ -360,23 +360,33 @@ fn session_len(s: &crate::tasks::SessionTag) -> usize {
 /// decoder skips a tag it does not know. Tags: 1 `next_attempt_wall_ms` (u64), 2 `again`
 /// (u128), 3 the retry policy (flags u8: 1 backoff, 2 backoff_max, 4 any_worker given,
 /// 8 any_worker; then backoff u64, backoff_max u64), 4 the session of the open attempt (in a
-/// Task or AttemptStart record: worker id and secret, two strings; SPEC §12). Further fields
-/// take further tags.
+/// Task or AttemptStart record: worker id and secret, two strings; SPEC §12), 5 re-runs (reruns
+/// u32, rerun_base u32). Further fields take further tags.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Ext {
     pub next_attempt_wall_ms: Option<u64>,
     pub again: Option<u128>,
     pub retry: RetryPolicy,
+    /// (Task records only) `POST /tasks/{id}/retry`: how many, and the attempts before this run.
+    pub reruns: u32,
+    pub rerun_base: u32,
 }
 
 const EXT_NEXT_ATTEMPT: u8 = 1;
 const EXT_AGAIN: u8 = 2;
 const EXT_RETRY: u8 = 3;
 const EXT_SESSION: u8 = 4;
+const EXT_RERUNS: u8 = 5;
 
 impl Ext {
     pub fn of(t: &Task) -> Ext {
-        Ext { next_attempt_wall_ms: t.next_attempt_wall_ms, again: t.again, retry: t.retry }
+        Ext {
+            next_attempt_wall_ms: t.next_attempt_wall_ms,
+            again: t.again,
+            retry: t.retry,
+            reruns: t.reruns,
+            rerun_base: t.rerun_base,
+        }
     }
 
     /// Bytes it takes in a record.
@@ -384,6 +394,7 @@ impl Ext {
         self.next_attempt_wall_ms.map_or(0, |_| 3 + 8)
             + self.again.map_or(0, |_| 3 + 16)
             + if self.retry.is_default() { 0 } else { 3 + 17 }
+            + if self.reruns == 0 { 0 } else { 3 + 8 }
     }
 
     fn put(&self, out: &mut Vec<u8>) {
@@ -408,6 +419,12 @@ impl Ext {
             out.push(flags);
             put_u64(out, r.backoff_ms.unwrap_or(0));
             put_u64(out, r.backoff_max_ms.unwrap_or(0));
+        }
+        if self.reruns > 0 {
+            out.push(EXT_RERUNS);
+            out.extend_from_slice(&8u16.to_le_bytes());
+            put_u32(out, self.reruns);
+            put_u32(out, self.rerun_base);
         }
     }
 
@@ -435,6 +452,10 @@ impl Ext {
                         backoff_max_ms: (flags & 2 != 0).then_some(max),
                         any_worker: (flags & 4 != 0).then_some(flags & 8 != 0),
                     };
+                }
+                EXT_RERUNS => {
+                    ext.reruns = f.u32()?;
+                    ext.rerun_base = f.u32()?;
                 }
                 EXT_SESSION => session = Some(f.session()?),
                 _ => continue,
@@ -478,7 +499,7 @@ pub fn put_attempt_end_with(out: &mut Vec<u8>, id: TaskId, num: u32, a: &Attempt
         None => out.push(0),
     }
     // (The policy is the task's, in its Task record; an attempt's end says how its retry waits.)
-    Ext { retry: RetryPolicy::default(), ..*ext }.put(out);
+    Ext { next_attempt_wall_ms: ext.next_attempt_wall_ms, again: ext.again, ..Ext::default() }.put(out);
 }
 
 pub fn put_forget(out: &mut Vec<u8>, id: TaskId) {
@@ -530,6 +551,8 @@ impl TaskImage {
             retry: self.ext.retry,
             next_attempt_wall_ms: self.ext.next_attempt_wall_ms,
             again: self.ext.again,
+            reruns: self.ext.reruns,
+            rerun_base: self.ext.rerun_base,
             priority: self.priority,
             stored,
             ..Task::default()

@@ -626,6 +626,8 @@ mod tests {
             },
             next_attempt_wall_ms: (status == Status::Pending && rng.below(2) == 0).then(|| rng.next() >> 20),
             again: (status == Status::Pending && rng.below(2) == 0).then(|| u128::from(rng.next())),
+            reruns: rng.below(3) as u32,
+            rerun_base: rng.below(3) as u32,
             stored: Stored::default(),
         }
     }

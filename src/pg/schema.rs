@@ -21,7 +21,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (3, "one core over a task store: running attempts, exact pending counts, HOT state changes", V3),
     (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
     (5, "retry policies per task", V5),
-    (6, "worker sessions: a running attempt names its worker's session", V6),
+    (6, "re-runs of failed and canceled tasks", V6),
+    (7, "worker sessions: a running attempt names its worker's session", V7),
 ];
 
 /// The newest version this build knows.
@@ -267,10 +268,17 @@ ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
     ADD COLUMN IF NOT EXISTS retry_any_worker boolean;
 "#;
 
-/// Version 6 (SPEC §12): a running attempt of a session worker names the session (its secret
+/// Version 6 (SPEC §13 re-runs): how many times a task was run again, and the attempts before
+/// its current run (whose retry budget starts after them).
+const V6: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS reruns int4 NOT NULL DEFAULT 0,
+    ADD COLUMN IF NOT EXISTS rerun_base int4 NOT NULL DEFAULT 0;
+"#;
+
+/// Version 7 (SPEC §12): a running attempt of a session worker names the session (its secret
 /// and worker id), the worker's client id and when it started, so that the worker may resume
 /// it on any node, also after its node died, within RESUME_WINDOW of that node's heartbeat.
-const V6: &str = r#"
+const V7: &str = r#"
 ALTER TABLE relay_running ADD COLUMN IF NOT EXISTS session text,
     ADD COLUMN IF NOT EXISTS worker_id text,
     ADD COLUMN IF NOT EXISTS client_id uuid,

@@ -203,14 +203,15 @@ pub const CLAIM: &str = "WITH c AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
        RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
-                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                              WHERE e ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
+                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
+                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
-            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
      FROM u ORDER BY ord_ms, seq";
 
 /// [`CLAIM`] for a group that declared kinds ($3).
@@ -227,14 +228,15 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
        RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
-                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                              WHERE e ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
+                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
+                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
-            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
      FROM u ORDER BY ord_ms, seq";
 
 /// One claim: $2 echoes the group (so one statement's rows say whose they are).
@@ -334,13 +336,14 @@ pub const TAKE_SESSION: &str = "WITH s AS (
        UPDATE relay_tasks t SET owner_node = $1::uuid
        FROM s WHERE t.id = s.task_id AND t.attempt = s.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.attempt, t.kind, t.timeout_ms, t.max_retries, t.tried, t.created_ms, s.owner_node,
-                 CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                      WHERE e ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, s.client_id, s.started_ms
+                 CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
+                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, s.client_id, s.started_ms
      )
      SELECT u.id::text, u.attempt, u.kind, NULL::text, u.timeout_ms, u.max_retries, u.tried::text, u.created_ms,
             coalesce(n.name, u.owner_node::text), u.uncounted, u.retry_backoff_ms, u.retry_backoff_max_ms,
-            u.retry_any_worker, u.client_id::text, u.started_ms
+            u.retry_any_worker, u.rerun_base, u.client_id::text, u.started_ms
      FROM u LEFT JOIN relay_nodes n ON n.node_id = u.owner_node";
 
 // ---------------------------------------------------------------------------------------------
@@ -494,7 +497,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.status, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes, t.created_ms,
-                 t.priority,
+                 t.priority, t.reruns,
                  t.run_at_ms, t.finished_ms, t.result, t.error, t.client_id, t.client_ip, t.attempt_log, a.ended_ms,
                  a.next_attempt_ms
      ), run AS (
@@ -506,7 +509,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
               queue, tried, bytes FROM u WHERE status = 'pending'
      )
      SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text, client_ip,
-            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END, priority
+            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END, priority, reruns
      FROM u";
 
 pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
@@ -549,12 +552,13 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
 /// the payload only with `?include=payload`: [`GET_TASKS_PAYLOAD`]): every read of a turn in
 /// one statement.
 pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text, priority
+            client_id::text, client_ip, attempt_log::text, priority, reruns
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
 /// [`GET_TASKS`] with the payload (a task that is done has none).
 pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text, priority, CASE WHEN status = 'done' THEN NULL ELSE payload END
+            client_id::text, client_ip, attempt_log::text, priority, reruns,
+            CASE WHEN status = 'done' THEN NULL ELSE payload END
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
 /// $1 task ids → the final ones among them, with [`GET_TASKS`]'s columns (wait=true waiters
@@ -563,7 +567,7 @@ pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, 
 /// join on the ids so that every plan looks each id up by its key.
 pub const FINISHED_AMONG: &str =
     "SELECT t.id::text, t.status, t.kind, t.created_ms, t.run_at_ms, t.finished_ms, t.result,
-            t.error, t.client_id::text, t.client_ip, t.attempt_log::text, t.priority
+            t.error, t.client_id::text, t.client_ip, t.attempt_log::text, t.priority, t.reruns
      FROM unnest($1::uuid[]) AS k(id) JOIN relay_tasks t ON t.id = k.id
      WHERE t.status IN ('done', 'failed', 'canceled')";
 
@@ -595,9 +599,87 @@ pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
        SELECT seq FROM s ORDER BY seq LIMIT 1
      )
      SELECT p.id::text, p.status, p.kind, p.created_ms, p.run_at_ms, p.finished_ms, p.result, p.error,
-            p.client_id::text, p.client_ip, p.attempt_log::text, p.priority, NULL::text, p.seq, walked.n, stop.seq
+            p.client_id::text, p.client_ip, p.attempt_log::text, p.priority, p.reruns, NULL::text, p.seq, walked.n,
+            stop.seq
      FROM walked LEFT JOIN stop ON true LEFT JOIN page p ON p.before < $7::int8
      ORDER BY p.seq DESC";
+
+// ---------------------------------------------------------------------------------------------
+// Re-runs (SPEC §13).
+
+/// `POST /tasks/{id}/retry`: $1 task id, $2 kinds the caller may touch (NULL: all), $3 now_ms. A
+/// failed or canceled task goes back to pending with a fresh retry budget (`rerun_base`: the
+/// attempts before this run; `tried` empty), its attempt_log kept, `reruns` counted, due now,
+/// waiting for a worker as a queued task. Returns its status before (no row: unknown or out of
+/// scope) and whether it was re-run; [`GET_TASKS`] after it reads the task back.
+pub const RERUN: &str = "WITH old AS (
+       SELECT id, status FROM relay_tasks
+       WHERE id = $1::uuid AND ($2::text[] IS NULL OR kind = ANY($2::text[])) FOR UPDATE
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
+         reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}'
+       FROM old WHERE t.id = old.id AND old.status IN ('failed', 'canceled')
+       RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
+     ), p AS (
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
+       SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes FROM u
+     )
+     SELECT old.status, EXISTS (SELECT 1 FROM u) FROM old";
+
+pub fn rerun(id: &str, scope: Option<&[String]>, now_ms: u64) -> Stmt {
+    Stmt::new(
+        RERUN,
+        vec![
+            id.into(),
+            scope.map_or(Param::Null, |k| arr(k.iter().map(String::as_str))),
+            (now_ms.min(i64::MAX as u64) as i64).into(),
+        ],
+    )
+}
+
+/// `POST /tasks/retry`: of the newest $8 tasks (one bounded walk down `relay_tasks_seq`), the
+/// $6 newest with status $1 (`failed` or `canceled`), kind $2 (NULL: any), a kind in $3 (the
+/// caller's scope; NULL: any), an error containing $4 and finished after $5 (NULL: any) are re-run
+/// as [`RERUN`] re-runs one — unless $7 (a dry run), which only lists them. Rows locked by
+/// another node are skipped. Returns their ids.
+pub const RERUN_MANY: &str = "WITH s AS MATERIALIZED (
+       SELECT id, status, kind, seq, finished_ms FROM relay_tasks ORDER BY seq DESC LIMIT $8::int4
+     ), m AS (
+       SELECT t.id, t.seq FROM s JOIN relay_tasks t ON t.id = s.id
+       WHERE s.status = $1::text AND ($2::text IS NULL OR s.kind = $2::text)
+         AND ($3::text[] IS NULL OR s.kind = ANY($3::text[]))
+         AND ($4::text IS NULL OR strpos(t.error, $4::text) > 0)
+         AND ($5::int8 IS NULL OR s.finished_ms > $5::int8)
+       ORDER BY s.seq DESC LIMIT $6::int4
+     ), l AS (
+       SELECT t.id FROM relay_tasks t JOIN m ON t.id = m.id WHERE t.status = $1::text FOR UPDATE OF t SKIP LOCKED
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
+         reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}'
+       FROM l WHERE t.id = l.id AND NOT $7::bool
+       RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
+     ), p AS (
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
+       SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes FROM u
+     )
+     SELECT l.id::text FROM l JOIN m ON m.id = l.id ORDER BY m.seq DESC";
+
+pub fn rerun_many(f: &crate::store::RerunFilter, scope: Option<&[String]>, walk: usize, now_ms: u64) -> Stmt {
+    Stmt::new(
+        RERUN_MANY,
+        vec![
+            f.status.as_str().into(),
+            f.kind.as_deref().into(),
+            scope.map_or(Param::Null, |k| arr(k.iter().map(String::as_str))),
+            f.error_contains.as_deref().into(),
+            f.finished_after_ms.map_or(Param::Null, |ms| (ms.min(i64::MAX as u64) as i64).into()),
+            i64::from(f.limit).into(),
+            Param::Text(if f.dry_run { "t" } else { "f" }.into()),
+            (walk as i64).into(),
+            (now_ms.min(i64::MAX as u64) as i64).into(),
+        ],
+    )
+}
 
 // ---------------------------------------------------------------------------------------------
 // Cancel.
@@ -856,6 +938,8 @@ pub const ALL: &[(&str, &str)] = &[
     ("FINISHED_AMONG", FINISHED_AMONG),
     ("LIST_TASKS", LIST_TASKS),
     ("CANCEL", CANCEL),
+    ("RERUN", RERUN),
+    ("RERUN_MANY", RERUN_MANY),
     ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
     ("FORGET_NODES", FORGET_NODES),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),

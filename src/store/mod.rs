@@ -50,7 +50,7 @@ pub struct NewTask<'a> {
     pub runs_now: bool,
     /// With `runs_now`: the group of this node's workers with room for it. A store that can
     /// claims it for them as it inserts it, when no older task waits to be claimed first
-    /// ([`Event::Claimed`] right after [`Event::Inserted`]); else it queues it and sends
+    /// ([`Event::ClaimedOne`] right after [`Event::Inserted`]); else it queues it and sends
     /// [`Event::Ready`], so the core claims as usual.
     pub claim_group: Option<u32>,
 }
@@ -178,6 +178,46 @@ pub enum Next<'a> {
     Failed { error: &'a str },
 }
 
+/// `POST /tasks/retry`: which final tasks to run again (SPEC §13), checked by the API.
+#[derive(Debug, Clone)]
+pub struct RerunFilter {
+    /// `failed` (the default) or `canceled`.
+    pub status: Status,
+    pub kind: Option<String>,
+    /// A substring of the task's final error (exact bytes).
+    pub error_contains: Option<String>,
+    /// Finished strictly after this (wall clock, ms).
+    pub finished_after_ms: Option<u64>,
+    /// At most this many (≤ [`MAX_RERUN_LIMIT`]).
+    pub limit: u32,
+    /// Only count: nothing is re-run.
+    pub dry_run: bool,
+}
+
+/// The most tasks one `POST /tasks/retry` re-runs.
+pub const MAX_RERUN_LIMIT: u32 = 10_000;
+/// The newest tasks one `POST /tasks/retry` looks at, at most (bounded work in one statement or
+/// one loop turn; a filter that matches older ones is repeated).
+pub const RERUN_SCAN: usize = 100_000;
+
+/// The answer of `POST /tasks/retry`: `{"retried": n, "task_ids": [...]}`.
+pub fn rerun_answer(ids: &[TaskId]) -> Response {
+    let mut s = String::with_capacity(32 + ids.len() * 40);
+    s.push_str("{\"retried\":");
+    crate::tasks::push_u64(&mut s, ids.len() as u64);
+    s.push_str(",\"task_ids\":[");
+    for (i, id) in ids.iter().enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push('"');
+        crate::tasks::push_uuid(&mut s, *id);
+        s.push('"');
+    }
+    s.push_str("]}");
+    Response::json(200, s.into_bytes())
+}
+
 /// How a retry waits (SPEC §13).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Later {
@@ -203,6 +243,9 @@ pub enum Event {
     Key { conn: ConnRef, wait: bool, held: Option<(TaskId, Status)>, missing: Response },
     /// Tasks claimed for the workers of `group`.
     Claimed { group: u32, tasks: Vec<Claimed> },
+    /// One task claimed for `group` as it was stored (the same as [`Event::Claimed`] with one
+    /// task, without a vector to allocate on the submit's fast path).
+    ClaimedOne { group: u32, task: Claimed },
     /// The store refused to record the end of this attempt: the task moved on (canceled, or
     /// reaped while this node was cut off). A result that ended it counts `late`.
     Fenced { id: TaskId, attempt: u32 },
@@ -392,6 +435,18 @@ impl Store {
         each!(self, s => s.cancel(id, scope, conn))
     }
 
+    /// `POST /tasks/{id}/retry` (SPEC §13): a failed or canceled task pending again, with a
+    /// fresh retry budget, its attempt log kept. [`Event::Answer`] (202, 409, 404), or with
+    /// `wait` [`Event::NotFinal`] once it is pending again; [`Event::Ready`].
+    pub fn rerun(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, wait: bool) {
+        each!(self, s => s.rerun(id, scope, conn, wait))
+    }
+
+    /// `POST /tasks/retry`: [`Event::Answer`] with [`rerun_answer`].
+    pub fn rerun_many(&mut self, filter: &RerunFilter, scope: Option<&[String]>, conn: ConnRef) {
+        each!(self, s => s.rerun_many(filter, scope, conn))
+    }
+
     /// [`Event::Answer`] or [`Event::NotFinal`].
     pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
         each!(self, s => s.read(id, scope, conn, how))
@@ -494,6 +549,15 @@ impl Store {
     /// once); a database store answers with a later turn, after its transaction.
     pub fn answers_at_once(&self) -> bool {
         matches!(self, Store::Mem(_))
+    }
+
+    /// Whether a claim could find a task now: `false` only when the store knows, at no cost, that
+    /// none is ready (the memory store's queues are empty); a database is asked.
+    pub fn may_have_ready(&self) -> bool {
+        match self {
+            Store::Mem(s) => s.has_ready(),
+            Store::Pg(_) => true,
+        }
     }
 
     /// The journal record that must be durable before an answer about task `id` leaves (0: none

@@ -1130,7 +1130,7 @@ fn pg_sql_a_session_attempt_waits_for_its_worker_and_moves_with_it() {
     let out = c.pipeline(&[take("s3cret")]).expect("take");
     assert_eq!(out[0].rows.len(), 2, "both attempts move");
     let row = &out[0].rows[0];
-    assert_eq!((row.text(8), row.text(13)), (Some("node-a"), Some(wa.as_str())), "the node it came from, the worker");
+    assert_eq!((row.text(8), row.text(14)), (Some("node-a"), Some(wa.as_str())), "the node it came from, the worker");
     let owners = c.simple("select owner_node::text from relay_tasks order by id").expect("owners");
     assert!(owners[0].rows.iter().all(|r| r.text(0) == Some(NODE_B)), "the tasks are B's now");
     // Past the window: what a node still holds of a lost node's sessions is adopted.

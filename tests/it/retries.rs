@@ -261,3 +261,121 @@ fn bad_retry_policies_are_refused() {
         assert!(err.contains(var), "{err}");
     }
 }
+
+fn post(relay: &Relay, path: &str, body: Option<&str>) -> Resp {
+    relay.api("POST", path, body)
+}
+
+#[test]
+fn a_failed_task_runs_again_with_a_fresh_retry_budget_and_its_attempt_log_kept() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_RETRIES", "0")]);
+        let w = FakeWorker::connect(&relay, None, Auto::Manual);
+        relay.wait_clients(1, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":1}"#));
+        let a = w.expect_task();
+        w.fail(&a.id, "upstream down");
+        relay.wait_status(&id, "failed", Duration::from_secs(5));
+
+        let r = post(&relay, &format!("/tasks/{id}/retry"), None);
+        assert_eq!(r.status, 202, "{}", r.text());
+        let t = r.json();
+        assert!(matches!(t["status"].as_str(), Some("pending" | "dispatched")), "{t}");
+        assert_eq!(t["reruns"], 1, "{t}");
+        assert!(t.get("error").is_none() && t.get("finished_at").is_none(), "{t}");
+        // Its run goes to the worker again (a fresh budget: no worker was tried in this run).
+        let b = w.expect_task();
+        assert_eq!(b.id, id);
+        // Not final: 409 with the task as it is.
+        let r = post(&relay, &format!("/tasks/{id}/retry"), None);
+        assert_eq!((r.status, r.json()["status"].as_str()), (409, Some("dispatched")), "{}", r.text());
+        w.done(&b.id, json!("second time lucky"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["failed", "done"], "{t}");
+        assert_eq!((t["attempts"].as_u64(), t["attempt_log"][1]["num"].as_u64()), (Some(2), Some(2)), "{t}");
+        assert_eq!(t["reruns"], 1);
+        // Done: 409; unknown: 404.
+        assert_eq!(post(&relay, &format!("/tasks/{id}/retry"), None).status, 409);
+        let r = post(&relay, "/tasks/00000000-0000-4000-8000-000000000000/retry", None);
+        assert_eq!(r.status, 404, "{}", r.text());
+        assert_eq!(relay.api("GET", &format!("/tasks/{id}/retry"), None).status, 405);
+
+        // ?wait=true waits for the re-run's end: a second failure answers 502.
+        let id = id_of(&relay.submit(r#"{"payload":2}"#));
+        let a = w.expect_task();
+        w.fail(&a.id, "first");
+        relay.wait_status(&id, "failed", Duration::from_secs(5));
+        let mut waiter = Client::connect(relay.addr);
+        let auth = format!("Bearer {API}");
+        waiter.send("POST", &format!("/tasks/{id}/retry?wait=true"), &[("Authorization", auth.as_str())], None);
+        let b = w.expect_task();
+        w.fail(&b.id, "second");
+        let r = waiter.read_response().expect("the answer");
+        assert_eq!(r.status, 502, "{}", r.text());
+        let t = r.json();
+        assert_eq!(
+            (t["error"].as_str(), t["attempts"].as_u64(), t["reruns"].as_u64()),
+            (Some("second"), Some(2), Some(1))
+        );
+    });
+}
+
+#[test]
+fn bulk_reruns_select_by_filter_with_a_limit_and_a_dry_run() {
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_RETRIES", "0")]);
+        let hello = json!({"type":"hello","kinds":["a","b"]});
+        let w = FakeWorker::connect(&relay, Some(hello), Auto::Fail("boom: upstream 503".into()));
+        relay.wait_clients(1, |c| c.get("kinds").is_some());
+        let mut a_ids = Vec::new();
+        for _ in 0..3 {
+            let r = post(&relay, "/tasks?wait=true", Some(r#"{"payload":{"kind":"a"}}"#));
+            assert_eq!(r.status, 502, "{}", r.text());
+            a_ids.push(r.json()["task_id"].as_str().expect("id").to_string());
+        }
+        let r = post(&relay, "/tasks?wait=true", Some(r#"{"payload":{"kind":"b"}}"#));
+        let b_id = r.json()["task_id"].as_str().expect("id").to_string();
+        drop(w);
+        relay.wait_clients(0, |_| true);
+
+        // Refused: no filter, a bad limit, a bad status, an unknown field.
+        for body in [
+            r#"{}"#,
+            r#"{"status":"failed"}"#,
+            r#"{"kind":"a","limit":0}"#,
+            r#"{"kind":"a","limit":10001}"#,
+            r#"{"kind":"a","status":"done"}"#,
+            r#"{"kind":"a","dryrun":true}"#,
+            r#"{"finished_after":"yesterday"}"#,
+            r#"[1]"#,
+        ] {
+            let r = post(&relay, "/tasks/retry", Some(body));
+            assert_eq!(r.status, 400, "{body}: {}", r.text());
+            assert_eq!(r.json()["error"], "bad_request");
+        }
+        // A dry run only counts, newest first.
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"a","dry_run":true}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["retried"], 3, "{v}");
+        let newest_first: Vec<Value> = a_ids.iter().rev().map(|s| json!(s)).collect();
+        assert_eq!(v["task_ids"], json!(newest_first), "{v}");
+        assert!(a_ids.iter().all(|id| relay.get_task(id)["status"] == "failed"), "a dry run re-runs nothing");
+        // error_contains and a limit: the two newest of all four.
+        let r = post(&relay, "/tasks/retry", Some(r#"{"error_contains":"upstream 503","limit":2}"#));
+        let v = r.json();
+        assert_eq!(v["task_ids"], json!([b_id, a_ids[2]]), "{v}");
+        for id in [&b_id, &a_ids[2]] {
+            let t = relay.get_task(id);
+            assert_eq!((t["status"].as_str(), t["reruns"].as_u64()), (Some("pending"), Some(1)), "{t}");
+        }
+        assert_eq!(relay.get_task(&a_ids[0])["status"], "failed");
+        // finished_after in the future matches nothing.
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"a","finished_after":"2999-01-01T00:00:00Z"}"#));
+        assert_eq!(r.json()["retried"], 0, "{}", r.text());
+        // Re-run tasks wait for a worker: one that connects runs them.
+        let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+        relay.wait_status(&b_id, "done", Duration::from_secs(5));
+        relay.wait_status(&a_ids[2], "done", Duration::from_secs(5));
+    });
+}

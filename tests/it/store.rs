@@ -188,9 +188,16 @@ impl Harness {
         let events = self.settle();
         let mut claimed = Vec::new();
         for e in events {
-            if let Event::Claimed { group: g, tasks } = e {
-                assert_eq!(g, group);
-                claimed.extend(tasks);
+            match e {
+                Event::Claimed { group: g, tasks } => {
+                    assert_eq!(g, group);
+                    claimed.extend(tasks);
+                }
+                Event::ClaimedOne { group: g, task } => {
+                    assert_eq!(g, group);
+                    claimed.push(task);
+                }
+                _ => {}
             }
         }
         claimed
@@ -386,7 +393,11 @@ fn store_an_insert_offered_to_an_idle_group_is_claimed_once_and_never_overtakes(
             (id, events)
         };
         let claimed_at_insert = |events: &[Event], id: TaskId| {
-            events.iter().any(|e| matches!(e, Event::Claimed { group: 5, tasks } if tasks.iter().any(|c| c.id == id)))
+            events.iter().any(|e| match e {
+                Event::Claimed { group: 5, tasks } => tasks.iter().any(|c| c.id == id),
+                Event::ClaimedOne { group: 5, task } => task.id == id,
+                _ => false,
+            })
         };
         // An empty queue: claimed at once for group 5, or queued with `Ready` for the core's
         // claim; either way one claim gets it, attempt 1.

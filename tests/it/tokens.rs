@@ -447,3 +447,30 @@ fn scoped_tokens_list_only_their_kinds() {
         assert_eq!(ids(&call(&relay, "GET", "/tasks", API, None)).len(), 3, "root lists every kind");
     });
 }
+
+/// SPEC §13: a scoped token re-runs only tasks of its kinds (others look like 404), one by one
+/// or in bulk.
+#[test]
+fn scoped_tokens_rerun_only_their_kinds() {
+    for_each_mode(|mode| {
+        let store = Store::new("rerun", mode);
+        let relay = store.start_relay();
+        let t = store.create("http-only", "http", "1h");
+        // Canceled tasks of two kinds (nothing runs: no worker).
+        let http = id_of(&relay.submit(r#"{"payload":{"kind":"http"},"queue":true}"#));
+        let file = id_of(&relay.submit(r#"{"payload":{"kind":"file"},"queue":true}"#));
+        for id in [&http, &file] {
+            assert_eq!(relay.api("DELETE", &format!("/tasks/{id}"), None).status, 200);
+        }
+        let r = call(&relay, "POST", &format!("/tasks/{file}/retry"), &t.token, None);
+        assert_eq!(r.status, 404, "{}", r.text());
+        let bulk = r#"{"status":"canceled","finished_after":"2000-01-01T00:00:00Z"}"#;
+        let r = call(&relay, "POST", "/tasks/retry", &t.token, Some(bulk));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["task_ids"], serde_json::json!([http]), "{}", r.text());
+        assert_eq!(relay.get_task(&file)["status"], "canceled");
+        assert_eq!(relay.get_task(&http)["status"], "pending");
+        let r = call(&relay, "POST", &format!("/tasks/{http}/retry"), &t.token, None);
+        assert_eq!(r.status, 409, "pending already: {}", r.text());
+    });
+}

@@ -78,6 +78,7 @@ impl MemStore {
             self.evict_next += 1;
             evicted += 1;
             let Some(task) = self.tasks.remove(&id) else { continue };
+            self.dead.remove(&task.submit_seq);
             self.remember_attempts(&task);
             self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
             self.tasks_evicted += 1;
@@ -190,6 +191,9 @@ impl MemStore {
                 self.status_counts[task.status.index()] += 1;
                 self.finished_mem += task.mem_bytes();
                 finished.push((finished_wall, id));
+                if matches!(task.status, Status::Failed | Status::Canceled) {
+                    self.dead.insert(submit_seq, id);
+                }
                 self.tasks.insert_boxed(id, task);
             } else {
                 if let Some(key) = &task.idempotency {
@@ -264,7 +268,6 @@ impl MemStore {
     fn hold_restored(&mut self, mut task: Box<Task>) -> Result<(), Box<Task>> {
         let Some(a) = task.attempts.last().filter(|a| a.outcome.is_none()) else { return Err(task) };
         let (Some(session), Some(payload)) = (a.session.as_deref(), task.payload.clone()) else { return Err(task) };
-        let earlier = &task.attempts[..task.attempts.len() - 1];
         let held = crate::store::RestoredAttempt {
             task: crate::store::Claimed {
                 id: task.id,
@@ -274,7 +277,8 @@ impl MemStore {
                 timeout_ms: task.timeout_ms,
                 max_retries: task.max_retries,
                 tried: task.attempts.iter().map(|a| a.client_id).collect(),
-                counted: earlier.iter().filter(|a| !a.restarted).count() as u32,
+                // (This run's attempts that count, but the open one.)
+                counted: task.counted().saturating_sub(1),
                 created_wall_ms: task.created_wall_ms,
                 retry: task.retry,
             },
@@ -356,6 +360,37 @@ impl MemStore {
     }
 
     /// The reader thread answered: the waiting request gets the task (or 404 if it went).
+    /// A re-run of a task that had left memory: it comes back in (its record where the journal
+    /// has it) and runs again, or is answered as `POST /tasks/{id}/retry` answers it.
+    fn rerun_read_back(&mut self, conn: ConnRef, id: TaskId, task: Option<Task>, scope: Option<&[String]>, wait: bool) {
+        let (Some(mut task), Some(e)) = (task, self.evicted.get(&id).copied()) else {
+            // (Forgotten meanwhile, or unreadable: as a read would say.)
+            self.answer(conn, not_found());
+            return;
+        };
+        if !in_scope(task.kind.as_deref(), scope) {
+            self.answer(conn, not_found());
+            return;
+        }
+        if !matches!(task.status, Status::Failed | Status::Canceled) {
+            let mut r = task_response(&task, false);
+            r.status = 409;
+            self.answer(conn, r);
+            return;
+        }
+        if let Some(r) = self.unavailable(true) {
+            self.answer(conn, r);
+            return;
+        }
+        self.evicted.remove(&id);
+        task.stored = Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] };
+        task.submit_seq = e.submit_seq;
+        self.finished_mem += task.mem_bytes();
+        self.tasks.insert(id, task);
+        self.run_again(id);
+        self.answer_rerun(conn, id, wait);
+    }
+
     fn on_read_done(&mut self, done: ReadDone) {
         let Some(pending) = self.reads.remove(&done.token) else { return };
         let task = done.result.as_ref().ok().and_then(|bytes| match journal_codec::frame_at(bytes) {
@@ -366,6 +401,10 @@ impl MemStore {
             _ => None,
         });
         let scope = pending.scope.as_deref();
+        if let ReadFor::Rerun { wait } = pending.purpose {
+            self.rerun_read_back(pending.conn, pending.id, task, scope, wait);
+            return;
+        }
         if let ReadFor::Page { page, index } = pending.purpose {
             let wanted = self.pages.get(&page).map(|p| p.kind.clone());
             let json = task.filter(|t| {
@@ -388,7 +427,7 @@ impl MemStore {
                     r.status = 409;
                     r
                 }
-                ReadFor::Page { .. } => return,
+                ReadFor::Page { .. } | ReadFor::Rerun { .. } => return,
             },
             Some(_) => not_found(),
             None if self.evicted.contains_key(&pending.id) => {

@@ -86,6 +86,8 @@ enum ReadFor {
     Cancel,
     /// One task of a listing page: `page` names it, `index` is its place.
     Page { page: u64, index: usize },
+    /// `POST /tasks/{id}/retry` of a task that left memory: back in, and run again.
+    Rerun { wait: bool },
 }
 
 struct PendingRead {
@@ -163,6 +165,10 @@ pub struct MemStore {
     retries_due_all: bool,
     /// Final tasks in finishing order, with the time (monotonic) they are forgotten.
     finished: VecDeque<(u64, TaskId)>,
+    /// Tasks re-run while final (SPEC §13): their next `finished` entry is an old one, skipped.
+    stale_finished: HashMap<TaskId, u32, BuildHasherDefault<IdHasher>>,
+    /// Failed and canceled tasks in memory, by submission: what `POST /tasks/retry` walks.
+    dead: BTreeMap<u64, TaskId>,
     idempotency: HashMap<IdempotencyKey, TaskId>,
     idempotency_expiry: VecDeque<(u64, IdempotencyKey)>,
     /// The earliest time a due task may expire in the queue (monotonic), if one waits.
@@ -213,6 +219,8 @@ impl MemStore {
             retries_due: Some(Vec::new()),
             retries_due_all: false,
             finished: VecDeque::new(),
+            stale_finished: HashMap::default(),
+            dead: BTreeMap::new(),
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
             next_expiry_ms: None,
@@ -345,7 +353,7 @@ impl MemStore {
         } else if let Some(group) = new.claim_group.filter(|_| self.ready_all.is_empty()) {
             // Nothing older waits to be claimed: the idle group takes it as it is stored.
             if let Some(task) = self.claimed(id) {
-                self.events.push(Event::Claimed { group, tasks: vec![task] });
+                self.events.push(Event::ClaimedOne { group, task });
             }
         } else {
             self.enqueue_ready(id);
@@ -386,7 +394,8 @@ impl MemStore {
         task.place = Place::Ready;
         let key = ready_key(task);
         let attempts = task.attempts.len();
-        let fragile = (attempts > 0 || !task.queued) && !task.restored;
+        // (A re-run is a queued task until an attempt of its own run failed.)
+        let fragile = (!task.this_run().is_empty() || !task.queued) && !task.restored;
         self.ready_all.insert(key, id);
         if fragile {
             self.fragile.insert(task.kind.as_deref(), id, attempts);
@@ -491,7 +500,7 @@ impl MemStore {
             max_retries: task.max_retries,
             retry: task.retry,
             tried: task.tried_by(),
-            counted: task.attempts.iter().filter(|a| !a.restarted).count() as u32,
+            counted: task.counted(),
             created_wall_ms: task.created_wall_ms,
         })
     }
@@ -503,7 +512,7 @@ impl MemStore {
             return Vec::new();
         }
         let takeable = |id: &TaskId| {
-            self.tasks.get(id).is_some_and(|t| t.attempts.is_empty() || ask.takers.iter().any(|&c| !t.tried(c)))
+            self.tasks.get(id).is_some_and(|t| t.this_run().is_empty() || ask.takers.iter().any(|&c| !t.tried(c)))
         };
         let mut out = Vec::new();
         let mut skipped = 0;
@@ -675,6 +684,9 @@ impl MemStore {
         task.error = error.map(Box::from);
         self.finished_mem += task.mem_bytes();
         let took_ms = self.wall_ms.saturating_sub(task.created_wall_ms);
+        if matches!(status, Status::Failed | Status::Canceled) {
+            self.dead.insert(task.submit_seq, id);
+        }
         self.record(id, Rec::Whole);
         self.finished.push_back((self.now_ms + self.cfg.task_ttl_ms, id));
         crate::log!(Level::Debug, "task final", task_id = uuid_string(id), status = status.as_str());
@@ -709,6 +721,110 @@ impl MemStore {
                 .to_string();
             self.finalize(id, Status::Failed, None, Some(&error));
         }
+    }
+
+    // ----- re-runs (SPEC §13) ----------------------------------------------------------------
+
+    pub fn rerun(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, wait: bool) {
+        let Some(task) = self.tasks.get(&id) else {
+            if !self.read_evicted(conn, id, ReadFor::Rerun { wait }, scope) {
+                self.answer(conn, not_found());
+            }
+            return;
+        };
+        if !in_scope(task.kind.as_deref(), scope) {
+            self.answer(conn, not_found());
+            return;
+        }
+        if !matches!(task.status, Status::Failed | Status::Canceled) {
+            let mut r = task_response(task, false);
+            r.status = 409;
+            self.answer(conn, r);
+            return;
+        }
+        if let Some(r) = self.unavailable(true) {
+            self.answer(conn, r);
+            return;
+        }
+        self.run_again(id);
+        self.answer_rerun(conn, id, wait);
+    }
+
+    /// The answer to a re-run: the task as it is now (202), or held until it is final.
+    pub(super) fn answer_rerun(&mut self, conn: ConnRef, id: TaskId, wait: bool) {
+        if wait {
+            self.events.push(Event::NotFinal { conn, id, post: true });
+        } else if let Some(task) = self.tasks.get(&id) {
+            let r = task_response(task, true);
+            self.answer(conn, r);
+        }
+    }
+
+    pub fn rerun_many(&mut self, f: &super::RerunFilter, scope: Option<&[String]>, conn: ConnRef) {
+        if !f.dry_run
+            && let Some(r) = self.unavailable(true)
+        {
+            self.answer(conn, r);
+            return;
+        }
+        let mut ids = Vec::new();
+        for &id in self.dead.values().rev().take(super::RERUN_SCAN) {
+            if ids.len() >= f.limit as usize {
+                break;
+            }
+            let Some(t) = self.tasks.get(&id) else { continue };
+            let matches = t.status == f.status
+                && in_scope(t.kind.as_deref(), scope)
+                && f.kind.as_deref().is_none_or(|k| t.kind.as_deref() == Some(k))
+                && f.error_contains.as_deref().is_none_or(|e| t.error.as_deref().is_some_and(|te| te.contains(e)))
+                && f.finished_after_ms.is_none_or(|at| t.finished_wall_ms.is_some_and(|fin| fin > at));
+            if matches {
+                ids.push(id);
+            }
+        }
+        if !f.dry_run {
+            for &id in &ids {
+                self.run_again(id);
+            }
+        }
+        let mut r = super::rerun_answer(&ids);
+        r.lsn = ids.iter().filter_map(|id| self.tasks.get(id)).map(|t| t.stored.lsn).max().unwrap_or(0);
+        self.answer(conn, r);
+    }
+
+    /// A failed or canceled task, pending again: a fresh retry budget (and no worker tried in
+    /// this run), its attempt log kept, `reruns` counted. Due now; it waits for a worker however
+    /// long it takes (as a queued task), and its old TASK_TTL entry is skipped.
+    fn run_again(&mut self, id: TaskId) {
+        let (now_wall, bytes) = {
+            let Some(task) = self.tasks.get(&id) else { return };
+            (self.wall_ms, task.payload.as_deref().map_or(0, |p| p.get().len()))
+        };
+        let Some(task) = self.tasks.get_mut(&id) else { return };
+        if !matches!(task.status, Status::Failed | Status::Canceled) || task.payload.is_none() {
+            return;
+        }
+        self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
+        self.dead.remove(&task.submit_seq);
+        *self.stale_finished.entry(id).or_insert(0) += 1;
+        self.status_counts[task.status.index()] -= 1;
+        self.status_counts[Status::Pending.index()] += 1;
+        self.pending_bytes += bytes;
+        task.status = Status::Pending;
+        task.finished_wall_ms = None;
+        task.error = None;
+        task.result = None;
+        task.reruns += 1;
+        task.rerun_base = task.attempts.len() as u32;
+        task.queued = true;
+        task.next_attempt_wall_ms = None;
+        task.again = None;
+        task.due_wall_ms = now_wall;
+        task.place = Place::Nowhere;
+        self.record(id, Rec::Whole);
+        crate::log!(Level::Info, "task re-run", task_id = uuid_string(id));
+        self.enqueue_ready(id);
+        self.events.push(Event::Ready);
     }
 
     // ----- cancel and reads ------------------------------------------------------------------
@@ -864,6 +980,14 @@ impl MemStore {
             }
             self.finished.pop_front();
             self.evict_next = self.evict_next.saturating_sub(1);
+            if let Some(n) = self.stale_finished.get_mut(&id) {
+                // Re-run since: this entry is of an earlier end.
+                *n -= 1;
+                if *n == 0 {
+                    self.stale_finished.remove(&id);
+                }
+                continue;
+            }
             self.forget(id);
         }
         while let Some((at, _)) = self.idempotency_expiry.front() {
@@ -913,6 +1037,7 @@ impl MemStore {
             self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
             let stored = task.stored;
             self.by_submission.remove(&task.submit_seq);
+            self.dead.remove(&task.submit_seq);
             if let Some(task) = self.tasks.remove(&id) {
                 self.remember_attempts(&task);
             }
@@ -933,6 +1058,11 @@ impl MemStore {
 
     /// The journal can write (always without one). While it cannot — a full disk — requests
     /// that must write are refused and no attempt starts (SPEC §7).
+    /// Some task is ready to be claimed (O(1): every ready task is in `ready_all`).
+    pub fn has_ready(&self) -> bool {
+        !self.ready_all.is_empty()
+    }
+
     pub fn writable(&self) -> bool {
         self.journal.as_ref().is_none_or(|j| j.writable())
     }

@@ -27,7 +27,7 @@ use crate::tokens::pg::TokenCache;
 use node::{
     CancelReq, ClaimReq, DbStats, EndRec, InsertRec, KeyLookup, ListReq, MAX_CLAIMS_PER_TXN, MAX_INSERT_BACKLOG_BYTES,
     MAX_READS_PER_TXN, MAX_REFUSALS, MAX_SESSION_ROWS, MAX_TAKES, MAX_WORKERS_GONE, Part, REFUSED_UNHEALTHY, ReadReq,
-    STALL_MS, Sent, TakeReq,
+    RerunReq, STALL_MS, Sent, TakeReq,
 };
 use rows::{ccol, storable, storable_lossy, uuid_array};
 
@@ -105,6 +105,7 @@ pub struct PgStore {
     ended: Vec<EndRec>,
     unclaim: Vec<(String, u32)>,
     cancels: Vec<CancelReq>,
+    reruns: Vec<RerunReq>,
     reads: Vec<ReadReq>,
     lists: Vec<ListReq>,
     worker_reads: Vec<ConnRef>,
@@ -205,6 +206,7 @@ impl PgStore {
             ended: Vec::new(),
             unclaim: Vec::new(),
             cancels: Vec::new(),
+            reruns: Vec::new(),
             reads: Vec::new(),
             lists: Vec::new(),
             worker_reads: Vec::new(),
@@ -497,6 +499,54 @@ impl PgStore {
         self.cancels.push(CancelReq { conn, id, scope: scope.map(<[String]>::to_vec) });
     }
 
+    pub fn rerun(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, wait: bool) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        self.reruns.push(RerunReq { conn, id, scope: scope.map(<[String]>::to_vec), wait, filter: None });
+    }
+
+    pub fn rerun_many(&mut self, filter: &crate::store::RerunFilter, scope: Option<&[String]>, conn: ConnRef) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        let filter = Some(filter.clone());
+        self.reruns.push(RerunReq { conn, id: 0, scope: scope.map(<[String]>::to_vec), wait: false, filter });
+    }
+
+    /// A re-run committed (`rows` of `RERUN`, `task_row` read after it) or `RERUN_MANY` did.
+    fn on_rerun(&mut self, r: RerunReq, rows: &[Row], task_row: Option<&Row>) {
+        if r.filter.is_some() {
+            let ids: Vec<TaskId> = rows.iter().filter_map(|row| row.text(0).and_then(parse_id)).collect();
+            if r.filter.as_ref().is_some_and(|f| !f.dry_run) && !ids.is_empty() {
+                self.unstarve();
+            }
+            let response = crate::store::rerun_answer(&ids);
+            self.events.push(Event::Answer { conn: r.conn, response });
+            return;
+        }
+        let task = task_row.filter(|row| rows::in_scope(row, r.scope.as_deref())).and_then(rows::task);
+        let (Some(old), Some(task)) = (rows.first(), task) else {
+            self.events.push(Event::Answer { conn: r.conn, response: not_found() });
+            return;
+        };
+        if old.bool(1) != Some(true) {
+            let mut response = crate::tasks::task_response(&task, false);
+            response.status = 409;
+            self.events.push(Event::Answer { conn: r.conn, response });
+            return;
+        }
+        self.unstarve();
+        if r.wait {
+            self.events.push(Event::NotFinal { conn: r.conn, id: r.id, post: true });
+        } else {
+            let response = crate::tasks::task_response(&task, true);
+            self.events.push(Event::Answer { conn: r.conn, response });
+        }
+    }
+
     pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
         if let (Some(task), ReadHow::Release { post }) = (self.fresh_final.get(&id), how)
             && crate::store::mem::in_scope(task.kind.as_deref(), scope)
@@ -660,6 +710,7 @@ impl PgStore {
             || !self.ended.is_empty()
             || !self.unclaim.is_empty()
             || !self.cancels.is_empty()
+            || !self.reruns.is_empty()
             || !self.reads.is_empty()
             || !self.lists.is_empty()
             || !self.worker_reads.is_empty()
@@ -805,6 +856,23 @@ impl PgStore {
             parts.push(Part::CancelRead);
             notify_finished = true;
         }
+        for r in std::mem::take(&mut self.reruns) {
+            match &r.filter {
+                None => {
+                    stmts.push(sql::rerun(&uuid_string(r.id), r.scope.as_deref(), wall));
+                    stmts.push(
+                        Stmt::new(sql::GET_TASKS, vec![Param::Text(uuid_array([r.id]))]).with_json(rows::col::JSON),
+                    );
+                    parts.push(Part::Rerun(r));
+                    parts.push(Part::CancelRead);
+                }
+                Some(f) => {
+                    stmts.push(sql::rerun_many(f, r.scope.as_deref(), crate::store::RERUN_SCAN, wall));
+                    parts.push(Part::Rerun(r));
+                }
+            }
+            notify_pending = true;
+        }
         if std::mem::take(&mut self.workers_resync) {
             self.workers_gone.clear();
             let connected: Vec<u128> = self.workers_written.keys().copied().collect();
@@ -948,6 +1016,9 @@ impl PgStore {
         for c in std::mem::take(&mut self.cancels) {
             parts.push(Part::Cancel(c));
         }
+        for r in std::mem::take(&mut self.reruns) {
+            parts.push(Part::Rerun(r));
+        }
         if !self.reads.is_empty() {
             parts.push(Part::Reads(std::mem::take(&mut self.reads)));
         }
@@ -1018,6 +1089,7 @@ impl PgStore {
                     self.events.push(Event::SessionTaken { conn: t.conn, found: Vec::new() });
                 }
                 Part::Cancel(c) => self.events.push(Event::Answer { conn: c.conn, response: answer.clone() }),
+                Part::Rerun(r) => self.events.push(Event::Answer { conn: r.conn, response: answer.clone() }),
                 Part::DeleteWorkers(gone) => self.workers_gone.extend(gone),
                 Part::ResyncWorkers => self.workers_resync = true,
                 Part::UpsertWorkers(_) => self.workers_resync = true,
@@ -1168,6 +1240,13 @@ impl PgStore {
                     let canceled = here.first();
                     let task_row = parts.peek().and_then(|(j, _)| rows_of(rows, *j).first());
                     self.on_canceled(c, canceled, task_row);
+                }
+                Part::Rerun(r) => {
+                    let task_row = match (&r.filter, parts.peek()) {
+                        (None, Some((j, _))) => rows_of(rows, *j).first(),
+                        _ => None,
+                    };
+                    self.on_rerun(r, here, task_row);
                 }
                 Part::Finished(_) => {
                     for row in here {
@@ -1338,8 +1417,7 @@ impl PgStore {
     fn on_taken(&mut self, t: TakeReq, here: &[Row]) {
         let mut found = Vec::with_capacity(here.len());
         for row in here {
-            let Some(mut task) = claimed_of(row, &self.cfg) else { continue };
-            task.counted = task.attempt.saturating_sub(1).saturating_sub(row.i64(ccol::UNCOUNTED).unwrap_or(0) as u32);
+            let Some(task) = claimed_of(row, &self.cfg) else { continue };
             let Some(client_id) = row.text(ccol::SESSION_CLIENT_ID).and_then(parse_id) else { continue };
             let started_wall_ms = rows::ms(row, ccol::SESSION_STARTED_MS).unwrap_or(self.wall_ms);
             self.running.insert(task.id, task.attempt);
@@ -1460,6 +1538,7 @@ fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
         max_retries: row.i64(ccol::MAX_RETRIES).and_then(|v| u32::try_from(v).ok()).unwrap_or(cfg.max_retries),
         counted: attempt
             .saturating_sub(1)
+            .saturating_sub(row.i64(ccol::RERUN_BASE).and_then(|n| u32::try_from(n).ok()).unwrap_or(0))
             .saturating_sub(row.i64(ccol::UNCOUNTED).and_then(|n| u32::try_from(n).ok()).unwrap_or(0)),
         tried,
         retry: crate::tasks::RetryPolicy {

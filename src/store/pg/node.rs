@@ -90,6 +90,16 @@ pub struct CancelReq {
     pub scope: Option<Vec<String>>,
 }
 
+/// `POST /tasks/{id}/retry` (`filter` `None`) or `POST /tasks/retry`.
+#[derive(Debug, Clone)]
+pub struct RerunReq {
+    pub conn: ConnRef,
+    pub id: TaskId,
+    pub scope: Option<Vec<String>>,
+    pub wait: bool,
+    pub filter: Option<crate::store::RerunFilter>,
+}
+
 /// One claim for a group of this node's workers.
 #[derive(Debug, Clone)]
 pub struct ClaimReq {
@@ -146,6 +156,8 @@ pub enum Part {
     /// `CANCEL`; the next statement reads the task back.
     Cancel(CancelReq),
     CancelRead,
+    /// `RERUN` (the next statement reads the task back) or `RERUN_MANY`.
+    Rerun(RerunReq),
     DeleteWorkers(Vec<u128>),
     ResyncWorkers,
     UpsertWorkers(Vec<u128>),

@@ -28,14 +28,15 @@ pub mod col {
     pub const CLIENT_IP: usize = 9;
     pub const ATTEMPT_LOG: usize = 10;
     pub const PRIORITY: usize = 11;
-    pub const PAYLOAD: usize = 12;
-    pub const SEQ: usize = 13;
+    pub const RERUNS: usize = 12;
+    pub const PAYLOAD: usize = 13;
+    pub const SEQ: usize = 14;
 }
 
 /// `LIST_TASKS`'s columns after the task's.
 pub mod lcol {
-    pub const WALKED: usize = 14;
-    pub const STOP_SEQ: usize = 15;
+    pub const WALKED: usize = 15;
+    pub const STOP_SEQ: usize = 16;
 }
 
 /// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
@@ -58,9 +59,11 @@ pub mod ccol {
     pub const RETRY_BACKOFF_MS: usize = 10;
     pub const RETRY_BACKOFF_MAX_MS: usize = 11;
     pub const RETRY_ANY_WORKER: usize = 12;
+    /// (`CLAIM` only) attempts before the task's current run (SPEC §13 re-runs).
+    pub const RERUN_BASE: usize = 13;
     /// (`TAKE_SESSION` only) the session worker's client id, and the attempt's start.
-    pub const SESSION_CLIENT_ID: usize = 13;
-    pub const SESSION_STARTED_MS: usize = 14;
+    pub const SESSION_CLIENT_ID: usize = 14;
+    pub const SESSION_STARTED_MS: usize = 15;
 }
 
 /// `LIST_WORKERS` columns.
@@ -175,6 +178,7 @@ pub fn task(row: &Row) -> Option<Task> {
         attempts,
         submit_seq: ms(row, col::SEQ).unwrap_or(0),
         next_attempt_wall_ms: next_attempt,
+        reruns: row.i64(col::RERUNS).and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
         priority: row.i64(col::PRIORITY).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
         ..Task::default()
     })
