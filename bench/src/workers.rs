@@ -334,7 +334,8 @@ impl Recorder {
         let mut joins = Vec::new();
         for i in 0..n {
             let mut ws = ws_connect(addr, token, None)?;
-            let hello = format!(r#"{{"type":"hello","concurrency":{concurrency},"version":"relay-bench-recorder/{i}"}}"#);
+            let hello =
+                format!(r#"{{"type":"hello","concurrency":{concurrency},"version":"relay-bench-recorder/{i}"}}"#);
             ws.send(Message::text(hello)).map_err(|e| format!("hello: {e}"))?;
             ws.get_mut().set_read_timeout(Some(Duration::from_millis(2))).map_err(|e| e.to_string())?;
             let (stop, seen) = (stop.clone(), seen.clone());

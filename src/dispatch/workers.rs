@@ -158,6 +158,9 @@ pub struct Worker {
     pub listed: Option<(u32, u32)>,
     /// Its session (SPEC §12): the key of the core's session table.
     pub session: Option<u64>,
+    /// Its hello presented a session held on another node (cluster mode): it is sent nothing
+    /// until the welcome.
+    pub awaiting_welcome: bool,
 }
 
 impl Worker {
@@ -175,6 +178,7 @@ impl Worker {
             starved: false,
             listed: None,
             session: None,
+            awaiting_welcome: false,
         }
     }
 
