@@ -342,7 +342,8 @@ function renderWorkers() {
     tr.appendChild(cell(fmtTime(w.connected_at)));
     tr.appendChild(cell(Array.isArray(w.kinds) ? (w.kinds.length ? w.kinds.join(', ') : '(none)') : 'any', 'text'));
     tr.appendChild(cell(w.in_flight + ' / ' + (w.concurrency === undefined ? '∞' : w.concurrency)));
-    tr.appendChild(cell(w.active ? 'active' : 'draining'));
+    // (Degraded: its attempts keep failing while others succeed; no first attempts for a while.)
+    tr.appendChild(cell(w.active ? (w.degraded ? 'degraded' : 'active') : 'draining', w.degraded ? 'degraded' : undefined));
     tr.appendChild(cell(w.version === undefined ? '' : w.version));
     body.appendChild(tr);
   }
