@@ -863,6 +863,7 @@ impl Core {
     fn greet(&mut self, conn: ConnRef) {
         if let Some(w) = self.worker_at_mut(conn)
             && !w.greeted
+            && !w.awaiting_welcome
         {
             w.greeted = true;
             self.refresh(conn.slot);
@@ -1627,6 +1628,7 @@ impl Core {
                 self.store.fail_unplaceable(&snapshot, kinds.as_deref());
             }
             Event::Orphaned { tasks, error } => self.adopt_orphans(tasks, &error),
+            Event::SessionTaken { conn, found } => self.session_taken(io, conn, found),
         }
     }
 

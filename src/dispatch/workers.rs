@@ -158,6 +158,9 @@ pub struct Worker {
     pub listed: Option<(u32, u32)>,
     /// Its session (SPEC §12): the key of the core's session table.
     pub session: Option<u64>,
+    /// Its hello presented a session held on another node (cluster mode): it is sent nothing
+    /// until the welcome.
+    pub awaiting_welcome: bool,
     /// Whether its attempts keep failing (SPEC §13: a degraded worker gets no first attempts).
     pub health: Health,
 }
@@ -242,6 +245,7 @@ impl Worker {
             listed: None,
             session: None,
             health: Health::default(),
+            awaiting_welcome: false,
         }
     }
 
