@@ -342,7 +342,8 @@ function renderWorkers() {
     tr.appendChild(cell(fmtTime(w.connected_at)));
     tr.appendChild(cell(Array.isArray(w.kinds) ? (w.kinds.length ? w.kinds.join(', ') : '(none)') : 'any', 'text'));
     tr.appendChild(cell(w.in_flight + ' / ' + (w.concurrency === undefined ? '∞' : w.concurrency)));
-    tr.appendChild(cell(w.active ? 'active' : 'draining'));
+    // A session whose connection was lost is held, its tasks kept for it, until resumable_until.
+    tr.appendChild(cell(w.resumable_until ? 'held until ' + fmtTime(w.resumable_until) : w.active ? 'active' : 'draining'));
     tr.appendChild(cell(w.version === undefined ? '' : w.version));
     body.appendChild(tr);
   }
