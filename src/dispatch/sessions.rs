@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 use super::{Core, Io, Timer};
 use crate::log::Level;
-use crate::store::WorkerInfo;
+use crate::store::{RestoredAttempt, WorkerInfo};
 use crate::tasks::{ConnRef, Outcome, TaskId, push_json_str, push_uuid, uuid_string};
 use crate::timer::TimerHandle;
 
@@ -25,6 +25,8 @@ pub const MAX_WORKER_ID_BYTES: usize = 128;
 pub const MAX_HELD_SESSIONS: usize = 10_000;
 /// Entries of a hello's `running` list looked at, at most.
 pub const MAX_RUNNING_LISTED: usize = 4_096;
+/// Hellos waiting for the database to say where their session is, at most.
+const MAX_PENDING_RESUMES: usize = 1_024;
 /// A presented session secret longer than this is no secret relay issued.
 const MAX_SECRET_BYTES: usize = 128;
 /// The error of a held attempt read back after a restart whose worker did not resume in time
@@ -68,6 +70,15 @@ pub struct Sessions {
     by_secret: HashMap<Box<str>, u64>,
     next: u64,
     held_sessions: usize,
+    /// Cluster mode: hellos waiting for `TAKE_SESSION` (bounded by [`MAX_PENDING_RESUMES`]).
+    pending: HashMap<ConnRef, PendingResume>,
+}
+
+/// A hello that presented a session this node does not know, waiting for the database.
+#[derive(Debug)]
+struct PendingResume {
+    worker_id: Box<str>,
+    listed: Vec<(TaskId, Option<u32>)>,
 }
 
 impl Sessions {
@@ -154,28 +165,58 @@ impl Core {
                     // It says it is another worker now: its old session ends (nothing is held).
                     self.sessions.remove(cur);
                 }
-                let Some(w) = self.worker_at_mut(conn) else { return };
-                let s = Session {
-                    worker_id: worker_id.into(),
-                    secret: new_secret(),
-                    client_id: w.client_id,
-                    conn: Some(conn),
-                    held: Vec::new(),
-                    shown: None,
-                    until_mono_ms: 0,
-                    timer: None,
-                };
-                let sid = self.sessions.insert(s);
-                if let Some(w) = self.worker_at_mut(conn) {
-                    w.session = Some(sid);
+                // Cluster mode: a session this node does not know may be held on another node;
+                // the welcome waits for the database's answer (`session_taken`).
+                let unknown = hello.session.as_deref().filter(|s| !s.is_empty() && s.len() <= MAX_SECRET_BYTES);
+                if let Some(secret) = unknown
+                    && current.is_none()
+                    && !busy
+                    && self.store.shares_sessions()
+                    && self.sessions.pending.len() < MAX_PENDING_RESUMES
+                {
+                    let secret = secret.to_string();
+                    self.sessions.pending.insert(conn, PendingResume { worker_id: worker_id.into(), listed });
+                    if let Some(w) = self.worker_at_mut(conn) {
+                        w.awaiting_welcome = true;
+                    }
+                    self.store.take_session(conn, worker_id, &secret);
+                    return;
                 }
-                sid
+                match self.new_session(conn, worker_id) {
+                    Some(sid) => sid,
+                    None => return,
+                }
             }
         };
-        // What it lists and does not run here (as this attempt) is no longer its.
+        self.send_welcome(io, conn, sid, &listed);
+    }
+
+    /// A new session for the worker on `conn` (its client id stays).
+    fn new_session(&mut self, conn: ConnRef, worker_id: &str) -> Option<u64> {
+        let w = self.worker_at(conn)?;
+        let s = Session {
+            worker_id: worker_id.into(),
+            secret: new_secret(),
+            client_id: w.client_id,
+            conn: Some(conn),
+            held: Vec::new(),
+            shown: None,
+            until_mono_ms: 0,
+            timer: None,
+        };
+        let sid = self.sessions.insert(s);
+        if let Some(w) = self.worker_at_mut(conn) {
+            w.session = Some(sid);
+        }
+        Some(sid)
+    }
+
+    /// `welcome` for session `sid` on `conn`: of the tasks the hello listed, those the worker
+    /// runs here as the listed attempt are `adopted`; the rest are no longer its (`abandon`).
+    fn send_welcome(&mut self, io: &mut dyn Io, conn: ConnRef, sid: u64, listed: &[(TaskId, Option<u32>)]) {
         let mut adopted = Vec::new();
         let mut abandon = Vec::new();
-        for &(id, attempt) in &listed {
+        for &(id, attempt) in listed {
             let mine = self
                 .running
                 .get(&id)
@@ -272,6 +313,8 @@ impl Core {
     /// The worker on `conn` is gone without a close frame. With a session and a resume window,
     /// it is held (`true`); else the caller ends its attempts as for any worker.
     pub(super) fn try_hold(&mut self, conn: ConnRef, why: &str) -> bool {
+        // (A resume waiting for the database: its answer is held for the session, if any.)
+        self.sessions.pending.remove(&conn);
         let Some(sid) = self.worker_at(conn).and_then(|w| w.session) else { return false };
         if self.resume_window_ms == 0 || self.shutting_down || self.sessions.held_sessions >= MAX_HELD_SESSIONS {
             self.sessions.remove(sid);
@@ -339,86 +382,131 @@ impl Core {
         if restored.is_empty() {
             return;
         }
-        let until_mono_ms = self.now_ms + self.resume_window_ms;
-        let mut held = 0;
+        let n = restored.len();
         for r in restored {
-            let sid = match self.sessions.by_secret.get(&*r.session.secret).copied() {
-                Some(sid) => sid,
-                None => {
-                    let shown = WorkerInfo {
-                        client_id: r.client_id,
-                        ip: r.client_ip.to_string(),
-                        connected_wall_ms: r.started_wall_ms,
-                        active: false,
-                        in_flight: 0,
-                        kinds: None,
-                        concurrency: None,
-                        version: None,
-                        node: self.node_name.as_deref().map(str::to_string),
-                        node_id: None,
-                        resumable_until_wall_ms: Some(self.wall_ms + self.resume_window_ms),
-                    };
-                    let sid = self.sessions.insert(Session {
-                        worker_id: r.session.worker_id.clone(),
-                        secret: r.session.secret.clone(),
-                        client_id: r.client_id,
-                        conn: None,
-                        held: Vec::new(),
-                        shown: Some(shown),
-                        until_mono_ms,
-                        timer: None,
-                    });
-                    let timer = self.wheel.arm(until_mono_ms, Timer::Session(sid));
-                    if let Some(s) = self.sessions.by_id.get_mut(&sid) {
-                        s.timer = Some(timer);
-                    }
-                    self.sessions.held_sessions += 1;
-                    sid
-                }
-            };
-            let c = r.task;
-            let ran_ms = self.wall_ms.saturating_sub(r.started_wall_ms);
-            let started_mono_ms = self.now_ms.saturating_sub(ran_ms);
-            let deadline = self.now_ms + c.timeout_ms.saturating_sub(ran_ms);
-            let timer = self.wheel.arm(deadline, Timer::Attempt { task: c.id, num: c.attempt });
-            if let Some(s) = self.sessions.by_id.get_mut(&sid) {
-                s.held.push(c.id);
-                if let Some(shown) = s.shown.as_mut() {
-                    shown.in_flight = s.held.len() as u32;
-                }
-            }
-            self.running.insert(
-                c.id,
-                super::Running {
-                    attempt: c.attempt,
-                    // (No connection: a resume gives it one.)
-                    conn: ConnRef { slot: u32::MAX, generation: u32::MAX },
-                    client_id: r.client_id,
-                    timer,
-                    started_mono_ms,
-                    timeout_ms: c.timeout_ms,
-                    kind: c.kind,
-                    max_retries: c.max_retries,
-                    counted: c.counted,
-                    tried: c.tried,
-                    created_wall_ms: c.created_wall_ms,
-                    retry: c.retry,
-                    answered: false,
-                    held: Some(sid),
-                    resumes: 0,
-                    restored: true,
-                },
-            );
-            held += 1;
+            self.hold_restored(r, true);
         }
-        self.metrics.attempts_held += held;
         crate::log!(
             Level::Info,
             "attempts held for their workers after a restart",
-            attempts = held,
+            attempts = n,
             sessions = self.sessions.held_sessions,
             window_ms = self.resume_window_ms
         );
+    }
+
+    /// Holds an attempt that comes from the store (read back after a restart: `restored`; or
+    /// taken over from another node) for its session, which is made (held) if this node does
+    /// not know it. Returns the session.
+    fn hold_restored(&mut self, r: RestoredAttempt, restored: bool) -> u64 {
+        let until_mono_ms = self.now_ms + self.resume_window_ms;
+        let sid = match self.sessions.by_secret.get(&*r.session.secret).copied() {
+            Some(sid) => sid,
+            None => {
+                let shown = WorkerInfo {
+                    client_id: r.client_id,
+                    ip: r.client_ip.to_string(),
+                    connected_wall_ms: r.started_wall_ms,
+                    active: false,
+                    in_flight: 0,
+                    kinds: None,
+                    concurrency: None,
+                    version: None,
+                    node: self.node_name.as_deref().map(str::to_string),
+                    node_id: None,
+                    resumable_until_wall_ms: Some(self.wall_ms + self.resume_window_ms),
+                    degraded: false,
+                };
+                let sid = self.sessions.insert(Session {
+                    worker_id: r.session.worker_id.clone(),
+                    secret: r.session.secret.clone(),
+                    client_id: r.client_id,
+                    conn: None,
+                    held: Vec::new(),
+                    shown: Some(shown),
+                    until_mono_ms,
+                    timer: None,
+                });
+                let timer = self.wheel.arm(until_mono_ms, Timer::Session(sid));
+                if let Some(s) = self.sessions.by_id.get_mut(&sid) {
+                    s.timer = Some(timer);
+                }
+                self.sessions.held_sessions += 1;
+                sid
+            }
+        };
+        let c = r.task;
+        if self.running.contains_key(&c.id) {
+            return sid;
+        }
+        let ran_ms = self.wall_ms.saturating_sub(r.started_wall_ms);
+        let started_mono_ms = self.now_ms.saturating_sub(ran_ms);
+        let deadline = self.now_ms + c.timeout_ms.saturating_sub(ran_ms);
+        let timer = self.wheel.arm(deadline, Timer::Attempt { task: c.id, num: c.attempt });
+        if let Some(s) = self.sessions.by_id.get_mut(&sid) {
+            s.held.push(c.id);
+            if let Some(shown) = s.shown.as_mut() {
+                shown.in_flight = s.held.len() as u32;
+            }
+        }
+        let mut tried = c.tried;
+        if !tried.contains(&r.client_id) {
+            tried.push(r.client_id);
+        }
+        self.running.insert(
+            c.id,
+            super::Running {
+                attempt: c.attempt,
+                // (No connection: a resume gives it one.)
+                conn: ConnRef { slot: u32::MAX, generation: u32::MAX },
+                client_id: r.client_id,
+                timer,
+                started_mono_ms,
+                timeout_ms: c.timeout_ms,
+                kind: c.kind,
+                max_retries: c.max_retries,
+                counted: c.counted,
+                tried,
+                created_wall_ms: c.created_wall_ms,
+                retry: c.retry,
+                answered: false,
+                held: Some(sid),
+                resumes: 0,
+                restored,
+            },
+        );
+        self.metrics.attempts_held += 1;
+        sid
+    }
+
+    /// Cluster mode: what `TAKE_SESSION` found for the worker on `conn`, which presented a
+    /// session this node did not know. Found attempts are held here and the worker resumes
+    /// them; nothing found: the worker gets a new session. Either way it is welcomed now.
+    pub(super) fn session_taken(&mut self, io: &mut dyn Io, conn: ConnRef, found: Vec<RestoredAttempt>) {
+        let pending = self.sessions.pending.remove(&conn);
+        let mut sid = None;
+        for r in found {
+            sid = Some(self.hold_restored(r, false));
+        }
+        let Some(p) = pending else { return };
+        if self.worker_at(conn).is_none() {
+            return;
+        }
+        if let Some(w) = self.worker_at_mut(conn) {
+            w.awaiting_welcome = false;
+        }
+        let sid = match sid {
+            Some(sid) => {
+                self.resume(io, conn, sid, &p.listed);
+                sid
+            }
+            None => match self.new_session(conn, &p.worker_id) {
+                Some(sid) => sid,
+                None => return,
+            },
+        };
+        self.send_welcome(io, conn, sid, &p.listed);
+        self.greet(conn);
     }
 
     /// A held session's window passed: its attempts end `disconnect` and retry (SPEC §5).
@@ -482,6 +570,7 @@ impl Core {
 
     /// The worker on `conn` closed with a close frame (or relay closed it): its session ends.
     pub(super) fn end_session_of(&mut self, conn: ConnRef) {
+        self.sessions.pending.remove(&conn);
         if let Some(sid) = self.worker_at(conn).and_then(|w| w.session) {
             self.sessions.remove(sid);
         }

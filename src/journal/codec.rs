@@ -551,6 +551,8 @@ impl TaskImage {
             retry: self.ext.retry,
             next_attempt_wall_ms: self.ext.next_attempt_wall_ms,
             again: self.ext.again,
+            reruns: self.ext.reruns,
+            rerun_base: self.ext.rerun_base,
             priority: self.priority,
             stored,
             ..Task::default()

@@ -22,6 +22,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (4, "priorities: pending tasks are claimed in order of due time less their head start", V4),
     (5, "retry policies per task", V5),
     (6, "re-runs of failed and canceled tasks", V6),
+    (7, "worker sessions: a running attempt names its worker's session", V7),
 ];
 
 /// The newest version this build knows.
@@ -272,6 +273,17 @@ ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS retry_backoff_ms int8,
 const V6: &str = r#"
 ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS reruns int4 NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS rerun_base int4 NOT NULL DEFAULT 0;
+"#;
+
+/// Version 7 (SPEC §12): a running attempt of a session worker names the session (its secret
+/// and worker id), the worker's client id and when it started, so that the worker may resume
+/// it on any node, also after its node died, within RESUME_WINDOW of that node's heartbeat.
+const V7: &str = r#"
+ALTER TABLE relay_running ADD COLUMN IF NOT EXISTS session text,
+    ADD COLUMN IF NOT EXISTS worker_id text,
+    ADD COLUMN IF NOT EXISTS client_id uuid,
+    ADD COLUMN IF NOT EXISTS started_ms int8;
+CREATE INDEX IF NOT EXISTS relay_running_session ON relay_running (session) WHERE session IS NOT NULL;
 "#;
 
 /// What [`migrate`] did.

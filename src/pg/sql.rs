@@ -335,11 +335,14 @@ pub const RELEASE_ORPHANS: &str = "WITH o AS (
 /// Dead nodes' attempts: the running rows of nodes without a heartbeat within the lease ($2)
 /// pass to this node ($1), which closes each (`disconnect`, naming the lost node, `uncounted`)
 /// and sends its task back to pending. At most 1000 a run; rows another node is taking are
-/// skipped.
+/// skipped. A session worker's attempt waits until RESUME_WINDOW ($3) after the node's last
+/// heartbeat: its worker may resume it on any node until then ([`TAKE_SESSION`], SPEC §12).
 pub const ADOPT_ORPHANS: &str = "WITH dead AS (
        SELECT r.task_id, r.owner_node, r.attempt FROM relay_running r
        WHERE r.owner_node <> $1::uuid AND NOT EXISTS (SELECT 1 FROM relay_nodes n
          WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $2::int8)
+         AND (r.session IS NULL OR NOT EXISTS (SELECT 1 FROM relay_nodes n
+           WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $3::int8))
        LIMIT 1000 FOR UPDATE SKIP LOCKED
      ), moved AS (
        UPDATE relay_running r SET owner_node = $1::uuid FROM dead WHERE r.task_id = dead.task_id
@@ -352,8 +355,72 @@ pub const ADOPT_ORPHANS: &str = "WITH dead AS (
             coalesce(n.name, u.owner_node::text)
      FROM u LEFT JOIN relay_nodes n ON n.node_id = u.owner_node";
 
+/// A worker resumes its session ($2 secret, $3 worker id) on this node ($1): the session's
+/// running attempts on other nodes — alive, or silent for less than RESUME_WINDOW ($4) — pass
+/// to this node, which holds them for the worker (SPEC §12). The other node's later writes
+/// about them are fenced (`owner_node`). Columns as [`ADOPT_ORPHANS`]' (the node that held
+/// them in place of the lost node), then the worker's client id and each attempt's start.
+pub const TAKE_SESSION: &str = "WITH s AS (
+       SELECT r.task_id, r.owner_node, r.attempt, r.client_id, r.started_ms FROM relay_running r
+       WHERE r.session = $2::text AND r.worker_id = $3::text AND r.owner_node <> $1::uuid
+         AND EXISTS (SELECT 1 FROM relay_nodes n
+           WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $4::int8)
+       LIMIT 4096 FOR UPDATE
+     ), moved AS (
+       UPDATE relay_running r SET owner_node = $1::uuid FROM s WHERE r.task_id = s.task_id
+     ), u AS (
+       UPDATE relay_tasks t SET owner_node = $1::uuid
+       FROM s WHERE t.id = s.task_id AND t.attempt = s.attempt AND t.status = 'dispatched'
+       RETURNING t.id, t.attempt, t.kind, t.timeout_ms, t.max_retries, t.tried, t.created_ms, s.owner_node,
+                 CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
+                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, s.client_id, s.started_ms
+     )
+     SELECT u.id::text, u.attempt, u.kind, NULL::text, u.timeout_ms, u.max_retries, u.tried::text, u.created_ms,
+            coalesce(n.name, u.owner_node::text), u.uncounted, u.retry_backoff_ms, u.retry_backoff_max_ms,
+            u.retry_any_worker, u.rerun_base, u.client_id::text, u.started_ms
+     FROM u LEFT JOIN relay_nodes n ON n.node_id = u.owner_node";
+
 // ---------------------------------------------------------------------------------------------
 // Attempts.
+
+/// Names the session of attempts this node ($1) started on session workers (SPEC §12): their
+/// `relay_running` rows, fenced by attempt and owner, get the secret, worker id, client id and
+/// start, for [`TAKE_SESSION`].
+pub const SESSION_ATTEMPTS: &str = "UPDATE relay_running r SET session = a.session, worker_id = a.worker_id,
+       client_id = a.client_id, started_ms = a.started_ms
+     FROM unnest($2::uuid[], $3::int4[], $4::text[], $5::text[], $6::uuid[], $7::int8[])
+       AS a(id, attempt, session, worker_id, client_id, started_ms)
+     WHERE r.task_id = a.id AND r.attempt = a.attempt AND r.owner_node = $1::uuid";
+
+/// An attempt of a session worker, for [`SESSION_ATTEMPTS`].
+#[derive(Debug, Clone)]
+pub struct SessionAttempt {
+    pub id: String,
+    pub attempt: u32,
+    pub secret: String,
+    pub worker_id: String,
+    pub client_id: String,
+    pub started_ms: u64,
+}
+
+pub fn session_attempts(node: &str, rows: &[SessionAttempt]) -> Stmt {
+    let attempts: Vec<String> = rows.iter().map(|r| r.attempt.to_string()).collect();
+    let starts: Vec<String> = rows.iter().map(|r| r.started_ms.to_string()).collect();
+    Stmt::new(
+        SESSION_ATTEMPTS,
+        vec![
+            node.into(),
+            arr(rows.iter().map(|r| r.id.as_str())),
+            arr(attempts.iter().map(String::as_str)),
+            arr(rows.iter().map(|r| r.secret.as_str())),
+            arr(rows.iter().map(|r| r.worker_id.as_str())),
+            arr(rows.iter().map(|r| r.client_id.as_str())),
+            arr(starts.iter().map(String::as_str)),
+        ],
+    )
+}
 
 /// Writes the attempt_log entry of attempts this node started (who, where, when), into what
 /// the entry holds already, and adds the worker to `tried`. Fenced by attempt: the task is
@@ -898,6 +965,8 @@ pub const ALL: &[(&str, &str)] = &[
     ("UNCLAIM", UNCLAIM),
     ("RELEASE_ORPHANS", RELEASE_ORPHANS),
     ("ADOPT_ORPHANS", ADOPT_ORPHANS),
+    ("TAKE_SESSION", TAKE_SESSION),
+    ("SESSION_ATTEMPTS", SESSION_ATTEMPTS),
     ("ATTEMPT_STARTED", ATTEMPT_STARTED),
     ("ATTEMPT_ENDED", ATTEMPT_ENDED),
     ("GET_TASKS", GET_TASKS),

@@ -53,5 +53,7 @@ pub(super) fn start_node(
         max_pending: cfg.max_pending,
         max_pending_bytes: cfg.max_pending_bytes,
     };
-    Ok(PgStore::new(id, name, db, lease_ms, tokens, pg_cfg))
+    let mut store = PgStore::new(id, name, db, lease_ms, tokens, pg_cfg);
+    store.resume_window_ms = cfg.resume_window_ms;
+    Ok(store)
 }

@@ -269,6 +269,9 @@ pub enum Event {
     /// Attempts of a dead node were handed to this node to close (`disconnect`, naming the
     /// lost node); the core decides what becomes of each task.
     Orphaned { tasks: Vec<Claimed>, error: String },
+    /// [`Store::take_session`]'s answer: the session's attempts that were held on other nodes
+    /// are this node's now (empty: none; the session is unknown, or its window is over).
+    SessionTaken { conn: ConnRef, found: Vec<RestoredAttempt> },
 }
 
 /// A worker as `/clients` shows it (one writer for this node's and other nodes' workers).
@@ -289,6 +292,9 @@ pub struct WorkerInfo {
     pub node_id: Option<u128>,
     /// A session worker whose connection was lost: until when it may resume (SPEC §12).
     pub resumable_until_wall_ms: Option<u64>,
+    /// Its recent attempts keep failing while others succeed (SPEC §13): no first attempts
+    /// for a while. Judged by the node it is connected to.
+    pub degraded: bool,
 }
 
 impl WorkerInfo {
@@ -335,6 +341,9 @@ impl WorkerInfo {
         if let Some(n) = &self.node {
             s.push_str(",\"node\":");
             push_json_str(s, n);
+        }
+        if self.degraded {
+            s.push_str(",\"degraded\":true");
         }
         if let Some(until) = self.resumable_until_wall_ms {
             s.push_str(",\"resumable_until\":\"");
@@ -579,12 +588,27 @@ impl Store {
         each!(self, s => s.attempt_closed(id, client_id, answered))
     }
 
+    /// Sessions are shared by the nodes of a cluster: a session this node does not know may be
+    /// held on another ([`Store::take_session`]).
+    pub fn shares_sessions(&self) -> bool {
+        matches!(self, Store::Pg(_))
+    }
+
+    /// A worker on `conn` presents a session this node does not know: [`Event::SessionTaken`].
+    pub fn take_session(&mut self, conn: ConnRef, worker_id: &str, secret: &str) {
+        match self {
+            Store::Pg(s) => s.take_session(conn, worker_id, secret),
+            Store::Mem(s) => s.push_event(Event::SessionTaken { conn, found: Vec::new() }),
+        }
+    }
+
     /// A restart holds session workers' running attempts (a journal, and RESUME_WINDOW not 0):
     /// a shutdown leaves them open for the next run (SPEC §12).
     pub fn holds_restarts(&self) -> bool {
         match self {
             Store::Mem(s) => s.hold_sessions && s.journal().is_some(),
-            Store::Pg(_) => false,
+            // (A stopped node's session attempts wait RESUME_WINDOW after its last heartbeat.)
+            Store::Pg(s) => s.resume_window_ms > 0,
         }
     }
 

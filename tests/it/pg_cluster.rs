@@ -590,7 +590,7 @@ fn pg_sql_fenced_completion_refuses_a_stale_node() {
     // Node A goes silent past its lease; B adopts its attempt (naming A) and closes it.
     c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
         .expect("age A");
-    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into()]);
+    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into(), 10_000i64.into()]);
     let out = c.pipeline(std::slice::from_ref(&adopt)).expect("adopt");
     assert_eq!(out[0].rows.len(), 1);
     assert_eq!((out[0].rows[0].text(0), out[0].rows[0].i64(1)), (Some(id.as_str()), Some(1)));
@@ -1088,4 +1088,58 @@ fn pg_sql_nodes_silent_for_an_hour_are_forgotten_and_their_counts_folded() {
     // Nothing to fold: the sums stay.
     c.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("again");
     assert_counts_match(&pg);
+}
+
+/// SPEC §12 in SQL: a lost node's attempt of a session worker is not adopted while the worker
+/// may still resume it (RESUME_WINDOW after the node's last heartbeat); `TAKE_SESSION` with the
+/// right secret and worker id moves it to the resuming node, a wrong one finds nothing; once
+/// the window is over the reaper adopts what is left.
+#[test]
+fn pg_sql_a_session_attempt_waits_for_its_worker_and_moves_with_it() {
+    let Some(pg) = Pg::start("pg_sql_a_session_attempt_waits_for_its_worker_and_moves_with_it") else { return };
+    let mut c = migrated(&pg);
+    let (one, two) = (uuid_n(1), uuid_n(2));
+    c.pipeline(&[insert(&[new_task(&one, Some("http"), None), new_task(&two, Some("http"), None)])]).expect("submit");
+    heartbeat(&mut c, NODE_A, "node-a");
+    heartbeat(&mut c, NODE_B, "node-b");
+    let wa = uuid_n(0xa1);
+    let mut started = Vec::new();
+    for _ in 0..2 {
+        started.push(claim_and_start(&mut c, NODE_A, "node-a", &wa));
+    }
+    let rows: Vec<sql::SessionAttempt> = started
+        .iter()
+        .map(|(id, attempt)| sql::SessionAttempt {
+            id: id.clone(),
+            attempt: *attempt,
+            secret: "s3cret".into(),
+            worker_id: "w-1".into(),
+            client_id: wa.clone(),
+            started_ms: 5_000,
+        })
+        .collect();
+    c.pipeline(&[sql::session_attempts(NODE_A, &rows)]).expect("name the session");
+    // A silent for 8 s: past its 6 s lease, within a 10 s window.
+    c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 8000 where node_id = '{NODE_A}'"))
+        .expect("age A");
+    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into(), 10_000i64.into()]);
+    assert!(c.pipeline(std::slice::from_ref(&adopt)).expect("adopt")[0].rows.is_empty(), "held for the worker");
+    let take =
+        |secret: &str| Stmt::new(sql::TAKE_SESSION, vec![NODE_B.into(), secret.into(), "w-1".into(), 10_000i64.into()]);
+    assert!(c.pipeline(&[take("wrong")]).expect("take")[0].rows.is_empty(), "a wrong secret takes nothing");
+    let out = c.pipeline(&[take("s3cret")]).expect("take");
+    assert_eq!(out[0].rows.len(), 2, "both attempts move");
+    let row = &out[0].rows[0];
+    assert_eq!((row.text(8), row.text(14)), (Some("node-a"), Some(wa.as_str())), "the node it came from, the worker");
+    let owners = c.simple("select owner_node::text from relay_tasks order by id").expect("owners");
+    assert!(owners[0].rows.iter().all(|r| r.text(0) == Some(NODE_B)), "the tasks are B's now");
+    // Past the window: what a node still holds of a lost node's sessions is adopted.
+    c.simple(&format!("update relay_running set owner_node = '{NODE_A}' where task_id = '{two}'")).expect("back");
+    c.simple(&format!("update relay_tasks set owner_node = '{NODE_A}' where id = '{two}'")).expect("back");
+    c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 5000 where node_id = '{NODE_A}'"))
+        .expect("age A more");
+    let out = c.pipeline(&[adopt]).expect("adopt");
+    assert_eq!(out[0].rows.len(), 1, "adopted once the window is over");
+    assert_eq!(out[0].rows[0].text(0), Some(two.as_str()));
+    let _ = one;
 }

@@ -448,3 +448,137 @@ fn resume_window_0s_restarts_as_before() {
     assert_eq!(outcomes(&t), ["disconnect"], "{t}");
     assert_eq!(relay.metric("relay_attempts_held"), 0.0);
 }
+
+// ----- cluster mode: sessions live in the database -----------------------------------------------
+
+/// Two nodes on one database (`None`: PostgreSQL is missing, the test is skipped).
+fn two_nodes(test: &str, env: &[(&str, &str)]) -> Option<(Relay, Relay)> {
+    if let Err(why) = crate::support::pg::shared() {
+        skip_or_fail(test, &format!("the cluster tests need PostgreSQL: {why}"));
+        return None;
+    }
+    let a = Mode::Cluster.start_with(env);
+    let b = Mode::start_on(a.db.clone().expect("a cluster node's database"), env);
+    Some((a, b))
+}
+
+/// Waits until the database knows the session of the task's running attempt.
+fn wait_session_row(relay: &Relay, id: &str) {
+    let db = relay.db.as_ref().expect("database");
+    let named = poll_until(Duration::from_secs(5), || {
+        db.query(&format!("SELECT count(*) FROM relay_running WHERE task_id = '{id}' AND session IS NOT NULL")) == ["1"]
+    });
+    assert!(named, "the running attempt never named its session");
+    // (And its start, written 200 ms behind: the attempt_log entry names the worker.)
+    let started = poll_until(Duration::from_secs(5), || {
+        db.query(&format!("SELECT coalesce(attempt_log -> 0 ->> 'client_id', '') FROM relay_tasks WHERE id = '{id}'"))
+            .first()
+            .is_some_and(|c| !c.is_empty())
+    });
+    assert!(started, "the attempt's start was never written");
+}
+
+#[test]
+fn cluster_a_worker_resumes_on_another_node_after_its_node_was_killed() {
+    resumes_on_another_node("cluster_a_worker_resumes_on_another_node_after_its_node_was_killed", "KILL");
+}
+
+#[test]
+fn cluster_a_worker_resumes_on_another_node_after_its_node_stopped_with_sigterm() {
+    resumes_on_another_node("cluster_a_worker_resumes_on_another_node_after_its_node_stopped_with_sigterm", "TERM");
+}
+
+fn resumes_on_another_node(test: &str, how: &str) {
+    let env = [("RESUME_WINDOW", "10s")];
+    let Some((mut a, b)) = two_nodes(test, &env) else {
+        return;
+    };
+    let w = FakeWorker::connect(&a, Some(hello("w-node")), Auto::Manual);
+    let welcome = w.expect_welcome();
+    a.wait_clients(1, |c| c["version"] == "it");
+    b.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&b.submit(r#"{"payload":{"n":8}}"#));
+    assert_eq!(w.expect_task().id, id);
+    wait_session_row(&a, &id);
+    a.signal(how);
+    if how == "TERM" {
+        let msg = w.next_other(Duration::from_secs(5)).expect("a frame before the close");
+        assert_eq!(msg["type"], "reconnect", "{msg}");
+    }
+    assert!(a.wait_exit(Duration::from_secs(10)).is_some(), "the node stopped");
+
+    let w2 = FakeWorker::connect(
+        &b,
+        Some(resume("w-node", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+        Auto::Manual,
+    );
+    let wb = w2.expect_welcome();
+    assert_eq!((wb["client_id"].clone(), wb["adopted"].clone()), (welcome["client_id"].clone(), json!([id])), "{wb}");
+    assert_eq!(wb["session"], welcome["session"], "the same session, on another node");
+    w2.done_attempt(&id, 1, json!("resumed elsewhere"));
+    let t = b.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!((t["attempts"].as_u64(), t["attempt_log"][0]["resumes"].as_u64()), (Some(1), Some(1)), "{t}");
+    assert_eq!(t["result"], "resumed elsewhere");
+    assert_eq!(b.metric("relay_sessions_resumed_total"), 1.0);
+}
+
+#[test]
+fn cluster_a_blip_resumes_on_another_live_node_and_the_first_one_lets_go() {
+    let env = [("RESUME_WINDOW", "1500ms")];
+    let Some((a, b)) = two_nodes("cluster_a_blip_resumes_on_another_live_node_and_the_first_one_lets_go", &env) else {
+        return;
+    };
+    let proxy = Proxy::start(a.addr);
+    let w = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-lb")), Auto::Manual).expect("connects");
+    let welcome = w.expect_welcome();
+    a.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&a.submit(r#"{"payload":{"n":9}}"#));
+    assert_eq!(w.expect_task().id, id);
+    wait_session_row(&a, &id);
+    proxy.cut();
+    // (The load balancer sends the reconnect to the other node.)
+    let w2 = FakeWorker::connect(
+        &b,
+        Some(resume("w-lb", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+        Auto::Manual,
+    );
+    assert_eq!(w2.expect_welcome()["adopted"], json!([id]));
+    w2.done_attempt(&id, 1, json!("once"));
+    let t = b.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["done"], "{t}");
+    // The first node's window passes: what it still held is no longer its, nothing changes.
+    wait_metric(&a, "relay_attempts_held", 0.0);
+    let t = a.get_task(&id);
+    assert_eq!((t["status"].as_str(), t["attempts"].as_u64()), (Some("done"), Some(1)), "{t}");
+    drop((w, w2, proxy));
+}
+
+#[test]
+fn cluster_a_lost_nodes_session_attempt_is_retried_once_its_window_is_over() {
+    let env = [("RESUME_WINDOW", "2s")];
+    let Some((mut a, b)) = two_nodes("cluster_a_lost_nodes_session_attempt_is_retried_once_its_window_is_over", &env)
+    else {
+        return;
+    };
+    let w = FakeWorker::connect(&a, Some(hello("w-lost")), Auto::Manual);
+    let welcome = w.expect_welcome();
+    a.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&a.submit(r#"{"payload":{"n":10}}"#));
+    assert_eq!(w.expect_task().id, id);
+    wait_session_row(&a, &id);
+    a.signal("KILL");
+    assert!(a.wait_exit(Duration::from_secs(5)).is_some(), "the node died");
+    let other = FakeWorker::connect(&b, Some(json!({"type": "hello", "version": "other"})), Auto::Echo);
+    let t = b.wait_status(&id, "done", Duration::from_secs(20));
+    assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+    assert_eq!(t["attempt_log"][0]["client_id"], welcome["client_id"]);
+    drop(other);
+}
+
+#[test]
+fn the_dashboard_shows_held_sessions() {
+    let relay = Relay::start();
+    let js = request(relay.addr, "GET", "/ui/app.js", &[], None);
+    assert_eq!(js.status, 200);
+    assert!(js.text().contains("w.resumable_until ? 'held until '"), "the workers table shows a held session");
+}

@@ -268,7 +268,6 @@ impl MemStore {
     fn hold_restored(&mut self, mut task: Box<Task>) -> Result<(), Box<Task>> {
         let Some(a) = task.attempts.last().filter(|a| a.outcome.is_none()) else { return Err(task) };
         let (Some(session), Some(payload)) = (a.session.as_deref(), task.payload.clone()) else { return Err(task) };
-        let earlier = &task.attempts[..task.attempts.len() - 1];
         let held = crate::store::RestoredAttempt {
             task: crate::store::Claimed {
                 id: task.id,
@@ -278,7 +277,8 @@ impl MemStore {
                 timeout_ms: task.timeout_ms,
                 max_retries: task.max_retries,
                 tried: task.attempts.iter().map(|a| a.client_id).collect(),
-                counted: earlier.iter().filter(|a| !a.restarted).count() as u32,
+                // (This run's attempts that count, but the open one.)
+                counted: task.counted().saturating_sub(1),
                 created_wall_ms: task.created_wall_ms,
                 retry: task.retry,
             },

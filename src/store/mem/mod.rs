@@ -568,6 +568,11 @@ impl MemStore {
         }
     }
 
+    /// An event of the core's own making, answered through the store like the others.
+    pub fn push_event(&mut self, e: Event) {
+        self.events.push(e);
+    }
+
     pub fn attempt_started(&mut self, id: TaskId, attempt: u32, start: &AttemptStart<'_>) {
         let Some(task) = self.tasks.get_mut(&id) else { return };
         if task.place != Place::Claimed || task.attempts.len() as u32 + 1 != attempt {

@@ -26,7 +26,8 @@ use crate::tasks::{ConnRef, Status, TaskId, parse_id, uuid_string};
 use crate::tokens::pg::TokenCache;
 use node::{
     CancelReq, ClaimReq, DbStats, EndRec, InsertRec, KeyLookup, ListReq, MAX_CLAIMS_PER_TXN, MAX_INSERT_BACKLOG_BYTES,
-    MAX_READS_PER_TXN, MAX_REFUSALS, MAX_WORKERS_GONE, Part, REFUSED_UNHEALTHY, ReadReq, RerunReq, STALL_MS, Sent,
+    MAX_READS_PER_TXN, MAX_REFUSALS, MAX_SESSION_ROWS, MAX_TAKES, MAX_WORKERS_GONE, Part, REFUSED_UNHEALTHY, ReadReq,
+    RerunReq, STALL_MS, Sent, TakeReq,
 };
 use rows::{ccol, storable, storable_lossy, uuid_array};
 
@@ -128,6 +129,12 @@ pub struct PgStore {
     want_workers: bool,
     want_tokens: bool,
     want_adopt: bool,
+    /// Workers resuming a session this node does not know (SPEC §12), and the session
+    /// attempts whose `relay_running` rows must name their session.
+    takes: Vec<TakeReq>,
+    session_rows: Vec<sql::SessionAttempt>,
+    /// RESUME_WINDOW: a lost node's session attempts wait this long after its last heartbeat.
+    pub resume_window_ms: u64,
     /// Expiry in the queue and retention are due (once a second, on this node's clock).
     want_housekeeping: bool,
     /// Waiting tasks may have lost their last worker (a worker left; once a second).
@@ -216,6 +223,9 @@ impl PgStore {
             want_workers: true,
             want_tokens: true,
             want_adopt: false,
+            takes: Vec::new(),
+            session_rows: Vec::new(),
+            resume_window_ms: 0,
             want_housekeeping: false,
             want_unplaceable: false,
             next_tick_ms: 0,
@@ -409,6 +419,28 @@ impl PgStore {
         };
         self.starts.insert(id, Start { attempt, runner, written: false });
         self.starts_due.push_back((self.now_ms + START_WRITE_DELAY_MS, id, attempt));
+        if let Some((worker_id, secret)) = start.session
+            && self.session_rows.len() < MAX_SESSION_ROWS
+        {
+            self.session_rows.push(sql::SessionAttempt {
+                id: uuid_string(id),
+                attempt,
+                secret: secret.to_string(),
+                worker_id: worker_id.to_string(),
+                client_id: uuid_string(start.client_id),
+                started_ms: start.started_wall_ms,
+            });
+        }
+    }
+
+    /// A worker presents a session this node does not know: the session's attempts held on
+    /// other nodes come here ([`Event::SessionTaken`] at COMMIT).
+    pub fn take_session(&mut self, conn: ConnRef, worker_id: &str, secret: &str) {
+        if !self.usable() || self.takes.len() >= MAX_TAKES {
+            self.events.push(Event::SessionTaken { conn, found: Vec::new() });
+            return;
+        }
+        self.takes.push(TakeReq { conn, worker_id: worker_id.to_string(), secret: secret.to_string() });
     }
 
     pub fn attempt_ended(&mut self, id: TaskId, attempt: u32, end: &AttemptEnd<'_>, next: Next<'_>) {
@@ -691,6 +723,8 @@ impl PgStore {
             || self.want_workers
             || self.want_tokens
             || self.want_adopt
+            || !self.takes.is_empty()
+            || !self.session_rows.is_empty()
             || self.want_housekeeping
             || (self.want_unplaceable && self.db.settled())
     }
@@ -863,10 +897,30 @@ impl PgStore {
             stmts.push(sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers).with_json(ccol::JSON));
             parts.push(Part::Claim(c));
         }
+        if !self.session_rows.is_empty() {
+            let rows = std::mem::take(&mut self.session_rows);
+            stmts.push(sql::session_attempts(&node_id, &rows));
+            parts.push(Part::SessionAttempts(rows));
+        }
+        for t in std::mem::take(&mut self.takes) {
+            stmts.push(Stmt::new(
+                sql::TAKE_SESSION,
+                vec![
+                    node_id.as_str().into(),
+                    t.secret.as_str().into(),
+                    t.worker_id.as_str().into(),
+                    (self.resume_window_ms as i64).into(),
+                ],
+            ));
+            parts.push(Part::TakeSession(t));
+        }
         if std::mem::take(&mut self.want_adopt) {
             stmts.push(
-                Stmt::new(sql::ADOPT_ORPHANS, vec![node_id.as_str().into(), (self.lease_ms as i64).into()])
-                    .with_json(ccol::JSON),
+                Stmt::new(
+                    sql::ADOPT_ORPHANS,
+                    vec![node_id.as_str().into(), (self.lease_ms as i64).into(), (self.resume_window_ms as i64).into()],
+                )
+                .with_json(ccol::JSON),
             );
             parts.push(Part::Adopt);
         }
@@ -1026,6 +1080,14 @@ impl PgStore {
                 Part::Unclaim(back) => self.unclaim.extend(back),
                 Part::Orphans => self.orphans = true,
                 Part::Adopt => {}
+                Part::SessionAttempts(rows) => self.session_rows.extend(rows),
+                Part::TakeSession(t) => {
+                    // (Lost: it may have committed; what came here unseen goes back.)
+                    if matches!(why, Failure::Lost(_)) {
+                        self.orphans = true;
+                    }
+                    self.events.push(Event::SessionTaken { conn: t.conn, found: Vec::new() });
+                }
                 Part::Cancel(c) => self.events.push(Event::Answer { conn: c.conn, response: answer.clone() }),
                 Part::Rerun(r) => self.events.push(Event::Answer { conn: r.conn, response: answer.clone() }),
                 Part::DeleteWorkers(gone) => self.workers_gone.extend(gone),
@@ -1163,6 +1225,8 @@ impl PgStore {
                 Part::Ended(recs) => self.on_ended(recs, here),
                 Part::Claim(c) => self.on_claimed(c, here),
                 Part::Adopt => self.on_adopted(here),
+                Part::SessionAttempts(_) => {}
+                Part::TakeSession(t) => self.on_taken(t, here),
                 Part::Orphans => {
                     if !here.is_empty() {
                         crate::log!(
@@ -1347,6 +1411,32 @@ impl PgStore {
             self.starved.insert(c.group, c.takers.clone());
         }
         self.events.push(Event::Claimed { group: c.group, tasks });
+    }
+
+    /// `TAKE_SESSION`'s rows: the attempts are this node's now, held for the worker.
+    fn on_taken(&mut self, t: TakeReq, here: &[Row]) {
+        let mut found = Vec::with_capacity(here.len());
+        for row in here {
+            let Some(task) = claimed_of(row, &self.cfg) else { continue };
+            let Some(client_id) = row.text(ccol::SESSION_CLIENT_ID).and_then(parse_id) else { continue };
+            let started_wall_ms = rows::ms(row, ccol::SESSION_STARTED_MS).unwrap_or(self.wall_ms);
+            self.running.insert(task.id, task.attempt);
+            found.push(crate::store::RestoredAttempt {
+                task,
+                client_id,
+                client_ip: std::net::IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED),
+                started_wall_ms,
+                session: crate::tasks::SessionTag {
+                    worker_id: t.worker_id.as_str().into(),
+                    secret: t.secret.as_str().into(),
+                },
+            });
+        }
+        if !found.is_empty() {
+            let from = here.first().and_then(|r| r.text(ccol::LOST_NODE)).unwrap_or("?");
+            crate::log!(Level::Info, "session attempts taken over from another node", node = from, count = found.len());
+        }
+        self.events.push(Event::SessionTaken { conn: t.conn, found });
     }
 
     fn on_adopted(&mut self, here: &[Row]) {

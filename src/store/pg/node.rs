@@ -42,6 +42,11 @@ pub const REFUSED_UNHEALTHY: u32 = 3;
 /// Workers that left, remembered for `DELETE_WORKERS`; beyond it (workers coming and going
 /// through a long outage) the node rewrites its rows whole (`RESYNC_WORKERS`).
 pub const MAX_WORKERS_GONE: usize = 10_000;
+/// Session attempts whose rows wait to name their session, at most (beyond it an attempt is
+/// not resumable on another node: it is retried there as any lost node's).
+pub const MAX_SESSION_ROWS: usize = 65_536;
+/// Resumes waiting for `TAKE_SESSION` at most (beyond it a resume gets a new session).
+pub const MAX_TAKES: usize = 1_024;
 /// A transaction in flight this long means the database stopped answering: new requests that
 /// need it are refused (503) and `/healthz` says unreachable until it answers again.
 pub const STALL_MS: u64 = 2_000;
@@ -122,6 +127,15 @@ pub struct InsertRec {
     pub to: InsertTo,
 }
 
+/// A worker that presents a session this node does not know: its attempts may be on another
+/// node (SPEC §12).
+#[derive(Debug)]
+pub struct TakeReq {
+    pub conn: crate::tasks::ConnRef,
+    pub worker_id: String,
+    pub secret: String,
+}
+
 /// What one statement of the transaction in flight is for (one part per statement, in order).
 #[derive(Debug)]
 pub enum Part {
@@ -135,6 +149,10 @@ pub enum Part {
     Unclaim(Vec<(String, u32)>),
     Orphans,
     Adopt,
+    /// `TAKE_SESSION` for a worker resuming here (SPEC §12).
+    TakeSession(TakeReq),
+    /// `SESSION_ATTEMPTS`.
+    SessionAttempts(Vec<crate::pg::sql::SessionAttempt>),
     /// `CANCEL`; the next statement reads the task back.
     Cancel(CancelReq),
     CancelRead,

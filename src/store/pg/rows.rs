@@ -61,6 +61,9 @@ pub mod ccol {
     pub const RETRY_ANY_WORKER: usize = 12;
     /// (`CLAIM` only) attempts before the task's current run (SPEC §13 re-runs).
     pub const RERUN_BASE: usize = 13;
+    /// (`TAKE_SESSION` only) the session worker's client id, and the attempt's start.
+    pub const SESSION_CLIENT_ID: usize = 14;
+    pub const SESSION_STARTED_MS: usize = 15;
 }
 
 /// `LIST_WORKERS` columns.
@@ -241,6 +244,7 @@ pub fn worker(row: &Row) -> Option<WorkerInfo> {
         node: row.text(wcol::NODE_NAME).map(str::to_string),
         node_id: row.text(wcol::NODE_ID).and_then(parse_id),
         resumable_until_wall_ms: None,
+        degraded: false,
     })
 }
 
