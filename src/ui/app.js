@@ -347,7 +347,10 @@ function renderWorkers() {
     tr.appendChild(cell(fmtTime(w.connected_at)));
     tr.appendChild(cell(Array.isArray(w.kinds) ? (w.kinds.length ? w.kinds.join(', ') : '(none)') : 'any', 'text'));
     tr.appendChild(cell(w.in_flight + ' / ' + (w.concurrency === undefined ? '∞' : w.concurrency)));
-    tr.appendChild(cell(w.active ? 'active' : 'draining'));
+    // A session whose connection was lost is held, its tasks kept for it, until resumable_until.
+    // Degraded: its attempts keep failing while others succeed; no first attempts for a while.
+    const state = w.resumable_until ? 'held until ' + fmtTime(w.resumable_until) : w.active ? (w.degraded ? 'degraded' : 'active') : 'draining';
+    tr.appendChild(cell(state, w.degraded ? 'degraded' : undefined));
     tr.appendChild(cell(w.version === undefined ? '' : w.version));
     body.appendChild(tr);
   }

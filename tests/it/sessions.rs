@@ -574,3 +574,11 @@ fn cluster_a_lost_nodes_session_attempt_is_retried_once_its_window_is_over() {
     assert_eq!(t["attempt_log"][0]["client_id"], welcome["client_id"]);
     drop(other);
 }
+
+#[test]
+fn the_dashboard_shows_held_sessions() {
+    let relay = Relay::start();
+    let js = request(relay.addr, "GET", "/ui/app.js", &[], None);
+    assert_eq!(js.status, 200);
+    assert!(js.text().contains("w.resumable_until ? 'held until '"), "the workers table shows a held session");
+}
