@@ -9,7 +9,7 @@
 //! request), and time comes in through `now_ms`/`wall_ms`, which the reactor sets. Nothing here
 //! may close a connection or read a clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasherDefault;
 use std::net::IpAddr;
 
@@ -1635,7 +1635,17 @@ impl Core {
             Event::NotFinal { conn, id, post } => self.hold(conn, id, post),
             Event::Clients { conn, remote } => {
                 let mut entries = self.local_infos();
-                entries.extend(remote);
+                // A session's client id is listed once: a session held here whose worker has
+                // resumed on another node is that node's worker now (SPEC §12), and a row of
+                // another node naming a worker connected here is older than this node's word.
+                if !remote.is_empty() {
+                    let live: HashSet<u128> =
+                        entries.iter().filter(|w| w.resumable_until_wall_ms.is_none()).map(|w| w.client_id).collect();
+                    let remote: Vec<WorkerInfo> = remote.into_iter().filter(|w| !live.contains(&w.client_id)).collect();
+                    let there: HashSet<u128> = remote.iter().map(|w| w.client_id).collect();
+                    entries.retain(|w| w.resumable_until_wall_ms.is_none() || !there.contains(&w.client_id));
+                    entries.extend(remote);
+                }
                 // (Stable: this node's workers in connection order, then by connection time.)
                 entries.sort_by_key(|w| w.connected_wall_ms);
                 let r = Response::json(200, clients_json(&entries));

@@ -1003,11 +1003,13 @@ pub const UPSERT_WORKERS: &str = "INSERT INTO relay_workers
             w.concurrency, w.in_flight, w.active, w.version
      FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::int4[], $8::bool[], $9::text[])
        AS w(client_id, ip, connected_ms, kinds, concurrency, in_flight, active, version)
-     ON CONFLICT (client_id) DO UPDATE SET kinds = excluded.kinds, concurrency = excluded.concurrency,
-       in_flight = excluded.in_flight, active = excluded.active, version = excluded.version";
+     ON CONFLICT (client_id) DO UPDATE SET node_id = excluded.node_id, ip = excluded.ip, kinds = excluded.kinds,
+       concurrency = excluded.concurrency, in_flight = excluded.in_flight, active = excluded.active,
+       version = excluded.version";
 
-/// $1 client ids that left this node.
-pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = ANY($1::uuid[])";
+/// $1 client ids that left this node ($2). (A session's client id may be another node's row by
+/// now: its worker resumed there, SPEC §12.)
+pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = ANY($1::uuid[]) AND node_id = $2::uuid";
 
 /// Every row of this node ($1) but its workers connected now ($2): after an outage, or when
 /// more workers left than the node keeps track of, instead of [`DELETE_WORKERS`].

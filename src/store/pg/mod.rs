@@ -978,7 +978,10 @@ impl PgStore {
         }
         if !self.workers_gone.is_empty() {
             let gone = std::mem::take(&mut self.workers_gone);
-            stmts.push(Stmt::new(sql::DELETE_WORKERS, vec![Param::Text(uuid_array(gone.iter().copied()))]));
+            stmts.push(Stmt::new(
+                sql::DELETE_WORKERS,
+                vec![Param::Text(uuid_array(gone.iter().copied())), node_id.as_str().into()],
+            ));
             parts.push(Part::DeleteWorkers(gone));
         }
         if !self.workers_dirty.is_empty() {
