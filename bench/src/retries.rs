@@ -26,7 +26,11 @@ use crate::workers::{is_timeout, ws_connect};
 #[derive(Clone)]
 enum Behaviour {
     /// Done, but failed while the shared upstream is down (`from..until` after the start).
-    Upstream { start: Instant, from: Duration, until: Duration },
+    Upstream {
+        start: Instant,
+        from: Duration,
+        until: Duration,
+    },
     /// Failed, always.
     Broken,
     Done,
@@ -142,7 +146,9 @@ fn clients_of(addr: SocketAddr) -> Result<Vec<(String, String)>, String> {
         .as_array()
         .map(|a| {
             a.iter()
-                .map(|c| (c["client_id"].as_str().unwrap_or("").to_string(), c["ip"].as_str().unwrap_or("").to_string()))
+                .map(|c| {
+                    (c["client_id"].as_str().unwrap_or("").to_string(), c["ip"].as_str().unwrap_or("").to_string())
+                })
                 .collect()
         })
         .unwrap_or_default())
@@ -201,7 +207,10 @@ pub fn run(opts: &Opts, which: &str) -> Result<(), String> {
         let policies: [(&str, Vec<(&str, String)>); 3] = [
             ("seed: retry at once, MAX_RETRIES=2", vec![]),
             ("RETRY_BACKOFF=200ms, MAX_RETRIES=2", vec![("RETRY_BACKOFF", "200ms".into())]),
-            ("RETRY_BACKOFF=200ms, MAX_RETRIES=5", vec![("RETRY_BACKOFF", "200ms".into()), ("MAX_RETRIES", "5".into())]),
+            (
+                "RETRY_BACKOFF=200ms, MAX_RETRIES=5",
+                vec![("RETRY_BACKOFF", "200ms".into()), ("MAX_RETRIES", "5".into())],
+            ),
         ];
         for (name, env) in policies {
             let start = Instant::now() + Duration::from_millis(300);
@@ -212,7 +221,11 @@ pub fn run(opts: &Opts, which: &str) -> Result<(), String> {
             let t = load(relay.addr, clients, Duration::from_secs(6), None)?;
             teardown(relay, stop, joins);
             let (n, f, a) = (t.tasks.into_inner(), t.failed.into_inner(), t.attempts.into_inner());
-            println!("| {name} | {n} | {f} ({:.2} %) | {:.3} |", 100.0 * f as f64 / n.max(1) as f64, a as f64 / n.max(1) as f64);
+            println!(
+                "| {name} | {n} | {f} ({:.2} %) | {:.3} |",
+                100.0 * f as f64 / n.max(1) as f64,
+                a as f64 / n.max(1) as f64
+            );
         }
     }
     if which == "retry-degraded" || which == "retries" {
