@@ -154,13 +154,11 @@ fn clients_of(addr: SocketAddr) -> Result<Vec<(String, String)>, String> {
         .unwrap_or_default())
 }
 
+/// A relay, the stop flag of its workers, their threads, and their client ids in connection order.
+type Running = (crate::procs::Server, Arc<AtomicBool>, Vec<std::thread::JoinHandle<()>>, Vec<String>);
+
 /// Starts relay (`binary`, with `env`) and `behaviours` workers, waits until all are listed.
-fn setup(
-    opts: &Opts,
-    binary: &Path,
-    env: &[(&str, String)],
-    behaviours: Vec<Behaviour>,
-) -> Result<(crate::procs::Server, Arc<AtomicBool>, Vec<std::thread::JoinHandle<()>>, Vec<String>), String> {
+fn setup(opts: &Opts, binary: &Path, env: &[(&str, String)], behaviours: Vec<Behaviour>) -> Result<Running, String> {
     let relay = start_relay(opts, binary, env)?;
     let stop = Arc::new(AtomicBool::new(false));
     let ready = Arc::new(AtomicU64::new(0));
