@@ -5,6 +5,7 @@
 
 mod cluster;
 mod durable;
+mod flaky;
 mod floor;
 mod hostile;
 mod httpc;
@@ -80,6 +81,10 @@ options:
   --max-total-secs N    hard limit on the whole run; children are killed past it (default 1800)
 
 internal:
+  flaky | restart-load | sessions [--relay-worker PATH]
+                                         worker sessions (issue 20): a proxy cutting the real
+                                         relay-workers' connections, RESUME_WINDOW 0s vs 10s; a
+                                         relay restart under load; `sessions` runs both
   soak [--soak-secs N] [--soak-clients N] [--relay-worker PATH]
                                          mixed load with workers joining, dying and misbehaving
                                          (default 600 s, 8 clients); see scripts/soak.sh
@@ -221,6 +226,7 @@ fn main() -> ExitCode {
         "serve-floor" => floor::serve(([127, 0, 0, 1], 0).into(), Duration::from_secs(opts.seconds)),
         "drive" => scenarios::drive(&opts),
         "soak" => soak::run(&opts),
+        "flaky" | "restart-load" | "sessions" => flaky::run(&opts),
         "fill" => durable::fill(&opts),
         _ => scenarios::run_all(&opts),
     };
