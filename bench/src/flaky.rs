@@ -338,6 +338,9 @@ pub fn run(opts: &Opts) -> Result<(), String> {
         );
         for window in ["0s", "10s"] {
             for how in ["TERM", "KILL"] {
+                if std::env::var("BENCH_ONLY").is_ok_and(|o| o != format!("{window}:{how}")) {
+                    continue;
+                }
                 let f = restart(opts, window, how)?;
                 println!(
                     "{:<16} {:<8} {:>7} {:>7} {:>10.3} {:>12}",
@@ -472,6 +475,9 @@ fn restart(opts: &Opts, window: &str, how: &str) -> Result<Figures, String> {
             let req = build_request("GET", &format!("/tasks/{id}"), Some(API_TOKEN), b"");
             let r = HttpConn::connect(relay.addr, Duration::from_secs(5)).and_then(|mut c| {
                 let r = c.request(&req)?;
+                if std::env::var_os("BENCH_DEBUG").is_some() && json_str_field(r.body, "status") == Some("failed") {
+                    eprintln!("failed: {}", String::from_utf8_lossy(r.body));
+                }
                 Ok((json_str_field(r.body, "status").unwrap_or("").to_string(), number_field(r.body, "attempts")))
             });
             if let Ok((status, a)) = &r
@@ -483,6 +489,9 @@ fn restart(opts: &Opts, window: &str, how: &str) -> Result<Figures, String> {
                 break;
             }
             if Instant::now() > deadline {
+                if std::env::var_os("BENCH_DEBUG").is_some() {
+                    eprintln!("not final: {id} {r:?}");
+                }
                 break;
             }
             thread::sleep(Duration::from_millis(50));
