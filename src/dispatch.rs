@@ -285,6 +285,12 @@ pub struct Core {
     events: Vec<Event>,
     /// For the jitter of retry backoffs.
     rng: crate::store::mem::Rng,
+    /// The latest end of a cool-down of a degraded worker (monotonic ms): before it, first
+    /// attempts look past degraded workers (SPEC §13).
+    degraded_until_ms: u64,
+    /// Per kind (key [`NO_KIND`]: tasks without one), the latest success: when (monotonic ms)
+    /// and by whom — a worker failing while others succeed at its kinds is degraded.
+    last_done: HashMap<Box<str>, (u64, u128)>,
     /// Worker sessions (SPEC §12) and how long a lost one's attempts are held (0: never).
     sessions: sessions::Sessions,
     pub resume_window_ms: u64,
@@ -324,6 +330,8 @@ impl Core {
             captured: None,
             events: Vec::new(),
             rng: crate::store::mem::Rng::from_os(),
+            degraded_until_ms: 0,
+            last_done: HashMap::new(),
             sessions: sessions::Sessions::default(),
             resume_window_ms: 0,
         }
@@ -427,8 +435,12 @@ impl Core {
 
     /// `/clients` entries of this node's workers.
     fn local_infos(&self) -> Vec<WorkerInfo> {
-        let mut v: Vec<WorkerInfo> =
-            self.order.iter().filter_map(|&s| self.worker(s)).map(|w| w.info(self.node_name.as_deref())).collect();
+        let mut v: Vec<WorkerInfo> = self
+            .order
+            .iter()
+            .filter_map(|&s| self.worker(s))
+            .map(|w| WorkerInfo { degraded: w.health.degraded(self.now_ms), ..w.info(self.node_name.as_deref()) })
+            .collect();
         // Held sessions too: inactive, with `resumable_until` (SPEC §12).
         v.extend(self.sessions.held_infos().cloned());
         v
@@ -567,23 +579,33 @@ impl Core {
         let mut starved = std::mem::take(&mut self.claim_takers_slots);
         starved.clear();
         let mut found = None;
-        // (Bounded: with thousands of busy workers a submit looks at a few hundred; one that
-        // finds none waits for a claim like any queued task.)
-        for step in 1..=n.min(FREE_TAKER_LOOKS) {
-            let slot = self.order[(start + step) % n];
-            let Some(w) = self.workers.get(slot as usize).and_then(Option::as_ref) else { continue };
-            let Some((gid, _)) = w.listed else { continue };
-            if !(w.ready() && w.accepts(kind) && w.has_capacity()) {
-                continue;
+        // A degraded worker is offered a first attempt only when no other worker can take it
+        // (SPEC §13): a second pass, only while some worker is degraded.
+        let avoid = self.now_ms < self.degraded_until_ms;
+        'passes: for pass in 0..1 + usize::from(avoid) {
+            // (Bounded: with thousands of busy workers a submit looks at a few hundred; one that
+            // finds none waits for a claim like any queued task.)
+            for step in 1..=n.min(FREE_TAKER_LOOKS) {
+                let slot = self.order[(start + step) % n];
+                let Some(w) = self.workers.get(slot as usize).and_then(Option::as_ref) else { continue };
+                let Some((gid, _)) = w.listed else { continue };
+                if !(w.ready() && w.accepts(kind) && w.has_capacity()) {
+                    continue;
+                }
+                if avoid && pass == 0 && w.health.degraded(self.now_ms) {
+                    continue;
+                }
+                if self.groups.groups.get(&gid).is_none_or(|g| g.free <= g.offered) {
+                    continue;
+                }
+                if io.has_room(w.conn, frame_bytes) {
+                    found = Some(gid);
+                    break 'passes;
+                }
+                if !starved.contains(&slot) {
+                    starved.push(slot);
+                }
             }
-            if self.groups.groups.get(&gid).is_none_or(|g| g.free <= g.offered) {
-                continue;
-            }
-            if io.has_room(w.conn, frame_bytes) {
-                found = Some(gid);
-                break;
-            }
-            starved.push(slot);
         }
         for &slot in &starved {
             if let Some(w) = self.workers.get_mut(slot as usize).and_then(Option::as_mut) {
@@ -1174,7 +1196,10 @@ impl Core {
         }
         let key = kind.unwrap_or(NO_KIND);
         let start = self.cursors.get(key).copied().unwrap_or(n - 1);
-        for step in 1..=n {
+        // A degraded worker gets no first attempt while another worker can take it (SPEC §13):
+        // a second pass, only while some worker is degraded.
+        let avoid = first && self.now_ms < self.degraded_until_ms;
+        for (pass, step) in (0..1 + usize::from(avoid)).flat_map(|pass| (1..=n).map(move |step| (pass, step))) {
             let i = (start + step) % n;
             let slot = self.order[i];
             if !self.groups.contains(group, slot) {
@@ -1182,6 +1207,9 @@ impl Core {
             }
             let Some(w) = self.worker(slot) else { continue };
             if !(w.ready() && w.accepts(kind) && w.has_capacity() && !tried.contains(&w.client_id)) {
+                continue;
+            }
+            if avoid && pass == 0 && w.health.degraded(self.now_ms) {
                 continue;
             }
             let conn = w.conn;
@@ -1318,6 +1346,7 @@ impl Core {
         }
         self.metrics.attempt(outcome);
         self.store.attempt_closed(id, r.client_id, r.answered);
+        self.judge_worker(&r, id, outcome, hint);
         // An attempt a restart held whose worker never came back: the loss is relay's (as a
         // restart's without sessions), it uses up no retry (SPEC §12).
         let uncounted = r.restored && outcome == Outcome::Disconnect && error == Some(sessions::RESTART_ERROR);
@@ -1354,6 +1383,53 @@ impl Core {
             self.claim_wanted = true;
         }
         let _ = r.created_wall_ms;
+    }
+
+    /// A worker's attempt ended: its health follows (SPEC §13, failing workers are avoided).
+    /// `failed` and `timeout` count against it (not a permanent failure, which is the task's,
+    /// nor a lost connection); a success makes it healthy again.
+    fn judge_worker(&mut self, r: &Running, id: TaskId, outcome: Outcome, hint: Hint) {
+        let now = self.now_ms;
+        let key = r.kind.as_deref().unwrap_or(NO_KIND);
+        match outcome {
+            Outcome::Done => {
+                match self.last_done.get_mut(key) {
+                    Some(d) => *d = (now, r.client_id),
+                    None => {
+                        if self.last_done.len() >= MAX_CURSORS {
+                            self.last_done.clear();
+                        }
+                        self.last_done.insert(Box::from(key), (now, r.client_id));
+                    }
+                }
+                if let Some(w) = self.worker_at_mut(r.conn) {
+                    w.health.on_done();
+                }
+            }
+            Outcome::Failed | Outcome::Timeout if !hint.permanent => {
+                let last_done = &self.last_done;
+                let Some(w) = self.workers.get_mut(r.conn.slot as usize).and_then(Option::as_mut) else { return };
+                if w.conn != r.conn {
+                    return;
+                }
+                let me = w.client_id;
+                let others = |kind: Option<&str>, since: u64| {
+                    last_done.get(kind.unwrap_or(NO_KIND)).is_some_and(|&(at, who)| at >= since && who != me)
+                };
+                if w.health.on_failed(id, r.kind.as_deref(), now, others) {
+                    let until = w.health.until_ms;
+                    crate::log!(
+                        Level::Warn,
+                        "worker degraded: its recent attempts failed while other workers succeeded; no first \
+                         attempts for a while",
+                        client_id = uuid_string(me),
+                        cool_down_ms = until - now
+                    );
+                    self.degraded_until_ms = self.degraded_until_ms.max(until);
+                }
+            }
+            _ => {}
+        }
     }
 
     /// How retry *n* (this attempt was the n-th that counts) waits (SPEC §13): a random time in

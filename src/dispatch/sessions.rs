@@ -415,6 +415,7 @@ impl Core {
                     node: self.node_name.as_deref().map(str::to_string),
                     node_id: None,
                     resumable_until_wall_ms: Some(self.wall_ms + self.resume_window_ms),
+                    degraded: false,
                 };
                 let sid = self.sessions.insert(Session {
                     worker_id: r.session.worker_id.clone(),

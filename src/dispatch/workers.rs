@@ -161,6 +161,72 @@ pub struct Worker {
     /// Its hello presented a session held on another node (cluster mode): it is sent nothing
     /// until the welcome.
     pub awaiting_welcome: bool,
+    /// Whether its attempts keep failing (SPEC §13: a degraded worker gets no first attempts).
+    pub health: Health,
+}
+
+/// Failed attempts in a row, of different tasks, after which a worker is degraded — when
+/// another worker succeeded at one of those tasks' kinds meanwhile.
+pub const DEGRADE_AFTER: usize = 5;
+/// A degraded worker's first cool-down; it doubles each time it is degraded again without a
+/// success in between, up to [`COOL_DOWN_MAX_MS`].
+pub const COOL_DOWN_MIN_MS: u64 = 5_000;
+pub const COOL_DOWN_MAX_MS: u64 = 300_000;
+
+/// A worker's recent failures (SPEC §13, "failing workers are avoided"): the last
+/// [`DEGRADE_AFTER`] attempts that failed (`failed` or `timeout` — not a permanent failure, which
+/// is the task's, nor a lost connection), one per task, since its last success.
+#[derive(Debug, Default, Clone)]
+pub struct Health {
+    /// (task, its kind, when the attempt ended: monotonic ms), oldest first.
+    failed: std::collections::VecDeque<(TaskId, Option<Box<str>>, u64)>,
+    /// Times it was degraded since its last success.
+    pub level: u32,
+    /// No first attempts before this (monotonic ms).
+    pub until_ms: u64,
+}
+
+impl Health {
+    /// A success: healthy again.
+    pub fn on_done(&mut self) {
+        if !self.failed.is_empty() || self.level > 0 {
+            *self = Health::default();
+        }
+    }
+
+    /// A failed attempt of task `id`. `others_succeeded(kind, since)`: did another worker
+    /// succeed at `kind` at or after `since`? Returns whether it became degraded now.
+    pub fn on_failed(
+        &mut self,
+        id: TaskId,
+        kind: Option<&str>,
+        now_ms: u64,
+        others_succeeded: impl Fn(Option<&str>, u64) -> bool,
+    ) -> bool {
+        if self.failed.iter().any(|(t, ..)| *t == id) {
+            // (The same task again, as `any_worker` retries do: one task counts once.)
+            return false;
+        }
+        self.failed.push_back((id, kind.map(Box::from), now_ms));
+        if self.failed.len() > DEGRADE_AFTER {
+            self.failed.pop_front();
+        }
+        if self.failed.len() < DEGRADE_AFTER || self.degraded(now_ms) {
+            return false;
+        }
+        let since = self.failed.front().map_or(now_ms, |f| f.2);
+        if !self.failed.iter().any(|(_, k, _)| others_succeeded(k.as_deref(), since)) {
+            return false;
+        }
+        self.level += 1;
+        let cool = COOL_DOWN_MIN_MS.saturating_mul(1 << (self.level - 1).min(16)).min(COOL_DOWN_MAX_MS);
+        self.until_ms = now_ms + cool;
+        true
+    }
+
+    pub fn degraded(&self, now_ms: u64) -> bool {
+        now_ms < self.until_ms
+    }
 }
 
 impl Worker {
@@ -178,6 +244,7 @@ impl Worker {
             starved: false,
             listed: None,
             session: None,
+            health: Health::default(),
             awaiting_welcome: false,
         }
     }
@@ -231,6 +298,7 @@ impl Worker {
             node: node.map(str::to_string),
             node_id: None,
             resumable_until_wall_ms: None,
+            degraded: false,
         }
     }
 }
@@ -393,6 +461,30 @@ pub fn kinds_list(reach: &Reach, remote: &[WorkerInfo], max: usize) -> (Vec<Stri
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn five_failures_of_five_tasks_while_others_succeed_degrade_for_a_growing_cool_down() {
+        let mut h = Health::default();
+        let yes = |_: Option<&str>, _: u64| true;
+        for t in 0..4 {
+            assert!(!h.on_failed(t, Some("k"), 100, yes));
+        }
+        // The same task again does not count.
+        assert!(!h.on_failed(3, Some("k"), 100, yes));
+        // Nobody else succeeded: a bad upstream, not a bad worker.
+        assert!(!h.on_failed(4, Some("k"), 100, |_, _| false));
+        assert!(h.on_failed(5, Some("k"), 200, yes));
+        assert!(h.degraded(200) && h.degraded(5_199) && !h.degraded(5_200));
+        // Failing on after the cool-down: degraded again, twice as long.
+        assert!(h.on_failed(6, Some("k"), 6_000, yes));
+        assert_eq!(h.until_ms, 16_000);
+        for t in 7..40 {
+            h.on_failed(t, Some("k"), h.until_ms, yes);
+        }
+        assert!(h.until_ms - (h.until_ms - COOL_DOWN_MAX_MS) <= COOL_DOWN_MAX_MS);
+        h.on_done();
+        assert!(!h.degraded(0) && h.level == 0);
+    }
 
     fn kinds(ks: &[&str]) -> Accepts {
         Accepts::Kinds(ks.iter().map(|k| Box::from(*k)).collect())

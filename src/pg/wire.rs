@@ -18,6 +18,7 @@
 //!
 //! Never on the event loop's thread: this file blocks.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::io::{self, Read, Write};
@@ -156,12 +157,20 @@ impl Stmt {
 }
 
 /// One result row: column values as raw bytes (text or binary, as the statement asked).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Row {
     data: Bytes,
     ranges: Vec<Option<Range<usize>>>,
-    /// The statement's JSON columns that hold valid JSON, checked already (column, value).
-    json: Vec<(usize, Box<RawValue>)>,
+    /// The statement's JSON columns that hold valid JSON, checked already (column, value): the
+    /// first read takes the value (a large result is not copied again on the loop).
+    json: Vec<(usize, RefCell<Option<Box<RawValue>>>)>,
+}
+
+impl Clone for Row {
+    fn clone(&self) -> Row {
+        let json = self.json.iter().map(|(i, v)| (*i, RefCell::new(v.borrow().clone()))).collect();
+        Row { data: self.data.clone(), ranges: self.ranges.clone(), json }
+    }
 }
 
 impl Row {
@@ -200,11 +209,11 @@ impl Row {
     }
 
     /// Column `i` as JSON: the value checked on the connection's thread when the statement
-    /// named the column ([`Stmt::with_json`]), else checked now; `None` for NULL or text that is
-    /// not JSON.
+    /// named the column ([`Stmt::with_json`]) — taken by the first read; else (or read again)
+    /// checked now. `None` for NULL or text that is not JSON.
     pub fn json(&self, i: usize) -> Option<Box<RawValue>> {
-        match self.json.iter().find(|(c, _)| *c == i) {
-            Some((_, v)) => Some(v.clone()),
+        match self.json.iter().find(|(c, _)| *c == i).and_then(|(_, v)| v.borrow_mut().take()) {
+            Some(v) => Some(v),
             None => RawValue::from_string(self.text(i)?.to_owned()).ok(),
         }
     }
@@ -213,7 +222,7 @@ impl Row {
     fn check_json(&mut self, columns: &[usize]) {
         for &i in columns {
             if let Some(v) = self.text(i).and_then(|t| RawValue::from_string(t.to_owned()).ok()) {
-                self.json.push((i, v));
+                self.json.push((i, RefCell::new(Some(v))));
             }
         }
     }
@@ -780,6 +789,8 @@ mod tests {
         let mut row = Row::from_texts(&[Some("{\"a\":[1,2]}"), Some("not json"), None, Some("7")]);
         row.check_json(&[0, 1, 2]);
         assert_eq!(row.json.len(), 1, "only the valid column is kept checked");
+        assert_eq!(row.json(0).map(|v| v.get().to_string()).as_deref(), Some("{\"a\":[1,2]}"));
+        // Read again: checked from the text.
         assert_eq!(row.json(0).map(|v| v.get().to_string()).as_deref(), Some("{\"a\":[1,2]}"));
         assert!(row.json(1).is_none());
         assert!(row.json(2).is_none());

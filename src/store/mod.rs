@@ -292,6 +292,9 @@ pub struct WorkerInfo {
     pub node_id: Option<u128>,
     /// A session worker whose connection was lost: until when it may resume (SPEC §12).
     pub resumable_until_wall_ms: Option<u64>,
+    /// Its recent attempts keep failing while others succeed (SPEC §13): no first attempts
+    /// for a while. Judged by the node it is connected to.
+    pub degraded: bool,
 }
 
 impl WorkerInfo {
@@ -338,6 +341,9 @@ impl WorkerInfo {
         if let Some(n) = &self.node {
             s.push_str(",\"node\":");
             push_json_str(s, n);
+        }
+        if self.degraded {
+            s.push_str(",\"degraded\":true");
         }
         if let Some(until) = self.resumable_until_wall_ms {
             s.push_str(",\"resumable_until\":\"");

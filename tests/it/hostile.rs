@@ -614,6 +614,17 @@ fn a_48_mib_result_leaves_in_slices_and_others_are_served_meanwhile() {
         assert_eq!(done.status, 200, "{}", &done.text()[..done.body.len().min(300)]);
         let id = done.json()["task_id"].as_str().expect("id").to_string();
         drop(done);
+        // What a /healthz waits on this machine as it is now (tests run side by side, and a busy
+        // machine delays every answer): the stall is measured against it.
+        let mut p = Client::connect(relay.addr);
+        let mut baseline = Duration::ZERO;
+        let calm = Instant::now();
+        while calm.elapsed() < Duration::from_millis(400) {
+            let t = Instant::now();
+            assert_eq!(p.call("GET", "/healthz", &[], None).status, 200);
+            baseline = baseline.max(t.elapsed());
+        }
+        drop(p);
         // A reader of the large result, at its own pace, while another client measures the loop.
         let stop = AtomicBool::new(false);
         let worst = std::thread::scope(|scope| {
@@ -661,6 +672,9 @@ fn a_48_mib_result_leaves_in_slices_and_others_are_served_meanwhile() {
             stop.store(true, Ordering::SeqCst);
             prober.join().expect("prober")
         });
-        assert!(worst < Duration::from_millis(60), "a /healthz waited {worst:?} behind a 48 MiB answer");
+        assert!(
+            worst < baseline + Duration::from_millis(60),
+            "a /healthz waited {worst:?} behind a 48 MiB answer (at most {baseline:?} without it)"
+        );
     });
 }

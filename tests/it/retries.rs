@@ -379,3 +379,122 @@ fn bulk_reruns_select_by_filter_with_a_limit_and_a_dry_run() {
         relay.wait_status(&a_ids[2], "done", Duration::from_secs(5));
     });
 }
+
+/// A worker that answers by a switch: fails while `failing`, else done.
+fn switch_worker(
+    relay: &Relay,
+    failing: Arc<std::sync::atomic::AtomicBool>,
+) -> (Arc<std::sync::atomic::AtomicBool>, std::thread::JoinHandle<()>) {
+    use std::sync::atomic::Ordering;
+    let w = FakeWorker::connect(relay, Some(json!({"type":"hello","version":"switch"})), Auto::Manual);
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let join = std::thread::spawn(move || {
+        while !stop2.load(Ordering::SeqCst) {
+            if let Some(t) = w.next_task(Duration::from_millis(20)) {
+                if failing.load(Ordering::SeqCst) {
+                    w.fail(&t.id, "no route to upstream");
+                } else {
+                    w.done(&t.id, json!("ok"));
+                }
+            }
+        }
+    });
+    (stop, join)
+}
+
+fn first_worker(t: &Value) -> String {
+    t["attempt_log"][0]["client_id"].as_str().expect("client").to_string()
+}
+
+#[test]
+fn a_failing_worker_gets_no_first_attempts_while_two_healthy_share_them_and_gets_them_back_once_it_recovers() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&STEADY_HEARTBEAT_FAST);
+        let failing = Arc::new(AtomicBool::new(true));
+        let (stop, join) = switch_worker(&relay, failing.clone());
+        let good: Vec<FakeWorker> = (0..2).map(|_| FakeWorker::connect(&relay, None, Auto::Echo)).collect();
+        relay.wait_clients(3, |_| true);
+        let bad_id = relay.clients()["clients"]
+            .as_array()
+            .expect("clients")
+            .iter()
+            .find(|c| c["version"] == "switch")
+            .and_then(|c| c["client_id"].as_str())
+            .expect("the switch worker")
+            .to_string();
+        let run = || {
+            let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+            assert_eq!(r.status, 200, "the retry goes to a healthy worker: {}", r.text());
+            r.json()
+        };
+        let degraded = || {
+            relay.clients()["clients"]
+                .as_array()
+                .expect("clients")
+                .iter()
+                .any(|c| c["client_id"] == bad_id && c["degraded"] == true)
+        };
+        // Its first attempts fail (their retries succeed elsewhere): after 5, it is degraded.
+        let mut failed_first = 0;
+        for _ in 0..40 {
+            let t = run();
+            if first_worker(&t) == bad_id {
+                failed_first += 1;
+                assert_eq!(outcomes(&t), ["failed", "done"], "{t}");
+            }
+            if failed_first >= 5 {
+                break;
+            }
+        }
+        assert_eq!(failed_first, 5, "the failing worker got 5 first attempts");
+        assert!(degraded(), "{}", relay.clients());
+        // Now first attempts rotate over the two healthy workers only.
+        let mut firsts = Vec::new();
+        for _ in 0..8 {
+            let t = run();
+            assert_eq!(outcomes(&t), ["done"], "no first attempt on the degraded worker: {t}");
+            firsts.push(first_worker(&t));
+        }
+        assert!(!firsts.contains(&bad_id));
+        for pair in firsts.windows(2) {
+            assert_ne!(pair[0], pair[1], "first attempts alternate over the healthy two: {firsts:?}");
+        }
+        // It recovers: once its cool-down (5 s) is over it gets a first attempt again, succeeds,
+        // and is back in the rotation.
+        failing.store(false, Ordering::SeqCst);
+        let back = poll_until(Duration::from_secs(12), || first_worker(&run()) == bad_id);
+        assert!(back, "the recovered worker never got a first attempt again");
+        assert!(!degraded(), "{}", relay.clients());
+        let firsts: Vec<String> = (0..6).map(|_| first_worker(&run())).collect();
+        assert_eq!(firsts.iter().filter(|c| **c == bad_id).count(), 2, "one in three again: {firsts:?}");
+        stop.store(true, Ordering::SeqCst);
+        let _ = join.join();
+        drop(good);
+    });
+}
+
+/// Heartbeats that survive a loaded machine while the test runs for seconds.
+const STEADY_HEARTBEAT_FAST: [(&str, &str); 2] = [("PING_INTERVAL", "500ms"), ("PONG_WAIT", "4s")];
+
+#[test]
+fn failed_tasks_are_kept_failed_ttl_longer_or_shorter_than_task_ttl() {
+    for_each_mode(|mode| {
+        for (task_ttl, failed_ttl, failed_outlives) in [("2s", "1h", true), ("1h", "1s", false)] {
+            let relay = mode.start_with(&[("TASK_TTL", task_ttl), ("FAILED_TTL", failed_ttl), ("MAX_RETRIES", "0")]);
+            let ok = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["ok"]})), Auto::Echo);
+            let bad =
+                FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["bad"]})), Auto::Fail("no".into()));
+            relay.wait_clients(2, |c| c.get("kinds").is_some());
+            let done = post(&relay, "/tasks?wait=true", Some(r#"{"payload":{"kind":"ok"}}"#)).json()["task_id"].clone();
+            let failed =
+                post(&relay, "/tasks?wait=true", Some(r#"{"payload":{"kind":"bad"}}"#)).json()["task_id"].clone();
+            let (gone, kept) = if failed_outlives { (&done, &failed) } else { (&failed, &done) };
+            let status = |id: &Value| relay.api("GET", &format!("/tasks/{}", id.as_str().expect("id")), None).status;
+            assert!(poll_until(Duration::from_secs(8), || status(gone) == 404), "{gone} was never forgotten");
+            assert_eq!(status(kept), 200, "TASK_TTL {task_ttl}, FAILED_TTL {failed_ttl}: {kept} is kept");
+            drop((ok, bad));
+        }
+    });
+}

@@ -244,6 +244,7 @@ pub fn worker(row: &Row) -> Option<WorkerInfo> {
         node: row.text(wcol::NODE_NAME).map(str::to_string),
         node_id: row.text(wcol::NODE_ID).and_then(parse_id),
         resumable_until_wall_ms: None,
+        degraded: false,
     })
 }
 
