@@ -7,6 +7,7 @@ mod cluster;
 mod durable;
 mod flaky;
 mod floor;
+mod flow;
 mod hostile;
 mod httpc;
 mod jetstream;
@@ -49,6 +50,8 @@ scenarios (default: all):
             then a restart on that journal (replay time)
   finished  --finished-tasks tasks run to done on a durable relay: RSS per finished task,
             with TASK_MEMORY at 16 GiB, then at its default
+  flow      relay sync with no kind policy, a max_running and a rate that do not bind (CPU per
+            task), and the limit accuracy of a binding max_running and rate (issue 22; by name only)
   restarts  a durable relay started 6 times on one DATA_DIR with 3 tasks submitted each time:
             spawn to listening, replay time and DATA_DIR's size after each stop
   all       every one of the above
