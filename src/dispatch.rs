@@ -291,6 +291,9 @@ pub struct Core {
     /// Per kind (key [`NO_KIND`]: tasks without one), the latest success: when (monotonic ms)
     /// and by whom — a worker failing while others succeed at its kinds is degraded.
     last_done: HashMap<Box<str>, (u64, u128)>,
+    /// An attempt failed at some time (until then nobody can be degraded, and the sync hot path
+    /// keeps no per-kind record of successes).
+    seen_failure: bool,
     /// Worker sessions (SPEC §12) and how long a lost one's attempts are held (0: never).
     sessions: sessions::Sessions,
     pub resume_window_ms: u64,
@@ -332,6 +335,7 @@ impl Core {
             rng: crate::store::mem::Rng::from_os(),
             degraded_until_ms: 0,
             last_done: HashMap::new(),
+            seen_failure: false,
             sessions: sessions::Sessions::default(),
             resume_window_ms: 0,
         }
@@ -1411,6 +1415,7 @@ impl Core {
         let now = self.now_ms;
         let key = r.kind.as_deref().unwrap_or(NO_KIND);
         match outcome {
+            Outcome::Done if !self.seen_failure => {}
             Outcome::Done => {
                 match self.last_done.get_mut(key) {
                     Some(d) => *d = (now, r.client_id),
@@ -1426,6 +1431,7 @@ impl Core {
                 }
             }
             Outcome::Failed | Outcome::Timeout if !hint.permanent => {
+                self.seen_failure = true;
                 let last_done = &self.last_done;
                 let Some(w) = self.workers.get_mut(r.conn.slot as usize).and_then(Option::as_mut) else { return };
                 if w.conn != r.conn {

@@ -14,6 +14,7 @@ mod jetstream;
 mod load;
 mod nats;
 mod procs;
+mod retries;
 mod scenarios;
 mod soak;
 mod workers;
@@ -55,6 +56,10 @@ scenarios (default: all):
   restarts  a durable relay started 6 times on one DATA_DIR with 3 tasks submitted each time:
             spawn to listening, replay time and DATA_DIR's size after each stop
   all       every one of the above
+  retries   (not in all) retry-outage and retry-degraded (issue 21):
+  retry-outage    sync load while the workers' upstream is down for 2 s: seed policy, RETRY_BACKOFF=200ms
+  retry-degraded  sync load on 8 workers, one failing everything (BENCH_RELAY_BEFORE=<relay>: also
+                  a build from before the avoidance rule)
 
 options:
   --rounds N            rounds of the sync/NATS/floor and 1-client comparisons (default 3)
@@ -231,6 +236,7 @@ fn main() -> ExitCode {
         "soak" => soak::run(&opts),
         "flaky" | "restart-load" | "sessions" => flaky::run(&opts),
         "fill" => durable::fill(&opts),
+        s @ ("retries" | "retry-outage" | "retry-degraded") => retries::run(&opts, s),
         _ => scenarios::run_all(&opts),
     };
     match result {
