@@ -724,3 +724,44 @@ fn cluster_a_resumed_worker_is_listed_once_under_the_node_it_resumed_on() {
     listed_once_on_b(&b);
     drop((w, w2, proxy));
 }
+
+#[test]
+fn a_worker_id_with_a_nul_byte_is_a_session_like_any_other() {
+    // SPEC §11: relay checks values before they reach the database. A worker id is the
+    // worker's text; one with U+0000 (which PostgreSQL's text refuses) must neither fail the
+    // node's transactions nor lose its session. A presented secret with one is no secret.
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w\u{0}nul")), Auto::Manual).expect("connects");
+        let secret = a.expect_welcome()["session"].clone();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":{"n":"nul"}}"#));
+        assert_eq!(a.expect_task().id, id);
+        if relay.db.is_some() {
+            wait_session_row(&relay, &id);
+        }
+        let stranger =
+            FakeWorker::connect(&relay, Some(resume("w-other", &json!("bad\u{0}secret"), json!([]))), Auto::Echo);
+        assert_eq!(stranger.expect_welcome()["adopted"], json!([]), "a secret with U+0000 is none relay issued");
+        proxy.cut();
+        wait_held(&relay);
+        let b = FakeWorker::connect_url(
+            &proxy.ws_url(),
+            Some(resume("w\u{0}nul", &secret, json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        )
+        .expect("reconnects");
+        assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+        b.done_attempt(&id, 1, json!("nul ok"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["done"], "{t}");
+        // The node's other work goes on (on the stranger, which echoes).
+        drop(b);
+        let other = id_of(&relay.submit(r#"{"payload":{"n":"after"},"wait":false}"#));
+        let t = relay.wait_status(&other, "done", Duration::from_secs(5));
+        assert_eq!(t["status"], "done", "{t}");
+        assert_eq!(relay.api("GET", "/healthz", None).status, 200);
+        drop((a, stranger, proxy));
+    });
+}

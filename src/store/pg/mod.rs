@@ -508,11 +508,13 @@ impl PgStore {
         if let Some((worker_id, secret)) = start.session
             && self.session_rows.len() < MAX_SESSION_ROWS
         {
+            // (A worker id is the worker's text: U+0000, which PostgreSQL's text refuses, is
+            // stored replaced, as `take_session` asks for it. Secrets are relay's hex.)
             self.session_rows.push(sql::SessionAttempt {
                 id: uuid_string(id),
                 attempt,
-                secret: secret.to_string(),
-                worker_id: worker_id.to_string(),
+                secret: storable_lossy(secret),
+                worker_id: storable_lossy(worker_id),
                 client_id: uuid_string(start.client_id),
                 started_ms: start.started_wall_ms,
             });
@@ -522,7 +524,9 @@ impl PgStore {
     /// A worker presents a session this node does not know: the session's attempts held on
     /// other nodes come here ([`Event::SessionTaken`] at COMMIT).
     pub fn take_session(&mut self, conn: ConnRef, worker_id: &str, secret: &str) {
-        if !self.usable() || self.takes.len() >= MAX_TAKES {
+        // (A presented secret with U+0000 is none relay issued; it must not reach the database,
+        // which would refuse the turn's whole transaction.)
+        if !self.usable() || self.takes.len() >= MAX_TAKES || !storable(secret) {
             self.events.push(Event::SessionTaken { conn, found: Vec::new() });
             return;
         }
@@ -1056,7 +1060,7 @@ impl PgStore {
                 vec![
                     node_id.as_str().into(),
                     t.secret.as_str().into(),
-                    t.worker_id.as_str().into(),
+                    storable_lossy(&t.worker_id).into(),
                     (self.resume_window_ms as i64).into(),
                 ],
             ));
