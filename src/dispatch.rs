@@ -952,7 +952,11 @@ impl Core {
         for &id in &worker.in_flight {
             self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"), None);
         }
-        self.lost_takers(&before, &Accepts::Nothing);
+        // (Not while shutting down: every worker leaves then, and the tasks handed back wait
+        // for the next run; failing them as unplaceable would end them for a restart.)
+        if !self.shutting_down {
+            self.lost_takers(&before, &Accepts::Nothing);
+        }
         self.settle(io);
     }
 

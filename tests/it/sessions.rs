@@ -583,6 +583,28 @@ fn the_dashboard_shows_held_sessions() {
     assert!(js.text().contains("w.resumable_until ? 'held until '"), "the workers table shows a held session");
 }
 
+/// Found by the restart benchmark: a SIGTERM hands the running attempts of workers without a
+/// session back to pending; as every worker then left, the store failed those tasks as
+/// unplaceable ("worker disconnected") instead of keeping them for the next run.
+#[test]
+fn after_sigterm_a_task_handed_back_waits_for_the_next_run() {
+    let dir = DataDir::new("handback");
+    let env = [("DATA_DIR", dir.path())];
+    let mut relay = Relay::start_with(&env);
+    let a = FakeWorker::connect(&relay, Some(json!({"type": "hello", "version": "plain"})), Auto::Manual);
+    relay.wait_clients(1, |c| c["version"] == "plain");
+    let id = id_of(&relay.submit(r#"{"payload":11}"#));
+    assert_eq!(a.expect_task().id, id);
+    relay.signal("TERM");
+    assert!(relay.wait_exit(Duration::from_secs(10)).is_some_and(|s| s.success()));
+    let relay = Relay::start_with(&env);
+    let t = relay.get_task(&id);
+    assert_eq!(t["status"], "pending", "handed back, not failed: {t}");
+    let b = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_status(&id, "done", Duration::from_secs(5));
+    drop((a, b));
+}
+
 /// The node name a cluster node reports in `/healthz`.
 fn node_name(relay: &Relay) -> String {
     relay.api("GET", "/healthz", None).json()["node"].as_str().expect("node").to_string()
