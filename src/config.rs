@@ -54,6 +54,8 @@ pub struct Config {
     pub retry_backoff_ms: u64,
     pub retry_backoff_max_ms: u64,
     pub retry_any_worker: bool,
+    /// `FAILED_TTL` (SPEC §13): how long failed tasks are kept (default TASK_TTL).
+    pub failed_ttl_ms: u64,
 }
 
 /// A configuration error: which variable, what value, and why. Shown on stderr, exit code 2.
@@ -96,6 +98,7 @@ pub const VARS: &[(&str, &str, &str)] = &[
         "delay before a task's first retry, doubling for each further one (random, up to it); 0s: at once",
     ),
     ("RETRY_BACKOFF_MAX", "5m", "the longest retry delay"),
+    ("FAILED_TTL", "= TASK_TTL", "failed tasks are kept this long after they fail (to inspect and re-run)"),
     (
         "RETRY_ANY_WORKER",
         "false",
@@ -323,6 +326,10 @@ impl Config {
             retry_backoff_ms,
             retry_backoff_max_ms: duration("RETRY_BACKOFF_MAX", 300_000)?,
             retry_any_worker,
+            failed_ttl_ms: match var("FAILED_TTL") {
+                None => duration("TASK_TTL", 3_600_000)?,
+                Some(_) => duration("FAILED_TTL", 0)?,
+            },
         })
     }
 }
@@ -433,6 +440,14 @@ mod tests {
         let mut vars = base.to_vec();
         vars.push(("RETRY_BACKOFF", "0s"));
         assert_eq!(from(&vars).expect("0s is no backoff").retry_backoff_ms, 0);
+        let mut vars = base.to_vec();
+        vars.push(("TASK_TTL", "10m"));
+        assert_eq!(from(&vars).expect("default").failed_ttl_ms, 600_000, "FAILED_TTL defaults to TASK_TTL");
+        vars.push(("FAILED_TTL", "7d"));
+        assert!(from(&vars).is_err(), "Go durations have no days");
+        vars.pop();
+        vars.push(("FAILED_TTL", "168h"));
+        assert_eq!(from(&vars).expect("set").failed_ttl_ms, 168 * 3_600_000);
     }
 
     #[test]
@@ -460,6 +475,7 @@ mod tests {
             ("RETRY_BACKOFF", "soon"),
             ("RETRY_BACKOFF_MAX", "0s"),
             ("RETRY_ANY_WORKER", "yes"),
+            ("FAILED_TTL", "0s"),
             ("LOG_LEVEL", "loud"),
             ("MAX_CONNECTIONS", "0"),
             ("TOKEN_SECRET", "short"),

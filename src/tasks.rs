@@ -297,6 +297,9 @@ pub struct Task {
     /// The attempts before the current run (a re-run's retry budget and tried workers start
     /// after them; attempt numbers go on).
     pub rerun_base: u32,
+    /// When it last became final (the memory store's monotonic clock; 0: unknown, as after a
+    /// restart): which of its entries in the store's TTL queues is its current one.
+    pub finished_mono_ms: u64,
     /// Where the storage backend keeps the task; `stored.lsn` is the newest record about it,
     /// which must be durable before anyone is shown the task as it is now.
     pub stored: Stored,
@@ -330,6 +333,8 @@ pub struct Evicted {
     pub status: Status,
     /// `kind_hash` of its kind (listing filters compare it, then check the kind read back).
     pub kind_hash: u32,
+    /// [`Task::finished_mono_ms`] of the task that left memory.
+    pub finished_mono_ms: u64,
 }
 
 /// A small hash of a task's kind (0 for none).
@@ -687,6 +692,7 @@ mod tests {
             again: None,
             reruns: 0,
             rerun_base: 0,
+            finished_mono_ms: 0,
             stored: Stored::default(),
         }
     }

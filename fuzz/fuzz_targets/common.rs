@@ -21,7 +21,7 @@ pub fn core_with_worker() -> Core {
     let (task_timeout_ms, max_retries) = (1000, 2);
     let cfg = CoreConfig { task_timeout_ms, max_retries, wait_timeout_ms: 1000, ..CoreConfig::default() };
     let store = MemConfig {
-        task_ttl_ms: 1000,
+        task_ttl_ms: 1000, failed_ttl_ms: 0,
         max_pending: 10,
         max_pending_bytes: 1 << 20,
         task_memory_bytes: 1 << 20,

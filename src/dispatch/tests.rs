@@ -50,6 +50,7 @@ fn core() -> Core {
 fn core_with(tune: impl FnOnce(&mut crate::store::mem::MemConfig)) -> Core {
     let mut mem = crate::store::mem::MemConfig {
         task_ttl_ms: 60_000,
+        failed_ttl_ms: 0,
         max_pending: 100,
         max_pending_bytes: 1 << 20,
         task_memory_bytes: 64 << 20,

@@ -203,6 +203,7 @@ impl State {
                     submit_seq: task.submit_seq,
                     status: task.status,
                     kind_hash: kind_hash(task.kind.as_deref()),
+                    finished_mono_ms: 0,
                 },
                 finished_wall_ms: task.finished_wall_ms.unwrap_or(task.created_wall_ms),
                 idempotency: task.idempotency,
@@ -628,6 +629,7 @@ mod tests {
             again: (status == Status::Pending && rng.below(2) == 0).then(|| u128::from(rng.next())),
             reruns: rng.below(3) as u32,
             rerun_base: rng.below(3) as u32,
+            finished_mono_ms: 0,
             stored: Stored::default(),
         }
     }

@@ -831,10 +831,12 @@ pub fn expire_in_queue(now_ms: i64, task_ttl_ms: u64) -> Stmt {
 
 /// Retention: finished tasks older than TASK_TTL go, at most [`RETENTION_BATCH`] a transaction
 /// (oldest submission first, walking `relay_tasks_seq`), so one run is a short transaction and
-/// autovacuum reclaims the space behind it; it answers how many went. $1 now_ms, $2 ttl.
+/// autovacuum reclaims the space behind it; it answers how many went. $1 now_ms, $2 TASK_TTL, $3
+/// FAILED_TTL (failed tasks are kept that long, SPEC §13).
 pub const RETENTION: &str = "WITH d AS (
        DELETE FROM relay_tasks WHERE id IN (
-         SELECT id FROM relay_tasks WHERE finished_ms < $1::int8 - $2::int8
+         SELECT id FROM relay_tasks
+         WHERE finished_ms < $1::int8 - CASE WHEN status = 'failed' THEN $3::int8 ELSE $2::int8 END
          ORDER BY seq LIMIT 2000 FOR UPDATE SKIP LOCKED)
        RETURNING 1
      )
@@ -844,8 +846,8 @@ pub const RETENTION: &str = "WITH d AS (
 /// next transaction rather than a second later, so retention keeps up with any rate of tasks.
 pub const RETENTION_BATCH: i64 = 2000;
 
-pub fn retention(now_ms: i64, task_ttl_ms: u64) -> Stmt {
-    Stmt::new(RETENTION, vec![now_ms.into(), (task_ttl_ms as i64).into()])
+pub fn retention(now_ms: i64, task_ttl_ms: u64, failed_ttl_ms: u64) -> Stmt {
+    Stmt::new(RETENTION, vec![now_ms.into(), (task_ttl_ms as i64).into(), (failed_ttl_ms as i64).into()])
 }
 
 // ---------------------------------------------------------------------------------------------

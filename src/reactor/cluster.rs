@@ -48,6 +48,7 @@ pub(super) fn start_node(
     crate::log!(Level::Info, "cluster node", node = name, node_id = id, database = params, lease_ms = lease_ms);
     let pg_cfg = PgConfig {
         task_ttl_ms: cfg.task_ttl_ms,
+        failed_ttl_ms: cfg.failed_ttl_ms,
         task_timeout_ms: cfg.task_timeout_ms,
         max_retries: cfg.max_retries,
         max_pending: cfg.max_pending,

@@ -488,6 +488,7 @@ impl Io for NoIo {
 fn open_memory_store(cfg: &Config, wall_ms: u64, waker: &Arc<Waker>) -> Result<crate::store::Store, StartError> {
     let mem_cfg = crate::store::mem::MemConfig {
         task_ttl_ms: cfg.task_ttl_ms,
+        failed_ttl_ms: cfg.failed_ttl_ms,
         max_pending: cfg.max_pending,
         max_pending_bytes: cfg.max_pending_bytes,
         task_memory_bytes: cfg.task_memory_bytes,

@@ -95,7 +95,9 @@ async function api(method, path) {
   const res = await fetch(path, { method, headers, cache: 'no-store', credentials: 'omit', redirect: 'error' });
   const type = res.headers.get('Content-Type') || '';
   const body = type.startsWith('application/json') ? await res.json() : await res.text();
-  if (!res.ok && !(method === 'DELETE' && res.status === 409)) throw new ApiError(res.status, body);
+  // (A 409 of a cancel or a retry carries the task as it is: not an error to show.)
+  const taskAnswer = method === 'DELETE' || (method === 'POST' && path.endsWith('/retry'));
+  if (!res.ok && !(taskAnswer && res.status === 409)) throw new ApiError(res.status, body);
   return { status: res.status, body, date: res.headers.get('Date') };
 }
 
@@ -429,6 +431,11 @@ function renderTasks(tasks) {
     tr.appendChild(td);
     body.appendChild(tr);
   }
+  // "Retry all shown": on a list filtered to failed or canceled tasks, the ones on this page.
+  list.shown = tasks.filter((t) => t.status === 'failed' || t.status === 'canceled').map((t) => t.task_id);
+  const filtered = $('f-status').value === 'failed' || $('f-status').value === 'canceled';
+  $('tasks-retry-all').hidden = !(filtered && list.shown.length);
+  $('tasks-retry-all').textContent = 'Retry all shown (' + list.shown.length + ')';
   $('tasks-page').textContent = 'page ' + (list.index + 1) + (list.next ? '' : ' (last)');
   $('tasks-newer').disabled = list.index === 0;
   $('tasks-older').disabled = !list.next;
@@ -469,6 +476,7 @@ async function loadTask(id, withPayload) {
     clear($('t-attempts'));
     $('t-result').textContent = '';
     $('t-cancel').hidden = true;
+    $('t-retry').hidden = true;
     showPayload({});
     if (err.status === 404) {
       $('t-missing').textContent = 'No such task: ' + id + '. It may never have existed, have expired (finished tasks are kept ' +
@@ -526,6 +534,7 @@ function renderTask(t) {
   st.textContent = t.status;
   st.className = 'status ' + t.status;
   $('t-cancel').hidden = !(t.status === 'pending' || t.status === 'dispatched');
+  $('t-retry').hidden = !(t.status === 'failed' || t.status === 'canceled');
   const dl = $('t-fields');
   clear(dl);
   field(dl, 'kind', t.kind);
@@ -533,6 +542,8 @@ function renderTask(t) {
   field(dl, 'run at', fmtTime(t.run_at));
   field(dl, 'finished', fmtTime(t.finished_at));
   field(dl, 'attempts', String(t.attempts));
+  field(dl, 'reruns', t.reruns === undefined ? undefined : String(t.reruns));
+  field(dl, 'waiting on', t.waiting_on === undefined ? undefined : t.waiting_on + (t.next_attempt_at ? ' until ' + fmtTime(t.next_attempt_at) : ''));
   field(dl, 'finished by', t.client_id ? t.client_id + ' (' + t.client_ip + ')' : undefined);
   field(dl, 'error', t.error);
   renderTimeline(t);
@@ -584,6 +595,39 @@ async function cancelTask() {
   } catch (err) {
     banner(explain(err), true);
   }
+}
+
+// Runs a failed or canceled task again (SPEC §13): pending, with a fresh retry budget.
+async function retryTask() {
+  if (!currentTask) return;
+  try {
+    const { status, body } = await api('POST', '/tasks/' + encodeURIComponent(currentTask.task_id) + '/retry');
+    renderTask(body);
+    $('t-note').textContent = status === 409 ? 'Not failed or canceled: nothing to retry.' : 'Running again.';
+  } catch (err) {
+    banner(explain(err), true);
+  }
+}
+
+// Runs again every failed or canceled task the filtered list shows, after a confirmation that
+// says how many.
+async function retryAllShown() {
+  const ids = (list.shown || []).slice();
+  if (!ids.length) return;
+  if (!window.confirm('Run ' + ids.length + ' task' + (ids.length === 1 ? '' : 's') + ' again?')) return;
+  let ran = 0;
+  try {
+    for (const id of ids) {
+      const { status } = await api('POST', '/tasks/' + encodeURIComponent(id) + '/retry');
+      if (status === 202) ran++;
+    }
+  } catch (err) {
+    banner(explain(err), true);
+    return;
+  }
+  // (The list first: a successful load clears the banner.)
+  await loadTasks();
+  banner('Running ' + ran + ' task' + (ran === 1 ? '' : 's') + ' again.');
 }
 
 // ----- routing and the poll loop --------------------------------------------------------------------
@@ -682,6 +726,8 @@ function start() {
     renderWorkers();
   });
   $('t-cancel').addEventListener('click', cancelTask);
+  $('t-retry').addEventListener('click', retryTask);
+  $('tasks-retry-all').addEventListener('click', retryAllShown);
   $('t-refresh').addEventListener('click', () => currentTask && loadTask(currentTask.task_id, false));
   $('find').addEventListener('submit', (e) => {
     e.preventDefault();

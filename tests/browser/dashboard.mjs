@@ -2,7 +2,8 @@
 // Started by tests/it/browser.rs, which runs relay and the scripted workers and passes:
 //   RELAY_URL, API_TOKEN, WORKERS (comma list of the two client ids),
 //   FALLBACK_TASK (failed on its first worker, done on the second), XSS_TASK (hostile payload),
-//   DELAYED_TASK (pending, hostile text in its payload, to cancel), ARTIFACTS (directory for screenshots), USER_DATA_DIR.
+//   DELAYED_TASK (pending, hostile text in its payload, to cancel), FAILED_TASK (failed, to retry),
+//   ARTIFACTS (directory for screenshots), USER_DATA_DIR.
 // Exit code 0 = every check passed; any failure prints why and exits 1.
 // axe-core (locked in package-lock.json) checks the main views at desktop and phone sizes.
 import { chromium } from 'playwright-core';
@@ -21,6 +22,7 @@ const workers = env('WORKERS').split(',');
 const fallbackTask = env('FALLBACK_TASK');
 const xssTask = env('XSS_TASK');
 const delayedTask = env('DELAYED_TASK');
+const failedTask = env('FAILED_TASK');
 const artifacts = env('ARTIFACTS');
 mkdirSync(artifacts, { recursive: true });
 
@@ -104,9 +106,12 @@ try {
   const page = await context.newPage();
   page.setDefaultTimeout(10_000);
   const dialogs = [];
+  // (Dismissed, but for the confirmation a test step expects: "retry all shown".)
+  let acceptDialogs = false;
   page.on('dialog', (d) => {
     dialogs.push(d.message());
-    d.dismiss();
+    if (acceptDialogs) d.accept();
+    else d.dismiss();
   });
   const pageErrors = [];
   page.on('pageerror', (e) => pageErrors.push(String(e)));
@@ -262,6 +267,35 @@ try {
   await page.click('#t-cancel');
   await page.locator('#t-status', { hasText: 'canceled' }).waitFor();
   check(await page.locator('#t-cancel').isHidden(), 'cancel button: the task is canceled and the button goes');
+
+  // Retry (SPEC §13): the canceled task runs again from its page, and says it was re-run.
+  await page.locator('#t-retry').waitFor();
+  check(await page.locator('#t-retry').isVisible(), 'a canceled task has a Retry button');
+  await page.click('#t-retry');
+  await page.locator('#t-fields', { hasText: 'reruns' }).waitFor();
+  check((await page.textContent('#t-note')) === 'Running again.', 'the task page says it runs again');
+  const rerun = await (await fetch(`${base}/tasks/${delayedTask}`, { headers: { Authorization: 'Bearer ' + token } })).json();
+  check(rerun.reruns === 1 && rerun.status !== 'canceled', 'relay ran the canceled task again');
+
+  // "Retry all shown" on the failed tasks, after a confirmation that states the count.
+  await page.goto(base + '/ui#/');
+  await page.fill('#f-kind', '');
+  await page.selectOption('#f-status', 'failed');
+  await page.click('#filters button[type=submit]');
+  await page.locator(`#tasks a[href="#/task/${failedTask}"]`).waitFor();
+  const shownFailed = await page.$$eval('#tasks tr', (trs) => trs.filter((tr) => tr.querySelector('.status.failed')).length);
+  await page.locator('#tasks-retry-all').waitFor();
+  check((await page.textContent('#tasks-retry-all')).includes('(' + shownFailed + ')'), 'the button counts the tasks shown');
+  const before = dialogs.length;
+  acceptDialogs = true;
+  await page.click('#tasks-retry-all');
+  await page.waitForFunction(() => document.querySelector('#banner').textContent.startsWith('Running '));
+  acceptDialogs = false;
+  const confirmations = dialogs.slice(before);
+  check(confirmations.length === 1 && confirmations[0] === 'Run ' + shownFailed + ' task' + (shownFailed === 1 ? '' : 's') + ' again?',
+    'one confirmation, stating the count: ' + JSON.stringify(confirmations));
+  const retried = await (await fetch(`${base}/tasks/${failedTask}`, { headers: { Authorization: 'Bearer ' + token } })).json();
+  check(retried.reruns === 1, 'the failed task was run again');
 
   // Failures beside a high done rate, in a second tab whose /metrics is stubbed: the counters
   // grow by 5,000 done per poll and by 5 failed every other poll. On one axis shared with done

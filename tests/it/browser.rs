@@ -93,6 +93,16 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
         let id = r.json()["task_id"].as_str().expect("task_id").to_string();
         relay.wait_status(&id, "done", Duration::from_secs(5));
     }
+    // A failed task, for the Retry buttons: without retries, one of two lands on the flaky worker.
+    let mut failed = None;
+    for _ in 0..4 {
+        let r = relay.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"fetch"},"max_retries":0}"#));
+        if r.status == 502 {
+            failed = r.json()["task_id"].as_str().map(str::to_string);
+            break;
+        }
+    }
+    let failed = failed.expect("a task that failed");
     let r = relay.submit(r#"{"payload":{"kind":"report","note":"<img src=x onerror=window.__xss=3>"},"delay":"1h"}"#);
     let delayed = r.json()["task_id"].as_str().expect("task_id").to_string();
     // The chart fills in what finished before the page opened, in 2 s steps back to relay's
@@ -116,6 +126,7 @@ fn dashboard_in_chromium_shows_workers_attempts_and_runs_no_payload() {
         .env("FALLBACK_TASK", &fallback)
         .env("XSS_TASK", &xss)
         .env("DELAYED_TASK", &delayed)
+        .env("FAILED_TASK", &failed)
         .env("ARTIFACTS", &artifacts)
         .env("USER_DATA_DIR", &user_data)
         .stdin(Stdio::null())

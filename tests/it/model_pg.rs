@@ -72,6 +72,7 @@ impl model::PgBackend for Backend {
         }
         let pg_cfg = PgConfig {
             task_ttl_ms: cfg.task_ttl_ms,
+            failed_ttl_ms: 0,
             task_timeout_ms: model::TASK_TIMEOUT_MS,
             max_retries: cfg.max_retries,
             max_pending: cfg.max_pending,

@@ -707,7 +707,7 @@ fn pg_sql_idempotency_keys_expiry_and_retention() {
     assert_eq!(pg.psql("select count(*) from relay_tasks where error = 'expired in queue'"), "2");
     // Finished past TASK_TTL: deleted, and the key is free again.
     let now = 1_000 + 3_600_001 + 3_600_001;
-    let out = c.pipeline(&[sql::retention(now, 3_600_000)]).expect("retention");
+    let out = c.pipeline(&[sql::retention(now, 3_600_000, 3_600_000)]).expect("retention");
     assert_eq!(out[0].rows[0].i64(0), Some(2), "it answers how many it deleted");
     let out = c.pipeline(&[insert(&[new_task(&uuid_n(4), Some("http"), Some("k2"))])]).expect("reuse");
     assert_eq!(inserted(&out[0]), 1, "a key lives as long as its task");

@@ -479,6 +479,27 @@ fn a_failing_worker_gets_no_first_attempts_while_two_healthy_share_them_and_gets
 const STEADY_HEARTBEAT_FAST: [(&str, &str); 2] = [("PING_INTERVAL", "500ms"), ("PONG_WAIT", "4s")];
 
 #[test]
+fn failed_tasks_are_kept_failed_ttl_longer_or_shorter_than_task_ttl() {
+    for_each_mode(|mode| {
+        for (task_ttl, failed_ttl, failed_outlives) in [("2s", "1h", true), ("1h", "1s", false)] {
+            let relay = mode.start_with(&[("TASK_TTL", task_ttl), ("FAILED_TTL", failed_ttl), ("MAX_RETRIES", "0")]);
+            let ok = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["ok"]})), Auto::Echo);
+            let bad =
+                FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["bad"]})), Auto::Fail("no".into()));
+            relay.wait_clients(2, |c| c.get("kinds").is_some());
+            let done = post(&relay, "/tasks?wait=true", Some(r#"{"payload":{"kind":"ok"}}"#)).json()["task_id"].clone();
+            let failed =
+                post(&relay, "/tasks?wait=true", Some(r#"{"payload":{"kind":"bad"}}"#)).json()["task_id"].clone();
+            let (gone, kept) = if failed_outlives { (&done, &failed) } else { (&failed, &done) };
+            let status = |id: &Value| relay.api("GET", &format!("/tasks/{}", id.as_str().expect("id")), None).status;
+            assert!(poll_until(Duration::from_secs(8), || status(gone) == 404), "{gone} was never forgotten");
+            assert_eq!(status(kept), 200, "TASK_TTL {task_ttl}, FAILED_TTL {failed_ttl}: {kept} is kept");
+            drop((ok, bad));
+        }
+    });
+}
+
+#[test]
 fn a_result_whose_retry_hints_are_of_the_wrong_type_still_ends_its_attempt() {
     // (They were: the whole result was dropped as malformed, and the attempt ran into its
     // timeout — the worker's answer lost, and a timeout counted against it.)

@@ -46,6 +46,7 @@ fn mem() -> Harness {
     let (max_pending, max_pending_bytes) = limits();
     let cfg = MemConfig {
         task_ttl_ms: 3_600_000,
+        failed_ttl_ms: 0,
         max_pending,
         max_pending_bytes,
         task_memory_bytes: 64 << 20,
@@ -76,8 +77,14 @@ fn pg(test: &str) -> Option<Harness> {
         "the database never answered"
     );
     let (max_pending, max_pending_bytes) = limits();
-    let cfg =
-        PgConfig { task_ttl_ms: 3_600_000, task_timeout_ms: 1_000, max_retries: 2, max_pending, max_pending_bytes };
+    let cfg = PgConfig {
+        task_ttl_ms: 3_600_000,
+        failed_ttl_ms: 0,
+        task_timeout_ms: 1_000,
+        max_retries: 2,
+        max_pending,
+        max_pending_bytes,
+    };
     let tokens = Rc::new(RefCell::new(TokenCache::default()));
     let store = PgStore::new(node, "node-t".into(), db, 5_000, tokens, cfg);
     let mut h = Harness { store: Store::Pg(Box::new(store)), woken, started: Instant::now(), _pg: Some(pg) };

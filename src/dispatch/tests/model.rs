@@ -702,6 +702,7 @@ impl Harness {
     fn mem_config(cfg: &ModelConfig) -> MemConfig {
         MemConfig {
             task_ttl_ms: cfg.task_ttl_ms,
+            failed_ttl_ms: 0,
             max_pending: cfg.max_pending,
             max_pending_bytes: cfg.max_pending_bytes,
             task_memory_bytes: cfg.task_memory_bytes,

@@ -32,6 +32,7 @@ fn start(dir: &DataDir, wall_ms: u64) -> Core {
     let cfg = CoreConfig { task_timeout_ms: 1_000, max_retries: 2, wait_timeout_ms: 5_000, ..CoreConfig::default() };
     let mem = crate::store::mem::MemConfig {
         task_ttl_ms: TTL_MS,
+        failed_ttl_ms: 0,
         max_pending: 100,
         max_pending_bytes: 1 << 20,
         task_memory_bytes: 64 << 20,

@@ -90,6 +90,7 @@ impl MemStore {
                         submit_seq: task.submit_seq,
                         status: task.status,
                         kind_hash: kind_hash(task.kind.as_deref()),
+                        finished_mono_ms: task.finished_mono_ms,
                     },
                 );
             } else {
@@ -158,8 +159,11 @@ impl MemStore {
         let mut listed: Vec<(u64, TaskId)> = Vec::with_capacity(tasks.len() + evicted.len());
         // Finished tasks, oldest first (the order they are forgotten and evicted in).
         let mut finished: Vec<(u64, TaskId)> = Vec::new();
+        // Failed tasks forgotten before TASK_TTL (FAILED_TTL below it), oldest first.
+        let mut sooner: Vec<(u64, TaskId)> = Vec::new();
+        let cfg = self.cfg.clone();
         for (id, light) in evicted {
-            let forget_wall = light.finished_wall_ms.saturating_add(ttl);
+            let forget_wall = light.finished_wall_ms.saturating_add(cfg.ttl_of(light.evicted.status));
             if forget_wall <= wall {
                 self.forget_stale(id, Stored { lsn: 0, home: light.evicted.loc, segs: [light.evicted.loc.seg, 0, 0] });
                 continue;
@@ -170,6 +174,9 @@ impl MemStore {
                 self.remember_key(*key, id, forget_wall - wall);
             }
             listed.push((light.evicted.submit_seq, id));
+            if cfg.ttl_of(light.evicted.status) < ttl {
+                sooner.push((light.finished_wall_ms, id));
+            }
             self.evicted.insert(id, light.evicted);
             finished.push((light.finished_wall_ms, id));
             restored += 1;
@@ -180,7 +187,10 @@ impl MemStore {
             let (id, submit_seq) = (task.id, task.submit_seq);
             if task.status.is_final() {
                 let finished_wall = task.finished_wall_ms.unwrap_or(task.created_wall_ms);
-                let forget_wall = finished_wall.saturating_add(ttl);
+                let forget_wall = finished_wall.saturating_add(cfg.ttl_of(task.status));
+                if cfg.ttl_of(task.status) < ttl && forget_wall > wall {
+                    sooner.push((finished_wall, id));
+                }
                 if forget_wall <= wall {
                     self.forget_stale(id, task.stored);
                     continue;
@@ -220,6 +230,11 @@ impl MemStore {
         for (finished_wall, id) in finished {
             let forget_at = now + finished_wall.saturating_add(ttl).saturating_sub(wall);
             self.finished.push_back((forget_at, id));
+        }
+        sooner.sort_unstable();
+        let keep = cfg.ttl_of(Status::Failed);
+        for (finished_wall, id) in sooner {
+            self.failed_extra.push_back((now + finished_wall.saturating_add(keep).saturating_sub(wall), id));
         }
 
         // Unfinished tasks: due order is their queue key, so the order they go in is free.

@@ -107,6 +107,7 @@ mod tests {
     fn store() -> MemStore {
         let cfg = MemConfig {
             task_ttl_ms: 60_000,
+            failed_ttl_ms: 0,
             max_pending: 100_000,
             max_pending_bytes: 1 << 30,
             task_memory_bytes: 1 << 30,

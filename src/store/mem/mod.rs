@@ -68,6 +68,8 @@ pub const JOURNAL_BACKLOG_BYTES: u64 = 64 << 20;
 #[derive(Debug, Clone)]
 pub struct MemConfig {
     pub task_ttl_ms: u64,
+    /// How long failed tasks are kept (`FAILED_TTL`, SPEC §13; 0: as long as `task_ttl_ms`).
+    pub failed_ttl_ms: u64,
     pub max_pending: usize,
     /// Payload bytes (JSON text as received) of the tasks waiting as pending, at most.
     pub max_pending_bytes: usize,
@@ -75,6 +77,13 @@ pub struct MemConfig {
     pub task_memory_bytes: usize,
     pub task_timeout_ms: u64,
     pub max_retries: u32,
+}
+
+impl MemConfig {
+    /// How long a final task of `status` is kept (SPEC §13: failed ones `FAILED_TTL`).
+    pub fn ttl_of(&self, status: Status) -> u64 {
+        if status == Status::Failed && self.failed_ttl_ms > 0 { self.failed_ttl_ms } else { self.task_ttl_ms }
+    }
 }
 
 /// How a task read back from the journal is answered.
@@ -165,8 +174,9 @@ pub struct MemStore {
     retries_due_all: bool,
     /// Final tasks in finishing order, with the time (monotonic) they are forgotten.
     finished: VecDeque<(u64, TaskId)>,
-    /// Tasks re-run while final (SPEC §13): their next `finished` entry is an old one, skipped.
-    stale_finished: HashMap<TaskId, u32, BuildHasherDefault<IdHasher>>,
+    /// Failed tasks kept another while (`FAILED_TTL` beyond `TASK_TTL`, moved here from
+    /// `finished`) or forgotten sooner (`FAILED_TTL` below it), with the time they are forgotten.
+    failed_extra: VecDeque<(u64, TaskId)>,
     /// Failed and canceled tasks in memory, by submission: what `POST /tasks/retry` walks.
     dead: BTreeMap<u64, TaskId>,
     idempotency: HashMap<IdempotencyKey, TaskId>,
@@ -219,7 +229,7 @@ impl MemStore {
             retries_due: Some(Vec::new()),
             retries_due_all: false,
             finished: VecDeque::new(),
-            stale_finished: HashMap::default(),
+            failed_extra: VecDeque::new(),
             dead: BTreeMap::new(),
             idempotency: HashMap::new(),
             idempotency_expiry: VecDeque::new(),
@@ -687,8 +697,12 @@ impl MemStore {
         if matches!(status, Status::Failed | Status::Canceled) {
             self.dead.insert(task.submit_seq, id);
         }
+        task.finished_mono_ms = self.now_ms;
         self.record(id, Rec::Whole);
         self.finished.push_back((self.now_ms + self.cfg.task_ttl_ms, id));
+        if status == Status::Failed && self.cfg.ttl_of(status) < self.cfg.task_ttl_ms {
+            self.failed_extra.push_back((self.now_ms + self.cfg.ttl_of(status), id));
+        }
         crate::log!(Level::Debug, "task final", task_id = uuid_string(id), status = status.as_str());
         self.events.push(Event::Final { id, status, took_ms: Some(took_ms) });
     }
@@ -806,7 +820,6 @@ impl MemStore {
         }
         self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
         self.dead.remove(&task.submit_seq);
-        *self.stale_finished.entry(id).or_insert(0) += 1;
         self.status_counts[task.status.index()] -= 1;
         self.status_counts[Status::Pending.index()] += 1;
         self.pending_bytes += bytes;
@@ -922,8 +935,12 @@ impl MemStore {
 
     pub fn next_timer_ms(&self) -> Option<u64> {
         let due = self.scheduled.first_key_value().map(|(&(due, _), _)| self.now_ms + due.saturating_sub(self.wall_ms));
-        let sweep =
-            [self.finished.front().map(|f| f.0), self.idempotency_expiry.front().map(|f| f.0), self.next_expiry_ms];
+        let sweep = [
+            self.finished.front().map(|f| f.0),
+            self.failed_extra.front().map(|f| f.0),
+            self.idempotency_expiry.front().map(|f| f.0),
+            self.next_expiry_ms,
+        ];
         due.into_iter().chain(sweep.into_iter().flatten()).min()
     }
 
@@ -980,12 +997,26 @@ impl MemStore {
             }
             self.finished.pop_front();
             self.evict_next = self.evict_next.saturating_sub(1);
-            if let Some(n) = self.stale_finished.get_mut(&id) {
-                // Re-run since: this entry is of an earlier end.
-                *n -= 1;
-                if *n == 0 {
-                    self.stale_finished.remove(&id);
-                }
+            let Some((status, finished)) = self.final_state(id) else { continue };
+            if finished != 0 && finished != at.saturating_sub(self.cfg.task_ttl_ms) {
+                // Re-run since (SPEC §13): this entry is of an earlier end.
+                continue;
+            }
+            let keep = self.cfg.ttl_of(status);
+            if keep > self.cfg.task_ttl_ms {
+                // A failed task is kept FAILED_TTL.
+                self.failed_extra.push_back((at + (keep - self.cfg.task_ttl_ms), id));
+                continue;
+            }
+            self.forget(id);
+        }
+        while let Some(&(at, id)) = self.failed_extra.front() {
+            if at > now {
+                break;
+            }
+            self.failed_extra.pop_front();
+            let Some((status, finished)) = self.final_state(id) else { continue };
+            if status != Status::Failed || (finished != 0 && finished != at.saturating_sub(self.cfg.ttl_of(status))) {
                 continue;
             }
             self.forget(id);
@@ -1027,6 +1058,14 @@ impl MemStore {
         }
         for id in expired {
             self.finalize(id, Status::Failed, None, Some("expired in queue"));
+        }
+    }
+
+    /// A final task's status and when it became final (monotonic; 0: unknown), in memory or not.
+    fn final_state(&self, id: TaskId) -> Option<(Status, u64)> {
+        match self.tasks.get(&id) {
+            Some(t) => t.status.is_final().then_some((t.status, t.finished_mono_ms)),
+            None => self.evicted.get(&id).map(|e| (e.status, e.finished_mono_ms)),
         }
     }
 

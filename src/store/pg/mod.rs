@@ -51,6 +51,8 @@ fn rows_of(rows: &[Rows], i: usize) -> &[Row] {
 #[derive(Debug, Clone)]
 pub struct PgConfig {
     pub task_ttl_ms: u64,
+    /// How long failed tasks are kept (`FAILED_TTL`, SPEC §13; 0: as long as `task_ttl_ms`).
+    pub failed_ttl_ms: u64,
     pub task_timeout_ms: u64,
     pub max_retries: u32,
     pub max_pending: usize,
@@ -934,7 +936,8 @@ impl PgStore {
         if std::mem::take(&mut self.want_housekeeping) {
             stmts.push(sql::expire_in_queue(wall as i64, self.cfg.task_ttl_ms));
             parts.push(Part::Failed);
-            stmts.push(sql::retention(wall as i64, self.cfg.task_ttl_ms));
+            let failed_ttl = if self.cfg.failed_ttl_ms > 0 { self.cfg.failed_ttl_ms } else { self.cfg.task_ttl_ms };
+            stmts.push(sql::retention(wall as i64, self.cfg.task_ttl_ms, failed_ttl));
             parts.push(Part::Retention);
             notify_finished = true;
         }
