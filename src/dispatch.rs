@@ -1801,11 +1801,7 @@ impl Core {
     /// The answer to a submit the store did not keep.
     fn refusal_response(&self, why: Refusal) -> Response {
         match why {
-            Refusal::QueueFull => Response::error(
-                429,
-                "queue_full",
-                "the queue is full (MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait)",
-            ),
+            Refusal::QueueFull => crate::store::queue_full_response(),
             Refusal::Unavailable => self
                 .store
                 .unavailable(true)

@@ -574,3 +574,41 @@ fn the_first_attempts_of_a_bulk_rerun_rotate_over_the_workers() {
         assert_eq!(got, [2, 2, 2], "six re-run tasks over three workers, round-robin");
     });
 }
+
+#[test]
+fn a_rerun_respects_max_pending_as_a_submit_does() {
+    // (Re-runs put tasks back among the pending ones past MAX_PENDING: a bulk re-run of 8 with
+    // MAX_PENDING=3 left 8 waiting.)
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_RETRIES", "0"), ("MAX_PENDING", "3")]);
+        let hello = json!({"type":"hello","kinds":["q"]});
+        let bad = FakeWorker::connect(&relay, Some(hello), Auto::Fail("down".into()));
+        relay.wait_clients(1, |c| c.get("kinds").is_some());
+        let ids: Vec<String> = (0..6).map(|_| id_of(&relay.submit(r#"{"payload":{"kind":"q"}}"#))).collect();
+        for id in &ids {
+            relay.wait_status(id, "failed", Duration::from_secs(5));
+        }
+        drop(bad);
+        relay.wait_clients(0, |_| true);
+        let pending = || relay.wait_health(|_| true)["tasks"]["pending"].as_u64().unwrap_or(u64::MAX);
+        // One waits already; a bulk re-run fills the rest of the room, newest first.
+        let waiting = id_of(&relay.submit(r#"{"payload":{"kind":"q"},"queue":true}"#));
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"q","dry_run":true}"#));
+        assert_eq!(r.json()["retried"], 6, "a dry run counts what matches: {}", r.text());
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"q"}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["task_ids"], json!([ids[5], ids[4]]), "{}", r.text());
+        assert!(poll_until(Duration::from_secs(3), || pending() == 3), "{}", relay.wait_health(|_| true));
+        // Full: a bulk re-run that matches is 429, and so is one task's.
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"q"}"#));
+        assert_eq!((r.status, r.json()["error"].as_str()), (429, Some("queue_full")), "{}", r.text());
+        let r = post(&relay, &format!("/tasks/{}/retry", ids[0]), None);
+        assert_eq!((r.status, r.json()["error"].as_str()), (429, Some("queue_full")), "{}", r.text());
+        assert_eq!(relay.get_task(&ids[0])["status"], "failed");
+        // Room again: the re-run goes through.
+        assert_eq!(relay.api("DELETE", &format!("/tasks/{waiting}"), None).status, 200);
+        let r = post(&relay, &format!("/tasks/{}/retry", ids[0]), None);
+        assert_eq!(r.status, 202, "{}", r.text());
+        assert!(poll_until(Duration::from_secs(3), || pending() == 3), "{}", relay.wait_health(|_| true));
+    });
+}
