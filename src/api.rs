@@ -33,6 +33,9 @@ pub enum Route<'a> {
     /// `POST /tasks/retry` (SPEC §13).
     TasksRetry,
     Task(&'a str),
+    /// `/kinds` and `/kinds/{kind}` (the kind percent-encoded): dispatch policies (SPEC §14).
+    Kinds,
+    Kind(&'a str),
     /// `POST /tasks/{id}/retry`.
     TaskRetry(&'a str),
     Clients,
@@ -53,6 +56,7 @@ impl<'a> Route<'a> {
             "/tasks/batch" => Route::TasksBatch,
             "/tasks/retry" => Route::TasksRetry,
             "/clients" => Route::Clients,
+            "/kinds" => Route::Kinds,
             "/healthz" => Route::Healthz,
             "/metrics" => Route::Metrics,
             "/files" => Route::Files,
@@ -60,6 +64,8 @@ impl<'a> Route<'a> {
             _ => {
                 if let Some(id) = path.strip_prefix("/tasks/").filter(|id| !id.is_empty() && !id.contains('/')) {
                     Route::Task(id)
+                } else if let Some(k) = path.strip_prefix("/kinds/").filter(|k| !k.is_empty() && !k.contains('/')) {
+                    Route::Kind(k)
                 } else if let Some(id) = path
                     .strip_prefix("/tasks/")
                     .and_then(|rest| rest.strip_suffix("/retry"))
@@ -81,7 +87,10 @@ impl<'a> Route<'a> {
     pub fn allow(self) -> &'static str {
         match self {
             Route::Ws => "GET",
-            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => "GET, HEAD",
+            Route::Clients | Route::Kinds | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => {
+                "GET, HEAD"
+            }
+            Route::Kind(_) => "GET, HEAD, PUT, DELETE",
             Route::Tasks => "GET, HEAD, POST",
             Route::TasksBatch | Route::Files | Route::TasksRetry | Route::TaskRetry(_) => "POST",
             Route::Task(_) => "GET, HEAD, DELETE",
@@ -93,9 +102,10 @@ impl<'a> Route<'a> {
         match self {
             // HEAD is GET without the body (RFC 9110), except for the WebSocket upgrade.
             Route::Ws => method == Method::Get,
-            Route::Clients | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => {
+            Route::Clients | Route::Kinds | Route::Healthz | Route::Metrics | Route::File(_) | Route::Ui(_) => {
                 matches!(method, Method::Get | Method::Head)
             }
+            Route::Kind(_) => matches!(method, Method::Get | Method::Head | Method::Put | Method::Delete),
             Route::Tasks => matches!(method, Method::Get | Method::Head | Method::Post),
             Route::TasksBatch | Route::Files | Route::TasksRetry | Route::TaskRetry(_) => method == Method::Post,
             Route::Task(_) => matches!(method, Method::Get | Method::Head | Method::Delete),
@@ -188,6 +198,11 @@ impl Api {
                 Some(Identity::Root) => Some(Identity::Root),
                 Some(_) => return Err(error(403, "/clients needs the root API token").into()),
             },
+            Route::Kinds | Route::Kind(_) => match self.auth.task_api(head.bearer_token(), wall_ms)? {
+                None => return Err(self.refused(head, wall_ms).into()),
+                Some(Identity::Root) => Some(Identity::Root),
+                Some(_) => return Err(error(403, "kind policies need the root API token").into()),
+            },
             _ => Some(self.auth.task_api(head.bearer_token(), wall_ms)?.ok_or_else(|| self.refused(head, wall_ms))?),
         };
         if route == Route::TasksBatch && head.idempotency_key.is_some() {
@@ -260,12 +275,16 @@ impl Api {
                 return Handled::Respond(error(501, "file transfer is not available in this version"));
             }
             Route::NotFound => return Handled::Respond(error(404, "no such endpoint")),
-            Route::Clients | Route::Tasks | Route::Task(_) | Route::TasksRetry | Route::TaskRetry(_) => {
-                match identity {
-                    Some(identity) => identity,
-                    None => return Handled::Respond(unauthorized()),
-                }
-            }
+            Route::Clients
+            | Route::Kinds
+            | Route::Kind(_)
+            | Route::Tasks
+            | Route::Task(_)
+            | Route::TasksRetry
+            | Route::TaskRetry(_) => match identity {
+                Some(identity) => identity,
+                None => return Handled::Respond(unauthorized()),
+            },
         };
         // (A store that cannot read answers 503 here; one that cannot write refuses what would
         // write — not an idempotent repeat, not the cancel of a final task — itself.)
@@ -274,6 +293,25 @@ impl Api {
         }
         let answer = match route {
             Route::Clients => core.clients(io, conn),
+            Route::Kinds => core.kind_op(io, conn, crate::flow::KindOp::List),
+            Route::Kind(raw) => {
+                let kind = percent_decode(raw);
+                if kind.len() > MAX_KIND_BYTES {
+                    return Handled::Respond(error(400, &format!("a kind is at most {MAX_KIND_BYTES} bytes")));
+                }
+                if let Err(msg) = check_text(&kind) {
+                    return Handled::Respond(error(400, &format!("invalid kind: {msg}")));
+                }
+                let op = match head.method {
+                    Method::Put => match crate::flow::Policy::parse(body) {
+                        Ok(p) => crate::flow::KindOp::Set(kind.to_string(), Some(p)),
+                        Err(msg) => return Handled::Respond(error(400, &msg)),
+                    },
+                    Method::Delete => crate::flow::KindOp::Set(kind.to_string(), None),
+                    _ => crate::flow::KindOp::Get(kind.to_string()),
+                };
+                core.kind_op(io, conn, op)
+            }
             Route::Tasks if head.method != Method::Post => match crate::listing::parse_query(&head.query) {
                 Ok(q) => match q.kind.as_deref().map(check_text) {
                     Some(Err(msg)) => Some(error(400, &format!("invalid kind: {msg}"))),

@@ -9,7 +9,7 @@
 //! request), and time comes in through `now_ms`/`wall_ms`, which the reactor sets. Nothing here
 //! may close a connection or read a clock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasherDefault;
 use std::net::IpAddr;
 
@@ -327,6 +327,9 @@ pub struct Core {
     /// Per kind (key [`NO_KIND`]: tasks without one), the latest success: when (monotonic ms)
     /// and by whom — a worker failing while others succeed at its kinds is degraded.
     last_done: HashMap<Box<str>, (u64, u128)>,
+    /// An attempt failed at some time (until then nobody can be degraded, and the sync hot path
+    /// keeps no per-kind record of successes).
+    seen_failure: bool,
     /// Worker sessions (SPEC §12) and how long a lost one's attempts are held (0: never).
     sessions: sessions::Sessions,
     pub resume_window_ms: u64,
@@ -368,6 +371,7 @@ impl Core {
             rng: crate::store::mem::Rng::from_os(),
             degraded_until_ms: 0,
             last_done: HashMap::new(),
+            seen_failure: false,
             sessions: sessions::Sessions::default(),
             resume_window_ms: 0,
         }
@@ -404,8 +408,11 @@ impl Core {
             tasks_evicted: 0,
             journal: None,
             cluster: None,
+            kinds: Vec::new(),
+            held: [0; 6],
         };
         self.store.gauges(&mut g);
+        g.held[crate::flow::WaitingOn::Paused.index()] += self.metrics.held_paused;
         g
     }
 
@@ -545,6 +552,11 @@ impl Core {
     /// or a store that answers after its transaction).
     pub fn submit(&mut self, io: &mut dyn Io, conn: ConnRef, new: &NewTask<'_>, wait: bool) -> Option<Response> {
         self.begin(conn);
+        // A paused kind's submits wait, as queued ones do, for any worker (SPEC §14).
+        let paused = NewTask { queue: true, ..*new };
+        let held = self.store.kind_paused(new.kind);
+        self.metrics.held_paused += u64::from(held);
+        let new = if !new.queue && held { &paused } else { new };
         let waits = new.queue || new.run_at_wall_ms.is_some();
         if !waits && !self.can_ever_take(new.kind) {
             let r = self.no_worker(new.kind);
@@ -559,6 +571,13 @@ impl Core {
         self.store.insert(&task, InsertTo::Submit { conn, wait });
         // (A store that could not claim it at once sends `Ready`; a database claims for idle
         // workers in the transaction that inserts.)
+        self.end(io)
+    }
+
+    /// `/kinds`, `/kinds/{kind}` (SPEC §14): the answer, or `None` when it comes later.
+    pub fn kind_op(&mut self, io: &mut dyn Io, conn: ConnRef, op: crate::flow::KindOp) -> Option<Response> {
+        self.begin(conn);
+        self.store.kind_op(op, conn);
         self.end(io)
     }
 
@@ -796,9 +815,13 @@ impl Core {
         let index = b.items.len() as u32;
         match item {
             Err(e) => b.items.push(Some(Err(e))),
-            Ok(new) => {
+            Ok(mut new) => {
                 b.items.push(None);
                 b.outstanding += 1;
+                // (A paused kind's items wait, as in a submit.)
+                let held = self.store.kind_paused(new.kind);
+                self.metrics.held_paused += u64::from(held);
+                new.queue |= held;
                 if !new.queue && !self.can_ever_take(new.kind) {
                     self.batch_done(batch, index, Err(("no_worker", "no connected worker can take this task".into())));
                     return;
@@ -1424,6 +1447,7 @@ impl Core {
         let now = self.now_ms;
         let key = r.kind.as_deref().unwrap_or(NO_KIND);
         match outcome {
+            Outcome::Done if !self.seen_failure => {}
             Outcome::Done => {
                 match self.last_done.get_mut(key) {
                     Some(d) => *d = (now, r.client_id),
@@ -1439,6 +1463,7 @@ impl Core {
                 }
             }
             Outcome::Failed | Outcome::Timeout if !hint.permanent => {
+                self.seen_failure = true;
                 let last_done = &self.last_done;
                 let Some(w) = self.workers.get_mut(r.conn.slot as usize).and_then(Option::as_mut) else { return };
                 if w.conn != r.conn {
@@ -1652,7 +1677,17 @@ impl Core {
             Event::NotFinal { conn, id, post } => self.hold(conn, id, post),
             Event::Clients { conn, remote } => {
                 let mut entries = self.local_infos();
-                entries.extend(remote);
+                // A session's client id is listed once: a session held here whose worker has
+                // resumed on another node is that node's worker now (SPEC §12), and a row of
+                // another node naming a worker connected here is older than this node's word.
+                if !remote.is_empty() {
+                    let live: HashSet<u128> =
+                        entries.iter().filter(|w| w.resumable_until_wall_ms.is_none()).map(|w| w.client_id).collect();
+                    let remote: Vec<WorkerInfo> = remote.into_iter().filter(|w| !live.contains(&w.client_id)).collect();
+                    let there: HashSet<u128> = remote.iter().map(|w| w.client_id).collect();
+                    entries.retain(|w| w.resumable_until_wall_ms.is_none() || !there.contains(&w.client_id));
+                    entries.extend(remote);
+                }
                 // (Stable: this node's workers in connection order, then by connection time.)
                 entries.sort_by_key(|w| w.connected_wall_ms);
                 let r = Response::json(200, clients_json(&entries));

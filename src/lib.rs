@@ -16,6 +16,7 @@ pub mod config;
 pub mod conn;
 pub mod dispatch;
 pub mod files;
+pub mod flow;
 pub mod http;
 pub mod journal;
 pub mod jwt;

@@ -17,6 +17,8 @@ pub enum Ignored {
 
 #[derive(Default)]
 pub struct Metrics {
+    /// Submits of a paused kind: dispatches its pause held back (`relay_dispatch_held_total`).
+    pub held_paused: u64,
     /// Final statuses: done, failed, canceled.
     pub tasks_final: [u64; 3],
     pub attempts: [u64; Outcome::COUNT],
@@ -56,6 +58,10 @@ pub struct Gauges {
     pub journal: Option<JournalGauges>,
     /// Cluster mode's database figures.
     pub cluster: Option<ClusterGauges>,
+    /// Kinds with a policy (at most 1,000): (kind, running, pending) (SPEC §14).
+    pub kinds: Vec<(String, u64, u64)>,
+    /// Dispatches a limit or pause held back, by `flow::WaitingOn` index.
+    pub held: [u64; 6],
 }
 
 /// A cluster node's traffic with PostgreSQL (absent in single-node mode).
@@ -194,6 +200,20 @@ impl Metrics {
             g.finished_memory_bytes,
         );
         gauge(w, "relay_tasks_on_disk", "Finished tasks kept only in the journal.", g.tasks_on_disk);
+        let _ = writeln!(w, "# HELP relay_kind_running Attempts running, per kind with a policy.");
+        let _ = writeln!(w, "# TYPE relay_kind_running gauge");
+        for (kind, running, _) in &g.kinds {
+            let _ = writeln!(w, "relay_kind_running{{kind=\"{}\"}} {running}", label_value(kind));
+        }
+        let _ = writeln!(w, "# HELP relay_kind_pending Tasks waiting to run, per kind with a policy.");
+        let _ = writeln!(w, "# TYPE relay_kind_pending gauge");
+        for (kind, _, pending) in &g.kinds {
+            let _ = writeln!(w, "relay_kind_pending{{kind=\"{}\"}} {pending}", label_value(kind));
+        }
+        counter_header(w, "relay_dispatch_held_total", "Dispatches a kind's limit or pause held back, by reason.");
+        for why in [crate::flow::WaitingOn::Paused, crate::flow::WaitingOn::Concurrency, crate::flow::WaitingOn::Rate] {
+            let _ = writeln!(w, "relay_dispatch_held_total{{reason=\"{}\"}} {}", why.as_str(), g.held[why.index()]);
+        }
         if let Some(j) = &g.journal {
             gauge(w, "relay_journal_bytes", "Size of the journal's segments.", j.bytes as usize);
             gauge(w, "relay_journal_segments", "Journal segment files.", j.segments);
@@ -279,6 +299,23 @@ fn gauge(w: &mut String, name: &str, help: &str, value: usize) {
     let _ = writeln!(w, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {value}");
 }
 
+/// A label value as the exposition format writes it (`\\`, `\"` and newlines escaped).
+fn label_value(v: &str) -> std::borrow::Cow<'_, str> {
+    if !v.contains(['\\', '"', '\n']) {
+        return std::borrow::Cow::Borrowed(v);
+    }
+    let mut s = String::with_capacity(v.len() + 8);
+    for c in v.chars() {
+        match c {
+            '\\' => s.push_str("\\\\"),
+            '"' => s.push_str("\\\""),
+            '\n' => s.push_str("\\n"),
+            c => s.push(c),
+        }
+    }
+    std::borrow::Cow::Owned(s)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -301,6 +338,8 @@ mod tests {
             tasks_evicted: 0,
             journal: Some(JournalGauges { corrupt_records: 8, ..JournalGauges::default() }),
             cluster: Some(ClusterGauges { up: true, committed: 9, fenced: 10, ..ClusterGauges::default() }),
+            kinds: vec![("a\"b".into(), 2, 3)],
+            held: [0, 0, 4, 5, 6, 0],
         };
         let text = m.render(&g);
         for line in [
@@ -322,6 +361,11 @@ mod tests {
             "relay_task_duration_seconds_bucket{le=\"0.005\"} 1",
             "relay_task_duration_seconds_bucket{le=\"0.001\"} 0",
             "relay_task_duration_seconds_count 1",
+            "relay_kind_running{kind=\"a\\\"b\"} 2",
+            "relay_kind_pending{kind=\"a\\\"b\"} 3",
+            "relay_dispatch_held_total{reason=\"paused\"} 4",
+            "relay_dispatch_held_total{reason=\"concurrency\"} 5",
+            "relay_dispatch_held_total{reason=\"rate\"} 6",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }

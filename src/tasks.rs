@@ -273,6 +273,9 @@ pub struct Task {
     pub submit_seq: u64,
     /// Seconds of head start among due tasks (SPEC §14): ready order is due − priority.
     pub priority: i32,
+    /// The kind policy that holds it back (`paused`, `concurrency`, `rate`), as its store last
+    /// found: set just before a pending task's JSON is written ([`Task::waiting_on`]).
+    pub held_by: std::cell::Cell<Option<crate::flow::WaitingOn>>,
     /// Which pending queue holds the task, if any (the memory store's).
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
@@ -400,6 +403,9 @@ impl Task {
         }
         if self.backoff_until().is_some() {
             return Some("backoff");
+        }
+        if let Some(why) = self.held_by.get() {
+            return Some(why.as_str());
         }
         Some("worker")
     }
@@ -683,6 +689,7 @@ mod tests {
             timeout_ms: 10_000,
             submit_seq: 0,
             priority: 0,
+            held_by: Default::default(),
             place: Place::Nowhere,
             queued: false,
             restored: false,

@@ -6,12 +6,14 @@
 mod cluster;
 mod durable;
 mod floor;
+mod flow;
 mod hostile;
 mod httpc;
 mod jetstream;
 mod load;
 mod nats;
 mod procs;
+mod retries;
 mod scenarios;
 mod soak;
 mod workers;
@@ -48,9 +50,15 @@ scenarios (default: all):
             then a restart on that journal (replay time)
   finished  --finished-tasks tasks run to done on a durable relay: RSS per finished task,
             with TASK_MEMORY at 16 GiB, then at its default
+  flow      relay sync with no kind policy, a max_running and a rate that do not bind (CPU per
+            task), and the limit accuracy of a binding max_running and rate (issue 22; by name only)
   restarts  a durable relay started 6 times on one DATA_DIR with 3 tasks submitted each time:
             spawn to listening, replay time and DATA_DIR's size after each stop
   all       every one of the above
+  retries   (not in all) retry-outage and retry-degraded (issue 21):
+  retry-outage    sync load while the workers' upstream is down for 2 s: seed policy, RETRY_BACKOFF=200ms
+  retry-degraded  sync load on 8 workers, one failing everything (BENCH_RELAY_BEFORE=<relay>: also
+                  a build from before the avoidance rule)
 
 options:
   --rounds N            rounds of the sync/NATS/floor and 1-client comparisons (default 3)
@@ -222,6 +230,7 @@ fn main() -> ExitCode {
         "drive" => scenarios::drive(&opts),
         "soak" => soak::run(&opts),
         "fill" => durable::fill(&opts),
+        s @ ("retries" | "retry-outage" | "retry-degraded") => retries::run(&opts, s),
         _ => scenarios::run_all(&opts),
     };
     match result {

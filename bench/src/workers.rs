@@ -306,3 +306,106 @@ fn keep_alive(rx: mpsc::Receiver<WebSocket<TcpStream>>, stop: &AtomicBool) -> us
     }
     conns.len()
 }
+
+/// What [`Recorder`] workers saw since the last reset.
+#[derive(Debug, Default, Clone)]
+pub struct Seen {
+    /// Dispatch starts (task frames read), since the reset.
+    pub starts: Vec<Duration>,
+    pub done: usize,
+    /// The most tasks running at once over every worker (sent and not answered yet).
+    pub max_running: usize,
+    running: usize,
+    since: Option<Instant>,
+}
+
+/// Workers that hold each task `hold` before answering it and record, over all of them, when
+/// tasks start and how many run at once: what a limit lets through, measured by the workers.
+pub struct Recorder {
+    stop: Arc<AtomicBool>,
+    seen: Arc<std::sync::Mutex<Seen>>,
+    joins: Vec<JoinHandle<Result<(), String>>>,
+}
+
+impl Recorder {
+    pub fn ws(addr: SocketAddr, token: &str, n: usize, concurrency: u32, hold: Duration) -> Result<Recorder, String> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen = Arc::new(std::sync::Mutex::new(Seen { since: Some(Instant::now()), ..Seen::default() }));
+        let mut joins = Vec::new();
+        for i in 0..n {
+            let mut ws = ws_connect(addr, token, None)?;
+            let hello =
+                format!(r#"{{"type":"hello","concurrency":{concurrency},"version":"relay-bench-recorder/{i}"}}"#);
+            ws.send(Message::text(hello)).map_err(|e| format!("hello: {e}"))?;
+            ws.get_mut().set_read_timeout(Some(Duration::from_millis(2))).map_err(|e| e.to_string())?;
+            let (stop, seen) = (stop.clone(), seen.clone());
+            joins.push(thread::spawn(move || {
+                let mut held: std::collections::VecDeque<(Instant, String)> = std::collections::VecDeque::new();
+                while !stop.load(Ordering::Relaxed) {
+                    match ws.read() {
+                        Ok(Message::Text(text)) if text.starts_with(r#"{"type":"task""#) => {
+                            let id = json_str_field(text.as_bytes(), "task_id").unwrap_or_default().to_string();
+                            let mut s = seen.lock().map_err(|_| "poisoned")?;
+                            let at = s.since.map_or(Duration::ZERO, |t| t.elapsed());
+                            s.starts.push(at);
+                            s.running += 1;
+                            s.max_running = s.max_running.max(s.running);
+                            held.push_back((Instant::now() + hold, id));
+                        }
+                        Ok(_) => {}
+                        Err(e) if is_timeout(&e) => {}
+                        Err(_) if stop.load(Ordering::Relaxed) => return Ok(()),
+                        Err(e) => return Err(format!("recorder read: {e}")),
+                    }
+                    while held.front().is_some_and(|(at, _)| *at <= Instant::now()) {
+                        let Some((_, id)) = held.pop_front() else { break };
+                        {
+                            let mut s = seen.lock().map_err(|_| "poisoned")?;
+                            s.running -= 1;
+                            s.done += 1;
+                        }
+                        let reply = format!(r#"{{"type":"result","task_id":"{id}","status":"done","data":null}}"#);
+                        ws.send(Message::text(reply)).map_err(|e| format!("send result: {e}"))?;
+                    }
+                }
+                close_ws(&mut ws);
+                Ok(())
+            }));
+        }
+        Ok(Recorder { stop, seen, joins })
+    }
+
+    /// Forgets what was seen (the workers must be idle).
+    pub fn reset(&self) {
+        if let Ok(mut s) = self.seen.lock() {
+            *s = Seen { since: Some(Instant::now()), ..Seen::default() };
+        }
+    }
+
+    /// Waits until `n` tasks were answered since the reset; what was seen.
+    pub fn wait_done(&self, n: usize, within: Duration) -> Result<Seen, String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let s = self.seen.lock().map_err(|_| "poisoned")?.clone();
+            if s.done >= n {
+                return Ok(s);
+            }
+            if Instant::now() > deadline {
+                return Err(format!("{} of {n} tasks answered within {within:?}", s.done));
+            }
+            thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    pub fn stop(self) -> Result<(), String> {
+        self.stop.store(true, Ordering::Relaxed);
+        let mut first = Ok(());
+        for j in self.joins {
+            let r = j.join().unwrap_or_else(|_| Err("recorder thread panicked".into()));
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}

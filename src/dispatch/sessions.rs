@@ -78,6 +78,7 @@ pub struct Sessions {
 #[derive(Debug)]
 struct PendingResume {
     worker_id: Box<str>,
+    secret: Box<str>,
     listed: Vec<(TaskId, Option<u32>)>,
 }
 
@@ -155,8 +156,18 @@ impl Core {
             (Some(cur), Some(p)) if cur == p => cur,
             (Some(cur), None) if self.sessions.by_id.get(&cur).is_some_and(|s| &*s.worker_id == worker_id) => cur,
             // A resume. (A connection that already runs tasks under its own id does not take
-            // another's: it gets a session of its own.)
+            // another's: it gets a session of its own.) In cluster mode the database is asked
+            // first even when this node knows the session: the worker may have resumed on
+            // another node since, which holds its attempts now (and fences this node's writes
+            // about them); they come back here before the worker takes them.
             (None, Some(p)) if !busy => {
+                if self.store.shares_sessions()
+                    && self.sessions.pending.len() < MAX_PENDING_RESUMES
+                    && let Some(secret) = hello.session.as_deref()
+                {
+                    self.await_session(conn, worker_id, secret, listed);
+                    return;
+                }
                 self.resume(io, conn, p, &listed);
                 p
             }
@@ -175,11 +186,7 @@ impl Core {
                     && self.sessions.pending.len() < MAX_PENDING_RESUMES
                 {
                     let secret = secret.to_string();
-                    self.sessions.pending.insert(conn, PendingResume { worker_id: worker_id.into(), listed });
-                    if let Some(w) = self.worker_at_mut(conn) {
-                        w.awaiting_welcome = true;
-                    }
-                    self.store.take_session(conn, worker_id, &secret);
+                    self.await_session(conn, worker_id, &secret, listed);
                     return;
                 }
                 match self.new_session(conn, worker_id) {
@@ -189,6 +196,18 @@ impl Core {
             }
         };
         self.send_welcome(io, conn, sid, &listed);
+    }
+
+    /// Cluster mode: the welcome of the worker on `conn` waits (it is sent nothing) until the
+    /// database says which of its session's attempts other nodes held (`session_taken`).
+    fn await_session(&mut self, conn: ConnRef, worker_id: &str, secret: &str, listed: Vec<(TaskId, Option<u32>)>) {
+        self.sessions
+            .pending
+            .insert(conn, PendingResume { worker_id: worker_id.into(), secret: secret.into(), listed });
+        if let Some(w) = self.worker_at_mut(conn) {
+            w.awaiting_welcome = true;
+        }
+        self.store.take_session(conn, worker_id, secret);
     }
 
     /// A new session for the worker on `conn` (its client id stays).
@@ -436,8 +455,14 @@ impl Core {
             }
         };
         let c = r.task;
-        if self.running.contains_key(&c.id) {
-            return sid;
+        if let Some(old) = self.running.get(&c.id) {
+            if old.attempt == c.attempt && old.held == Some(sid) {
+                // (Held here already: this node held it before the worker resumed elsewhere.)
+                return sid;
+            }
+            // This node's own entry is stale (the attempt moved to another node and on; what
+            // this node wrote about it since was fenced): the database's word replaces it.
+            self.forget_running(c.id);
         }
         let ran_ms = self.wall_ms.saturating_sub(r.started_wall_ms);
         let started_mono_ms = self.now_ms.saturating_sub(ran_ms);
@@ -495,6 +520,12 @@ impl Core {
         if let Some(w) = self.worker_at_mut(conn) {
             w.awaiting_welcome = false;
         }
+        // Nothing moved here: the session may still be this node's own (held, or live on a
+        // connection relay has not seen fail yet).
+        let sid = sid.or_else(|| {
+            let sid = self.sessions.by_secret.get(&p.secret).copied()?;
+            self.sessions.by_id.get(&sid).is_some_and(|s| s.worker_id == p.worker_id).then_some(sid)
+        });
         let sid = match sid {
             Some(sid) => {
                 self.resume(io, conn, sid, &p.listed);
@@ -524,6 +555,22 @@ impl Core {
             r.held = None;
             let error = if r.restored { RESTART_ERROR } else { "worker disconnected" };
             self.end_attempt(id, Outcome::Disconnect, Some(error), None);
+        }
+    }
+
+    /// Drops this node's entry of an attempt another node owns now, without a word to the store
+    /// (the database already says who runs it).
+    fn forget_running(&mut self, id: TaskId) {
+        let Some(r) = self.running.remove(&id) else { return };
+        self.wheel.cancel(r.timer);
+        if let Some(sid) = r.held {
+            self.unheld(sid, id);
+        }
+        if let Some(w) = self.worker_at_mut(r.conn)
+            && let Some(pos) = w.in_flight.iter().position(|t| *t == id)
+        {
+            w.in_flight.swap_remove(pos);
+            self.refresh(r.conn.slot);
         }
     }
 

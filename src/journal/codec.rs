@@ -46,6 +46,9 @@ pub enum RecordType {
     AttemptEnd = 3,
     /// TASK_TTL passed: the task is gone.
     Forget = 4,
+    /// A kind's dispatch policy was set or removed (SPEC §14). Replaces the kind's earlier one.
+    /// (A number far from the task records', which other record types may take.)
+    KindPolicy = 16,
 }
 
 impl RecordType {
@@ -55,6 +58,7 @@ impl RecordType {
             2 => Some(RecordType::AttemptStart),
             3 => Some(RecordType::AttemptEnd),
             4 => Some(RecordType::Forget),
+            16 => Some(RecordType::KindPolicy),
             _ => None,
         }
     }
@@ -506,6 +510,18 @@ pub fn put_forget(out: &mut Vec<u8>, id: TaskId) {
     put_u128(out, id);
 }
 
+/// A kind's policy (its JSON), or its removal (`None`).
+pub fn put_kind_policy(out: &mut Vec<u8>, kind: &str, policy: Option<&str>) {
+    put_str(out, kind);
+    match policy {
+        Some(p) => {
+            out.push(1);
+            put_str(out, p);
+        }
+        None => out.push(0),
+    }
+}
+
 /// A task as a Task record holds it.
 #[derive(Debug)]
 pub struct TaskImage {
@@ -563,9 +579,27 @@ impl TaskImage {
 #[derive(Debug)]
 pub enum Record {
     Task(Box<TaskImage>),
-    AttemptStart { id: TaskId, num: u32, attempt: Attempt },
-    AttemptEnd { id: TaskId, num: u32, outcome: Option<Outcome>, duration_ms: u64, error: Option<Box<str>>, ext: Ext },
-    Forget { id: TaskId },
+    AttemptStart {
+        id: TaskId,
+        num: u32,
+        attempt: Attempt,
+    },
+    AttemptEnd {
+        id: TaskId,
+        num: u32,
+        outcome: Option<Outcome>,
+        duration_ms: u64,
+        error: Option<Box<str>>,
+        ext: Ext,
+    },
+    Forget {
+        id: TaskId,
+    },
+    /// `policy`: the policy's JSON (`None`: removed).
+    KindPolicy {
+        kind: Box<str>,
+        policy: Option<Box<str>>,
+    },
 }
 
 /// A cursor over a record's payload.
@@ -735,6 +769,15 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
             ext: Ext::decode(&mut d)?,
         },
         RecordType::Forget => Record::Forget { id: d.u128()? },
+        RecordType::KindPolicy => {
+            let kind = Box::from(d.str()?);
+            let policy = match d.u8()? {
+                0 => None,
+                1 => Some(Box::from(d.str()?)),
+                _ => return None,
+            };
+            Record::KindPolicy { kind, policy }
+        }
     };
     d.done().then_some(record)
 }
@@ -876,6 +919,19 @@ mod tests {
     /// attempt log, which retries and re-runs can grow without end, so past the limit the
     /// oldest attempts' errors are left out (then, far beyond any real log, the oldest
     /// attempts), and the record still reads back.
+    #[test]
+    fn a_kind_policy_record_round_trips() {
+        for policy in [Some(r#"{"max_running":2}"#), None] {
+            let mut p = Vec::new();
+            put_kind_policy(&mut p, "http", policy);
+            let Some(Record::KindPolicy { kind, policy: back }) = decode(RecordType::KindPolicy as u8, &p) else {
+                panic!("decodes")
+            };
+            assert_eq!((&*kind, back.as_deref()), ("http", policy));
+        }
+        assert!(decode(RecordType::KindPolicy as u8, &[1, 0, 0, 0, b'k', 2]).is_none());
+    }
+
     #[test]
     fn a_priority_round_trips_and_a_record_without_one_reads_as_zero() {
         for p in [-86_400, -1, 0, 1, 86_400] {

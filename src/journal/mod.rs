@@ -550,6 +550,19 @@ impl Journal {
         true
     }
 
+    /// A kind's policy was set (`Some`, its JSON: it now needs only this record) or removed.
+    pub fn policy(&mut self, kind: &str, policy: Option<&str>, stored: &mut Stored) {
+        let (lsn, loc) = self.append(RecordType::KindPolicy, |out| codec::put_kind_policy(out, kind, policy));
+        if policy.is_some() {
+            self.pin(loc.seg);
+        }
+        self.unpin_all(stored);
+        *stored = match policy {
+            Some(_) => Stored { lsn, home: loc, segs: [loc.seg, 0, 0] },
+            None => Stored { lsn, ..Stored::default() },
+        };
+    }
+
     /// The task was forgotten (TASK_TTL): it needs nothing any more.
     pub fn forget(&mut self, id: TaskId, stored: &Stored) {
         self.append(RecordType::Forget, |out| codec::put_forget(out, id));

@@ -30,6 +30,8 @@ pub struct Replayed {
     pub evicted: Vec<(TaskId, Light)>,
     /// Tasks whose records span more segments than a task can pin: write them whole again.
     pub rehome: Vec<TaskId>,
+    /// Kind policies (SPEC §14): kind, the policy's JSON, where its record is.
+    pub policies: Vec<(Box<str>, Box<str>, Stored)>,
     /// Segment numbers found, in order, with their size and how many records tasks still need
     /// in each.
     pub segments: Vec<SegmentInfo>,
@@ -103,6 +105,8 @@ struct State {
     finished_bytes: usize,
     budget_bytes: usize,
     max_seq: u64,
+    /// The newest policy record of each kind (`None`: removed).
+    policies: HashMap<Box<str>, (Option<Box<str>>, Stored)>,
 }
 
 impl State {
@@ -165,6 +169,10 @@ impl State {
                 entry.overflow |= !pin(&mut task.stored, loc.seg);
             }
             Record::Forget { id } => self.remove(id),
+            Record::KindPolicy { kind, policy } => {
+                let stored = Stored { lsn: seq, home: loc, segs: [loc.seg, 0, 0] };
+                self.policies.insert(kind, (policy, stored));
+            }
         }
     }
 
@@ -379,6 +387,7 @@ impl Replayer {
                 finished_bytes: 0,
                 budget_bytes,
                 max_seq: 0,
+                policies: HashMap::new(),
             },
             records: 0,
             skipped: 0,
@@ -505,6 +514,13 @@ impl Replayer {
                 evicted.push((id, light));
             }
         }
+        let mut policies = Vec::new();
+        for (kind, (policy, stored)) in state.policies {
+            if let Some(policy) = policy {
+                *pins.entry(stored.home.seg).or_default() += 1;
+                policies.push((kind, policy, stored));
+            }
+        }
         for seg in &mut segments {
             seg.pins = pins.get(&seg.num).copied().unwrap_or(0);
         }
@@ -512,6 +528,7 @@ impl Replayer {
             tasks,
             evicted,
             rehome,
+            policies,
             segments,
             next_lsn: state.max_seq + 1,
             max_segment,
@@ -619,6 +636,7 @@ mod tests {
             restored: false,
             submit_seq: rng.next() >> 1,
             priority: [0, 0, 1, -1, 86_400, -86_400][rng.below(6) as usize],
+            held_by: Default::default(),
             idempotency: (rng.below(2) == 0).then(|| Box::new((Box::from("jti-1"), Box::from("key é")))),
             retry: crate::tasks::RetryPolicy {
                 backoff_ms: (rng.below(2) == 0).then(|| rng.below(100_000)),

@@ -23,6 +23,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (5, "retry policies per task", V5),
     (6, "re-runs of failed and canceled tasks", V6),
     (7, "worker sessions: a running attempt names its worker's session", V7),
+    (8, "kind policies: concurrency, rate, pause", V8),
 ];
 
 /// The newest version this build knows.
@@ -284,6 +285,29 @@ ALTER TABLE relay_running ADD COLUMN IF NOT EXISTS session text,
     ADD COLUMN IF NOT EXISTS client_id uuid,
     ADD COLUMN IF NOT EXISTS started_ms int8;
 CREATE INDEX IF NOT EXISTS relay_running_session ON relay_running (session) WHERE session IS NOT NULL;
+"#;
+
+/// Version 8 (SPEC §14 kind policies): one row per kind that has (or had) a policy; `changed`
+/// grows on every change, so nodes read what changed since they last looked, every second. The
+/// running attempts carry their kind (claims of a capped kind count them), and rate-limited
+/// kinds have a token bucket row.
+const V8: &str = r#"
+CREATE SEQUENCE IF NOT EXISTS relay_kind_policies_changed;
+CREATE TABLE IF NOT EXISTS relay_kind_policies (
+    kind          text PRIMARY KEY,
+    policy        text,                                -- the policy's JSON; NULL: removed
+    changed       int8 NOT NULL DEFAULT nextval('relay_kind_policies_changed')
+);
+-- A kind's running attempts are counted from their rows (never a counter that can drift).
+ALTER TABLE relay_running ADD COLUMN IF NOT EXISTS kind text;
+UPDATE relay_running r SET kind = t.kind FROM relay_tasks t WHERE t.id = r.task_id AND r.kind IS NULL;
+CREATE INDEX IF NOT EXISTS relay_running_kind ON relay_running (kind) WHERE kind IS NOT NULL;
+-- The token bucket of each rate-limited kind, updated by claims under the kind's lock.
+CREATE TABLE IF NOT EXISTS relay_kind_buckets (
+    kind          text PRIMARY KEY,
+    tokens        float8 NOT NULL,
+    at_ms         int8 NOT NULL                        -- database clock (relay_now_ms())
+);
 "#;
 
 /// What [`migrate`] did.

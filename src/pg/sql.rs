@@ -174,6 +174,42 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
      SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
      ORDER BY n.ord";
 
+// ---------------------------------------------------------------------------------------------
+// Kind policies (SPEC §14).
+
+/// Taken before [`SET_POLICY`]: policy changes commit in the order of their `changed` numbers,
+/// so a node that read up to one number never misses a smaller one committed later.
+pub const POLICY_LOCK: &str = "SELECT pg_advisory_xact_lock(8245972963651339266)";
+
+/// Sets ($2: the policy's JSON) or removes ($2 NULL) the policy of kind $1; every node reads
+/// the change within a second ([`POLICY_CHANGES`]). A removed policy stays as a row without one,
+/// so the other nodes see it go.
+pub const SET_POLICY: &str = "INSERT INTO relay_kind_policies (kind, policy) VALUES ($1::text, $2::text)
+     ON CONFLICT (kind) DO UPDATE SET policy = excluded.policy, changed = nextval('relay_kind_policies_changed')
+     RETURNING changed";
+
+/// Policies changed since $1 (a `changed` number): kind, policy JSON (NULL: removed), changed.
+pub const POLICY_CHANGES: &str = "SELECT kind, policy, changed FROM relay_kind_policies
+     WHERE changed > $1::int8 ORDER BY changed";
+
+/// The kinds `GET /kinds` shows ($1 NULL), or kind $1 alone: those with a policy or with pending
+/// or running tasks — kind, policy JSON (NULL: none), running attempts, pending tasks.
+pub const KINDS: &str = "WITH p AS (
+       SELECT kind, count(*) AS n FROM relay_pending
+       WHERE kind IS NOT NULL AND ($1::text IS NULL OR kind = $1::text) GROUP BY kind
+     ), r AS (
+       SELECT kind, count(*) AS n FROM relay_running
+       WHERE kind IS NOT NULL AND ($1::text IS NULL OR kind = $1::text) GROUP BY kind
+     ), pol AS (
+       SELECT kind, policy FROM relay_kind_policies
+       WHERE policy IS NOT NULL AND ($1::text IS NULL OR kind = $1::text)
+     ), k AS (
+       SELECT kind FROM pol UNION SELECT kind FROM p UNION SELECT kind FROM r
+     )
+     SELECT k.kind, pol.policy, coalesce(r.n, 0), coalesce(p.n, 0)
+     FROM k LEFT JOIN pol ON pol.kind = k.kind LEFT JOIN p ON p.kind = k.kind LEFT JOIN r ON r.kind = k.kind
+     ORDER BY k.kind";
+
 pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64) -> Stmt {
     let num = |v: Option<u64>| v.map(|n| n.to_string());
     let timeouts: Vec<Option<String>> = tasks.iter().map(|t| num(t.timeout_ms)).collect();
@@ -229,7 +265,7 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 pub const CLAIM: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
        WHERE $3::text[] IS NULL AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
-         AND NOT (tried @> $6::uuid[])
+         AND NOT (tried @> $6::uuid[]) AND (kind IS NULL OR NOT (kind = ANY($7::text[])))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
@@ -244,17 +280,18 @@ pub const CLAIM: &str = "WITH c AS (
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
                  t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base
      ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
      FROM u ORDER BY ord_ms, seq";
 
-/// [`CLAIM`] for a group that declared kinds ($3).
+/// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
+/// hold back, $7, from it too).
 pub const CLAIM_KINDS: &str = "WITH c AS (
        SELECT task_id FROM relay_pending
        WHERE kind = ANY($3::text[]) AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
-         AND NOT (tried @> $6::uuid[])
+         AND NOT (tried @> $6::uuid[]) AND NOT (kind = ANY($7::text[]))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
@@ -269,14 +306,115 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
                  t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base
      ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt) SELECT id, $1::uuid, attempt FROM u
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
      FROM u ORDER BY ord_ms, seq";
 
-/// One claim: $2 echoes the group (so one statement's rows say whose they are).
-pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit: u32, takers: &str) -> Stmt {
+/// Taken before [`CLAIM_LIMITED`], one lock per limited kind ($1, sorted: every node locks in
+/// the same order): claims of one kind on all nodes take turns, so what they count — the
+/// kind's running attempts, its token bucket — is exact cluster-wide (SPEC §14).
+pub const KIND_LOCKS: &str = "SELECT pg_advisory_xact_lock(hashtextextended('relay kind ' || k, 0))
+     FROM unnest($1::text[]) WITH ORDINALITY AS x(k, i) ORDER BY i";
+
+/// [`CLAIM_KINDS`] for the kinds $3 that a `max_running` ($7, NULL: none) or a rate ($8 tokens
+/// per ms, $9 burst; NULL: none) limits, under [`KIND_LOCKS`]: each kind takes at most what it
+/// has room for — its cap less its attempts running on every node (`relay_running`), and the
+/// whole tokens of its bucket (`relay_kind_buckets`, refilled on the database's clock, full when
+/// new) — and its bucket keeps what is left.
+pub const CLAIM_LIMITED: &str = "WITH k AS (
+       SELECT k.kind, k.cap, k.per_ms, k.burst, b.tokens AS b_tokens, b.at_ms AS b_at, relay_now_ms() AS now_db
+       FROM unnest($3::text[], $7::int8[], $8::float8[], $9::float8[]) AS k(kind, cap, per_ms, burst)
+       LEFT JOIN relay_kind_buckets b ON b.kind = k.kind
+     ), k2 AS (
+       SELECT k.*, CASE WHEN per_ms IS NULL THEN NULL
+                        ELSE least(burst, coalesce(b_tokens + greatest(0, now_db - b_at) * per_ms, burst)) END AS tokens
+       FROM k
+     ), room AS (
+       SELECT kind, per_ms, now_db, tokens,
+              greatest(0, least($5::int8,
+                coalesce(cap - (SELECT count(*) FROM relay_running r WHERE r.kind = k2.kind), $5::int8),
+                coalesce(floor(tokens + 1e-9)::int8, $5::int8))) AS n
+       FROM k2
+     ), c AS (
+       SELECT x.task_id FROM room CROSS JOIN LATERAL (
+         SELECT p.task_id FROM relay_pending p
+         WHERE p.kind = room.kind AND p.ord_ms <= $4::int8 + 86400000 AND p.due_ms <= $4::int8
+           AND NOT (p.tried @> $6::uuid[])
+         ORDER BY p.ord_ms, p.seq LIMIT room.n
+         FOR UPDATE SKIP LOCKED) x
+     ), d AS (
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
+       FROM d WHERE t.id = d.task_id AND t.status = 'pending'
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
+                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
+                                                              WHERE e ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
+     ), r AS (
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
+     ), bk AS (
+       INSERT INTO relay_kind_buckets (kind, tokens, at_ms)
+       SELECT room.kind, greatest(0, room.tokens - (SELECT count(*) FROM u WHERE u.kind = room.kind)), room.now_db
+       FROM room WHERE room.per_ms IS NOT NULL
+       ON CONFLICT (kind) DO UPDATE SET tokens = excluded.tokens, at_ms = excluded.at_ms
+     )
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
+     FROM u ORDER BY ord_ms, seq";
+
+/// After a claim of limited kinds $1: per kind, whether due tasks ($2 now) still wait (the node
+/// looks again shortly: a slot or a token frees on any node without telling it), its attempts
+/// running, and its bucket (tokens, ms since; NULL: none) — what `waiting_on` says meanwhile.
+pub const KIND_BACKLOG: &str = "SELECT k.kind,
+            EXISTS (SELECT 1 FROM relay_pending p WHERE p.kind = k.kind AND p.due_ms <= $2::int8),
+            (SELECT count(*) FROM relay_running r WHERE r.kind = k.kind),
+            b.tokens, relay_now_ms() - b.at_ms
+     FROM unnest($1::text[]) AS k(kind) LEFT JOIN relay_kind_buckets b ON b.kind = k.kind";
+
+/// `relay_kind_running` / `relay_kind_pending` for the kinds with a policy ($1, at most 1,000):
+/// kind, attempts running, tasks pending (each counted on its kind's index).
+pub const KIND_GAUGES: &str = "SELECT k.kind, (SELECT count(*) FROM relay_running r WHERE r.kind = k.kind),
+            (SELECT count(*) FROM relay_pending p WHERE p.kind = k.kind)
+     FROM unnest($1::text[]) AS k(kind) ORDER BY k.kind";
+
+/// A limited kind in a claim: (kind, running cap, tokens per ms, burst).
+pub type Limited<'a> = (&'a str, Option<u32>, Option<f64>, Option<f64>);
+
+/// [`CLAIM_LIMITED`] for one group.
+pub fn claim_limited(node: &str, group: u32, kinds: &[Limited<'_>], now_ms: u64, limit: u32, takers: &str) -> Stmt {
+    let caps: Vec<Option<String>> = kinds.iter().map(|k| k.1.map(|c| c.to_string())).collect();
+    let rates: Vec<Option<String>> = kinds.iter().map(|k| k.2.map(|r| format!("{r:e}"))).collect();
+    let bursts: Vec<Option<String>> = kinds.iter().map(|k| k.3.map(|b| b.to_string())).collect();
+    Stmt::new(
+        CLAIM_LIMITED,
+        vec![
+            node.into(),
+            i64::from(group).into(),
+            arr(kinds.iter().map(|k| k.0)),
+            (now_ms.min(i64::MAX as u64) as i64).into(),
+            i64::from(limit).into(),
+            Param::Text(takers.to_string()),
+            arr_opt(caps.iter().map(Option::as_deref)),
+            arr_opt(rates.iter().map(Option::as_deref)),
+            arr_opt(bursts.iter().map(Option::as_deref)),
+        ],
+    )
+}
+
+/// One claim: $2 echoes the group (so one statement's rows say whose they are); `held`: kinds
+/// a policy holds back (a claim of every kind leaves them out: $7).
+pub fn claim(
+    node: &str,
+    group: u32,
+    kinds: Option<&[&str]>,
+    now_ms: u64,
+    limit: u32,
+    takers: &str,
+    held: &[&str],
+) -> Stmt {
     Stmt::new(
         if kinds.is_some() { CLAIM_KINDS } else { CLAIM },
         vec![
@@ -286,6 +424,7 @@ pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit:
             (now_ms.min(i64::MAX as u64) as i64).into(),
             i64::from(limit).into(),
             Param::Text(takers.to_string()),
+            arr(held.iter().copied()),
         ],
     )
 }
@@ -893,11 +1032,13 @@ pub const UPSERT_WORKERS: &str = "INSERT INTO relay_workers
             w.concurrency, w.in_flight, w.active, w.version
      FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::int4[], $8::bool[], $9::text[])
        AS w(client_id, ip, connected_ms, kinds, concurrency, in_flight, active, version)
-     ON CONFLICT (client_id) DO UPDATE SET kinds = excluded.kinds, concurrency = excluded.concurrency,
-       in_flight = excluded.in_flight, active = excluded.active, version = excluded.version";
+     ON CONFLICT (client_id) DO UPDATE SET node_id = excluded.node_id, ip = excluded.ip, kinds = excluded.kinds,
+       concurrency = excluded.concurrency, in_flight = excluded.in_flight, active = excluded.active,
+       version = excluded.version";
 
-/// $1 client ids that left this node.
-pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = ANY($1::uuid[])";
+/// $1 client ids that left this node ($2). (A session's client id may be another node's row by
+/// now: its worker resumed there, SPEC §12.)
+pub const DELETE_WORKERS: &str = "DELETE FROM relay_workers WHERE client_id = ANY($1::uuid[]) AND node_id = $2::uuid";
 
 /// Every row of this node ($1) but its workers connected now ($2): after an outage, or when
 /// more workers left than the node keeps track of, instead of [`DELETE_WORKERS`].
@@ -993,6 +1134,14 @@ pub const ALL: &[(&str, &str)] = &[
     ("IDEMPOTENT_LOOKUP", IDEMPOTENT_LOOKUP),
     ("CLAIM", CLAIM),
     ("CLAIM_KINDS", CLAIM_KINDS),
+    ("POLICY_LOCK", POLICY_LOCK),
+    ("SET_POLICY", SET_POLICY),
+    ("KIND_LOCKS", KIND_LOCKS),
+    ("CLAIM_LIMITED", CLAIM_LIMITED),
+    ("KIND_BACKLOG", KIND_BACKLOG),
+    ("KIND_GAUGES", KIND_GAUGES),
+    ("POLICY_CHANGES", POLICY_CHANGES),
+    ("KINDS", KINDS),
     ("UNCLAIM", UNCLAIM),
     ("RELEASE_ORPHANS", RELEASE_ORPHANS),
     ("ADOPT_ORPHANS", ADOPT_ORPHANS),

@@ -483,6 +483,17 @@ impl Store {
         each!(self, s => s.unwatch(id))
     }
 
+    /// `GET/PUT/DELETE /kinds/{kind}`, `GET /kinds` (SPEC §14): [`Event::Answer`], a change
+    /// once it is durable.
+    pub fn kind_op(&mut self, op: crate::flow::KindOp, conn: ConnRef) {
+        each!(self, s => s.kind_op(op, conn))
+    }
+
+    /// Is the kind paused (as this node knows its policy)? Its submits wait (SPEC §14).
+    pub fn kind_paused(&self, kind: Option<&str>) -> bool {
+        each!(self, s => s.kind_paused(kind))
+    }
+
     /// `/clients`: [`Event::Clients`].
     pub fn list_workers(&mut self, conn: ConnRef) {
         each!(self, s => s.list_workers(conn))
@@ -648,8 +659,12 @@ impl Store {
                     full: !j.writable(),
                     deletes_failing: j.deletes_failing(),
                 });
+                m.kind_gauges(g);
             }
-            Store::Pg(p) => g.cluster = Some(p.gauges()),
+            Store::Pg(p) => {
+                g.cluster = Some(p.gauges());
+                p.kind_gauges(g);
+            }
         }
     }
 

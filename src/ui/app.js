@@ -88,11 +88,16 @@ class ApiError extends Error {
   }
 }
 
-async function api(method, path) {
+async function api(method, path, json) {
   const headers = { Accept: 'application/json' };
   const t = token();
   if (t) headers.Authorization = 'Bearer ' + t;
-  const res = await fetch(path, { method, headers, cache: 'no-store', credentials: 'omit', redirect: 'error' });
+  const init = { method, headers, cache: 'no-store', credentials: 'omit', redirect: 'error' };
+  if (json !== undefined) {
+    headers['Content-Type'] = 'application/json';
+    init.body = JSON.stringify(json);
+  }
+  const res = await fetch(path, init);
   const type = res.headers.get('Content-Type') || '';
   const body = type.startsWith('application/json') ? await res.json() : await res.text();
   // (A 409 of a cancel or a retry carries the task as it is: not an error to show.)
@@ -356,6 +361,73 @@ function renderWorkers() {
   $('workers-next').disabled = workersPage >= pages - 1;
 }
 
+// ----- kinds: policies, running and pending counts, pause and resume -----------------------------
+
+let kinds = [];
+
+function policyText(p) {
+  const parts = [];
+  for (const [name, v] of Object.entries(p || {})) {
+    if (name !== 'paused') parts.push(name + ' ' + v);
+  }
+  return parts.length ? parts.join(', ') : 'no limits';
+}
+
+async function pollKinds() {
+  if (!token()) {
+    kinds = [];
+    $('kinds-note').textContent = 'Type the API token to see kinds.';
+    renderKinds();
+    return;
+  }
+  try {
+    const { body } = await api('GET', '/kinds');
+    kinds = Array.isArray(body.kinds) ? body.kinds : [];
+    $('kinds-note').textContent = kinds.length ? '' : 'No kind has a policy or tasks waiting or running.';
+  } catch (err) {
+    kinds = [];
+    $('kinds-note').textContent = err.status === 403 ? 'Kinds are shown to the root API token only.' : explain(err);
+  }
+  renderKinds();
+}
+
+// Pause keeps the kind's limits (a PUT replaces the whole policy): the policy as shown, with
+// `paused` set or removed.
+async function setPaused(k, paused) {
+  const policy = { ...(k.policy || {}) };
+  if (paused) policy.paused = true;
+  else delete policy.paused;
+  try {
+    await api('PUT', '/kinds/' + encodeURIComponent(k.kind), policy);
+    banner('');
+  } catch (err) {
+    banner(explain(err), true);
+  }
+  await pollKinds();
+}
+
+function renderKinds() {
+  const body = $('kinds');
+  clear(body);
+  for (const k of kinds.slice(0, 200)) {
+    const tr = el('tr');
+    tr.dataset.kind = k.kind;
+    tr.appendChild(cell(k.kind, 'kind'));
+    const paused = !!(k.policy && k.policy.paused);
+    tr.appendChild(cell((paused ? 'paused · ' : '') + policyText(k.policy), 'text'));
+    tr.appendChild(cell(k.running));
+    tr.appendChild(cell(k.pending));
+    const td = el('td');
+    const b = el('button', paused ? null : 'danger', paused ? 'Resume' : 'Pause');
+    b.type = 'button';
+    b.setAttribute('aria-label', (paused ? 'Resume ' : 'Pause ') + k.kind);
+    b.addEventListener('click', () => setPaused(k, !paused));
+    td.appendChild(b);
+    tr.appendChild(td);
+    body.appendChild(tr);
+  }
+}
+
 // ----- the task list -----------------------------------------------------------------------------
 
 const list = { cursors: [null], index: 0, next: null, busy: false };
@@ -416,6 +488,7 @@ function renderTasks(tasks) {
     tr.appendChild(idCell);
     const st = el('td');
     st.appendChild(statusBadge(t.status));
+    if (t.waiting_on) st.appendChild(el('span', 'muted waiting', ' ' + t.waiting_on));
     tr.appendChild(st);
     tr.appendChild(cell(t.kind === undefined ? '' : t.kind, 'kind'));
     tr.appendChild(cell(fmtTime(t.created_at)));
@@ -544,6 +617,7 @@ function renderTask(t) {
   field(dl, 'attempts', String(t.attempts));
   field(dl, 'reruns', t.reruns === undefined ? undefined : String(t.reruns));
   field(dl, 'waiting on', t.waiting_on === undefined ? undefined : t.waiting_on + (t.next_attempt_at ? ' until ' + fmtTime(t.next_attempt_at) : ''));
+  field(dl, 'priority', t.priority === undefined ? undefined : String(t.priority));
   field(dl, 'finished by', t.client_id ? t.client_id + ' (' + t.client_ip + ')' : undefined);
   field(dl, 'error', t.error);
   renderTimeline(t);
@@ -649,7 +723,8 @@ let tick = 0;
 
 async function poll() {
   try {
-    await Promise.all([pollHealth(), pollMetrics(), tick % WORKERS_EVERY === 0 ? pollWorkers() : null]);
+    await Promise.all([pollHealth(), pollMetrics(), tick % WORKERS_EVERY === 0 ? pollWorkers() : null,
+      tick % WORKERS_EVERY === 2 ? pollKinds() : null]);
     await seedChart();
     // The first page of the list follows new tasks; later pages stay where the user put them.
     if (!$('overview').hidden && list.index === 0 && tick % WORKERS_EVERY === 1) await loadTasks();
@@ -689,6 +764,7 @@ function start() {
     checkToken();
     // With the root token the chart fills in the minutes before at once.
     pollWorkers().then(seedChart);
+    pollKinds();
     resetList();
     route();
   });
@@ -696,6 +772,7 @@ function start() {
     sessionStorage.removeItem(TOKEN_KEY);
     checkToken();
     pollWorkers();
+    pollKinds();
     resetList();
     route();
   });

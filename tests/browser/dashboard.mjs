@@ -141,6 +141,25 @@ try {
   const shown = await page.$$eval('#workers tr td:first-child', (tds) => tds.map((td) => td.textContent));
   check(workers.every((w) => shown.includes(w)), 'both workers are listed: ' + shown.join(', '));
 
+  // Kinds: the delayed task's kind is listed with its counts; Pause and Resume set its policy.
+  const kindRow = '#kinds tr[data-kind="report"]';
+  await page.locator(kindRow).waitFor();
+  check((await page.textContent(kindRow)).includes('no limits'), 'a kind with tasks and no policy is listed');
+  const askKind = async () =>
+    (await fetch(`${base}/kinds/report`, { headers: { Authorization: 'Bearer ' + token } })).json();
+  await page.click(`${kindRow} button`);
+  await page.locator(`${kindRow} button`, { hasText: 'Resume' }).waitFor();
+  const paused = await askKind();
+  check(paused.policy.paused === true && paused.pending >= 1, 'Pause pauses the kind: ' + JSON.stringify(paused));
+  check((await page.textContent(kindRow)).includes('paused'), 'the kinds table says it is paused');
+  await page.click(`${kindRow} button`);
+  await page.locator(`${kindRow} button`, { hasText: 'Pause' }).waitFor();
+  check((await askKind()).policy.paused === undefined, 'Resume resumes it');
+  // A pending task says why it waits in the list.
+  const waitingRow = page.locator('#tasks tr', { has: page.locator(`a[href="#/task/${delayedTask}"]`) });
+  await waitingRow.locator('.waiting', { hasText: 'schedule' }).waitFor();
+  check(true, 'a pending task shows what it waits on (schedule)');
+
   // Counts and the chart fill in. The chart does not wait for two samples of the counters:
   // the minutes before the page opened come from the task list (the harness finished tasks
   // before starting the browser, and relay has been up for a few seconds).

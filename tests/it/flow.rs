@@ -156,3 +156,313 @@ fn priorities_survive_a_restart() {
         assert_eq!(run_in_order(&w, 3), ["c", "a", "b"]);
     });
 }
+
+// ----- kind policies -------------------------------------------------------------------------
+
+fn put_policy(relay: &Relay, kind: &str, body: &str) -> Value {
+    let r = relay.api("PUT", &format!("/kinds/{kind}"), Some(body));
+    assert_eq!(r.status, 200, "PUT /kinds/{kind} {body}: {}", r.text());
+    r.json()
+}
+
+#[test]
+fn kind_policies_are_validated_set_read_listed_and_removed() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        assert_eq!(relay.api("GET", "/kinds/never", None).status, 404, "a kind relay never saw");
+        for bad in [
+            r#"{"max_running":0}"#,
+            r#"{"max_running":1.5}"#,
+            r#"{"rate":"10/d"}"#,
+            r#"{"rate":"0/s"}"#,
+            r#"{"burst":0}"#,
+            r#"{"paused":"yes"}"#,
+            r#"{"unknown":1}"#,
+            "[]",
+            "not json",
+        ] {
+            let r = relay.api("PUT", "/kinds/k", Some(bad));
+            assert_eq!((r.status, r.error()), (400, "bad_request".to_string()), "{bad}: {}", r.text());
+        }
+        assert_eq!(relay.api("GET", "/kinds/k", None).status, 404, "nothing was stored");
+        let full =
+            r#"{"max_running":2,"max_running_per_key":1,"rate":"600/m","burst":3,"rate_per_key":"1/s","paused":true}"#;
+        let got = put_policy(&relay, "k", full);
+        let policy: Value = serde_json::from_str(full).expect("json");
+        assert_eq!(got, json!({"kind": "k", "policy": policy, "running": 0, "pending": 0}));
+        assert_eq!(relay.api("GET", "/kinds/k", None).json(), got);
+        let queued_id = queued(&relay, "x", "");
+        let other = id_of(&relay.submit(r#"{"payload":{"kind":"other"},"queue":true}"#));
+        let list = relay.api("GET", "/kinds", None).json();
+        let kinds: Vec<&str> =
+            list["kinds"].as_array().expect("kinds").iter().filter_map(|k| k["kind"].as_str()).collect();
+        assert_eq!(kinds, ["k", "other"], "policies and kinds with tasks: {list}");
+        assert_eq!(list["kinds"][1], json!({"kind": "other", "policy": {}, "running": 0, "pending": 1}));
+        let gone = relay.api("DELETE", "/kinds/k", None);
+        assert_eq!((gone.status, gone.json()), (200, json!({"kind": "k", "policy": {}, "running": 0, "pending": 0})));
+        assert_eq!(relay.api("GET", "/kinds/k", None).status, 404, "no policy and no tasks");
+        let replaced = put_policy(&relay, "other", r#"{"max_running":1}"#);
+        assert_eq!(replaced["pending"], 1);
+        let replaced = put_policy(&relay, "other", r#"{"rate":"5/s"}"#);
+        assert_eq!(replaced["policy"], json!({"rate": "5/s"}), "a PUT replaces the whole policy");
+        drop((queued_id, other));
+    });
+}
+
+#[test]
+fn a_paused_kind_accepts_submits_finishes_what_runs_and_resumes_in_order() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let w =
+            FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["p","q"],"concurrency":1})), Auto::Manual);
+        relay.wait_clients(1, |c| c["concurrency"] == 1);
+        let running = id_of(&relay.submit(r#"{"payload":{"kind":"p","n":"running"}}"#));
+        let first = w.expect_task();
+        assert_eq!(first.id, running);
+        put_policy(&relay, "p", r#"{"paused":true}"#);
+        // Plain submits (no queue) are accepted and wait, as batch items do.
+        let a = id_of(&relay.submit(r#"{"payload":{"kind":"p","n":"a"}}"#));
+        id_of(&relay.submit(r#"{"payload":{"kind":"p","n":"b"},"priority":5}"#));
+        let c = id_of(&relay.submit(r#"{"payload":{"kind":"p","n":"c"}}"#));
+        w.done(&running, json!(null));
+        relay.wait_status(&running, "done", Duration::from_secs(5));
+        // Another kind is not held.
+        let q = id_of(&relay.submit(r#"{"payload":{"kind":"q","n":"q"}}"#));
+        let t = w.expect_task();
+        assert_eq!(t.id, q, "a pause on one kind never delays another");
+        w.done(&q, json!(null));
+        assert!(w.no_task(Duration::from_millis(500)), "nothing of the paused kind runs");
+        let task = relay.get_task(&a);
+        assert_eq!((task["status"].as_str(), task["waiting_on"].as_str()), (Some("pending"), Some("paused")), "{task}");
+        assert_eq!(relay.metric("relay_dispatch_held_total{reason=\"paused\"}"), 3.0);
+        let kind = relay.api("GET", "/kinds/p", None).json();
+        assert_eq!((kind["pending"].as_u64(), kind["running"].as_u64()), (Some(3), Some(0)), "{kind}");
+        put_policy(&relay, "p", r#"{"paused":false}"#);
+        assert_eq!(run_in_order(&w, 3), ["b", "a", "c"], "in order once resumed");
+        drop(c);
+        // With no worker at all, a paused kind's plain submit still waits (not 503).
+        drop(w);
+        relay.wait_clients(0, |_| true);
+        put_policy(&relay, "p", r#"{"paused":true}"#);
+        let waits = id_of(&relay.submit(r#"{"payload":{"kind":"p","n":"alone"}}"#));
+        assert_eq!(relay.get_task(&waits)["waiting_on"], "paused");
+        let deleted = relay.api("DELETE", "/kinds/p", None);
+        assert_eq!(deleted.status, 200);
+        let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["p"],"concurrency":1})), Auto::Manual);
+        assert_eq!(w.expect_task().id, waits, "deleting the policy resumes the kind");
+    });
+}
+
+#[test]
+fn policies_survive_a_restart() {
+    for_each_mode(|mode| {
+        let dir = TempDir::new("policy");
+        let relay = durable(mode, &dir, &[]);
+        put_policy(&relay, "a", r#"{"max_running":4,"rate":"10/s"}"#);
+        put_policy(&relay, "b", r#"{"paused":true}"#);
+        put_policy(&relay, "c", r#"{"max_running":1}"#);
+        assert_eq!(relay.api("DELETE", "/kinds/c", None).status, 200);
+        queued(&relay, "held", "");
+        let held = id_of(&relay.submit(r#"{"payload":{"kind":"b"},"queue":true}"#));
+        let relay = restart(relay, &dir, &[]);
+        let list = relay.api("GET", "/kinds", None).json();
+        assert_eq!(
+            list,
+            json!({"kinds": [
+                {"kind": "a", "policy": {"max_running": 4, "rate": "10/s"}, "running": 0, "pending": 0},
+                {"kind": "b", "policy": {"paused": true}, "running": 0, "pending": 1},
+            ]}),
+            "after the restart"
+        );
+        let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["b"]})), Auto::Manual);
+        assert!(w.no_task(Duration::from_millis(800)), "b is still paused");
+        assert_eq!(relay.get_task(&held)["waiting_on"], "paused");
+    });
+}
+
+#[test]
+fn a_policy_set_on_one_node_applies_on_another_within_a_second() {
+    let Ok(pg) = crate::support::pg::shared() else {
+        assert!(!crate::support::pg::required(), "PostgreSQL is required");
+        return;
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let one = Mode::start_on(db.clone(), &[]);
+    let two = Mode::start_on(db, &[]);
+    let w = FakeWorker::connect(&two, Some(json!({"type":"hello","kinds":["k"],"concurrency":4})), Auto::Manual);
+    two.wait_clients(1, |c| c["concurrency"] == 4);
+    put_policy(&one, "k", r#"{"paused":true}"#);
+    // A second later (what SPEC §14 allows) the other node holds the kind back too.
+    let set = std::time::Instant::now();
+    poll_until(Duration::from_secs(2), || set.elapsed() >= Duration::from_secs(1));
+    let id = id_of(&two.submit(r#"{"payload":{"kind":"k"}}"#));
+    assert!(w.no_task(Duration::from_millis(700)), "paused on every node");
+    assert_eq!(two.get_task(&id)["waiting_on"], "paused");
+    assert_eq!(one.api("DELETE", "/kinds/k", None).status, 200);
+    assert_eq!(w.next_task(Duration::from_secs(3)).map(|t| t.id), Some(id), "resumed on every node");
+}
+
+// ----- limits --------------------------------------------------------------------------------
+
+#[test]
+fn max_running_is_never_exceeded_over_many_workers_and_holds_no_other_kind() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let workers: Vec<FakeWorker> = (0..5)
+            .map(|_| {
+                FakeWorker::connect(
+                    &relay,
+                    Some(json!({"type":"hello","kinds":["m","free"],"concurrency":4})),
+                    Auto::Manual,
+                )
+            })
+            .collect();
+        relay.wait_clients(5, |c| c["concurrency"] == 4);
+        put_policy(&relay, "m", r#"{"max_running":2}"#);
+        let ids: Vec<String> = (0..20)
+            .map(|i| id_of(&relay.submit(&format!(r#"{{"payload":{{"kind":"m","n":{i}}},"queue":true}}"#))))
+            .collect();
+        // Running as the workers see it: sent and not answered yet.
+        let mut running: Vec<(usize, String)> = Vec::new();
+        let mut done = 0;
+        let mut most = 0;
+        let mut checked_free = false;
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while done < ids.len() && std::time::Instant::now() < deadline {
+            for (i, w) in workers.iter().enumerate() {
+                while let Some(t) = w.next_task(Duration::from_millis(20)) {
+                    running.push((i, t.id));
+                }
+            }
+            most = most.max(running.len());
+            assert!(running.len() <= 2, "max_running 2 exceeded: {running:?}");
+            if running.len() == 2 && !checked_free {
+                checked_free = true;
+                let pending = ids
+                    .iter()
+                    .find(|id| running.iter().all(|r| &r.1 != *id) && relay.get_task(id)["status"] == "pending");
+                if let Some(p) = pending {
+                    assert_eq!(relay.get_task(p)["waiting_on"], "concurrency");
+                }
+                assert_eq!(relay.api("GET", "/kinds/m", None).json()["running"], 2);
+                // Another kind is not held back by m's cap.
+                let free = id_of(&relay.submit(r#"{"payload":{"kind":"free"}}"#));
+                let got = poll_until(Duration::from_secs(3), || {
+                    workers.iter().any(|w| w.next_task(Duration::from_millis(10)).is_some_and(|t| t.id == free))
+                });
+                assert!(got, "a cap on one kind never delays another");
+            }
+            if let Some((i, id)) = (!running.is_empty()).then(|| running.remove(0)) {
+                workers[i].done(&id, json!(null));
+                done += 1;
+            }
+        }
+        assert_eq!(done, ids.len(), "every task ran");
+        assert_eq!(most, 2, "the cap was used");
+        assert!(relay.metric("relay_dispatch_held_total{reason=\"concurrency\"}") >= 1.0);
+        // (Cluster mode counts the kind's tasks once a second.)
+        assert!(poll_until(Duration::from_secs(3), || relay.metric("relay_kind_pending{kind=\"m\"}") == 0.0));
+    });
+}
+
+#[test]
+fn rate_bounds_dispatch_starts_with_a_full_bucket_and_holds_no_other_kind() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let w = FakeWorker::connect(
+            &relay,
+            Some(json!({"type":"hello","kinds":["r","free"],"concurrency":100})),
+            Auto::Manual,
+        );
+        relay.wait_clients(1, |c| c["concurrency"] == 100);
+        put_policy(&relay, "r", r#"{"rate":"10/s","burst":4}"#);
+        let start = std::time::Instant::now();
+        let ids: Vec<String> = (0..24)
+            .map(|i| id_of(&relay.submit(&format!(r#"{{"payload":{{"kind":"r","n":{i}}},"queue":true}}"#))))
+            .collect();
+        let mut starts: Vec<f64> = Vec::new();
+        let mut checked = false;
+        while starts.len() < ids.len() && start.elapsed() < Duration::from_secs(10) {
+            if let Some(t) = w.next_task(Duration::from_millis(50)) {
+                starts.push(start.elapsed().as_secs_f64());
+                w.done(&t.id, json!(null));
+            }
+            if !checked && starts.len() >= 4 {
+                checked = true;
+                let waiting: Vec<Value> =
+                    ids.iter().map(|id| relay.get_task(id)).filter(|t| t["status"] == "pending").collect();
+                assert!(waiting.iter().any(|t| t["waiting_on"] == "rate"), "{waiting:?}");
+                let free = id_of(&relay.submit(r#"{"payload":{"kind":"free"}}"#));
+                let got = poll_until(Duration::from_secs(2), || match w.next_task(Duration::from_millis(10)) {
+                    Some(t) if t.id == free => true,
+                    Some(t) => {
+                        starts.push(start.elapsed().as_secs_f64());
+                        w.done(&t.id, json!(null));
+                        false
+                    }
+                    None => false,
+                });
+                assert!(got, "a rate on one kind never delays another");
+            }
+        }
+        assert_eq!(starts.len(), ids.len(), "every task ran: {starts:?}");
+        // A bucket of 4 that starts full, then 10 a second: by time t at most 4 + 10 t started
+        // (a little slack for the test's own timing), and the 24 take about 2 s.
+        for (n, t) in starts.iter().enumerate() {
+            assert!((n + 1) as f64 <= 4.0 + 10.0 * t + 1.5, "start {} at {t:.3}s is too early: {starts:?}", n + 1);
+        }
+        let took = starts[ids.len() - 1];
+        assert!((1.6..4.0).contains(&took), "24 starts at 10/s after a burst of 4 took {took:.2}s: {starts:?}");
+        assert!(relay.metric("relay_dispatch_held_total{reason=\"rate\"}") >= 1.0);
+    });
+}
+
+#[test]
+fn max_running_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once() {
+    let Ok(pg) = crate::support::pg::shared() else {
+        assert!(!crate::support::pg::required(), "PostgreSQL is required");
+        return;
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let nodes: Vec<Relay> = (0..3).map(|_| Mode::start_on(db.clone(), &[])).collect();
+    let mut workers = Vec::new();
+    for node in &nodes {
+        for _ in 0..3 {
+            workers.push(FakeWorker::connect(
+                node,
+                Some(json!({"type":"hello","kinds":["m"],"concurrency":4})),
+                Auto::Manual,
+            ));
+        }
+    }
+    nodes[0].wait_clients(9, |c| c["concurrency"] == 4);
+    put_policy(&nodes[0], "m", r#"{"max_running":3}"#);
+    // Every node knows the policy before the tasks come (SPEC §14: within a second).
+    let set = std::time::Instant::now();
+    poll_until(Duration::from_secs(2), || set.elapsed() >= Duration::from_millis(1_100));
+    let body = (0..40).map(|i| format!(r#"{{"payload":{{"kind":"m","n":{i}}}}}"#)).collect::<Vec<_>>().join(",");
+    let batch = nodes[1].api("POST", "/tasks/batch", Some(&format!(r#"{{"tasks":[{body}]}}"#)));
+    assert_eq!(batch.status, 202, "{}", batch.text());
+    let mut running: Vec<(usize, String)> = Vec::new();
+    let (mut done, mut most) = (0, 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    let mut last_new = std::time::Instant::now();
+    while done < 40 && std::time::Instant::now() < deadline {
+        for (i, w) in workers.iter().enumerate() {
+            while let Some(t) = w.next_task(Duration::from_millis(5)) {
+                running.push((i, t.id));
+                last_new = std::time::Instant::now();
+            }
+        }
+        most = most.max(running.len());
+        assert!(running.len() <= 3, "max_running 3 exceeded across nodes: {running:?}");
+        // Answer one when the cap is reached (or nothing more comes for a while: the tail).
+        if !running.is_empty() && (running.len() == 3 || last_new.elapsed() > Duration::from_millis(600)) {
+            let (i, id) = running.remove(0);
+            workers[i].done(&id, json!(null));
+            done += 1;
+        }
+    }
+    assert_eq!(done, 40, "every task ran");
+    assert_eq!(most, 3, "the cap was used");
+}

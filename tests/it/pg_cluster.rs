@@ -523,7 +523,7 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
 
 /// A claim of up to `slots` tasks for one idle worker `client` of `node` (kinds `kinds`).
 fn claim(node: &str, client: &str, kinds: Option<&[&str]>, slots: u32, now_ms: u64) -> Stmt {
-    sql::claim(node, 1, kinds, now_ms, slots, &format!("{{{client}}}"))
+    sql::claim(node, 1, kinds, now_ms, slots, &format!("{{{client}}}"), &[])
 }
 
 fn runner(client: &str) -> sql::Runner {
@@ -975,7 +975,14 @@ fn pg_sql_files_workers_and_token_changes() {
     assert_eq!(rows.len(), 2);
     assert_eq!((rows[0].text(3), rows[0].text(8)), (Some(r#"["http","file"]"#), Some("node-a")));
     assert_eq!((rows[1].text(3), rows[1].bool(6)), (None, Some(false)), "no kinds: takes every kind");
-    c.pipeline(&[Stmt::new(sql::DELETE_WORKERS, vec![sql::array([Some(uuid_n(2).as_str())]).into()])]).expect("delete");
+    // Another node's delete of a client id whose row is this node's (a session that resumed
+    // here) leaves it; this node's own delete takes it.
+    let delete =
+        |node: &str| Stmt::new(sql::DELETE_WORKERS, vec![sql::array([Some(uuid_n(2).as_str())]).into(), node.into()]);
+    let out = c.pipeline(&[delete(NODE_B)]).expect("delete");
+    assert_eq!(out[0].affected, 0, "a row of another node stays");
+    let out = c.pipeline(&[delete(NODE_A)]).expect("delete");
+    assert_eq!(out[0].affected, 1, "its own node's delete takes it");
     c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
         .expect("age");
     let out = c.pipeline(&[Stmt::new(sql::LIST_WORKERS, vec![6_000i64.into()])]).expect("list");

@@ -582,3 +582,164 @@ fn the_dashboard_shows_held_sessions() {
     assert_eq!(js.status, 200);
     assert!(js.text().contains("w.resumable_until ? 'held until '"), "the workers table shows a held session");
 }
+
+/// The node name a cluster node reports in `/healthz`.
+fn node_name(relay: &Relay) -> String {
+    relay.api("GET", "/healthz", None).json()["node"].as_str().expect("node").to_string()
+}
+
+#[test]
+fn cluster_a_worker_that_blips_to_another_node_and_back_delivers_on_the_first_one() {
+    // A worker on A blips to B (B takes its attempts from the database) and, within A's window,
+    // back to A — which still holds the session from the first blip. A must take back from the
+    // database what B holds now (the first task, and one B sent meanwhile) before it adopts:
+    // else A's writes about them are fenced (the result lost) and B's window retries them.
+    let env = [("RESUME_WINDOW", "20s")];
+    let Some((a, b)) =
+        two_nodes("cluster_a_worker_that_blips_to_another_node_and_back_delivers_on_the_first_one", &env)
+    else {
+        return;
+    };
+    let proxy = Proxy::start(a.addr);
+    let w = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-aba")), Auto::Manual).expect("connects");
+    let secret = w.expect_welcome()["session"].clone();
+    a.wait_clients(1, |c| c["version"] == "it");
+    let first = id_of(&a.submit(r#"{"payload":{"n":1}}"#));
+    assert_eq!(w.expect_task().id, first);
+    wait_session_row(&a, &first);
+    proxy.cut();
+    wait_held(&a);
+
+    proxy.retarget(b.addr);
+    let w2 = FakeWorker::connect_url(
+        &proxy.ws_url(),
+        Some(resume("w-aba", &secret, json!([{"task_id": first, "attempt": 1}]))),
+        Auto::Manual,
+    )
+    .expect("reconnects to B");
+    assert_eq!(w2.expect_welcome()["adopted"], json!([first]));
+    let active = poll_until(Duration::from_secs(5), || {
+        b.clients()["clients"].as_array().is_some_and(|c| c.iter().any(|w| w["active"] == true))
+    });
+    assert!(active, "the worker is active on B");
+    let second = id_of(&b.submit(r#"{"payload":{"n":2}}"#));
+    assert_eq!(w2.expect_task().id, second);
+    wait_session_row(&b, &second);
+    proxy.cut();
+    wait_held(&b);
+
+    proxy.retarget(a.addr);
+    let w3 = FakeWorker::connect_url(
+        &proxy.ws_url(),
+        Some(resume("w-aba", &secret, json!([{"task_id": first, "attempt": 1}, {"task_id": second, "attempt": 1}]))),
+        Auto::Manual,
+    )
+    .expect("reconnects to A");
+    let welcome = w3.expect_welcome();
+    let mut adopted: Vec<String> =
+        welcome["adopted"].as_array().expect("adopted").iter().map(|v| v.as_str().expect("id").to_string()).collect();
+    adopted.sort();
+    let mut both = vec![first.clone(), second.clone()];
+    both.sort();
+    assert_eq!((adopted, welcome["abandon"].clone()), (both, json!([])), "back on A: {welcome}");
+    w3.done_attempt(&first, 1, json!("first"));
+    w3.done_attempt(&second, 1, json!("second"));
+    for (id, result) in [(&first, "first"), (&second, "second")] {
+        let t = a.wait_status(id, "done", Duration::from_secs(5));
+        assert_eq!((outcomes(&t), t["result"].clone()), (vec!["done".to_string()], json!(result)), "{t}");
+    }
+    // B's window passes: what it held is no longer its, nothing changes.
+    wait_metric(&b, "relay_attempts_held", 0.0);
+    for id in [&first, &second] {
+        let t = a.get_task(id);
+        assert_eq!((t["status"].as_str(), t["attempts"].as_u64()), (Some("done"), Some(1)), "{t}");
+    }
+    drop((w, w2, w3, proxy));
+}
+
+#[test]
+fn cluster_a_resumed_worker_is_listed_once_under_the_node_it_resumed_on() {
+    let env = [("RESUME_WINDOW", "4s")];
+    let Some((a, b)) = two_nodes("cluster_a_resumed_worker_is_listed_once_under_the_node_it_resumed_on", &env) else {
+        return;
+    };
+    let proxy = Proxy::start(a.addr);
+    let w = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-row")), Auto::Manual).expect("connects");
+    let welcome = w.expect_welcome();
+    let client_id = welcome["client_id"].clone();
+    a.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&a.submit(r#"{"payload":{"n":3}}"#));
+    assert_eq!(w.expect_task().id, id);
+    wait_session_row(&a, &id);
+    proxy.cut();
+    wait_held(&a);
+    let w2 = FakeWorker::connect(
+        &b,
+        Some(resume("w-row", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+        Auto::Manual,
+    );
+    assert_eq!(w2.expect_welcome()["client_id"], client_id);
+    let b_name = node_name(&b);
+    let listed_once_on_b = |relay: &Relay| {
+        let mut last = Value::Null;
+        let ok = poll_until(Duration::from_secs(5), || {
+            last = relay.clients();
+            let mine: Vec<&Value> =
+                last["clients"].as_array().expect("clients").iter().filter(|c| c["client_id"] == client_id).collect();
+            mine.len() == 1 && mine[0]["node"] == b_name.as_str() && mine[0]["active"] == true
+        });
+        assert!(ok, "the resumed worker is listed once, active, on {b_name}: {last}");
+    };
+    // (While A's window is still open: A holds the session, the worker is B's.)
+    listed_once_on_b(&b);
+    listed_once_on_b(&a);
+    // A's window passes (it let go of the session): the worker is still B's, in every list.
+    wait_metric(&a, "relay_attempts_held", 0.0);
+    poll_until(Duration::from_secs(5), || {
+        !a.clients()["clients"].as_array().expect("clients").iter().any(|c| c["resumable_until"].is_string())
+    });
+    listed_once_on_b(&a);
+    listed_once_on_b(&b);
+    drop((w, w2, proxy));
+}
+
+#[test]
+fn a_worker_id_with_a_nul_byte_is_a_session_like_any_other() {
+    // SPEC §11: relay checks values before they reach the database. A worker id is the
+    // worker's text; one with U+0000 (which PostgreSQL's text refuses) must neither fail the
+    // node's transactions nor lose its session. A presented secret with one is no secret.
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w\u{0}nul")), Auto::Manual).expect("connects");
+        let secret = a.expect_welcome()["session"].clone();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":{"n":"nul"}}"#));
+        assert_eq!(a.expect_task().id, id);
+        if relay.db.is_some() {
+            wait_session_row(&relay, &id);
+        }
+        let stranger =
+            FakeWorker::connect(&relay, Some(resume("w-other", &json!("bad\u{0}secret"), json!([]))), Auto::Echo);
+        assert_eq!(stranger.expect_welcome()["adopted"], json!([]), "a secret with U+0000 is none relay issued");
+        proxy.cut();
+        wait_held(&relay);
+        let b = FakeWorker::connect_url(
+            &proxy.ws_url(),
+            Some(resume("w\u{0}nul", &secret, json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        )
+        .expect("reconnects");
+        assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+        b.done_attempt(&id, 1, json!("nul ok"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["done"], "{t}");
+        // The node's other work goes on (on the stranger, which echoes).
+        drop(b);
+        let other = id_of(&relay.submit(r#"{"payload":{"n":"after"},"wait":false}"#));
+        let t = relay.wait_status(&other, "done", Duration::from_secs(5));
+        assert_eq!(t["status"], "done", "{t}");
+        assert_eq!(relay.api("GET", "/healthz", None).status, 200);
+        drop((a, stranger, proxy));
+    });
+}

@@ -448,6 +448,27 @@ fn scoped_tokens_list_only_their_kinds() {
     });
 }
 
+#[test]
+fn scoped_tokens_cannot_read_or_change_kind_policies() {
+    for_each_mode(|mode| {
+        let store = Store::new("kind-policies", mode);
+        let relay = store.start_relay();
+        let t = store.create("http-only", "http", "1h");
+        assert_eq!(relay.api("PUT", "/kinds/http", Some(r#"{"max_running":3}"#)).status, 200);
+        for (method, path, body) in [
+            ("PUT", "/kinds/http", Some(r#"{"paused":true}"#)),
+            ("DELETE", "/kinds/http", None),
+            ("GET", "/kinds/http", None),
+            ("GET", "/kinds", None),
+        ] {
+            let r = call(&relay, method, path, &t.token, body);
+            assert_eq!((r.status, r.error()), (403, "forbidden".to_string()), "{method} {path}: {}", r.text());
+        }
+        let kept = relay.api("GET", "/kinds/http", None).json();
+        assert_eq!(kept["policy"], serde_json::json!({"max_running": 3}), "unchanged: {kept}");
+    });
+}
+
 /// SPEC §13: a scoped token re-runs only tasks of its kinds (others look like 404), one by one
 /// or in bulk.
 #[test]

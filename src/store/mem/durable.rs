@@ -133,6 +133,9 @@ impl MemStore {
             .take(COMPACT_TASKS_PER_TURN)
             .collect();
         let full = ids.len() == COMPACT_TASKS_PER_TURN;
+        if shard == 0 {
+            self.compact_policies(seg);
+        }
         for id in ids {
             self.record(id, Rec::Whole);
         }
@@ -151,7 +154,23 @@ impl MemStore {
     /// submission order), an attempt cut short by the restart closed as `disconnect`.
     /// Returns how many tasks were restored.
     pub fn restore(&mut self, replayed: Replayed) -> usize {
-        let Replayed { tasks, evicted, rehome, .. } = replayed;
+        let Replayed { tasks, evicted, rehome, policies, .. } = replayed;
+        let policies = policies
+            .into_iter()
+            .filter_map(|(kind, json, stored)| match crate::flow::Policy::parse(json.as_bytes()) {
+                Ok(p) => Some((kind, p, stored)),
+                Err(e) => {
+                    crate::log!(
+                        Level::Error,
+                        "journal: a kind policy does not parse; it is dropped",
+                        kind = kind,
+                        error = e
+                    );
+                    None
+                }
+            })
+            .collect();
+        self.restore_policies(policies);
         let (now, wall, ttl) = (self.now_ms, self.wall_ms, self.cfg.task_ttl_ms);
         let mut restored = 0;
         self.tasks.reserve(tasks.len());
@@ -262,6 +281,7 @@ impl MemStore {
             task.place = Place::Nowhere;
             let due = task.due_wall_ms;
             self.status_counts[Status::Pending.index()] += 1;
+            self.count_kind(task.kind.as_deref(), None, Some(Status::Pending));
             self.pending_bytes += task.payload.as_deref().map_or(0, |p| p.get().len());
             self.tasks.insert_boxed(id, task);
             if cut_short {
@@ -306,6 +326,7 @@ impl MemStore {
         task.restored = true;
         task.place = Place::Nowhere;
         self.status_counts[Status::Dispatched.index()] += 1;
+        self.count_kind(task.kind.as_deref(), None, Some(Status::Dispatched));
         self.tasks.insert_boxed(held.task.id, task);
         self.restored_held.push(held);
         Ok(())

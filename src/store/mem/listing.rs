@@ -55,6 +55,7 @@ impl MemStore {
                     continue;
                 }
                 let mut json = String::new();
+                self.note_waiting(task);
                 task.write_json(&mut json);
                 plan.lsn = plan.lsn.max(task.stored.lsn);
                 Ok(json)

@@ -29,6 +29,7 @@ use crate::tasks::{
 use fragile::{Fragile, KindKey};
 
 mod durable;
+mod flow;
 mod fragile;
 mod listing;
 
@@ -161,8 +162,19 @@ pub struct MemStore {
     status_counts: [usize; Status::COUNT],
     /// Payload bytes of the tasks whose status is pending (bounded by MAX_PENDING_BYTES).
     pending_bytes: usize,
-    ready_all: BTreeMap<QueueKey, TaskId>,
+    /// The ready lanes (`flow.rs`): one per kind, one for tasks without a kind, and the first
+    /// task of every open lane.
     ready_kind: HashMap<Box<str>, BTreeMap<QueueKey, TaskId>>,
+    ready_none: BTreeMap<QueueKey, TaskId>,
+    heads: BTreeMap<QueueKey, TaskId>,
+    /// Kinds with tasks pending or running, or with a policy (SPEC §14).
+    kinds: HashMap<Box<str>, flow::KindState>,
+    /// Kinds held for rate, by when their next token is due (wall clock).
+    rate_wakes: std::collections::BTreeSet<(u64, Box<str>)>,
+    /// Kinds with a policy.
+    policies: usize,
+    /// Dispatches a policy held back, by `WaitingOn` (`relay_dispatch_held_total`).
+    held_total: [u64; 6],
     /// Ready first attempts by their real due time (the ready queues' order includes the
     /// priority): they expire TASK_TTL after they fell due.
     ready_due: BTreeMap<QueueKey, TaskId>,
@@ -221,8 +233,13 @@ impl MemStore {
             tasks: TaskTable::default(),
             status_counts: [0; Status::COUNT],
             pending_bytes: 0,
-            ready_all: BTreeMap::new(),
             ready_kind: HashMap::new(),
+            ready_none: BTreeMap::new(),
+            heads: BTreeMap::new(),
+            kinds: HashMap::new(),
+            rate_wakes: std::collections::BTreeSet::new(),
+            policies: 0,
+            held_total: [0; 6],
             ready_due: BTreeMap::new(),
             fragile: Fragile::default(),
             scheduled: BTreeMap::new(),
@@ -361,6 +378,7 @@ impl MemStore {
         self.record(id, Rec::Whole);
         self.by_submission.insert(seq, id);
         self.status_counts[Status::Pending.index()] += 1;
+        self.count_kind(new.kind, None, Some(Status::Pending));
         self.pending_bytes += bytes;
         crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
         if let Some((owner, key)) = new.idempotency {
@@ -369,7 +387,9 @@ impl MemStore {
         self.events.push(Event::Inserted { to, id });
         if due_wall_ms > self.wall_ms {
             self.schedule(id);
-        } else if let Some(group) = new.claim_group.filter(|_| self.ready_all.is_empty()) {
+        } else if let Some(group) =
+            new.claim_group.filter(|_| self.heads.is_empty() && self.unlimited(new.kind) && self.writable())
+        {
             // Nothing older waits to be claimed: the idle group takes it as it is stored.
             if let Some(task) = self.claimed(id) {
                 self.events.push(Event::ClaimedOne { group, task });
@@ -410,25 +430,21 @@ impl MemStore {
 
     fn enqueue_ready(&mut self, id: TaskId) {
         let Some(task) = self.tasks.get_mut(&id) else { return };
+        let was_claimed = task.place == Place::Claimed;
         task.place = Place::Ready;
         let key = ready_key(task);
         let attempts = task.attempts.len();
         // (A re-run is a queued task until an attempt of its own run failed.)
         let fragile = (!task.this_run().is_empty() || !task.queued) && !task.restored;
-        self.ready_all.insert(key, id);
         if fragile {
             self.fragile.insert(task.kind.as_deref(), id, attempts);
         }
-        if let Some(kind) = &task.kind {
-            match self.ready_kind.get_mut(kind) {
-                Some(q) => {
-                    q.insert(key, id);
-                }
-                None => {
-                    self.ready_kind.insert(kind.clone(), BTreeMap::from([(key, id)]));
-                }
-            }
+        let kind = task.kind.clone();
+        self.lane_insert(kind.as_deref(), key, id);
+        if was_claimed {
+            self.count_claimed(kind.as_deref(), false);
         }
+        let Some(task) = self.tasks.get(&id) else { return };
         if attempts == 0 {
             // A first attempt expires TASK_TTL after it fell due.
             self.ready_due.insert((task.due_wall_ms, task.submit_seq), id);
@@ -449,28 +465,25 @@ impl MemStore {
     fn unqueue(&mut self, id: TaskId) {
         let Some(task) = self.tasks.get_mut(&id) else { return };
         let key = (task.due_wall_ms, task.submit_seq);
-        match task.place {
+        let place = std::mem::replace(&mut task.place, Place::Nowhere);
+        match place {
             Place::Ready => {
-                self.ready_all.remove(&ready_key(task));
                 if task.attempts.is_empty() {
                     self.ready_due.remove(&key);
                 }
-                if let Some(kind) = &task.kind
-                    && let Some(q) = self.ready_kind.get_mut(kind)
-                {
-                    q.remove(&ready_key(task));
-                    if q.is_empty() {
-                        self.ready_kind.remove(kind);
-                    }
-                }
                 self.fragile.remove(task.kind.as_deref(), id, task.attempts.len());
+                let (kind, ready) = (task.kind.clone(), ready_key(task));
+                self.lane_remove(kind.as_deref(), ready);
             }
             Place::Scheduled => {
                 self.scheduled.remove(&key);
             }
-            Place::Claimed | Place::Nowhere => {}
+            Place::Claimed => {
+                let kind = task.kind.clone();
+                self.count_claimed(kind.as_deref(), false);
+            }
+            Place::Nowhere => {}
         }
-        task.place = Place::Nowhere;
     }
 
     /// The one place a task's status changes.
@@ -488,7 +501,9 @@ impl MemStore {
         }
         self.status_counts[task.status.index()] -= 1;
         self.status_counts[status.index()] += 1;
-        task.status = status;
+        let from = std::mem::replace(&mut task.status, status);
+        let kind = task.kind.clone();
+        self.count_kind(kind.as_deref(), Some(from), Some(status));
     }
 
     // ----- claims and attempts -----------------------------------------------------------------
@@ -510,6 +525,10 @@ impl MemStore {
         let task = self.tasks.get_mut(&id)?;
         let payload = task.payload.clone()?;
         task.place = Place::Claimed;
+        if let Some(k) = task.kind.clone() {
+            self.count_claimed(Some(&k), true);
+        }
+        let task = self.tasks.get(&id)?;
         Some(Claimed {
             id,
             attempt: task.attempts.len() as u32 + 1,
@@ -522,62 +541,6 @@ impl MemStore {
             counted: task.counted(),
             created_wall_ms: task.created_wall_ms,
         })
-    }
-
-    /// The ready tasks a claim takes, in due order: of its kinds, and not tried by every taker.
-    fn claimable(&self, ask: &ClaimAsk<'_>) -> Vec<TaskId> {
-        let limit = ask.limit as usize;
-        if limit == 0 {
-            return Vec::new();
-        }
-        let takeable = |id: &TaskId| {
-            self.tasks.get(id).is_some_and(|t| t.this_run().is_empty() || ask.takers.iter().any(|&c| !t.tried(c)))
-        };
-        let mut out = Vec::new();
-        let mut skipped = 0;
-        let mut take = |id: TaskId| {
-            if takeable(&id) {
-                out.push(id);
-            } else {
-                skipped += 1;
-            }
-            out.len() < limit && skipped < MAX_CLAIM_SKIP
-        };
-        match ask.kinds {
-            None => {
-                for &id in self.ready_all.values() {
-                    if !take(id) {
-                        break;
-                    }
-                }
-            }
-            Some([kind]) => {
-                for &id in self.ready_kind.get(kind).into_iter().flat_map(BTreeMap::values) {
-                    if !take(id) {
-                        break;
-                    }
-                }
-            }
-            Some(kinds) => {
-                // The due order across the worker's kinds: merge their queues.
-                let mut heads: Vec<_> =
-                    kinds.iter().filter_map(|k| self.ready_kind.get(k)).map(|q| q.iter().peekable()).collect();
-                loop {
-                    let next = heads
-                        .iter_mut()
-                        .enumerate()
-                        .filter_map(|(i, h)| h.peek().map(|(key, _)| (**key, i)))
-                        .min()
-                        .map(|(_, i)| i);
-                    let Some(i) = next else { break };
-                    let Some((_, &id)) = heads[i].next() else { break };
-                    if !take(id) {
-                        break;
-                    }
-                }
-            }
-        }
-        out
     }
 
     pub fn give_back(&mut self, id: TaskId, attempt: u32) {
@@ -606,7 +569,9 @@ impl MemStore {
             Box::new(crate::tasks::SessionTag { worker_id: worker_id.into(), secret: secret.into() })
         });
         task.attempts.push(a);
+        let kind = task.kind.clone();
         self.set_status(id, Status::Dispatched);
+        self.count_claimed(kind.as_deref(), false);
         self.record(id, Rec::AttemptStarted);
     }
 
@@ -849,6 +814,9 @@ impl MemStore {
         self.status_counts[Status::Pending.index()] += 1;
         self.pending_bytes += bytes;
         task.status = Status::Pending;
+        let kind = task.kind.clone();
+        self.count_kind(kind.as_deref(), None, Some(Status::Pending));
+        let Some(task) = self.tasks.get_mut(&id) else { return };
         task.finished_wall_ms = None;
         task.error = None;
         task.result = None;
@@ -918,6 +886,7 @@ impl MemStore {
                 self.events.push(Event::NotFinal { conn, id, post });
             }
             Some(task) => {
+                self.note_waiting(task);
                 let r = match how {
                     ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(task),
                     _ => task_response(task, post),
@@ -966,10 +935,11 @@ impl MemStore {
             self.idempotency_expiry.front().map(|f| f.0),
             self.next_expiry_ms,
         ];
-        due.into_iter().chain(sweep.into_iter().flatten()).min()
+        due.into_iter().chain(sweep.into_iter().flatten()).chain(self.next_rate_wake_ms()).min()
     }
 
     pub fn on_timer(&mut self) {
+        self.on_rate_wakes();
         self.on_schedule();
         self.on_sweep();
     }
@@ -1122,9 +1092,10 @@ impl MemStore {
 
     /// The journal can write (always without one). While it cannot — a full disk — requests
     /// that must write are refused and no attempt starts (SPEC §7).
-    /// Some task is ready to be claimed (O(1): every ready task is in `ready_all`).
+    /// Some task is ready to be claimed (O(1): the first task of every open lane is in `heads`;
+    /// a lane its kind's policy holds back has none to give).
     pub fn has_ready(&self) -> bool {
-        !self.ready_all.is_empty()
+        !self.heads.is_empty()
     }
 
     pub fn writable(&self) -> bool {

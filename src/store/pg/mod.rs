@@ -73,6 +73,10 @@ struct Start {
 /// node's own reads show the worker meanwhile.
 const START_WRITE_DELAY_MS: u64 = 200;
 
+/// How soon a node with idle workers looks again for tasks of a limited kind that still has
+/// some waiting (a slot or a token may free on another node, which does not tell).
+const LIMITED_POLL_MS: u64 = 100;
+
 pub struct PgStore {
     /// Attempts that ended on this node, for [`PgStore::stray`].
     recent: crate::store::recent::Recent,
@@ -141,6 +145,20 @@ pub struct PgStore {
     want_housekeeping: bool,
     /// Waiting tasks may have lost their last worker (a worker left; once a second).
     want_unplaceable: bool,
+    /// `/kinds` requests for the next transaction.
+    kind_reqs: Vec<(ConnRef, crate::flow::KindOp)>,
+    /// Kind policies as last read (SPEC §14; at most a second old, this node's own changes at
+    /// once), and the newest change read.
+    policies: HashMap<String, crate::flow::Policy>,
+    policies_high: i64,
+    want_policies: bool,
+    /// Tasks the `CLAIM_LIMITED` of the claim being read took (they join its `Claimed`).
+    limited_claimed: Vec<Claimed>,
+    /// Limited kinds out of room as their last claim found them (for `waiting_on`).
+    held_kinds: HashMap<String, crate::flow::WaitingOn>,
+    /// Claims a limit held back, by `WaitingOn` index; kinds with a policy as last counted.
+    held_total: [u64; 6],
+    kind_gauges: Vec<(String, u64, u64)>,
 
     // ----- timers of the store's own tick
     next_tick_ms: u64,
@@ -230,6 +248,14 @@ impl PgStore {
             resume_window_ms: 0,
             want_housekeeping: false,
             want_unplaceable: false,
+            kind_reqs: Vec::new(),
+            policies: HashMap::new(),
+            policies_high: 0,
+            want_policies: true,
+            limited_claimed: Vec::new(),
+            held_kinds: HashMap::new(),
+            held_total: [0; 6],
+            kind_gauges: Vec::new(),
             next_tick_ms: 0,
             next_tokens_ms: 0,
             next_cache_ms: 0,
@@ -289,6 +315,13 @@ impl PgStore {
     /// here recently; other nodes' and older attempts are fenced by the database instead.
     pub fn stray(&mut self, id: TaskId, client_id: u128) -> Option<crate::metrics::Ignored> {
         self.recent.stray(id, client_id)
+    }
+
+    /// `relay_kind_running` / `relay_kind_pending` (at most a second old) and
+    /// `relay_dispatch_held_total`.
+    pub fn kind_gauges(&self, g: &mut crate::metrics::Gauges) {
+        g.kinds.clone_from(&self.kind_gauges);
+        g.held = self.held_total;
     }
 
     pub fn gauges(&self) -> ClusterGauges {
@@ -407,6 +440,57 @@ impl PgStore {
         self.claims.push(ClaimReq { group: ask.group, kinds, limit: ask.limit, takers });
     }
 
+    /// `/kinds` requests: answered after the next transaction (a change once committed).
+    pub fn kind_op(&mut self, op: crate::flow::KindOp, conn: ConnRef) {
+        if !self.usable() {
+            self.events.push(Event::Answer { conn, response: unavailable() });
+            return;
+        }
+        if let crate::flow::KindOp::Set(kind, Some(_)) = &op
+            && !self.policies.contains_key(kind)
+            && self.policies.len() >= crate::flow::MAX_POLICIES
+        {
+            let r = Response::error(409, "too_many_policies", "relay keeps at most 10000 kind policies");
+            self.events.push(Event::Answer { conn, response: r });
+            return;
+        }
+        self.kind_reqs.push((conn, op));
+    }
+
+    pub fn kind_paused(&self, kind: Option<&str>) -> bool {
+        kind.and_then(|k| self.policies.get(k)).is_some_and(|p| p.paused)
+    }
+
+    /// A policy as this node now knows it: claims follow it from the next one on.
+    fn apply_policy(&mut self, kind: String, policy: Option<crate::flow::Policy>) {
+        let before = self.policies.get(&kind).copied();
+        match policy {
+            Some(p) => {
+                self.policies.insert(kind, p);
+            }
+            None => {
+                self.policies.remove(&kind);
+            }
+        }
+        if before != policy {
+            // A kind held no more (or less) may have tasks for idle workers.
+            self.unstarve();
+        }
+    }
+
+    /// The kind policy that holds a pending task back, as this node knows it (SPEC §14).
+    fn note_waiting(&self, task: &crate::tasks::Task) {
+        let why = match task.kind.as_deref() {
+            Some(k) if task.status == Status::Pending => match self.policies.get(k) {
+                Some(p) if p.paused => Some(crate::flow::WaitingOn::Paused),
+                Some(p) if p.limits() => self.held_kinds.get(k).copied(),
+                _ => None,
+            },
+            _ => None,
+        };
+        task.held_by.set(why);
+    }
+
     pub fn give_back(&mut self, id: TaskId, attempt: u32) {
         self.running.remove(&id);
         self.starved.clear();
@@ -424,11 +508,13 @@ impl PgStore {
         if let Some((worker_id, secret)) = start.session
             && self.session_rows.len() < MAX_SESSION_ROWS
         {
+            // (A worker id is the worker's text: U+0000, which PostgreSQL's text refuses, is
+            // stored replaced, as `take_session` asks for it. Secrets are relay's hex.)
             self.session_rows.push(sql::SessionAttempt {
                 id: uuid_string(id),
                 attempt,
-                secret: secret.to_string(),
-                worker_id: worker_id.to_string(),
+                secret: storable_lossy(secret),
+                worker_id: storable_lossy(worker_id),
                 client_id: uuid_string(start.client_id),
                 started_ms: start.started_wall_ms,
             });
@@ -438,7 +524,9 @@ impl PgStore {
     /// A worker presents a session this node does not know: the session's attempts held on
     /// other nodes come here ([`Event::SessionTaken`] at COMMIT).
     pub fn take_session(&mut self, conn: ConnRef, worker_id: &str, secret: &str) {
-        if !self.usable() || self.takes.len() >= MAX_TAKES {
+        // (A presented secret with U+0000 is none relay issued; it must not reach the database,
+        // which would refuse the turn's whole transaction.)
+        if !self.usable() || self.takes.len() >= MAX_TAKES || !storable(secret) {
             self.events.push(Event::SessionTaken { conn, found: Vec::new() });
             return;
         }
@@ -446,6 +534,10 @@ impl PgStore {
     }
 
     pub fn attempt_ended(&mut self, id: TaskId, attempt: u32, end: &AttemptEnd<'_>, next: Next<'_>) {
+        if self.policies.values().any(|p| p.running_cap().is_some()) {
+            // A capped kind may have room again: this node's idle workers look.
+            self.unstarve();
+        }
         self.running.remove(&id);
         let runner = self.starts.remove(&id).filter(|s| s.attempt == attempt).map(|s| s.runner);
         let lost = self.adopted_from.remove(&id);
@@ -680,6 +772,8 @@ impl PgStore {
             return;
         }
         self.next_tick_ms = now + node::TICK_MS;
+        // (Every tick: a policy set on another node applies here within a second, SPEC §14.)
+        self.want_policies = true;
         if now >= self.next_tokens_ms {
             self.want_tokens = true;
             self.next_tokens_ms = now + node::TOKEN_REFRESH_MS;
@@ -742,6 +836,8 @@ impl PgStore {
             || !self.session_rows.is_empty()
             || self.want_housekeeping
             || (self.want_unplaceable && self.db.settled())
+            || !self.kind_reqs.is_empty()
+            || self.want_policies
     }
 
     fn take_tag(&mut self) -> u64 {
@@ -912,7 +1008,10 @@ impl PgStore {
         }
         if !self.workers_gone.is_empty() {
             let gone = std::mem::take(&mut self.workers_gone);
-            stmts.push(Stmt::new(sql::DELETE_WORKERS, vec![Param::Text(uuid_array(gone.iter().copied()))]));
+            stmts.push(Stmt::new(
+                sql::DELETE_WORKERS,
+                vec![Param::Text(uuid_array(gone.iter().copied())), node_id.as_str().into()],
+            ));
             parts.push(Part::DeleteWorkers(gone));
         }
         if !self.workers_dirty.is_empty() {
@@ -920,9 +1019,60 @@ impl PgStore {
             stmts.push(upsert_workers(&node_id, &dirty));
             parts.push(Part::UpsertWorkers(dirty.iter().map(|w| w.client_id).collect()));
         }
+        // Policies set by this node take effect before its claims do.
+        for (conn, op) in std::mem::take(&mut self.kind_reqs) {
+            let kind = match &op {
+                crate::flow::KindOp::Set(kind, policy) => {
+                    stmts.push(Stmt::new(sql::POLICY_LOCK, vec![]));
+                    parts.push(Part::PolicyLock);
+                    let json = policy.map(|p| p.to_json());
+                    stmts.push(Stmt::new(
+                        sql::SET_POLICY,
+                        vec![kind.as_str().into(), json.map_or(Param::Null, Param::Text)],
+                    ));
+                    parts.push(Part::PolicySet(kind.clone(), *policy));
+                    Some(kind.clone())
+                }
+                crate::flow::KindOp::Get(kind) => Some(kind.clone()),
+                crate::flow::KindOp::List => None,
+            };
+            stmts.push(Stmt::new(sql::KINDS, vec![kind.map_or(Param::Null, Param::Text)]));
+            parts.push(Part::Kinds(conn, op));
+        }
+        // Kinds a policy holds back: paused ones wait; limited ones are claimed on their own,
+        // under their locks (`CLAIM_LIMITED`).
+        let held: Vec<&str> = self.policies.iter().filter(|(_, p)| p.limits()).map(|(k, _)| k.as_str()).collect();
+        let mut limited: Vec<sql::Limited<'_>> = self
+            .policies
+            .iter()
+            .filter(|(_, p)| !p.paused && p.limits())
+            .map(|(k, p)| {
+                let bucket = p.one_bucket();
+                (k.as_str(), p.running_cap(), bucket.map(|b| b.0), bucket.map(|b| b.1))
+            })
+            .collect();
+        limited.sort_unstable_by(|a, b| a.0.cmp(b.0));
         for c in std::mem::take(&mut self.claims) {
-            let kinds: Option<Vec<&str>> = c.kinds.as_ref().map(|k| k.iter().map(String::as_str).collect());
-            stmts.push(sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers).with_json(ccol::JSON));
+            let kinds: Option<Vec<&str>> =
+                c.kinds.as_ref().map(|k| k.iter().map(String::as_str).filter(|k| !held.contains(k)).collect());
+            let mine: Vec<sql::Limited<'_>> = limited
+                .iter()
+                .filter(|l| c.kinds.as_ref().is_none_or(|ks| ks.iter().any(|k| k == l.0)))
+                .copied()
+                .collect();
+            if !mine.is_empty() {
+                let names: Vec<&str> = mine.iter().map(|l| l.0).collect();
+                stmts.push(Stmt::new(sql::KIND_LOCKS, vec![text_array_of(&names)]));
+                parts.push(Part::KindLocks);
+                stmts
+                    .push(sql::claim_limited(&node_id, c.group, &mine, wall, c.limit, &c.takers).with_json(ccol::JSON));
+                parts.push(Part::ClaimLimited);
+                stmts.push(Stmt::new(sql::KIND_BACKLOG, vec![text_array_of(&names), (wall as i64).into()]));
+                parts.push(Part::KindBacklog);
+            }
+            stmts.push(
+                sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers, &held).with_json(ccol::JSON),
+            );
             parts.push(Part::Claim(c));
         }
         if !self.session_rows.is_empty() {
@@ -936,7 +1086,7 @@ impl PgStore {
                 vec![
                     node_id.as_str().into(),
                     t.secret.as_str().into(),
-                    t.worker_id.as_str().into(),
+                    storable_lossy(&t.worker_id).into(),
                     (self.resume_window_ms as i64).into(),
                 ],
             ));
@@ -1016,6 +1166,19 @@ impl PgStore {
         if std::mem::take(&mut self.want_counts) {
             stmts.push(Stmt::new(sql::COUNTS, vec![]));
             parts.push(Part::Counts);
+            if !self.policies.is_empty() {
+                let mut kinds: Vec<&str> = self.policies.keys().map(String::as_str).collect();
+                kinds.sort_unstable();
+                kinds.truncate(crate::flow::MAX_LABELLED_KINDS);
+                stmts.push(Stmt::new(sql::KIND_GAUGES, vec![text_array_of(&kinds)]));
+                parts.push(Part::KindGauges);
+            } else {
+                self.kind_gauges.clear();
+            }
+        }
+        if std::mem::take(&mut self.want_policies) {
+            stmts.push(Stmt::new(sql::POLICY_CHANGES, vec![self.policies_high.into()]));
+            parts.push(Part::PolicyChanges);
         }
         if std::mem::take(&mut self.want_tokens) {
             let high = self.tokens.borrow().high_water();
@@ -1059,6 +1222,9 @@ impl PgStore {
         }
         for c in std::mem::take(&mut self.claims) {
             parts.push(Part::Claim(c));
+        }
+        for (conn, op) in std::mem::take(&mut self.kind_reqs) {
+            parts.push(Part::Kinds(conn, op));
         }
         if !parts.is_empty() {
             self.fail_parts(parts, &Failure::Unreachable);
@@ -1149,6 +1315,14 @@ impl PgStore {
                 Part::Retention => {}
                 Part::Finished(ids) => self.check_finished.extend(ids),
                 Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
+                Part::PolicyLock | Part::PolicySet(..) | Part::KindLocks | Part::KindBacklog | Part::KindGauges => {}
+                Part::ClaimLimited => {
+                    if matches!(why, Failure::Lost(_)) {
+                        self.orphans = true;
+                    }
+                }
+                Part::Kinds(conn, _) => self.events.push(Event::Answer { conn, response: answer.clone() }),
+                Part::PolicyChanges => self.want_policies = true,
             }
         }
         // Every group may claim again once the database answers.
@@ -1321,8 +1495,74 @@ impl PgStore {
                         self.want_housekeeping = true;
                     }
                 }
+                Part::PolicyLock | Part::KindLocks => {}
+                Part::KindGauges => {
+                    self.kind_gauges = here
+                        .iter()
+                        .filter_map(|r| {
+                            let n = |i: usize| r.i64(i).map_or(0, |n| n.max(0) as u64);
+                            Some((r.text(0)?.to_string(), n(1), n(2)))
+                        })
+                        .collect();
+                }
+                Part::ClaimLimited => {
+                    for row in here {
+                        if let Some(claimed) = claimed_of(row, &self.cfg) {
+                            self.limited_claimed.push(claimed);
+                        }
+                    }
+                }
+                Part::KindBacklog => {
+                    let mut waiting = false;
+                    for row in here {
+                        let Some(kind) = row.text(0) else { continue };
+                        waiting |= row.bool(1) == Some(true);
+                        let why = self.policies.get(kind).and_then(|p| {
+                            let running = row.i64(2).unwrap_or(0).max(0) as u64;
+                            if p.running_cap().is_some_and(|cap| running >= u64::from(cap)) {
+                                return Some(crate::flow::WaitingOn::Concurrency);
+                            }
+                            let (per_ms, burst) = p.one_bucket()?;
+                            let tokens = row.text(3).and_then(|t| t.parse::<f64>().ok())?;
+                            let since = row.i64(4).unwrap_or(0).max(0) as f64;
+                            ((tokens + since * per_ms).min(burst) < 1.0 - 1e-9).then_some(crate::flow::WaitingOn::Rate)
+                        });
+                        if let Some(why) = why
+                            && row.bool(1) == Some(true)
+                        {
+                            self.held_total[why.index()] += 1;
+                        }
+                        match why {
+                            Some(why) => self.held_kinds.insert(kind.to_string(), why),
+                            None => self.held_kinds.remove(kind),
+                        };
+                    }
+                    if waiting {
+                        // A slot or a token may free on any node: look again shortly.
+                        self.due_ms.insert(self.now_ms + LIMITED_POLL_MS);
+                    }
+                }
+                Part::PolicySet(kind, policy) => {
+                    if let Some(changed) = here.first().and_then(|r| r.i64(0)) {
+                        // (Changes commit in `changed` order: the next read goes on from here.)
+                        self.policies_high = self.policies_high.max(changed);
+                    }
+                    self.apply_policy(kind, policy);
+                }
+                Part::Kinds(conn, op) => {
+                    let response = kinds_answer(here, &op);
+                    self.events.push(Event::Answer { conn, response });
+                }
+                Part::PolicyChanges => {
+                    for row in here {
+                        let (Some(kind), Some(changed)) = (row.text(0), row.i64(2)) else { continue };
+                        self.policies_high = self.policies_high.max(changed);
+                        let policy = row.text(1).and_then(|p| crate::flow::Policy::parse(p.as_bytes()).ok());
+                        self.apply_policy(kind.to_string(), policy);
+                    }
+                }
                 Part::List(l) => {
-                    let body = rows::list_page(here, l.limit, crate::listing::MAX_SCAN);
+                    let body = rows::list_page(here, l.limit, crate::listing::MAX_SCAN, &|t| self.note_waiting(t));
                     self.events.push(Event::Answer { conn: l.conn, response: Response::json(200, body) });
                 }
                 Part::Workers(conns) => {
@@ -1428,7 +1668,10 @@ impl PgStore {
     }
 
     fn on_claimed(&mut self, c: ClaimReq, here: &[Row]) {
-        let mut tasks = Vec::with_capacity(here.len());
+        let mut tasks = std::mem::take(&mut self.limited_claimed);
+        for t in &tasks {
+            self.running.insert(t.id, t.attempt);
+        }
         for row in here {
             let Some(claimed) = claimed_of(row, &self.cfg) else { continue };
             self.running.insert(claimed.id, claimed.attempt);
@@ -1534,6 +1777,7 @@ impl PgStore {
                 continue;
             };
             self.show_unwritten_start(&mut task);
+            self.note_waiting(&task);
             let response = match r.how {
                 ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(&task),
                 ReadHow::Get { payload: false } => crate::tasks::task_response(&task, false),
@@ -1550,6 +1794,35 @@ impl PgStore {
 }
 
 /// A claimed task from a `CLAIM`/`ADOPT_ORPHANS` row.
+/// The answer to a `/kinds` request from its `KINDS` rows.
+fn kinds_answer(rows: &[Row], op: &crate::flow::KindOp) -> Response {
+    use crate::flow::{KindOp, Policy, kind_response, write_kind_json};
+    let of = |row: &Row| {
+        let policy = row.text(1).and_then(|p| Policy::parse(p.as_bytes()).ok());
+        let n = |i: usize| row.i64(i).map_or(0, |n| n.max(0) as u64);
+        (row.text(0).unwrap_or_default().to_string(), policy, n(2), n(3))
+    };
+    match op {
+        KindOp::List => {
+            let mut s = String::from("{\"kinds\":[");
+            for (i, row) in rows.iter().enumerate() {
+                if i > 0 {
+                    s.push(',');
+                }
+                let (kind, policy, running, pending) = of(row);
+                write_kind_json(&mut s, &kind, policy.as_ref(), running, pending);
+            }
+            s.push_str("]}");
+            Response::json(200, s.into_bytes())
+        }
+        KindOp::Get(kind) | KindOp::Set(kind, _) => match rows.first().map(of) {
+            Some((_, policy, running, pending)) => kind_response(kind, policy.as_ref(), running, pending),
+            None if matches!(op, KindOp::Set(..)) => kind_response(kind, None, 0, 0),
+            None => crate::flow::unknown_kind(),
+        },
+    }
+}
+
 fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
     let id = row.text(ccol::ID).and_then(parse_id)?;
     let attempt = u32::try_from(row.i64(ccol::ATTEMPT)?).ok()?;
@@ -1598,6 +1871,10 @@ fn idempotent_lookup<'a>(keys: impl Iterator<Item = (&'a str, &'a str)> + Clone)
             Param::Text(sql::array(keys.map(|(_, k)| Some(k)))),
         ],
     )
+}
+
+fn text_array_of(items: &[&str]) -> Param {
+    Param::Text(sql::array(items.iter().map(|s| Some(*s))))
 }
 
 fn text_array(items: &[String]) -> Param {

@@ -173,6 +173,18 @@ pub enum Part {
     /// `RETENTION`: one row, how many finished tasks it deleted.
     Retention,
     Notify,
+    /// `SET_POLICY` (the lock before it: `PolicyLock`); the `KINDS` read after it answers.
+    PolicyLock,
+    PolicySet(String, Option<crate::flow::Policy>),
+    /// `KINDS`: the answer to a `/kinds` request.
+    Kinds(ConnRef, crate::flow::KindOp),
+    PolicyChanges,
+    /// `KIND_LOCKS`, then `CLAIM_LIMITED` (its tasks join the group's claim that follows),
+    /// then `KIND_BACKLOG`.
+    KindLocks,
+    ClaimLimited,
+    KindBacklog,
+    KindGauges,
 }
 
 /// The transaction in flight.

@@ -206,7 +206,8 @@ pub fn in_scope(row: &Row, scope: Option<&[String]>) -> bool {
 /// at, cut by the database once [`crate::listing::MAX_PAGE_BYTES`] of results were listed).
 /// There is a next page when there was one more task, when the page was cut by size (it goes on
 /// after the last task shown), or when the walk ran out (it goes on where the walk stopped).
-pub fn list_page(rows: &[Row], limit: usize, walk: usize) -> Vec<u8> {
+/// `note` marks each task before it is written (why a pending one waits).
+pub fn list_page(rows: &[Row], limit: usize, walk: usize, note: &dyn Fn(&Task)) -> Vec<u8> {
     let tasks: Vec<&Row> = rows.iter().filter(|r| r.text(col::ID).is_some()).collect();
     let shown = &tasks[..tasks.len().min(limit)];
     let bytes: usize = shown.iter().map(|r| r.bytes(col::RESULT).map_or(0, <[u8]>::len)).sum();
@@ -214,6 +215,7 @@ pub fn list_page(rows: &[Row], limit: usize, walk: usize) -> Vec<u8> {
         .iter()
         .filter_map(|r| task(r))
         .map(|t| {
+            note(&t);
             let mut s = String::new();
             t.write_json(&mut s);
             Some(s)
