@@ -51,6 +51,11 @@ pub trait Io {
     }
     /// Completes an HTTP request that was held.
     fn reply(&mut self, conn: ConnRef, response: Response);
+    /// Closes a worker connection the core let go of (its session resumed on another
+    /// connection, SPEC §12): a close frame, then the socket. The core knows it no more.
+    fn close_worker(&mut self, worker: ConnRef) {
+        let _ = worker;
+    }
 }
 
 /// Timer wheel payloads, for the core and the reactor alike.
@@ -983,7 +988,11 @@ impl Core {
         for &id in &worker.in_flight {
             self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"), None);
         }
-        self.lost_takers(&before, &Accepts::Nothing);
+        // (Not while shutting down: every worker leaves then, and the tasks handed back wait
+        // for the next run; failing them as unplaceable would end them for a restart.)
+        if !self.shutting_down {
+            self.lost_takers(&before, &Accepts::Nothing);
+        }
         self.settle(io);
     }
 
