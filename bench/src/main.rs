@@ -5,6 +5,7 @@
 
 mod cluster;
 mod durable;
+mod flaky;
 mod floor;
 mod flow;
 mod hostile;
@@ -88,6 +89,10 @@ options:
   --max-total-secs N    hard limit on the whole run; children are killed past it (default 1800)
 
 internal:
+  flaky | restart-load | sessions [--relay-worker PATH]
+                                         worker sessions (issue 20): a proxy cutting the real
+                                         relay-workers' connections, RESUME_WINDOW 0s vs 10s; a
+                                         relay restart under load; `sessions` runs both
   soak [--soak-secs N] [--soak-clients N] [--relay-worker PATH]
                                          mixed load with workers joining, dying and misbehaving
                                          (default 600 s, 8 clients); see scripts/soak.sh
@@ -229,6 +234,7 @@ fn main() -> ExitCode {
         "serve-floor" => floor::serve(([127, 0, 0, 1], 0).into(), Duration::from_secs(opts.seconds)),
         "drive" => scenarios::drive(&opts),
         "soak" => soak::run(&opts),
+        "flaky" | "restart-load" | "sessions" => flaky::run(&opts),
         "fill" => durable::fill(&opts),
         s @ ("retries" | "retry-outage" | "retry-degraded") => retries::run(&opts, s),
         _ => scenarios::run_all(&opts),
