@@ -475,13 +475,17 @@ pub const RELEASE_ORPHANS: &str = "WITH o AS (
 /// pass to this node ($1), which closes each (`disconnect`, naming the lost node, `uncounted`)
 /// and sends its task back to pending. At most 1000 a run; rows another node is taking are
 /// skipped. A session worker's attempt waits until RESUME_WINDOW ($3) after the node's last
-/// heartbeat: its worker may resume it on any node until then ([`TAKE_SESSION`], SPEC §12).
+/// heartbeat: its worker may resume it on any node until then ([`TAKE_SESSION`], SPEC §12) —
+/// unless its TASK_TIMEOUT (the task's, else $4) ran out first: a held attempt's timeout keeps
+/// running, also when its node died.
 pub const ADOPT_ORPHANS: &str = "WITH dead AS (
        SELECT r.task_id, r.owner_node, r.attempt FROM relay_running r
        WHERE r.owner_node <> $1::uuid AND NOT EXISTS (SELECT 1 FROM relay_nodes n
          WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $2::int8)
          AND (r.session IS NULL OR NOT EXISTS (SELECT 1 FROM relay_nodes n
-           WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $3::int8))
+           WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $3::int8)
+           OR r.started_ms + coalesce((SELECT t.timeout_ms FROM relay_tasks t WHERE t.id = r.task_id), $4::int8)
+              < relay_now_ms())
        LIMIT 1000 FOR UPDATE SKIP LOCKED
      ), moved AS (
        UPDATE relay_running r SET owner_node = $1::uuid FROM dead WHERE r.task_id = dead.task_id

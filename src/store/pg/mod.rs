@@ -1096,7 +1096,12 @@ impl PgStore {
             stmts.push(
                 Stmt::new(
                     sql::ADOPT_ORPHANS,
-                    vec![node_id.as_str().into(), (self.lease_ms as i64).into(), (self.resume_window_ms as i64).into()],
+                    vec![
+                        node_id.as_str().into(),
+                        (self.lease_ms as i64).into(),
+                        (self.resume_window_ms as i64).into(),
+                        (self.cfg.task_timeout_ms as i64).into(),
+                    ],
                 )
                 .with_json(ccol::JSON),
             );
