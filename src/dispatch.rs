@@ -51,6 +51,11 @@ pub trait Io {
     }
     /// Completes an HTTP request that was held.
     fn reply(&mut self, conn: ConnRef, response: Response);
+    /// Closes a worker connection the core let go of (its session resumed on another
+    /// connection, SPEC §12): a close frame, then the socket. The core knows it no more.
+    fn close_worker(&mut self, worker: ConnRef) {
+        let _ = worker;
+    }
 }
 
 /// Timer wheel payloads, for the core and the reactor alike.
@@ -122,6 +127,41 @@ struct Hint {
     permanent: bool,
     /// `"retry_after_ms": N`: the next attempt waits at least N ms.
     after_ms: Option<u64>,
+}
+
+impl Hint {
+    /// A result's `retry` and `retry_after_ms`, as the worker wrote them. Only `"retry": false`
+    /// is a permanent failure; `retry_after_ms` is any non-negative JSON number of ms (a
+    /// fraction waits the next whole ms; at most [`MAX_RETRY_AFTER_MS`]). Anything else — a
+    /// string, a negative number — is logged and ignored: the answer itself still counts (it
+    /// was dropped whole as a malformed message, and the attempt then ran into its timeout).
+    fn of(retry: Option<&RawValue>, after: Option<&RawValue>) -> Hint {
+        let permanent = retry.is_some_and(|r| r.get() == "false");
+        if let Some(r) = retry.filter(|r| !matches!(r.get(), "true" | "false")) {
+            crate::log!(Level::Warn, "a result's retry is not true or false: ignored", retry = r.get());
+        }
+        let after_ms = after.and_then(|a| {
+            let text = a.get();
+            let ms = match text.parse::<u64>() {
+                Ok(n) => Some(n),
+                // (A fraction, an exponent, or an integer past u64: as a float, rounded up.)
+                Err(_) => text
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|f| *f >= 0.0 && text.bytes().all(|b| b.is_ascii_digit() || b"+-.eE".contains(&b)))
+                    .map(|f| f.ceil().min(MAX_RETRY_AFTER_MS as f64) as u64),
+            };
+            if ms.is_none() {
+                crate::log!(
+                    Level::Warn,
+                    "a result's retry_after_ms is not a non-negative number of ms: ignored",
+                    retry_after_ms = text
+                );
+            }
+            ms.map(|ms| ms.min(MAX_RETRY_AFTER_MS))
+        });
+        Hint { permanent, after_ms }
+    }
 }
 
 /// A new task as the API hands it over (already validated and authorised).
@@ -224,12 +264,13 @@ struct Incoming<'a> {
     concurrency: Option<u64>,
     #[serde(default)]
     version: Option<String>,
-    /// (A result) `false`: a permanent failure (SPEC §13).
-    #[serde(default)]
-    retry: Option<bool>,
+    /// (A result) `false`: a permanent failure (SPEC §13). Raw, as `retry_after_ms`: a hint of
+    /// the wrong type is ignored, it does not cost the worker its answer.
+    #[serde(borrow, default)]
+    retry: Option<&'a RawValue>,
     /// (A result) the next attempt waits at least this long (SPEC §13).
-    #[serde(default)]
-    retry_after_ms: Option<u64>,
+    #[serde(borrow, default)]
+    retry_after_ms: Option<&'a RawValue>,
     /// Sessions (SPEC §12): hello's `worker_id`, `session`, `running`; a result's `attempt`.
     #[serde(default)]
     worker_id: Option<String>,
@@ -291,6 +332,9 @@ pub struct Core {
     /// Per kind (key [`NO_KIND`]: tasks without one), the latest success: when (monotonic ms)
     /// and by whom — a worker failing while others succeed at its kinds is degraded.
     last_done: HashMap<Box<str>, (u64, u128)>,
+    /// An attempt failed at some time (until then nobody can be degraded, and the sync hot path
+    /// keeps no per-kind record of successes).
+    seen_failure: bool,
     /// Worker sessions (SPEC §12) and how long a lost one's attempts are held (0: never).
     sessions: sessions::Sessions,
     pub resume_window_ms: u64,
@@ -332,6 +376,7 @@ impl Core {
             rng: crate::store::mem::Rng::from_os(),
             degraded_until_ms: 0,
             last_done: HashMap::new(),
+            seen_failure: false,
             sessions: sessions::Sessions::default(),
             resume_window_ms: 0,
         }
@@ -943,7 +988,11 @@ impl Core {
         for &id in &worker.in_flight {
             self.end_attempt(id, Outcome::Disconnect, Some("worker disconnected"), None);
         }
-        self.lost_takers(&before, &Accepts::Nothing);
+        // (Not while shutting down: every worker leaves then, and the tasks handed back wait
+        // for the next run; failing them as unplaceable would end them for a restart.)
+        if !self.shutting_down {
+            self.lost_takers(&before, &Accepts::Nothing);
+        }
         self.settle(io);
     }
 
@@ -996,10 +1045,7 @@ impl Core {
                     }
                 };
                 let attempt = msg.attempt.map(|a| u32::try_from(a).unwrap_or(u32::MAX));
-                let hint = Hint {
-                    permanent: msg.retry == Some(false),
-                    after_ms: msg.retry_after_ms.map(|ms| ms.min(MAX_RETRY_AFTER_MS)),
-                };
+                let hint = Hint::of(msg.retry, msg.retry_after_ms);
                 match id {
                     Some(id) => self.on_result(conn, id, attempt, outcome, hint),
                     None => {
@@ -1180,8 +1226,11 @@ impl Core {
                 continue;
             }
             let frame_bytes = c.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
-            // (Never attempted: `tried` may be empty for a retry whose worker may take it again.)
-            let first = c.attempt == 1;
+            // The first attempt of a run: a new task's, or a re-run's (SPEC §13: its attempt
+            // numbers go on, but it is a first attempt — it rotates over the workers and avoids
+            // degraded ones). (`tried` alone may be empty for a retry whose worker may take it
+            // again; `counted` alone is 0 for a retry after an attempt a restart cut short.)
+            let first = c.counted == 0 && c.tried.is_empty();
             match self.pick(io, group, c.kind.as_deref(), &c.tried, frame_bytes, first) {
                 Some(slot) => self.start(io, slot, c),
                 None => {
@@ -1407,6 +1456,7 @@ impl Core {
         let now = self.now_ms;
         let key = r.kind.as_deref().unwrap_or(NO_KIND);
         match outcome {
+            Outcome::Done if !self.seen_failure => {}
             Outcome::Done => {
                 match self.last_done.get_mut(key) {
                     Some(d) => *d = (now, r.client_id),
@@ -1422,6 +1472,7 @@ impl Core {
                 }
             }
             Outcome::Failed | Outcome::Timeout if !hint.permanent => {
+                self.seen_failure = true;
                 let last_done = &self.last_done;
                 let Some(w) = self.workers.get_mut(r.conn.slot as usize).and_then(Option::as_mut) else { return };
                 if w.conn != r.conn {
@@ -1794,11 +1845,7 @@ impl Core {
     /// The answer to a submit the store did not keep.
     fn refusal_response(&self, why: Refusal) -> Response {
         match why {
-            Refusal::QueueFull => Response::error(
-                429,
-                "queue_full",
-                "the queue is full (MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait)",
-            ),
+            Refusal::QueueFull => crate::store::queue_full_response(),
             Refusal::Unavailable => self
                 .store
                 .unavailable(true)

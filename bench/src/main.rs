@@ -5,6 +5,7 @@
 
 mod cluster;
 mod durable;
+mod flaky;
 mod floor;
 mod flow;
 mod hostile;
@@ -13,6 +14,7 @@ mod jetstream;
 mod load;
 mod nats;
 mod procs;
+mod retries;
 mod scenarios;
 mod soak;
 mod workers;
@@ -54,6 +56,10 @@ scenarios (default: all):
   restarts  a durable relay started 6 times on one DATA_DIR with 3 tasks submitted each time:
             spawn to listening, replay time and DATA_DIR's size after each stop
   all       every one of the above
+  retries   (not in all) retry-outage and retry-degraded (issue 21):
+  retry-outage    sync load while the workers' upstream is down for 2 s: seed policy, RETRY_BACKOFF=200ms
+  retry-degraded  sync load on 8 workers, one failing everything (BENCH_RELAY_BEFORE=<relay>: also
+                  a build from before the avoidance rule)
 
 options:
   --rounds N            rounds of the sync/NATS/floor and 1-client comparisons (default 3)
@@ -83,6 +89,10 @@ options:
   --max-total-secs N    hard limit on the whole run; children are killed past it (default 1800)
 
 internal:
+  flaky | restart-load | sessions [--relay-worker PATH]
+                                         worker sessions (issue 20): a proxy cutting the real
+                                         relay-workers' connections, RESUME_WINDOW 0s vs 10s; a
+                                         relay restart under load; `sessions` runs both
   soak [--soak-secs N] [--soak-clients N] [--relay-worker PATH]
                                          mixed load with workers joining, dying and misbehaving
                                          (default 600 s, 8 clients); see scripts/soak.sh
@@ -224,7 +234,9 @@ fn main() -> ExitCode {
         "serve-floor" => floor::serve(([127, 0, 0, 1], 0).into(), Duration::from_secs(opts.seconds)),
         "drive" => scenarios::drive(&opts),
         "soak" => soak::run(&opts),
+        "flaky" | "restart-load" | "sessions" => flaky::run(&opts),
         "fill" => durable::fill(&opts),
+        s @ ("retries" | "retry-outage" | "retry-degraded") => retries::run(&opts, s),
         _ => scenarios::run_all(&opts),
     };
     match result {

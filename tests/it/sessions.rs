@@ -583,6 +583,28 @@ fn the_dashboard_shows_held_sessions() {
     assert!(js.text().contains("w.resumable_until ? 'held until '"), "the workers table shows a held session");
 }
 
+/// Found by the restart benchmark: a SIGTERM hands the running attempts of workers without a
+/// session back to pending; as every worker then left, the store failed those tasks as
+/// unplaceable ("worker disconnected") instead of keeping them for the next run.
+#[test]
+fn after_sigterm_a_task_handed_back_waits_for_the_next_run() {
+    let dir = DataDir::new("handback");
+    let env = [("DATA_DIR", dir.path())];
+    let mut relay = Relay::start_with(&env);
+    let a = FakeWorker::connect(&relay, Some(json!({"type": "hello", "version": "plain"})), Auto::Manual);
+    relay.wait_clients(1, |c| c["version"] == "plain");
+    let id = id_of(&relay.submit(r#"{"payload":11}"#));
+    assert_eq!(a.expect_task().id, id);
+    relay.signal("TERM");
+    assert!(relay.wait_exit(Duration::from_secs(10)).is_some_and(|s| s.success()));
+    let relay = Relay::start_with(&env);
+    let t = relay.get_task(&id);
+    assert_eq!(t["status"], "pending", "handed back, not failed: {t}");
+    let b = FakeWorker::connect(&relay, None, Auto::Echo);
+    relay.wait_status(&id, "done", Duration::from_secs(5));
+    drop((a, b));
+}
+
 /// The node name a cluster node reports in `/healthz`.
 fn node_name(relay: &Relay) -> String {
     relay.api("GET", "/healthz", None).json()["node"].as_str().expect("node").to_string()
@@ -701,4 +723,98 @@ fn cluster_a_resumed_worker_is_listed_once_under_the_node_it_resumed_on() {
     listed_once_on_b(&a);
     listed_once_on_b(&b);
     drop((w, w2, proxy));
+}
+
+#[test]
+fn a_worker_id_with_a_nul_byte_is_a_session_like_any_other() {
+    // SPEC §11: relay checks values before they reach the database. A worker id is the
+    // worker's text; one with U+0000 (which PostgreSQL's text refuses) must neither fail the
+    // node's transactions nor lose its session. A presented secret with one is no secret.
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w\u{0}nul")), Auto::Manual).expect("connects");
+        let secret = a.expect_welcome()["session"].clone();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":{"n":"nul"}}"#));
+        assert_eq!(a.expect_task().id, id);
+        if relay.db.is_some() {
+            wait_session_row(&relay, &id);
+        }
+        let stranger =
+            FakeWorker::connect(&relay, Some(resume("w-other", &json!("bad\u{0}secret"), json!([]))), Auto::Echo);
+        assert_eq!(stranger.expect_welcome()["adopted"], json!([]), "a secret with U+0000 is none relay issued");
+        proxy.cut();
+        wait_held(&relay);
+        let b = FakeWorker::connect_url(
+            &proxy.ws_url(),
+            Some(resume("w\u{0}nul", &secret, json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        )
+        .expect("reconnects");
+        assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+        b.done_attempt(&id, 1, json!("nul ok"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["done"], "{t}");
+        // The node's other work goes on (on the stranger, which echoes).
+        drop(b);
+        let other = id_of(&relay.submit(r#"{"payload":{"n":"after"},"wait":false}"#));
+        let t = relay.wait_status(&other, "done", Duration::from_secs(5));
+        assert_eq!(t["status"], "done", "{t}");
+        assert_eq!(relay.api("GET", "/healthz", None).status, 200);
+        drop((a, stranger, proxy));
+    });
+}
+
+#[test]
+fn a_connection_whose_session_resumed_on_another_is_closed() {
+    // Two live connections present one session (a half-open old connection, or a copied
+    // secret): the later one has it; the earlier is no worker any more and is closed (1008),
+    // not left open with its hellos unanswered.
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let a = FakeWorker::connect(&relay, Some(hello("w-twice")), Auto::Manual);
+        let welcome = a.expect_welcome();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":{"n":"twice"}}"#));
+        assert_eq!(a.expect_task().id, id);
+        let b = FakeWorker::connect(
+            &relay,
+            Some(resume("w-twice", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        );
+        assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+        assert_eq!(a.wait_closed(Duration::from_secs(5)), Some(Some(1008)), "the superseded connection is closed");
+        b.done_attempt(&id, 1, json!("b"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["done"], "{t}");
+        relay.wait_clients(1, |c| c["active"] == true && c["client_id"] == welcome["client_id"]);
+        drop((a, b));
+    });
+}
+
+#[test]
+fn cluster_a_dead_nodes_held_attempt_is_retried_when_its_timeout_is_over_not_its_window() {
+    // SPEC §12: a held attempt's TASK_TIMEOUT keeps running. Its node died; the worker never
+    // comes back; the window (60 s) is far longer than the task's timeout (1 s): the task goes
+    // on after the lease, not after the window.
+    let env = [("RESUME_WINDOW", "60s")];
+    let Some((mut a, b)) =
+        two_nodes("cluster_a_dead_nodes_held_attempt_is_retried_when_its_timeout_is_over_not_its_window", &env)
+    else {
+        return;
+    };
+    let w = FakeWorker::connect(&a, Some(hello("w-gone")), Auto::Manual);
+    w.expect_welcome();
+    a.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&a.submit(r#"{"payload":{"n":11},"timeout":"1s"}"#));
+    assert_eq!(w.expect_task().id, id);
+    wait_session_row(&a, &id);
+    a.signal("KILL");
+    assert!(a.wait_exit(Duration::from_secs(5)).is_some(), "the node died");
+    let other = FakeWorker::connect(&b, Some(json!({"type": "hello", "version": "other"})), Auto::Echo);
+    // (The lease is PONG_WAIT + 5 s = 6 s here.)
+    let t = b.wait_status(&id, "done", Duration::from_secs(20));
+    assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+    drop((w, other));
 }
