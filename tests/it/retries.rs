@@ -667,3 +667,29 @@ fn a_bulk_rerun_of_thousands_of_tasks_leaves_the_loop_free_between_slices() {
     drop(relay);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_task_canceled_during_its_backoff_and_run_again_no_longer_shows_the_wait() {
+    // (The database kept the old wait in the last attempt_log entry: the re-run task showed
+    // waiting_on "backoff" and a next_attempt_at 20 s ahead while it was due at once.)
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let w = FakeWorker::connect(&relay, None, Auto::Manual);
+        relay.wait_clients(1, |_| true);
+        let id = id_of(&relay.submit(r#"{"payload":1,"retry":{"any_worker":true}}"#));
+        let t1 = w.expect_task();
+        fail_with(&w, &t1.id, json!({"retry_after_ms": 20_000}));
+        relay.wait_task(&id, Duration::from_secs(5), |t| t["waiting_on"] == "backoff");
+        assert_eq!(relay.api("DELETE", &format!("/tasks/{id}"), None).status, 200);
+        drop(w);
+        relay.wait_clients(0, |_| true);
+        let r = post(&relay, &format!("/tasks/{id}/retry"), None);
+        assert_eq!(r.status, 202, "{}", r.text());
+        for t in [r.json(), relay.get_task(&id)] {
+            assert_eq!(t["status"], "pending", "{t}");
+            assert!(t.get("next_attempt_at").is_none() && t["waiting_on"] == "worker", "{t}");
+        }
+        let _w = FakeWorker::connect(&relay, None, Auto::Echo);
+        relay.wait_status(&id, "done", Duration::from_secs(5));
+    });
+}

@@ -406,7 +406,7 @@ impl MemStore {
         if due_wall_ms > self.wall_ms {
             self.schedule(id);
         } else if let Some(group) =
-            new.claim_group.filter(|_| self.heads.is_empty() && self.unlimited(new.kind) && self.writable())
+            new.claim_group.filter(|_| self.heads.is_empty() && self.writable() && self.admit_now(new.kind))
         {
             // Nothing older waits to be claimed: the idle group takes it as it is stored.
             if let Some(task) = self.claimed(id) {
