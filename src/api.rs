@@ -642,6 +642,10 @@ struct SubmitBody<'a> {
     max_retries: Option<u64>,
     #[serde(borrow, default, deserialize_with = "present")]
     priority: Option<&'a RawValue>,
+    /// The fairness key (SPEC §14): a string of at most 128 bytes; raw, so that another type
+    /// is a 400 of its own.
+    #[serde(borrow, default, deserialize_with = "present")]
+    key: Option<&'a RawValue>,
     /// (Raw: serde would take an array for the struct, positionally.)
     #[serde(borrow, default)]
     retry: Option<&'a RawValue>,
@@ -848,8 +852,26 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
         Some(p) if p.get() != "null" => parse_priority(p.get())?,
         _ => 0,
     };
+    if let Some(k) = raw.key.filter(|k| k.get() != "null") {
+        parse_key(k.get())?;
+    }
     let retry = parse_retry(raw.retry)?;
     Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries, priority, retry })
+}
+
+/// Longest fairness `key` of a submit, in bytes (SPEC §14).
+pub const MAX_KEY_BYTES: usize = 128;
+
+/// `"key"`: a JSON string of at most 128 bytes (as decoded); another type → 400.
+fn parse_key(text: &str) -> Result<Cow<'_, str>, String> {
+    if !text.starts_with('"') {
+        return Err("key must be a string".into());
+    }
+    let key: Cow<str> = serde_json::from_str(text).map_err(|e| format!("invalid key: {e}"))?;
+    if key.len() > MAX_KEY_BYTES {
+        return Err(format!("key is longer than {MAX_KEY_BYTES} bytes"));
+    }
+    Ok(key)
 }
 
 /// Most seconds of head start a priority gives (SPEC §14).
@@ -896,6 +918,13 @@ mod tests {
             check_submit(&format!(r#"{{"payload":1,"priority":{good}}}"#), Ok((None, None, false)));
         }
         check_submit(r#"{"payload":1,"priority":null}"#, Ok((None, None, false)));
+        let long = "k".repeat(MAX_KEY_BYTES);
+        for good in ["\"\"", "\"c1\"", "null", &format!("\"{long}\"")] {
+            check_submit(&format!(r#"{{"payload":1,"key":{good}}}"#), Ok((None, None, false)));
+        }
+        for bad in ["5", "true", "{}", "[\"a\"]", &format!("\"{long}k\""), &format!("\"{}\"", "é".repeat(65))] {
+            check_submit(&format!(r#"{{"payload":1,"key":{bad}}}"#), Err("key"));
+        }
         for bad in ["86401", "-86401", "1.0", "1e3", "\"5\"", "true", "1000000000000", "{}"] {
             check_submit(&format!(r#"{{"payload":1,"priority":{bad}}}"#), Err("priority"));
         }

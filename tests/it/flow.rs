@@ -101,6 +101,29 @@ fn priority_is_validated_and_shown_in_the_task_json() {
     });
 }
 
+/// A hostile probe: `"key":5` and a 200-byte key were accepted (202); SPEC §14 says another
+/// type or more than 128 bytes → 400, on a submit as on a batch item.
+#[test]
+fn a_fairness_key_is_a_string_of_at_most_128_bytes() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let long = "k".repeat(128);
+        for bad in ["5".to_string(), "true".into(), "{}".into(), "[\"a\"]".into(), format!("\"{long}k\"")] {
+            let r = relay.submit(&format!(r#"{{"payload":1,"queue":true,"key":{bad}}}"#));
+            assert_eq!((r.status, r.error()), (400, "bad_request".to_string()), "key {bad}: {}", r.text());
+        }
+        for good in ["\"\"".to_string(), "\"c1\"".into(), "null".into(), format!("\"{long}\"")] {
+            id_of(&relay.submit(&format!(r#"{{"payload":1,"queue":true,"key":{good}}}"#)));
+        }
+        let batch =
+            relay.api("POST", "/tasks/batch", Some(r#"{"tasks":[{"payload":1,"key":"c2"},{"payload":2,"key":7}]}"#));
+        assert_eq!(batch.status, 202, "{}", batch.text());
+        let items = batch.json()["tasks"].as_array().expect("tasks").clone();
+        assert!(items[0]["task_id"].is_string(), "{items:?}");
+        assert_eq!(items[1]["error"], "bad_request", "{items:?}");
+    });
+}
+
 /// A directory of the test's own (a DATA_DIR), removed on drop.
 pub struct TempDir(std::path::PathBuf);
 
