@@ -51,6 +51,11 @@ pub trait Io {
     }
     /// Completes an HTTP request that was held.
     fn reply(&mut self, conn: ConnRef, response: Response);
+    /// Closes a worker connection the core let go of (its session resumed on another
+    /// connection, SPEC §12): a close frame, then the socket. The core knows it no more.
+    fn close_worker(&mut self, worker: ConnRef) {
+        let _ = worker;
+    }
 }
 
 /// Timer wheel payloads, for the core and the reactor alike.

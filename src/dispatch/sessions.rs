@@ -275,6 +275,9 @@ impl Core {
         // it is let go now, its attempts held for this resume.
         if let Some(old) = self.sessions.by_id.get(&sid).and_then(|s| s.conn) {
             self.hold_worker(old, sid, "the worker resumed its session on a new connection");
+            // (Should it still be alive, it is no worker any more: it is closed, not left open
+            // unanswered.)
+            io.close_worker(old);
         }
         let Some(s) = self.sessions.by_id.get_mut(&sid) else { return };
         if s.conn.is_none() {
@@ -326,7 +329,6 @@ impl Core {
         self.metrics.attempts_adopted += adopted;
         crate::log!(Level::Info, "worker session resumed", client_id = uuid_string(client_id), adopted = adopted,);
         self.refresh(conn.slot);
-        let _ = io;
     }
 
     /// The worker on `conn` is gone without a close frame. With a session and a resume window,

@@ -182,6 +182,8 @@ struct Wire<'a> {
     conns: &'a mut Conns,
     dirty: &'a mut Vec<ConnRef>,
     again: &'a mut Vec<ConnRef>,
+    /// Worker connections the core let go of, closed at the end of the turn.
+    superseded: &'a mut Vec<ConnRef>,
     gated: &'a mut Gated,
     durable_lsn: u64,
     max_ws_out_bytes: usize,
@@ -250,7 +252,17 @@ impl Io for Wire<'_> {
         // Pipelined requests may be waiting behind the held one.
         self.again.push(r);
     }
+
+    fn close_worker(&mut self, worker: ConnRef) {
+        if self.superseded.len() < MAX_SUPERSEDED_PER_TURN {
+            self.superseded.push(worker);
+        }
+    }
 }
+
+/// Superseded worker connections closed per turn at most (each needs a resume, which needs a
+/// message: bounded by what one turn reads anyway).
+const MAX_SUPERSEDED_PER_TURN: usize = 65_536;
 
 /// Whether a frame of `bytes` may join `pending` unwritten bytes under the cap. An empty buffer
 /// takes any frame: the cap bounds what piles up, and a frame larger than it (a payload from a
@@ -436,6 +448,7 @@ pub struct Server {
     scratch: Vec<u8>,
     dirty: Vec<ConnRef>,
     again: Vec<ConnRef>,
+    superseded: Vec<ConnRef>,
     fired: Vec<Timer>,
     accept_pending: bool,
     shutdown_flag: Arc<AtomicBool>,
@@ -618,6 +631,7 @@ impl Server {
             scratch: vec![0; 64 * 1024],
             dirty: Vec::new(),
             again: Vec::new(),
+            superseded: Vec::new(),
             fired: Vec::new(),
             accept_pending: false,
             shutdown_flag,
@@ -667,6 +681,7 @@ impl Server {
                 conns: &mut self.conns,
                 dirty: &mut self.dirty,
                 again: &mut self.again,
+                superseded: &mut self.superseded,
                 gated: &mut self.gated,
                 max_ws_out_bytes: self.max_ws_out_bytes,
                 shutting_down: self.shutdown_started,
@@ -744,6 +759,11 @@ impl Server {
             {
                 let (mut wire, core) = self.wire();
                 core.end_turn(&mut wire);
+            }
+            for r in std::mem::take(&mut self.superseded) {
+                if matches!(self.conns.get_mut(r).map(|c| &c.state), Some(State::Ws(_))) {
+                    self.close_ws(r, CloseCode::Policy, "the session was resumed on another connection");
+                }
             }
             self.flush_dirty();
             if self.output_pressure() && self.now_ms >= self.next_output_scan_ms {

@@ -788,3 +788,30 @@ fn cluster_a_held_session_is_listed_with_resumable_until_on_every_node() {
     assert!(seen, "the other node lists the held session: {last}");
     drop((w, proxy));
 }
+
+#[test]
+fn a_connection_whose_session_resumed_on_another_is_closed() {
+    // Two live connections present one session (a half-open old connection, or a copied
+    // secret): the later one has it; the earlier is no worker any more and is closed (1008),
+    // not left open with its hellos unanswered.
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let a = FakeWorker::connect(&relay, Some(hello("w-twice")), Auto::Manual);
+        let welcome = a.expect_welcome();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":{"n":"twice"}}"#));
+        assert_eq!(a.expect_task().id, id);
+        let b = FakeWorker::connect(
+            &relay,
+            Some(resume("w-twice", &welcome["session"], json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        );
+        assert_eq!(b.expect_welcome()["adopted"], json!([id]));
+        assert_eq!(a.wait_closed(Duration::from_secs(5)), Some(Some(1008)), "the superseded connection is closed");
+        b.done_attempt(&id, 1, json!("b"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["done"], "{t}");
+        relay.wait_clients(1, |c| c["active"] == true && c["client_id"] == welcome["client_id"]);
+        drop((a, b));
+    });
+}
