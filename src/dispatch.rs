@@ -129,6 +129,41 @@ struct Hint {
     after_ms: Option<u64>,
 }
 
+impl Hint {
+    /// A result's `retry` and `retry_after_ms`, as the worker wrote them. Only `"retry": false`
+    /// is a permanent failure; `retry_after_ms` is any non-negative JSON number of ms (a
+    /// fraction waits the next whole ms; at most [`MAX_RETRY_AFTER_MS`]). Anything else — a
+    /// string, a negative number — is logged and ignored: the answer itself still counts (it
+    /// was dropped whole as a malformed message, and the attempt then ran into its timeout).
+    fn of(retry: Option<&RawValue>, after: Option<&RawValue>) -> Hint {
+        let permanent = retry.is_some_and(|r| r.get() == "false");
+        if let Some(r) = retry.filter(|r| !matches!(r.get(), "true" | "false")) {
+            crate::log!(Level::Warn, "a result's retry is not true or false: ignored", retry = r.get());
+        }
+        let after_ms = after.and_then(|a| {
+            let text = a.get();
+            let ms = match text.parse::<u64>() {
+                Ok(n) => Some(n),
+                // (A fraction, an exponent, or an integer past u64: as a float, rounded up.)
+                Err(_) => text
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|f| *f >= 0.0 && text.bytes().all(|b| b.is_ascii_digit() || b"+-.eE".contains(&b)))
+                    .map(|f| f.ceil().min(MAX_RETRY_AFTER_MS as f64) as u64),
+            };
+            if ms.is_none() {
+                crate::log!(
+                    Level::Warn,
+                    "a result's retry_after_ms is not a non-negative number of ms: ignored",
+                    retry_after_ms = text
+                );
+            }
+            ms.map(|ms| ms.min(MAX_RETRY_AFTER_MS))
+        });
+        Hint { permanent, after_ms }
+    }
+}
+
 /// A new task as the API hands it over (already validated and authorised).
 #[derive(Debug, Clone, Copy)]
 pub struct NewTask<'a> {
@@ -229,12 +264,13 @@ struct Incoming<'a> {
     concurrency: Option<u64>,
     #[serde(default)]
     version: Option<String>,
-    /// (A result) `false`: a permanent failure (SPEC §13).
-    #[serde(default)]
-    retry: Option<bool>,
+    /// (A result) `false`: a permanent failure (SPEC §13). Raw, as `retry_after_ms`: a hint of
+    /// the wrong type is ignored, it does not cost the worker its answer.
+    #[serde(borrow, default)]
+    retry: Option<&'a RawValue>,
     /// (A result) the next attempt waits at least this long (SPEC §13).
-    #[serde(default)]
-    retry_after_ms: Option<u64>,
+    #[serde(borrow, default)]
+    retry_after_ms: Option<&'a RawValue>,
     /// Sessions (SPEC §12): hello's `worker_id`, `session`, `running`; a result's `attempt`.
     #[serde(default)]
     worker_id: Option<String>,
@@ -1009,10 +1045,7 @@ impl Core {
                     }
                 };
                 let attempt = msg.attempt.map(|a| u32::try_from(a).unwrap_or(u32::MAX));
-                let hint = Hint {
-                    permanent: msg.retry == Some(false),
-                    after_ms: msg.retry_after_ms.map(|ms| ms.min(MAX_RETRY_AFTER_MS)),
-                };
+                let hint = Hint::of(msg.retry, msg.retry_after_ms);
                 match id {
                     Some(id) => self.on_result(conn, id, attempt, outcome, hint),
                     None => {
@@ -1193,8 +1226,11 @@ impl Core {
                 continue;
             }
             let frame_bytes = c.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
-            // (Never attempted: `tried` may be empty for a retry whose worker may take it again.)
-            let first = c.attempt == 1;
+            // The first attempt of a run: a new task's, or a re-run's (SPEC §13: its attempt
+            // numbers go on, but it is a first attempt — it rotates over the workers and avoids
+            // degraded ones). (`tried` alone may be empty for a retry whose worker may take it
+            // again; `counted` alone is 0 for a retry after an attempt a restart cut short.)
+            let first = c.counted == 0 && c.tried.is_empty();
             match self.pick(io, group, c.kind.as_deref(), &c.tried, frame_bytes, first) {
                 Some(slot) => self.start(io, slot, c),
                 None => {
@@ -1809,11 +1845,7 @@ impl Core {
     /// The answer to a submit the store did not keep.
     fn refusal_response(&self, why: Refusal) -> Response {
         match why {
-            Refusal::QueueFull => Response::error(
-                429,
-                "queue_full",
-                "the queue is full (MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait)",
-            ),
+            Refusal::QueueFull => crate::store::queue_full_response(),
             Refusal::Unavailable => self
                 .store
                 .unavailable(true)

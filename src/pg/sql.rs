@@ -475,13 +475,17 @@ pub const RELEASE_ORPHANS: &str = "WITH o AS (
 /// pass to this node ($1), which closes each (`disconnect`, naming the lost node, `uncounted`)
 /// and sends its task back to pending. At most 1000 a run; rows another node is taking are
 /// skipped. A session worker's attempt waits until RESUME_WINDOW ($3) after the node's last
-/// heartbeat: its worker may resume it on any node until then ([`TAKE_SESSION`], SPEC §12).
+/// heartbeat: its worker may resume it on any node until then ([`TAKE_SESSION`], SPEC §12) —
+/// unless its TASK_TIMEOUT (the task's, else $4) ran out first: a held attempt's timeout keeps
+/// running, also when its node died.
 pub const ADOPT_ORPHANS: &str = "WITH dead AS (
        SELECT r.task_id, r.owner_node, r.attempt FROM relay_running r
        WHERE r.owner_node <> $1::uuid AND NOT EXISTS (SELECT 1 FROM relay_nodes n
          WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $2::int8)
          AND (r.session IS NULL OR NOT EXISTS (SELECT 1 FROM relay_nodes n
-           WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $3::int8))
+           WHERE n.node_id = r.owner_node AND n.heartbeat_ms > relay_now_ms() - $3::int8)
+           OR r.started_ms + coalesce((SELECT t.timeout_ms FROM relay_tasks t WHERE t.id = r.task_id), $4::int8)
+              < relay_now_ms())
        LIMIT 1000 FOR UPDATE SKIP LOCKED
      ), moved AS (
        UPDATE relay_running r SET owner_node = $1::uuid FROM dead WHERE r.task_id = dead.task_id
@@ -782,32 +786,39 @@ pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
 // ---------------------------------------------------------------------------------------------
 // Re-runs (SPEC §13).
 
-/// `POST /tasks/{id}/retry`: $1 task id, $2 kinds the caller may touch (NULL: all), $3 now_ms. A
-/// failed or canceled task goes back to pending with a fresh retry budget (`rerun_base`: the
-/// attempts before this run; `tried` empty), its attempt_log kept, `reruns` counted, due now,
-/// waiting for a worker as a queued task. Returns its status before (no row: unknown or out of
-/// scope) and whether it was re-run; [`GET_TASKS`] after it reads the task back.
-pub const RERUN: &str = "WITH old AS (
-       SELECT id, status FROM relay_tasks
-       WHERE id = $1::uuid AND ($2::text[] IS NULL OR kind = ANY($2::text[])) FOR UPDATE
+/// `POST /tasks/{id}/retry`: $1 task id, $2 kinds the caller may touch (NULL: all), $3 now_ms,
+/// $4 MAX_PENDING, $5 MAX_PENDING_BYTES. A failed or canceled task goes back to pending with a
+/// fresh retry budget (`rerun_base`: the attempts before this run; `tried` empty), its
+/// attempt_log kept, `reruns` counted, due now, waiting for a worker as a queued task — if the
+/// pending tasks leave room for it (SPEC §7, as for a submit). Returns its status before (no
+/// row: unknown or out of scope), whether it was re-run, and whether there was room;
+/// [`GET_TASKS`] after it reads the task back.
+pub const RERUN: &str = "WITH lim AS (
+       SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
+     ), old AS (
+       SELECT t.id, t.status, lim.n + 1 <= $4::int8 AND lim.b + coalesce(octet_length(t.payload), 0) <= $5::int8 AS room
+       FROM relay_tasks t, lim
+       WHERE t.id = $1::uuid AND ($2::text[] IS NULL OR t.kind = ANY($2::text[])) FOR UPDATE OF t
      ), u AS (
        UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
          reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}'
-       FROM old WHERE t.id = old.id AND old.status IN ('failed', 'canceled')
+       FROM old WHERE t.id = old.id AND old.status IN ('failed', 'canceled') AND old.room
        RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
        SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes FROM u
      )
-     SELECT old.status, EXISTS (SELECT 1 FROM u) FROM old";
+     SELECT old.status, EXISTS (SELECT 1 FROM u), old.room FROM old";
 
-pub fn rerun(id: &str, scope: Option<&[String]>, now_ms: u64) -> Stmt {
+pub fn rerun(id: &str, scope: Option<&[String]>, now_ms: u64, max_pending: u64, max_pending_bytes: u64) -> Stmt {
     Stmt::new(
         RERUN,
         vec![
             id.into(),
             scope.map_or(Param::Null, |k| arr(k.iter().map(String::as_str))),
             (now_ms.min(i64::MAX as u64) as i64).into(),
+            (max_pending.min(i64::MAX as u64) as i64).into(),
+            (max_pending_bytes.min(i64::MAX as u64) as i64).into(),
         ],
     )
 }
@@ -815,9 +826,13 @@ pub fn rerun(id: &str, scope: Option<&[String]>, now_ms: u64) -> Stmt {
 /// `POST /tasks/retry`: of the newest $8 tasks (one bounded walk down `relay_tasks_seq`), the
 /// $6 newest with status $1 (`failed` or `canceled`), kind $2 (NULL: any), a kind in $3 (the
 /// caller's scope; NULL: any), an error containing $4 and finished after $5 (NULL: any) are re-run
-/// as [`RERUN`] re-runs one — unless $7 (a dry run), which only lists them. Rows locked by
-/// another node are skipped. Returns their ids.
-pub const RERUN_MANY: &str = "WITH s AS MATERIALIZED (
+/// as [`RERUN`] re-runs one — as many, newest first, as $10 MAX_PENDING and $11
+/// MAX_PENDING_BYTES leave room for — unless $7 (a dry run), which only lists them. Rows locked
+/// by another node are skipped. Returns their ids, and on every row how many matched (one row
+/// of a NULL id when none could be re-run).
+pub const RERUN_MANY: &str = "WITH lim AS (
+       SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
+     ), s AS MATERIALIZED (
        SELECT id, status, kind, seq, finished_ms FROM relay_tasks ORDER BY seq DESC LIMIT $8::int4
      ), m AS (
        SELECT t.id, t.seq FROM s JOIN relay_tasks t ON t.id = s.id
@@ -827,19 +842,35 @@ pub const RERUN_MANY: &str = "WITH s AS MATERIALIZED (
          AND ($5::int8 IS NULL OR s.finished_ms > $5::int8)
        ORDER BY s.seq DESC LIMIT $6::int4
      ), l AS (
-       SELECT t.id FROM relay_tasks t JOIN m ON t.id = m.id WHERE t.status = $1::text FOR UPDATE OF t SKIP LOCKED
+       SELECT t.id, m.seq, octet_length(t.payload) AS bytes FROM relay_tasks t JOIN m ON t.id = m.id
+       WHERE t.status = $1::text FOR UPDATE OF t SKIP LOCKED
+     ), r AS (
+       SELECT l.id, l.seq FROM (
+         SELECT l.*, count(*) OVER w AS cum_n, sum(coalesce(l.bytes, 0)) OVER w AS cum_b FROM l
+         WINDOW w AS (ORDER BY l.seq DESC)
+       ) l, lim
+       WHERE $7::bool OR (lim.n + l.cum_n <= $10::int8 AND lim.b + l.cum_b <= $11::int8)
      ), u AS (
        UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
          reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}'
-       FROM l WHERE t.id = l.id AND NOT $7::bool
+       FROM r WHERE t.id = r.id AND NOT $7::bool
        RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
        SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes FROM u
+     ), matched AS (
+       SELECT count(*) AS n FROM l
      )
-     SELECT l.id::text FROM l JOIN m ON m.id = l.id ORDER BY m.seq DESC";
+     SELECT r.id::text, matched.n FROM matched LEFT JOIN r ON true ORDER BY r.seq DESC";
 
-pub fn rerun_many(f: &crate::store::RerunFilter, scope: Option<&[String]>, walk: usize, now_ms: u64) -> Stmt {
+pub fn rerun_many(
+    f: &crate::store::RerunFilter,
+    scope: Option<&[String]>,
+    walk: usize,
+    now_ms: u64,
+    max_pending: u64,
+    max_pending_bytes: u64,
+) -> Stmt {
     Stmt::new(
         RERUN_MANY,
         vec![
@@ -852,6 +883,8 @@ pub fn rerun_many(f: &crate::store::RerunFilter, scope: Option<&[String]>, walk:
             Param::Text(if f.dry_run { "t" } else { "f" }.into()),
             (walk as i64).into(),
             (now_ms.min(i64::MAX as u64) as i64).into(),
+            (max_pending.min(i64::MAX as u64) as i64).into(),
+            (max_pending_bytes.min(i64::MAX as u64) as i64).into(),
         ],
     )
 }

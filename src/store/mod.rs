@@ -200,6 +200,16 @@ pub const MAX_RERUN_LIMIT: u32 = 10_000;
 /// one loop turn; a filter that matches older ones is repeated).
 pub const RERUN_SCAN: usize = 100_000;
 
+/// 429 `queue_full` (SPEC §7): MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait —
+/// for a submit, and for a re-run, which puts a task back among them (SPEC §13).
+pub fn queue_full_response() -> Response {
+    Response::error(
+        429,
+        "queue_full",
+        "the queue is full (MAX_PENDING tasks or MAX_PENDING_BYTES of payload already wait)",
+    )
+}
+
 /// The answer of `POST /tasks/retry`: `{"retried": n, "task_ids": [...]}`.
 pub fn rerun_answer(ids: &[TaskId]) -> Response {
     let mut s = String::with_capacity(32 + ids.len() * 40);

@@ -590,7 +590,7 @@ fn pg_sql_fenced_completion_refuses_a_stale_node() {
     // Node A goes silent past its lease; B adopts its attempt (naming A) and closes it.
     c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 60000 where node_id = '{NODE_A}'"))
         .expect("age A");
-    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into(), 10_000i64.into()]);
+    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into(), 10_000i64.into(), 30_000i64.into()]);
     let out = c.pipeline(std::slice::from_ref(&adopt)).expect("adopt");
     assert_eq!(out[0].rows.len(), 1);
     assert_eq!((out[0].rows[0].text(0), out[0].rows[0].i64(1)), (Some(id.as_str()), Some(1)));
@@ -1131,17 +1131,26 @@ fn pg_sql_a_session_attempt_waits_for_its_worker_and_moves_with_it() {
     // A silent for 8 s: past its 6 s lease, within a 10 s window.
     c.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 8000 where node_id = '{NODE_A}'"))
         .expect("age A");
-    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into(), 10_000i64.into()]);
+    c.simple("update relay_running set started_ms = relay_now_ms() - 1000").expect("started a second ago");
+    let adopt = Stmt::new(sql::ADOPT_ORPHANS, vec![NODE_B.into(), 6_000i64.into(), 10_000i64.into(), 30_000i64.into()]);
     assert!(c.pipeline(std::slice::from_ref(&adopt)).expect("adopt")[0].rows.is_empty(), "held for the worker");
+    // A held attempt's TASK_TIMEOUT keeps running (SPEC §12): once it is over, the window does not
+    // hold it any more.
+    c.simple(&format!("update relay_running set started_ms = relay_now_ms() - 31000 where task_id = '{one}'"))
+        .expect("started long ago");
+    let out = c.pipeline(std::slice::from_ref(&adopt)).expect("adopt");
+    assert_eq!(out[0].rows.len(), 1, "its timeout is over");
+    assert_eq!(out[0].rows[0].text(0), Some(one.as_str()));
     let take =
         |secret: &str| Stmt::new(sql::TAKE_SESSION, vec![NODE_B.into(), secret.into(), "w-1".into(), 10_000i64.into()]);
     assert!(c.pipeline(&[take("wrong")]).expect("take")[0].rows.is_empty(), "a wrong secret takes nothing");
     let out = c.pipeline(&[take("s3cret")]).expect("take");
-    assert_eq!(out[0].rows.len(), 2, "both attempts move");
+    assert_eq!(out[0].rows.len(), 1, "the one still held moves");
     let row = &out[0].rows[0];
     assert_eq!((row.text(8), row.text(14)), (Some("node-a"), Some(wa.as_str())), "the node it came from, the worker");
     let owners = c.simple("select owner_node::text from relay_tasks order by id").expect("owners");
     assert!(owners[0].rows.iter().all(|r| r.text(0) == Some(NODE_B)), "the tasks are B's now");
+    assert_eq!(row.text(0), Some(two.as_str()));
     // Past the window: what a node still holds of a lost node's sessions is adopted.
     c.simple(&format!("update relay_running set owner_node = '{NODE_A}' where task_id = '{two}'")).expect("back");
     c.simple(&format!("update relay_tasks set owner_node = '{NODE_A}' where id = '{two}'")).expect("back");
@@ -1150,5 +1159,4 @@ fn pg_sql_a_session_attempt_waits_for_its_worker_and_moves_with_it() {
     let out = c.pipeline(&[adopt]).expect("adopt");
     assert_eq!(out[0].rows.len(), 1, "adopted once the window is over");
     assert_eq!(out[0].rows[0].text(0), Some(two.as_str()));
-    let _ = one;
 }

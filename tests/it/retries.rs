@@ -498,3 +498,117 @@ fn failed_tasks_are_kept_failed_ttl_longer_or_shorter_than_task_ttl() {
         }
     });
 }
+
+#[test]
+fn a_result_whose_retry_hints_are_of_the_wrong_type_still_ends_its_attempt() {
+    // (They were: the whole result was dropped as malformed, and the attempt ran into its
+    // timeout — the worker's answer lost, and a timeout counted against it.)
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("TASK_TIMEOUT", "30s"), ("MAX_RETRIES", "1")]);
+        let a = FakeWorker::connect(&relay, None, Auto::Manual);
+        let b = FakeWorker::connect(&relay, None, Auto::Manual);
+        relay.wait_clients(2, |_| true);
+        let workers = [&a, &b];
+        // A string "false" is not a permanent failure, a negative wait is no wait: the retry
+        // goes to the other worker at once.
+        for extra in [json!({"retry": "false", "retry_after_ms": -5}), json!({"retry": 0, "retry_after_ms": "800"})] {
+            let id = id_of(&relay.submit(r#"{"payload":1}"#));
+            let (first, task) = first_task(&workers, Duration::from_secs(5)).expect("a first attempt");
+            fail_with(workers[first], &task.id, extra.clone());
+            let other = workers[1 - first];
+            let retry = other.next_task(Duration::from_secs(5)).unwrap_or_else(|| panic!("{extra}: the retry"));
+            other.done(&retry.id, json!(1));
+            let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+            assert_eq!(outcomes(&t), ["failed", "done"], "{extra}: {t}");
+            assert!(gap_after(&t, 0) < 700, "{extra}: no wait asked for: {t}");
+        }
+        // A fraction of a ms is a wait all the same (rounded up), and `"retry": false` after it
+        // still ends the task.
+        let id = id_of(&relay.submit(r#"{"payload":1}"#));
+        let (first, task) = first_task(&workers, Duration::from_secs(5)).expect("a first attempt");
+        fail_with(workers[first], &task.id, json!({"retry_after_ms": 800.5}));
+        let other = workers[1 - first];
+        let retry = other.next_task(Duration::from_secs(5)).expect("the retry");
+        other.done(&retry.id, json!(1));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert!((790..2_300).contains(&gap_after(&t, 0)), "retry_after_ms 800.5: {t}");
+        let id = id_of(&relay.submit(r#"{"payload":1,"max_retries":3}"#));
+        let (first, task) = first_task(&workers, Duration::from_secs(5)).expect("a first attempt");
+        fail_with(workers[first], &task.id, json!({"retry": false, "retry_after_ms": 1e30}));
+        let t = relay.wait_status(&id, "failed", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["failed"], "{t}");
+        assert_eq!(relay.metric("relay_ws_messages_malformed_total"), 0.0);
+    });
+}
+
+#[test]
+fn the_first_attempts_of_a_bulk_rerun_rotate_over_the_workers() {
+    // (They counted as retries, which do not move the round-robin: every re-run task went to
+    // the same worker, and a degraded worker was not avoided.)
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_RETRIES", "0")]);
+        let hello = json!({"type":"hello","kinds":["r"]});
+        let bad = FakeWorker::connect(&relay, Some(hello.clone()), Auto::Fail("down".into()));
+        relay.wait_clients(1, |c| c.get("kinds").is_some());
+        let ids: Vec<String> = (0..6).map(|_| id_of(&relay.submit(r#"{"payload":{"kind":"r"}}"#))).collect();
+        for id in &ids {
+            relay.wait_status(id, "failed", Duration::from_secs(5));
+        }
+        drop(bad);
+        relay.wait_clients(0, |_| true);
+        let ws: Vec<FakeWorker> =
+            (0..3).map(|_| FakeWorker::connect(&relay, Some(hello.clone()), Auto::Manual)).collect();
+        relay.wait_clients(3, |c| c.get("kinds").is_some());
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"r"}"#));
+        assert_eq!(r.json()["retried"], 6, "{}", r.text());
+        let mut got = [0; 3];
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while got.iter().sum::<usize>() < 6 && Instant::now() < deadline {
+            for (i, w) in ws.iter().enumerate() {
+                if let Some(t) = w.next_task(Duration::from_millis(5)) {
+                    got[i] += 1;
+                    w.done(&t.id, json!(1));
+                }
+            }
+        }
+        assert_eq!(got, [2, 2, 2], "six re-run tasks over three workers, round-robin");
+    });
+}
+
+#[test]
+fn a_rerun_respects_max_pending_as_a_submit_does() {
+    // (Re-runs put tasks back among the pending ones past MAX_PENDING: a bulk re-run of 8 with
+    // MAX_PENDING=3 left 8 waiting.)
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("MAX_RETRIES", "0"), ("MAX_PENDING", "3")]);
+        let hello = json!({"type":"hello","kinds":["q"]});
+        let bad = FakeWorker::connect(&relay, Some(hello), Auto::Fail("down".into()));
+        relay.wait_clients(1, |c| c.get("kinds").is_some());
+        let ids: Vec<String> = (0..6).map(|_| id_of(&relay.submit(r#"{"payload":{"kind":"q"}}"#))).collect();
+        for id in &ids {
+            relay.wait_status(id, "failed", Duration::from_secs(5));
+        }
+        drop(bad);
+        relay.wait_clients(0, |_| true);
+        let pending = || relay.wait_health(|_| true)["tasks"]["pending"].as_u64().unwrap_or(u64::MAX);
+        // One waits already; a bulk re-run fills the rest of the room, newest first.
+        let waiting = id_of(&relay.submit(r#"{"payload":{"kind":"q"},"queue":true}"#));
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"q","dry_run":true}"#));
+        assert_eq!(r.json()["retried"], 6, "a dry run counts what matches: {}", r.text());
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"q"}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["task_ids"], json!([ids[5], ids[4]]), "{}", r.text());
+        assert!(poll_until(Duration::from_secs(3), || pending() == 3), "{}", relay.wait_health(|_| true));
+        // Full: a bulk re-run that matches is 429, and so is one task's.
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"q"}"#));
+        assert_eq!((r.status, r.json()["error"].as_str()), (429, Some("queue_full")), "{}", r.text());
+        let r = post(&relay, &format!("/tasks/{}/retry", ids[0]), None);
+        assert_eq!((r.status, r.json()["error"].as_str()), (429, Some("queue_full")), "{}", r.text());
+        assert_eq!(relay.get_task(&ids[0])["status"], "failed");
+        // Room again: the re-run goes through.
+        assert_eq!(relay.api("DELETE", &format!("/tasks/{waiting}"), None).status, 200);
+        let r = post(&relay, &format!("/tasks/{}/retry", ids[0]), None);
+        assert_eq!(r.status, 202, "{}", r.text());
+        assert!(poll_until(Duration::from_secs(3), || pending() == 3), "{}", relay.wait_health(|_| true));
+    });
+}

@@ -815,3 +815,29 @@ fn a_connection_whose_session_resumed_on_another_is_closed() {
         drop((a, b));
     });
 }
+
+#[test]
+fn cluster_a_dead_nodes_held_attempt_is_retried_when_its_timeout_is_over_not_its_window() {
+    // SPEC §12: a held attempt's TASK_TIMEOUT keeps running. Its node died; the worker never
+    // comes back; the window (60 s) is far longer than the task's timeout (1 s): the task goes
+    // on after the lease, not after the window.
+    let env = [("RESUME_WINDOW", "60s")];
+    let Some((mut a, b)) =
+        two_nodes("cluster_a_dead_nodes_held_attempt_is_retried_when_its_timeout_is_over_not_its_window", &env)
+    else {
+        return;
+    };
+    let w = FakeWorker::connect(&a, Some(hello("w-gone")), Auto::Manual);
+    w.expect_welcome();
+    a.wait_clients(1, |c| c["version"] == "it");
+    let id = id_of(&a.submit(r#"{"payload":{"n":11},"timeout":"1s"}"#));
+    assert_eq!(w.expect_task().id, id);
+    wait_session_row(&a, &id);
+    a.signal("KILL");
+    assert!(a.wait_exit(Duration::from_secs(5)).is_some(), "the node died");
+    let other = FakeWorker::connect(&b, Some(json!({"type": "hello", "version": "other"})), Auto::Echo);
+    // (The lease is PONG_WAIT + 5 s = 6 s here.)
+    let t = b.wait_status(&id, "done", Duration::from_secs(20));
+    assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
+    drop((w, other));
+}

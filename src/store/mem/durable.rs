@@ -418,6 +418,10 @@ impl MemStore {
             self.answer(conn, r);
             return;
         }
+        if !self.pending_room(Self::rerun_bytes(&task)) {
+            self.answer(conn, crate::store::queue_full_response());
+            return;
+        }
         self.evicted.remove(&id);
         task.stored = Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] };
         task.submit_seq = e.submit_seq;

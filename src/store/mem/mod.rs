@@ -321,6 +321,18 @@ impl MemStore {
 
     // ----- inserts ---------------------------------------------------------------------------
 
+    /// Whether one more pending task of `bytes` of payload fits in MAX_PENDING and
+    /// MAX_PENDING_BYTES (SPEC §7): a submit's question, and a re-run's.
+    pub(super) fn pending_room(&self, bytes: usize) -> bool {
+        self.task_count(Status::Pending) < self.cfg.max_pending
+            && self.pending_bytes + bytes <= self.cfg.max_pending_bytes
+    }
+
+    /// A re-run's payload bytes (what it adds to MAX_PENDING_BYTES).
+    pub(super) fn rerun_bytes(task: &Task) -> usize {
+        task.payload.as_deref().map_or(0, |p| p.get().len())
+    }
+
     pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
         if let Some((owner, key)) = new.idempotency
             && let Some(id) = self.key_holder(owner, key)
@@ -335,10 +347,7 @@ impl MemStore {
             return;
         }
         let bytes = new.payload.get().len();
-        if !new.runs_now
-            && (self.task_count(Status::Pending) >= self.cfg.max_pending
-                || self.pending_bytes + bytes > self.cfg.max_pending_bytes)
-        {
+        if !new.runs_now && !self.pending_room(bytes) {
             self.events.push(Event::NotInserted { to, why: Refusal::QueueFull });
             return;
         }
@@ -725,6 +734,10 @@ impl MemStore {
             self.answer(conn, r);
             return;
         }
+        if !self.pending_room(Self::rerun_bytes(task)) {
+            self.answer(conn, super::queue_full_response());
+            return;
+        }
         self.run_again(id);
         self.answer_rerun(conn, id, wait);
     }
@@ -762,8 +775,20 @@ impl MemStore {
             }
         }
         if !f.dry_run {
-            for &id in &ids {
-                self.run_again(id);
+            // As many as MAX_PENDING and MAX_PENDING_BYTES leave room for, newest first (SPEC
+            // §7); none at all: 429, as a submit would be.
+            let matched = ids.len();
+            let mut room = 0;
+            while room < ids.len()
+                && self.tasks.get(&ids[room]).is_some_and(|t| self.pending_room(Self::rerun_bytes(t)))
+            {
+                self.run_again(ids[room]);
+                room += 1;
+            }
+            ids.truncate(room);
+            if matched > 0 && ids.is_empty() {
+                self.answer(conn, super::queue_full_response());
+                return;
             }
         }
         let mut r = super::rerun_answer(&ids);

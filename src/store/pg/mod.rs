@@ -617,7 +617,13 @@ impl PgStore {
             if r.filter.as_ref().is_some_and(|f| !f.dry_run) && !ids.is_empty() {
                 self.unstarve();
             }
-            let response = crate::store::rerun_answer(&ids);
+            // (Some matched, and MAX_PENDING left room for none: 429, as a submit would be.)
+            let matched = rows.first().and_then(|row| row.i64(1)).unwrap_or(0);
+            let response = if ids.is_empty() && matched > 0 {
+                crate::store::queue_full_response()
+            } else {
+                crate::store::rerun_answer(&ids)
+            };
             self.events.push(Event::Answer { conn: r.conn, response });
             return;
         }
@@ -626,6 +632,13 @@ impl PgStore {
             self.events.push(Event::Answer { conn: r.conn, response: not_found() });
             return;
         };
+        if old.bool(1) != Some(true)
+            && matches!(task.status, Status::Failed | Status::Canceled)
+            && old.bool(2) == Some(false)
+        {
+            self.events.push(Event::Answer { conn: r.conn, response: crate::store::queue_full_response() });
+            return;
+        }
         if old.bool(1) != Some(true) {
             let mut response = crate::tasks::task_response(&task, false);
             response.status = 409;
@@ -957,7 +970,13 @@ impl PgStore {
         for r in std::mem::take(&mut self.reruns) {
             match &r.filter {
                 None => {
-                    stmts.push(sql::rerun(&uuid_string(r.id), r.scope.as_deref(), wall));
+                    stmts.push(sql::rerun(
+                        &uuid_string(r.id),
+                        r.scope.as_deref(),
+                        wall,
+                        self.cfg.max_pending as u64,
+                        self.cfg.max_pending_bytes as u64,
+                    ));
                     stmts.push(
                         Stmt::new(sql::GET_TASKS, vec![Param::Text(uuid_array([r.id]))]).with_json(rows::col::JSON),
                     );
@@ -965,7 +984,14 @@ impl PgStore {
                     parts.push(Part::CancelRead);
                 }
                 Some(f) => {
-                    stmts.push(sql::rerun_many(f, r.scope.as_deref(), crate::store::RERUN_SCAN, wall));
+                    stmts.push(sql::rerun_many(
+                        f,
+                        r.scope.as_deref(),
+                        crate::store::RERUN_SCAN,
+                        wall,
+                        self.cfg.max_pending as u64,
+                        self.cfg.max_pending_bytes as u64,
+                    ));
                     parts.push(Part::Rerun(r));
                 }
             }
@@ -1070,7 +1096,12 @@ impl PgStore {
             stmts.push(
                 Stmt::new(
                     sql::ADOPT_ORPHANS,
-                    vec![node_id.as_str().into(), (self.lease_ms as i64).into(), (self.resume_window_ms as i64).into()],
+                    vec![
+                        node_id.as_str().into(),
+                        (self.lease_ms as i64).into(),
+                        (self.resume_window_ms as i64).into(),
+                        (self.cfg.task_timeout_ms as i64).into(),
+                    ],
                 )
                 .with_json(ccol::JSON),
             );
