@@ -20,8 +20,10 @@ use crate::timer::TimerHandle;
 
 /// Bytes a `worker_id` has at most (SPEC §12: 1–128 UTF-8 bytes; outside that, no session).
 pub const MAX_WORKER_ID_BYTES: usize = 128;
-/// Sessions held (connection lost, window open) at most: beyond it a lost connection's attempts
-/// end at once, as without a session. Live sessions are bounded by the connections.
+/// Sessions held (connection lost, window open) at most, counted apart for sessions that held
+/// attempts and sessions that held none (so that connections which ran nothing cannot use up
+/// the room of those that did): beyond it a lost connection's attempts end at once, as without
+/// a session. Live sessions are bounded by the connections.
 pub const MAX_HELD_SESSIONS: usize = 10_000;
 /// Entries of a hello's `running` list looked at, at most.
 pub const MAX_RUNNING_LISTED: usize = 4_096;
@@ -61,6 +63,8 @@ struct Session {
     shown: Option<WorkerInfo>,
     until_mono_ms: u64,
     timer: Option<TimerHandle>,
+    /// Held with no attempt (counted in `Sessions::held_empty`).
+    empty_hold: bool,
 }
 
 /// The core's session table.
@@ -70,6 +74,8 @@ pub struct Sessions {
     by_secret: HashMap<Box<str>, u64>,
     next: u64,
     held_sessions: usize,
+    /// Of those, the ones held with no attempt.
+    pub(super) held_empty: usize,
     /// Cluster mode: hellos waiting for `TAKE_SESSION` (bounded by [`MAX_PENDING_RESUMES`]).
     pending: HashMap<ConnRef, PendingResume>,
 }
@@ -106,6 +112,9 @@ impl Sessions {
         self.by_secret.remove(&s.secret);
         if s.conn.is_none() {
             self.held_sessions -= 1;
+            if s.empty_hold {
+                self.held_empty -= 1;
+            }
         }
         Some(s)
     }
@@ -222,6 +231,7 @@ impl Core {
             shown: None,
             until_mono_ms: 0,
             timer: None,
+            empty_hold: false,
         };
         let sid = self.sessions.insert(s);
         if let Some(w) = self.worker_at_mut(conn) {
@@ -282,6 +292,9 @@ impl Core {
         let Some(s) = self.sessions.by_id.get_mut(&sid) else { return };
         if s.conn.is_none() {
             self.sessions.held_sessions -= 1;
+            if std::mem::take(&mut s.empty_hold) {
+                self.sessions.held_empty -= 1;
+            }
         }
         s.conn = Some(conn);
         s.shown = None;
@@ -336,8 +349,15 @@ impl Core {
     pub(super) fn try_hold(&mut self, conn: ConnRef, why: &str) -> bool {
         // (A resume waiting for the database: its answer is held for the session, if any.)
         self.sessions.pending.remove(&conn);
-        let Some(sid) = self.worker_at(conn).and_then(|w| w.session) else { return false };
-        if self.resume_window_ms == 0 || self.shutting_down || self.sessions.held_sessions >= MAX_HELD_SESSIONS {
+        let Some((sid, empty)) = self.worker_at(conn).and_then(|w| Some((w.session?, w.in_flight.is_empty()))) else {
+            return false;
+        };
+        let full = if empty {
+            self.sessions.held_empty >= MAX_HELD_SESSIONS
+        } else {
+            self.sessions.held_sessions - self.sessions.held_empty >= MAX_HELD_SESSIONS
+        };
+        if self.resume_window_ms == 0 || self.shutting_down || full {
             self.sessions.remove(sid);
             return false;
         }
@@ -383,6 +403,10 @@ impl Core {
         if let Some(s) = self.sessions.by_id.get_mut(&sid) {
             if s.conn.is_some() {
                 self.sessions.held_sessions += 1;
+                s.empty_hold = held.is_empty();
+                if s.empty_hold {
+                    self.sessions.held_empty += 1;
+                }
             }
             s.conn = None;
             s.held.extend(held);
@@ -447,6 +471,7 @@ impl Core {
                     shown: Some(shown),
                     until_mono_ms,
                     timer: None,
+                    empty_hold: false,
                 });
                 let timer = self.wheel.arm(until_mono_ms, Timer::Session(sid));
                 if let Some(s) = self.sessions.by_id.get_mut(&sid) {

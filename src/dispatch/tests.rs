@@ -266,3 +266,28 @@ mod model;
 mod model_runs;
 mod regressions;
 mod restarts;
+
+#[test]
+fn sessions_that_held_nothing_do_not_use_up_the_room_of_those_that_held_attempts() {
+    // MAX_HELD_SESSIONS connections said hello with a worker id and were lost running nothing
+    // (a flood, or a crash loop): a worker lost while it runs a task is still held.
+    let mut core = core();
+    core.resume_window_ms = 10_000;
+    let mut io = FakeIo::default();
+    let n = sessions::MAX_HELD_SESSIONS as u32;
+    for slot in 0..=n {
+        let w = conn(slot);
+        core.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+        core.worker_message(&mut io, w, &format!(r#"{{"type":"hello","worker_id":"idle-{slot}"}}"#));
+        core.worker_disconnected(&mut io, w, "cut");
+    }
+    assert_eq!(core.sessions.held_empty, sessions::MAX_HELD_SESSIONS, "the empty ones are bounded");
+    let w = conn(n + 1);
+    core.worker_connected(&mut io, w, "10.0.0.2".parse().expect("ip"));
+    core.worker_message(&mut io, w, r#"{"type":"hello","worker_id":"busy"}"#);
+    let id = submit(&mut core, &mut io, r#"{"n":1}"#, None).expect("submitted");
+    assert_eq!(io.tasks_to(w), vec![id]);
+    core.worker_disconnected(&mut io, w, "cut");
+    assert_eq!(outcomes(&core, id), Vec::<Outcome>::new(), "held, not ended");
+    assert_eq!(core.metrics.attempts_held, 1);
+}

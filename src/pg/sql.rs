@@ -789,7 +789,8 @@ pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
 /// `POST /tasks/{id}/retry`: $1 task id, $2 kinds the caller may touch (NULL: all), $3 now_ms,
 /// $4 MAX_PENDING, $5 MAX_PENDING_BYTES. A failed or canceled task goes back to pending with a
 /// fresh retry budget (`rerun_base`: the attempts before this run; `tried` empty), its
-/// attempt_log kept, `reruns` counted, due now, waiting for a worker as a queued task — if the
+/// attempt_log kept (but the wait of a retry canceled during its backoff: it is due now),
+/// `reruns` counted, due now, waiting for a worker as a queued task — if the
 /// pending tasks leave room for it (SPEC §7, as for a submit). Returns its status before (no
 /// row: unknown or out of scope), whether it was re-run, and whether there was room;
 /// [`GET_TASKS`] after it reads the task back.
@@ -801,7 +802,8 @@ pub const RERUN: &str = "WITH lim AS (
        WHERE t.id = $1::uuid AND ($2::text[] IS NULL OR t.kind = ANY($2::text[])) FOR UPDATE OF t
      ), u AS (
        UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
-         reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}'
+         reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}',
+         attempt_log = t.attempt_log #- ARRAY[(jsonb_array_length(t.attempt_log) - 1)::text, 'next_attempt_ms']
        FROM old WHERE t.id = old.id AND old.status IN ('failed', 'canceled') AND old.room
        RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
      ), p AS (
@@ -852,7 +854,8 @@ pub const RERUN_MANY: &str = "WITH lim AS (
        WHERE $7::bool OR (lim.n + l.cum_n <= $10::int8 AND lim.b + l.cum_b <= $11::int8)
      ), u AS (
        UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
-         reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}'
+         reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}',
+         attempt_log = t.attempt_log #- ARRAY[(jsonb_array_length(t.attempt_log) - 1)::text, 'next_attempt_ms']
        FROM r WHERE t.id = r.id AND NOT $7::bool
        RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
      ), p AS (

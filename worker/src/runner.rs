@@ -28,7 +28,9 @@
 //! Shutdown (the stop flag, set by SIGTERM/SIGINT): `hello` with concurrency 0 (relay stops
 //! sending tasks), a task that still arrives is answered `failed` / `worker shutting down`,
 //! running tasks finish within `shutdown_timeout_ms` and their results are sent, then the
-//! socket is closed (1000) and `run` returns. A link lost while draining is not re-opened.
+//! socket is closed (1000) and `run` returns. A link lost while draining is re-opened only
+//! with a session (saying concurrency 0): the resumed session takes the running tasks' results,
+//! which relay would otherwise run again elsewhere; without one it is not.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::ErrorKind;
@@ -163,9 +165,10 @@ impl Runner<'_> {
             if self.check_stop() && self.drained_or_expired() {
                 return;
             }
-            if self.drain_deadline.is_some() {
-                // Disconnected while draining: a new connection could not deliver the results
-                // anyway (see the module doc), so just let the running tasks finish.
+            if self.drain_deadline.is_some() && !self.resumable() {
+                // Disconnected while draining, without a session: a new connection could not
+                // deliver the results anyway (see the module doc), so just let the running
+                // tasks finish. (With one, it reconnects: the resumed session takes them.)
                 self.wait(Duration::from_millis(self.cfg.poll_interval_ms));
                 continue;
             }
@@ -183,7 +186,7 @@ impl Runner<'_> {
                     match end {
                         End::Done => return,
                         End::Lost(reason) => {
-                            let delay = if self.drain_deadline.is_some() {
+                            let delay = if self.drain_deadline.is_some() && !self.resumable() {
                                 0
                             } else if std::mem::take(&mut self.reconnect_now) {
                                 // relay is restarting: back at once, spread over a second.
@@ -245,10 +248,16 @@ impl Runner<'_> {
         );
     }
 
-    /// While draining: true (and logs `stopped`) once nothing runs or the grace period is over.
+    /// A lost connection's tasks and results can still reach relay: it has a session (SPEC §12).
+    fn resumable(&self) -> bool {
+        self.secret.is_some() && !self.token_refused
+    }
+
+    /// While draining: true (and logs `stopped`) once nothing runs, no result waits for a
+    /// resume, or the grace period is over.
     fn drained_or_expired(&self) -> bool {
         let Some(deadline) = self.drain_deadline else { return false };
-        if self.in_flight.is_empty() {
+        if self.in_flight.is_empty() && self.kept.is_empty() {
             log!(Level::Info, "stopped", reason = "drained");
             return true;
         }

@@ -248,6 +248,23 @@ impl MemStore {
         kind.is_none_or(|k| self.kinds.get(k).is_none_or(|s| s.policy.is_none_or(|p| !p.limits())))
     }
 
+    /// The insert's fast path: may a task of `kind` start at once under its policy? If so, it
+    /// takes its rate tokens now (its claim counts it against the running cap).
+    pub(super) fn admit_now(&mut self, kind: Option<&str>) -> bool {
+        if self.unlimited(kind) {
+            return true;
+        }
+        let (wall, Some(k)) = (self.wall_ms, kind) else { return true };
+        let Some(s) = self.kinds.get_mut(k) else { return true };
+        if s.held.is_some() || s.room(wall).1.is_some() {
+            return false;
+        }
+        for b in &mut s.buckets {
+            b.take(wall, 1);
+        }
+        true
+    }
+
     pub fn kind_paused(&self, kind: Option<&str>) -> bool {
         kind.is_some_and(|k| self.kinds.get(k).and_then(|s| s.policy).is_some_and(|p| p.paused))
     }

@@ -132,3 +132,35 @@ fn a_relay_killed_mid_task_and_restarted_gets_the_result_and_nothing_runs_twice(
     drop(relay);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_draining_worker_whose_link_is_cut_resumes_and_delivers_before_it_exits() {
+    // SIGTERM, then the connection drops while a task runs: with a session the worker
+    // reconnects (concurrency 0) and resumes, so the result reaches relay instead of the task
+    // running again elsewhere once the hold ends.
+    let target =
+        Target::start(|_, _| Reply::After(Duration::from_millis(1500), Box::new(Reply::new(200, &[], "late"))));
+    let fake = FakeRelay::start();
+    let mut worker = Worker::start(&fake.ws_url(), &[("WORKER_ID", "w-drain"), ("SHUTDOWN_TIMEOUT", "10s")]);
+    let mut conn = fake.accept(Duration::from_secs(10)).expect("worker connects");
+    conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    conn.send(&welcome("secret-d", json!([]), json!([])));
+    conn.send(&json!({"type": "task", "task_id": "drain-1", "attempt": 1,
+                      "payload": {"kind": "http", "spec": {"url": target.url("/")}}}));
+    assert!(poll_until(Duration::from_secs(5), || target.hit_count() == 1), "task started");
+    worker.proc.signal("TERM");
+    let drain = conn.recv_type("hello", Duration::from_secs(5)).expect("the draining hello");
+    assert_eq!(drain["concurrency"], 0, "{drain}");
+    conn.cut();
+    let mut again = fake.accept(Duration::from_secs(10)).expect("the draining worker reconnects");
+    let hello = again.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    assert_eq!((hello["session"].clone(), hello["concurrency"].clone()), (json!("secret-d"), json!(0)), "{hello}");
+    assert_eq!(hello["running"], json!([{"task_id": "drain-1", "attempt": 1}]), "{hello}");
+    again.send(&welcome("secret-d", json!(["drain-1"]), json!([])));
+    let result = again.recv_type("result", Duration::from_secs(5)).expect("the result");
+    assert_eq!((result["task_id"].clone(), result["attempt"].clone()), (json!("drain-1"), json!(1)), "{result}");
+    assert_eq!(result["data"]["body"], "late", "{result}");
+    let status = worker.proc.wait_exit(Duration::from_secs(10)).expect("the worker exits");
+    assert!(status.success(), "{status:?}\n{}", worker.proc.log_text());
+    assert_eq!(target.hit_count(), 1, "run once");
+}
