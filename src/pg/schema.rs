@@ -24,6 +24,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (6, "re-runs of failed and canceled tasks", V6),
     (7, "worker sessions: a running attempt names its worker's session", V7),
     (8, "kind policies: concurrency, rate, pause", V8),
+    (9, "a held worker session's row says until when it may resume", V9),
 ];
 
 /// The newest version this build knows.
@@ -308,6 +309,12 @@ CREATE TABLE IF NOT EXISTS relay_kind_buckets (
     tokens        float8 NOT NULL,
     at_ms         int8 NOT NULL                        -- database clock (relay_now_ms())
 );
+"#;
+
+/// Version 9 (SPEC §12): a worker row of a held session (its connection was lost) says until
+/// when it may resume, for `/clients` on every node.
+const V9: &str = r#"
+ALTER TABLE relay_workers ADD COLUMN IF NOT EXISTS resumable_until_ms int8;
 "#;
 
 /// What [`migrate`] did.

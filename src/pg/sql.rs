@@ -1032,16 +1032,17 @@ pub fn retention(now_ms: i64, task_ttl_ms: u64, failed_ttl_ms: u64) -> Stmt {
 /// array text or NULL, concurrency, in_flight, active, version). Sent with the turn's
 /// transaction when a worker connected or changed.
 pub const UPSERT_WORKERS: &str = "INSERT INTO relay_workers
-       (client_id, node_id, ip, connected_ms, kinds, concurrency, in_flight, active, version)
+       (client_id, node_id, ip, connected_ms, kinds, concurrency, in_flight, active, version, resumable_until_ms)
      SELECT w.client_id, $1::uuid, w.ip, w.connected_ms,
             CASE WHEN w.kinds IS NULL THEN NULL
                  ELSE ARRAY(SELECT jsonb_array_elements_text(w.kinds::jsonb)) END,
-            w.concurrency, w.in_flight, w.active, w.version
-     FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::int4[], $8::bool[], $9::text[])
-       AS w(client_id, ip, connected_ms, kinds, concurrency, in_flight, active, version)
+            w.concurrency, w.in_flight, w.active, w.version, w.resumable_until_ms
+     FROM unnest($2::uuid[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::int4[], $8::bool[], $9::text[],
+                 $10::int8[])
+       AS w(client_id, ip, connected_ms, kinds, concurrency, in_flight, active, version, resumable_until_ms)
      ON CONFLICT (client_id) DO UPDATE SET node_id = excluded.node_id, ip = excluded.ip, kinds = excluded.kinds,
        concurrency = excluded.concurrency, in_flight = excluded.in_flight, active = excluded.active,
-       version = excluded.version";
+       version = excluded.version, resumable_until_ms = excluded.resumable_until_ms";
 
 /// $1 client ids that left this node ($2). (A session's client id may be another node's row by
 /// now: its worker resumed there, SPEC §12.)
@@ -1055,7 +1056,7 @@ pub const RESYNC_WORKERS: &str =
 /// /clients: every worker of every live node ($1 lease_ms), with its node's name.
 pub const LIST_WORKERS: &str =
     "SELECT w.client_id::text, w.ip, w.connected_ms, array_to_json(w.kinds)::text, w.concurrency,
-            w.in_flight, w.active, w.version, n.name, w.node_id::text
+            w.in_flight, w.active, w.version, n.name, w.node_id::text, w.resumable_until_ms
      FROM relay_workers w JOIN relay_nodes n ON n.node_id = w.node_id
      WHERE n.heartbeat_ms > relay_now_ms() - $1::int8
      ORDER BY w.connected_ms, w.client_id";

@@ -673,7 +673,10 @@ fn a_48_mib_result_leaves_in_slices_and_others_are_served_meanwhile() {
             prober.join().expect("prober")
         });
         assert!(
-            worst < baseline + Duration::from_millis(60),
+            // (Building the one 48 MiB answer takes tens of ms of page faults and copying while
+            // the suite's other tests run beside it; the defects this guards against cost 200 ms
+            // and more.)
+            worst < baseline + Duration::from_millis(100),
             "a /healthz waited {worst:?} behind a 48 MiB answer (at most {baseline:?} without it)"
         );
     });

@@ -967,6 +967,7 @@ fn pg_sql_files_workers_and_token_changes() {
             sql::array([Some("0"), Some("3")]).into(),
             sql::array([Some("t"), Some("f")]).into(),
             sql::array([Some("w/1"), None]).into(),
+            sql::array([None, Some("9000")]).into(),
         ],
     );
     c.pipeline(&[upsert]).expect("upsert");
@@ -975,6 +976,7 @@ fn pg_sql_files_workers_and_token_changes() {
     assert_eq!(rows.len(), 2);
     assert_eq!((rows[0].text(3), rows[0].text(8)), (Some(r#"["http","file"]"#), Some("node-a")));
     assert_eq!((rows[1].text(3), rows[1].bool(6)), (None, Some(false)), "no kinds: takes every kind");
+    assert_eq!((rows[0].i64(10), rows[1].i64(10)), (None, Some(9000)), "a held session's row says until when");
     // Another node's delete of a client id whose row is this node's (a session that resumed
     // here) leaves it; this node's own delete takes it.
     let delete =

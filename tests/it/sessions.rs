@@ -767,6 +767,29 @@ fn a_worker_id_with_a_nul_byte_is_a_session_like_any_other() {
 }
 
 #[test]
+fn cluster_a_held_session_is_listed_with_resumable_until_on_every_node() {
+    let env = [("RESUME_WINDOW", "20s")];
+    let Some((a, b)) = two_nodes("cluster_a_held_session_is_listed_with_resumable_until_on_every_node", &env) else {
+        return;
+    };
+    let proxy = Proxy::start(a.addr);
+    let w = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-seen")), Auto::Manual).expect("connects");
+    let client_id = w.expect_welcome()["client_id"].clone();
+    a.wait_clients(1, |c| c["version"] == "it");
+    proxy.cut();
+    wait_held(&a);
+    let mut last = Value::Null;
+    let seen = poll_until(Duration::from_secs(5), || {
+        last = b.clients();
+        last["clients"].as_array().is_some_and(|c| {
+            c.iter().any(|w| w["client_id"] == client_id && w["active"] == false && w["resumable_until"].is_string())
+        })
+    });
+    assert!(seen, "the other node lists the held session: {last}");
+    drop((w, proxy));
+}
+
+#[test]
 fn a_connection_whose_session_resumed_on_another_is_closed() {
     // Two live connections present one session (a half-open old connection, or a copied
     // secret): the later one has it; the earlier is no worker any more and is closed (1008),

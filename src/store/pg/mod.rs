@@ -1907,6 +1907,7 @@ fn upsert_workers(node_id: &str, ws: &[WorkerInfo]) -> Stmt {
     let text = |v: &[String]| Param::Text(sql::array(v.iter().map(|s| Some(s.as_str()))));
     let opt = |v: &[Option<String>]| Param::Text(sql::array(v.iter().map(|s| s.as_deref())));
     let ips: Vec<String> = ws.iter().map(|w| w.ip.clone()).collect();
+    let until: Vec<Option<String>> = ws.iter().map(|w| w.resumable_until_wall_ms.map(|t| t.to_string())).collect();
     Stmt::new(
         sql::UPSERT_WORKERS,
         vec![
@@ -1919,6 +1920,7 @@ fn upsert_workers(node_id: &str, ws: &[WorkerInfo]) -> Stmt {
             text(&in_flight),
             Param::Text(sql::array(active.iter().map(|s| Some(*s)))),
             opt(&versions),
+            opt(&until),
         ],
     )
 }

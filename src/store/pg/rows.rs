@@ -78,6 +78,7 @@ pub mod wcol {
     pub const VERSION: usize = 7;
     pub const NODE_NAME: usize = 8;
     pub const NODE_ID: usize = 9;
+    pub const RESUMABLE_UNTIL_MS: usize = 10;
 }
 
 /// One entry of a task's `attempt_log` column, as the statements write it.
@@ -245,7 +246,7 @@ pub fn worker(row: &Row) -> Option<WorkerInfo> {
         version: row.text(wcol::VERSION).map(str::to_string),
         node: row.text(wcol::NODE_NAME).map(str::to_string),
         node_id: row.text(wcol::NODE_ID).and_then(parse_id),
-        resumable_until_wall_ms: None,
+        resumable_until_wall_ms: ms(row, wcol::RESUMABLE_UNTIL_MS),
         degraded: false,
     })
 }
