@@ -295,7 +295,9 @@ impl Api {
             Route::Clients => core.clients(io, conn),
             Route::Kinds => core.kind_op(io, conn, crate::flow::KindOp::List),
             Route::Kind(raw) => {
-                let kind = percent_decode(raw);
+                let Some(kind) = crate::http::percent_decode_segment(raw) else {
+                    return Handled::Respond(error(400, "invalid kind: it is not UTF-8"));
+                };
                 if kind.len() > MAX_KIND_BYTES {
                     return Handled::Respond(error(400, &format!("a kind is at most {MAX_KIND_BYTES} bytes")));
                 }

@@ -700,6 +700,16 @@ pub fn error(status: u16, message: &str) -> Response {
 
 /// Decodes `%XX` and `+` in a query value; invalid escapes are kept as they are.
 pub fn percent_decode(text: &str) -> String {
+    String::from_utf8_lossy(&decode_escapes(text, true)).into_owned()
+}
+
+/// Decodes `%XX` in a path segment (`+` is itself there, RFC 3986); `None` when the bytes are
+/// not UTF-8 (a name must not be guessed at with U+FFFD).
+pub fn percent_decode_segment(text: &str) -> Option<String> {
+    String::from_utf8(decode_escapes(text, false)).ok()
+}
+
+fn decode_escapes(text: &str, plus_is_space: bool) -> Vec<u8> {
     let bytes = text.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -718,7 +728,7 @@ pub fn percent_decode(text: &str) -> String {
                     }
                 }
             }
-            b'+' => {
+            b'+' if plus_is_space => {
                 out.push(b' ');
                 i += 1;
             }
@@ -728,7 +738,7 @@ pub fn percent_decode(text: &str) -> String {
             }
         }
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 #[cfg(test)]
@@ -1000,6 +1010,11 @@ mod tests {
             [("a%20b", "a b"), ("a+b", "a b"), ("%zz", "%zz"), ("100%", "100%"), ("%4", "%4"), ("x%41", "xA")]
         {
             assert_eq!(percent_decode(input), expected, "{input}");
+        }
+        for (input, expected) in
+            [("c++", Some("c++")), ("a%2Fb", Some("a/b")), ("a%20b", Some("a b")), ("%E2%82", None)]
+        {
+            assert_eq!(percent_decode_segment(input).as_deref(), expected, "{input}");
         }
     }
 }

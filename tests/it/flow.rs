@@ -124,6 +124,27 @@ fn a_fairness_key_is_a_string_of_at_most_128_bytes() {
     });
 }
 
+/// A hostile probe: `PUT /kinds/c++` set the policy of the kind "c  " (`+` read as a space, as
+/// in a query), and `PUT /kinds/%E2%82` (not UTF-8) set one for "\u{FFFD}". In a path `+` is
+/// itself, and a kind that is not UTF-8 is a 400.
+#[test]
+fn a_kind_in_the_path_keeps_its_plus_signs_and_must_be_utf8() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let set = relay.api("PUT", "/kinds/c++", Some(r#"{"max_running":2}"#));
+        assert_eq!(set.status, 200, "{}", set.text());
+        assert_eq!(set.json()["kind"], "c++", "{}", set.text());
+        let got = relay.api("GET", "/kinds/c%2B%2B", None);
+        assert_eq!((got.status, got.json()["policy"].clone()), (200, json!({"max_running": 2})), "{}", got.text());
+        let bad = relay.api("PUT", "/kinds/%E2%82", Some("{}"));
+        assert_eq!((bad.status, bad.error()), (400, "bad_request".to_string()), "{}", bad.text());
+        let listed = relay.api("GET", "/kinds", None).json();
+        let names: Vec<&str> =
+            listed["kinds"].as_array().expect("kinds").iter().filter_map(|k| k["kind"].as_str()).collect();
+        assert_eq!(names, ["c++"], "{listed}");
+    });
+}
+
 /// A directory of the test's own (a DATA_DIR), removed on drop.
 pub struct TempDir(std::path::PathBuf);
 
