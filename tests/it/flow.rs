@@ -145,6 +145,36 @@ fn a_kind_in_the_path_keeps_its_plus_signs_and_must_be_utf8() {
     });
 }
 
+/// A hostile probe, cluster: `relay_dispatch_held_total{reason="rate"}` grew by ten a second
+/// per node while one task waited for a token (every 100 ms look at the limited backlog counted
+/// it again), where one node counts a kind once as it is held. A held task is counted once here.
+#[test]
+fn a_task_held_for_long_is_one_held_dispatch_not_one_per_look() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let w =
+            FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["slow"],"concurrency":4})), Auto::Manual);
+        relay.wait_clients(1, |c| c["concurrency"] == 4);
+        put_policy(&relay, "slow", r#"{"rate":"1/h"}"#);
+        let series = r#"relay_dispatch_held_total{reason="rate"}"#;
+        let before = relay.metric(series);
+        id_of(&relay.submit(r#"{"payload":{"kind":"slow","n":1},"queue":true}"#));
+        let second = id_of(&relay.submit(r#"{"payload":{"kind":"slow","n":2},"queue":true}"#));
+        assert!(w.next_task(Duration::from_secs(5)).is_some(), "the bucket's one token runs the first");
+        assert!(
+            poll_until(Duration::from_secs(5), || relay.get_task(&second)["waiting_on"] == "rate"
+                && relay.metric(series) > before),
+            "{} {}",
+            relay.get_task(&second),
+            relay.metric(series)
+        );
+        // (Not a synchronisation: the time over which the count must not grow.)
+        std::thread::sleep(Duration::from_millis(1_500));
+        let held = relay.metric(series) - before;
+        assert!((1.0..=2.0).contains(&held), "one task held for 1.5 s counted {held} times");
+    });
+}
+
 /// A directory of the test's own (a DATA_DIR), removed on drop.
 pub struct TempDir(std::path::PathBuf);
 

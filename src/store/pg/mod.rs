@@ -1532,8 +1532,11 @@ impl PgStore {
                             let since = row.i64(4).unwrap_or(0).max(0) as f64;
                             ((tokens + since * per_ms).min(burst) < 1.0 - 1e-9).then_some(crate::flow::WaitingOn::Rate)
                         });
+                        // (Counted when the kind becomes held, as the memory store counts it:
+                        // this read repeats every LIMITED_POLL_MS while it stays held.)
                         if let Some(why) = why
                             && row.bool(1) == Some(true)
+                            && self.held_kinds.get(kind) != Some(&why)
                         {
                             self.held_total[why.index()] += 1;
                         }
