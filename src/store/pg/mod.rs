@@ -156,6 +156,9 @@ pub struct PgStore {
     limited_claimed: Vec<Claimed>,
     /// Limited kinds out of room as their last claim found them (for `waiting_on`).
     held_kinds: HashMap<String, crate::flow::WaitingOn>,
+    /// The held kinds with tasks waiting already counted in `held_total` (at most one entry per
+    /// limited kind, as `held_kinds`).
+    held_counted: HashMap<String, crate::flow::WaitingOn>,
     /// Claims a limit held back, by `WaitingOn` index; kinds with a policy as last counted.
     held_total: [u64; 6],
     kind_gauges: Vec<(String, u64, u64)>,
@@ -254,6 +257,7 @@ impl PgStore {
             want_policies: true,
             limited_claimed: Vec::new(),
             held_kinds: HashMap::new(),
+            held_counted: HashMap::new(),
             held_total: [0; 6],
             kind_gauges: Vec::new(),
             next_tick_ms: 0,
@@ -469,6 +473,7 @@ impl PgStore {
                 self.policies.insert(kind, p);
             }
             None => {
+                self.held_counted.remove(&kind);
                 self.policies.remove(&kind);
             }
         }
@@ -1532,13 +1537,18 @@ impl PgStore {
                             let since = row.i64(4).unwrap_or(0).max(0) as f64;
                             ((tokens + since * per_ms).min(burst) < 1.0 - 1e-9).then_some(crate::flow::WaitingOn::Rate)
                         });
-                        // (Counted when the kind becomes held, as the memory store counts it:
-                        // this read repeats every LIMITED_POLL_MS while it stays held.)
-                        if let Some(why) = why
-                            && row.bool(1) == Some(true)
-                            && self.held_kinds.get(kind) != Some(&why)
-                        {
-                            self.held_total[why.index()] += 1;
+                        // (Counted when the kind becomes held with tasks waiting, as the memory
+                        // store counts it: this read repeats every LIMITED_POLL_MS meanwhile.)
+                        match why.filter(|_| row.bool(1) == Some(true)) {
+                            Some(why) => {
+                                if self.held_counted.get(kind) != Some(&why) {
+                                    self.held_total[why.index()] += 1;
+                                    self.held_counted.insert(kind.to_string(), why);
+                                }
+                            }
+                            None => {
+                                self.held_counted.remove(kind);
+                            }
                         }
                         match why {
                             Some(why) => self.held_kinds.insert(kind.to_string(), why),
