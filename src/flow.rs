@@ -5,6 +5,7 @@
 
 use serde::Deserialize;
 
+pub use crate::tasks::WaitingOn;
 use crate::tasks::push_json_str;
 
 /// Kinds with a policy at most (each policy is a few dozen bytes; the limit bounds the map and
@@ -13,44 +14,6 @@ pub const MAX_POLICIES: usize = 10_000;
 
 /// Kinds labelled in `relay_kind_running` / `relay_kind_pending` at most (SPEC §14).
 pub const MAX_LABELLED_KINDS: usize = 1_000;
-
-/// Why a pending task is not running yet, in the order SPEC §14 names them (the first that
-/// applies is shown).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum WaitingOn {
-    Schedule,
-    Backoff,
-    Paused,
-    Concurrency,
-    Rate,
-    Worker,
-}
-
-impl WaitingOn {
-    pub const ALL: [WaitingOn; 6] = [
-        WaitingOn::Schedule,
-        WaitingOn::Backoff,
-        WaitingOn::Paused,
-        WaitingOn::Concurrency,
-        WaitingOn::Rate,
-        WaitingOn::Worker,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WaitingOn::Schedule => "schedule",
-            WaitingOn::Backoff => "backoff",
-            WaitingOn::Paused => "paused",
-            WaitingOn::Concurrency => "concurrency",
-            WaitingOn::Rate => "rate",
-            WaitingOn::Worker => "worker",
-        }
-    }
-
-    pub fn index(self) -> usize {
-        self as usize
-    }
-}
 
 /// `"100/s"`: `count` dispatch starts per `per_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

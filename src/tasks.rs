@@ -275,7 +275,7 @@ pub struct Task {
     pub priority: i32,
     /// The kind policy that holds it back (`paused`, `concurrency`, `rate`), as its store last
     /// found: set just before a pending task's JSON is written ([`Task::waiting_on`]).
-    pub held_by: std::cell::Cell<Option<crate::flow::WaitingOn>>,
+    pub held_by: std::cell::Cell<Option<WaitingOn>>,
     /// Which pending queue holds the task, if any (the memory store's).
     pub place: Place,
     /// Submitted with `queue: true` or a schedule: its first attempt waits for a worker however
@@ -645,6 +645,44 @@ pub fn parse_id(text: &str) -> Option<TaskId> {
         return None;
     }
     uuid::Uuid::try_parse(text).ok().map(|u| u.as_u128())
+}
+
+/// Why a pending task is not running yet, in the order SPEC §14 names them (the first that
+/// applies is shown).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum WaitingOn {
+    Schedule,
+    Backoff,
+    Paused,
+    Concurrency,
+    Rate,
+    Worker,
+}
+
+impl WaitingOn {
+    pub const ALL: [WaitingOn; 6] = [
+        WaitingOn::Schedule,
+        WaitingOn::Backoff,
+        WaitingOn::Paused,
+        WaitingOn::Concurrency,
+        WaitingOn::Rate,
+        WaitingOn::Worker,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitingOn::Schedule => "schedule",
+            WaitingOn::Backoff => "backoff",
+            WaitingOn::Paused => "paused",
+            WaitingOn::Concurrency => "concurrency",
+            WaitingOn::Rate => "rate",
+            WaitingOn::Worker => "worker",
+        }
+    }
+
+    pub fn index(self) -> usize {
+        self as usize
+    }
 }
 
 pub fn push_json_str(s: &mut String, text: &str) {
