@@ -966,16 +966,23 @@ impl Core {
         self.worker_gone(io, conn, why);
     }
 
-    fn worker_gone(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
-        let Some(mut worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return };
+    /// Takes the worker on `conn` out of its slot, the round-robin ring and its group; returns
+    /// it with the kinds it accepted.
+    fn unlist(&mut self, conn: ConnRef) -> Option<(Worker, Accepts)> {
+        let mut worker = self.workers.get_mut(conn.slot as usize).and_then(Option::take)?;
         if worker.conn != conn {
             self.workers[conn.slot as usize] = Some(worker);
-            return;
+            return None;
         }
         self.order.retain(|&s| s != conn.slot);
         let before = worker.acceptance();
         self.reach.remove(&before);
         self.groups.remove(conn.slot, &mut worker);
+        Some((worker, before))
+    }
+
+    fn worker_gone(&mut self, io: &mut dyn Io, conn: ConnRef, why: &str) {
+        let Some((worker, before)) = self.unlist(conn) else { return };
         crate::log!(
             Level::Info,
             "worker disconnected",

@@ -367,15 +367,7 @@ impl Core {
 
     /// Takes the worker on `conn` out of the ring and holds its attempts for its session.
     fn hold_worker(&mut self, conn: ConnRef, sid: u64, why: &str) {
-        let Some(mut worker) = self.workers.get_mut(conn.slot as usize).and_then(Option::take) else { return };
-        if worker.conn != conn {
-            self.workers[conn.slot as usize] = Some(worker);
-            return;
-        }
-        self.order.retain(|&s| s != conn.slot);
-        let before = worker.acceptance();
-        self.reach.remove(&before);
-        self.groups.remove(conn.slot, &mut worker);
+        let Some((mut worker, before)) = self.unlist(conn) else { return };
         let held = std::mem::take(&mut worker.in_flight);
         for id in &held {
             if let Some(r) = self.running.get_mut(id) {
