@@ -356,9 +356,13 @@ fn policies_survive_a_restart() {
 
 #[test]
 fn a_policy_set_on_one_node_applies_on_another_within_a_second() {
-    let Ok(pg) = crate::support::pg::shared() else {
-        assert!(!crate::support::pg::required(), "PostgreSQL is required");
-        return;
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail("a_policy_set_on_one_node_applies_on_another_within_a_second", &why);
+            return;
+        }
     };
     let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
     let one = Mode::start_on(db.clone(), &[]);
@@ -493,9 +497,16 @@ fn rate_bounds_dispatch_starts_with_a_full_bucket_and_holds_no_other_kind() {
 
 #[test]
 fn max_running_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once() {
-    let Ok(pg) = crate::support::pg::shared() else {
-        assert!(!crate::support::pg::required(), "PostgreSQL is required");
-        return;
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail(
+                "max_running_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once",
+                &why,
+            );
+            return;
+        }
     };
     let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
     let nodes: Vec<Relay> = (0..3).map(|_| Mode::start_on(db.clone(), &[])).collect();

@@ -239,19 +239,22 @@ fn any_worker_retries_on_the_only_worker_and_then_on_the_one_tried_longest_ago()
 
 #[test]
 fn bad_retry_policies_are_refused() {
-    let relay = Relay::start();
-    for body in [
-        r#"{"payload":1,"retry":{"backoff":"soon"}}"#,
-        r#"{"payload":1,"retry":{"backoff_max":"0s"}}"#,
-        r#"{"payload":1,"retry":{"any_worker":1}}"#,
-        r#"{"payload":1,"retry":{"backof":"1s"}}"#,
-        r#"{"payload":1,"retry":"2s"}"#,
-    ] {
-        let r = relay.api("POST", "/tasks", Some(body));
-        assert_eq!(r.status, 400, "{body}: {}", r.text());
-        assert_eq!(r.json()["error"], "bad_request", "{}", r.text());
-        assert!(r.json()["message"].is_string());
-    }
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        for body in [
+            r#"{"payload":1,"retry":{"backoff":"soon"}}"#,
+            r#"{"payload":1,"retry":{"backoff_max":"0s"}}"#,
+            r#"{"payload":1,"retry":{"any_worker":1}}"#,
+            r#"{"payload":1,"retry":{"backof":"1s"}}"#,
+            r#"{"payload":1,"retry":"2s"}"#,
+        ] {
+            let r = relay.api("POST", "/tasks", Some(body));
+            assert_eq!(r.status, 400, "{body}: {}", r.text());
+            assert_eq!(r.json()["error"], "bad_request", "{}", r.text());
+            assert!(r.json()["message"].is_string());
+        }
+    });
+    // (Startup checks of the environment: the same in both modes.)
     for (var, value) in [("RETRY_BACKOFF", "-1s"), ("RETRY_BACKOFF_MAX", "0s"), ("RETRY_ANY_WORKER", "maybe")] {
         let (code, _, err) = run_relay_env(
             &[],
