@@ -1038,7 +1038,8 @@ impl Core {
             "result" => {
                 let id = msg.task_id.as_deref().and_then(crate::tasks::parse_id);
                 let outcome = match msg.status.as_deref() {
-                    Some("done") => Ok(msg.data.map(RawValue::to_owned)),
+                    // (Borrowed from the message: the store copies what it keeps, once.)
+                    Some("done") => Ok(msg.data),
                     // Cut to 64 KiB (SPEC §7): the attempt log holds every one, and the journal's
                     // record of the task holds the log.
                     Some("failed") => Err(msg
@@ -1110,7 +1111,7 @@ impl Core {
         conn: ConnRef,
         id: TaskId,
         attempt: Option<u32>,
-        outcome: Result<Option<Box<RawValue>>, String>,
+        outcome: Result<Option<&RawValue>, String>,
         hint: Hint,
     ) {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
@@ -1132,8 +1133,15 @@ impl Core {
         }
         match outcome {
             Ok(data) => {
-                let result = data.unwrap_or_else(null_value);
-                self.end_attempt(id, Outcome::Done, None, Some(&result));
+                let null;
+                let result = match data {
+                    Some(d) => d,
+                    None => {
+                        null = null_value();
+                        &*null
+                    }
+                };
+                self.end_attempt(id, Outcome::Done, None, Some(result));
             }
             Err(error) => self.end_attempt_with(id, Outcome::Failed, Some(&error), None, hint),
         }

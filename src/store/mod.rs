@@ -111,7 +111,7 @@ pub struct Claimed {
     /// The number of the attempt about to start: the fencing number of every write about it.
     pub attempt: u32,
     pub kind: Option<Box<str>>,
-    pub payload: std::sync::Arc<RawValue>,
+    pub payload: crate::tasks::Payload,
     pub timeout_ms: u64,
     pub max_retries: u32,
     /// The task's own retry policy (SPEC §13).

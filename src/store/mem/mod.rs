@@ -348,7 +348,7 @@ impl MemStore {
 
     /// A re-run's payload bytes (what it adds to MAX_PENDING_BYTES).
     pub(super) fn rerun_bytes(task: &Task) -> usize {
-        task.payload.as_deref().map_or(0, |p| p.get().len())
+        task.payload.as_ref().map_or(0, |p| p.get().len())
     }
 
     pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
@@ -379,7 +379,7 @@ impl MemStore {
             id,
             status: Status::Pending,
             kind: new.kind.map(Box::from),
-            payload: Some(new.payload.to_owned().into()),
+            payload: Some(new.payload.into()),
             created_wall_ms: self.wall_ms,
             run_at_wall_ms: new.run_at_wall_ms,
             due_wall_ms,
@@ -511,7 +511,7 @@ impl MemStore {
             return;
         }
         debug_assert!(!task.status.is_final(), "a final task never changes status");
-        let bytes = task.payload.as_deref().map_or(0, |p| p.get().len());
+        let bytes = task.payload.as_ref().map_or(0, |p| p.get().len());
         if task.status == Status::Pending {
             self.pending_bytes -= bytes;
         } else if status == Status::Pending {
@@ -854,7 +854,7 @@ impl MemStore {
     fn run_again(&mut self, id: TaskId) -> bool {
         let (now_wall, bytes) = {
             let Some(task) = self.tasks.get(&id) else { return false };
-            (self.wall_ms, task.payload.as_deref().map_or(0, |p| p.get().len()))
+            (self.wall_ms, task.payload.as_ref().map_or(0, |p| p.get().len()))
         };
         let Some(task) = self.tasks.get_mut(&id) else { return false };
         if !matches!(task.status, Status::Failed | Status::Canceled) || task.payload.is_none() {
