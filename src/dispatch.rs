@@ -692,7 +692,7 @@ impl Core {
     ) -> Option<Response> {
         self.begin(conn);
         let how = if wait && !self.shutting_down { ReadHow::Wait { post: false } } else { ReadHow::Get { payload } };
-        self.store.read(id, scope, conn, how);
+        self.read(io, id, scope, conn, how);
         self.end(io)
     }
 
@@ -770,9 +770,17 @@ impl Core {
 
     /// The wait of `conn` ends without the task being final (or it is, and is read): it is
     /// answered with the task as it is now.
-    fn release(&mut self, conn: ConnRef) {
+    fn release(&mut self, io: &mut dyn Io, conn: ConnRef) {
         let Some(held) = self.unhold(conn) else { return };
-        self.store.read(held.task, None, conn, ReadHow::Release { post: held.post });
+        self.read(io, held.task, None, conn, ReadHow::Release { post: held.post });
+    }
+
+    /// Reads task `id` for `conn`: answered now when the store has the answer in the call, else
+    /// by the store's event.
+    fn read(&mut self, io: &mut dyn Io, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+        if let Some(r) = self.store.read(id, scope, conn, how) {
+            self.reply(io, conn, r);
+        }
     }
 
     fn unhold(&mut self, conn: ConnRef) -> Option<Held> {
@@ -799,7 +807,7 @@ impl Core {
     pub fn release_waiters(&mut self, io: &mut dyn Io) {
         let conns: Vec<ConnRef> = self.held.keys().copied().collect();
         for conn in conns {
-            self.release(conn);
+            self.release(io, conn);
         }
         self.settle(io);
     }
@@ -1543,7 +1551,7 @@ impl Core {
     pub fn on_timer(&mut self, io: &mut dyn Io, timer: Timer) {
         match timer {
             Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
-            Timer::Wait(conn) => self.release(conn),
+            Timer::Wait(conn) => self.release(io, conn),
             Timer::HelloGrace(conn) => self.greet(conn),
             Timer::Session(sid) => self.session_expired(sid),
             Timer::Store => {
@@ -1694,7 +1702,7 @@ impl Core {
                 if let Some(ms) = took_ms {
                     self.metrics.task_final(status, ms);
                 }
-                self.answer_waiters(id);
+                self.answer_waiters(io, id);
             }
             Event::Stop { id, attempt } => self.stop(io, id, attempt),
             Event::Answer { conn, response } => self.reply(io, conn, response),
@@ -1734,20 +1742,20 @@ impl Core {
             r.lsn = self.lsn_of(id);
             self.reply(io, conn, r);
         } else if status.is_final() || self.shutting_down {
-            self.store.read(id, None, conn, ReadHow::Release { post: true });
+            self.read(io, id, None, conn, ReadHow::Release { post: true });
         } else {
             self.hold(conn, id, true);
         }
     }
 
     /// Task `id` is final: everyone waiting on it is answered.
-    fn answer_waiters(&mut self, id: TaskId) {
+    fn answer_waiters(&mut self, io: &mut dyn Io, id: TaskId) {
         let Some(waiters) = self.waiters.remove(&id) else { return };
         self.store.unwatch(id);
         for conn in std::iter::once(waiters.first).chain(waiters.more) {
             if let Some(held) = self.held.remove(&conn) {
                 self.wheel.cancel(held.timer);
-                self.store.read(id, None, conn, ReadHow::Release { post: held.post });
+                self.read(io, id, None, conn, ReadHow::Release { post: held.post });
             }
         }
     }

@@ -463,8 +463,11 @@ impl Store {
         each!(self, s => s.rerun_many(filter, scope, conn))
     }
 
-    /// [`Event::Answer`] or [`Event::NotFinal`].
-    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+    /// The answer when the store has it within the call (a memory store's task in memory: no
+    /// event, no second step for the core); else `None` and [`Event::Answer`] or
+    /// [`Event::NotFinal`] follows.
+    #[must_use]
+    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) -> Option<Response> {
         each!(self, s => s.read(id, scope, conn, how))
     }
 

@@ -931,26 +931,24 @@ impl MemStore {
         }
     }
 
-    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+    /// The answer, when it is ready in the call (a task in memory); else `None` and an event
+    /// follows ([`Event::NotFinal`], or the answer once a task on disk is read back).
+    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) -> Option<Response> {
         let post = matches!(how, ReadHow::Wait { post: true } | ReadHow::Release { post: true });
         match self.tasks.get(&id) {
-            Some(task) if !in_scope(task.kind.as_deref(), scope) => self.answer(conn, not_found()),
+            Some(task) if !in_scope(task.kind.as_deref(), scope) => Some(not_found()),
             Some(task) if matches!(how, ReadHow::Wait { .. }) && !task.status.is_final() => {
                 self.events.push(Event::NotFinal { conn, id, post });
+                None
             }
             Some(task) => {
                 self.note_waiting(task);
-                let r = match how {
+                Some(match how {
                     ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(task),
                     _ => task_response(task, post),
-                };
-                self.answer(conn, r);
+                })
             }
-            None => {
-                if !self.read_evicted(conn, id, ReadFor::One { post }, scope) {
-                    self.answer(conn, not_found());
-                }
-            }
+            None => (!self.read_evicted(conn, id, ReadFor::One { post }, scope)).then(not_found),
         }
     }
 
