@@ -586,6 +586,11 @@ impl MemStore {
         a.session = start.session.map(|(worker_id, secret)| {
             Box::new(crate::tasks::SessionTag { worker_id: worker_id.into(), secret: secret.into() })
         });
+        // (Most tasks have one attempt: room for exactly one, which the final task's
+        // `shrink_to_fit` keeps as it is, where a push would take four and copy them to one.)
+        if task.attempts.capacity() == 0 {
+            task.attempts.reserve_exact(1);
+        }
         task.attempts.push(a);
         let kind = task.kind.clone();
         self.set_status(id, Status::Dispatched);
