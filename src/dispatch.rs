@@ -177,6 +177,9 @@ pub struct NewTask<'a> {
     pub retry: RetryPolicy,
     /// Seconds of head start among due tasks (SPEC §14; 0: none).
     pub priority: i32,
+    /// Who submits it and its fairness key (SPEC §14: `""` the root token / no key).
+    pub submitter: &'a str,
+    pub key: &'a str,
     /// (token identity, Idempotency-Key).
     pub idempotency: Option<(&'a str, &'a str)>,
 }
@@ -617,6 +620,8 @@ impl Core {
             max_retries: new.max_retries,
             retry: new.retry,
             priority: new.priority,
+            submitter: new.submitter,
+            key: new.key,
             idempotency: new.idempotency,
             runs_now: taker.is_some(),
             claim_group,

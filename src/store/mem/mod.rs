@@ -376,6 +376,8 @@ impl MemStore {
             timeout_ms: new.timeout_ms.unwrap_or(self.cfg.task_timeout_ms),
             submit_seq: seq,
             priority: new.priority,
+            submitter: Box::from(new.submitter),
+            key: Box::from(new.key),
             queued: new.queue || new.run_at_wall_ms.is_some(),
             idempotency: new.idempotency.map(|(owner, key)| Box::new((Box::from(owner), Box::from(key)))),
             retry: new.retry,
