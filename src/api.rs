@@ -397,6 +397,8 @@ impl Api {
             max_retries: parsed.max_retries,
             retry: parsed.retry,
             priority: parsed.priority,
+            submitter: owner,
+            key: parsed.key.as_deref().unwrap_or(""),
             idempotency: key.map(|k| (owner, k)),
         };
         held_or(core.submit(io, conn, &new, wait))
@@ -544,6 +546,8 @@ impl Api {
                         max_retries: parsed.max_retries,
                         retry: parsed.retry,
                         priority: parsed.priority,
+                        submitter: batch.identity.owner_key(),
+                        key: parsed.key.as_deref().unwrap_or(""),
                         idempotency: None,
                     };
                     core.batch_item(io, batch.key, Ok(new));
@@ -620,6 +624,8 @@ pub struct Submit<'a> {
     pub retry: crate::tasks::RetryPolicy,
     /// Seconds of head start (SPEC §14; 0 when absent).
     pub priority: i32,
+    /// The fairness key (SPEC §14; `None`: absent or `null`).
+    pub key: Option<Cow<'a, str>>,
 }
 
 /// `Some(raw)` when the field is present, even as `null` (an `Option<&RawValue>` would turn a
@@ -854,11 +860,12 @@ pub fn parse_submit(body: &[u8], wall_ms: u64) -> Result<Submit<'_>, String> {
         Some(p) if p.get() != "null" => parse_priority(p.get())?,
         _ => 0,
     };
-    if let Some(k) = raw.key.filter(|k| k.get() != "null") {
-        parse_key(k.get())?;
-    }
+    let key = match raw.key.filter(|k| k.get() != "null") {
+        Some(k) => Some(parse_key(k.get())?),
+        None => None,
+    };
     let retry = parse_retry(raw.retry)?;
-    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries, priority, retry })
+    Ok(Submit { payload, kind, run_at_wall_ms, queue: raw.queue, timeout_ms, max_retries, priority, retry, key })
 }
 
 /// Longest fairness `key` of a submit, in bytes (SPEC §14).
@@ -873,6 +880,7 @@ fn parse_key(text: &str) -> Result<Cow<'_, str>, String> {
     if key.len() > MAX_KEY_BYTES {
         return Err(format!("key is longer than {MAX_KEY_BYTES} bytes"));
     }
+    check_text(&key).map_err(|e| format!("key: {e}"))?;
     Ok(key)
 }
 
@@ -924,7 +932,9 @@ mod tests {
         for good in ["\"\"", "\"c1\"", "null", &format!("\"{long}\"")] {
             check_submit(&format!(r#"{{"payload":1,"key":{good}}}"#), Ok((None, None, false)));
         }
-        for bad in ["5", "true", "{}", "[\"a\"]", &format!("\"{long}k\""), &format!("\"{}\"", "é".repeat(65))] {
+        for bad in
+            ["5", "true", "{}", "[\"a\"]", "\"a\\u0000b\"", &format!("\"{long}k\""), &format!("\"{}\"", "é".repeat(65))]
+        {
             check_submit(&format!(r#"{{"payload":1,"key":{bad}}}"#), Err("key"));
         }
         for bad in ["86401", "-86401", "1.0", "1e3", "\"5\"", "true", "1000000000000", "{}"] {

@@ -298,6 +298,10 @@ pub struct Task {
     pub submit_seq: u64,
     /// Seconds of head start among due tasks (SPEC §14): ready order is due − priority.
     pub priority: i32,
+    /// Who submitted it (SPEC §14 fairness: `""` the root token, else the scoped token's `jti`).
+    pub submitter: Box<str>,
+    /// Its fairness key (SPEC §14; `""`: none given).
+    pub key: Box<str>,
     /// The kind policy that holds it back (`paused`, `concurrency`, `rate`), as its store last
     /// found: set just before a pending task's JSON is written ([`Task::waiting_on`]).
     pub held_by: std::cell::Cell<Option<WaitingOn>>,
@@ -477,6 +481,10 @@ impl Task {
                 s.push('-');
             }
             push_u64(s, u64::from(self.priority.unsigned_abs()));
+        }
+        if !self.key.is_empty() {
+            s.push_str(",\"key\":");
+            push_json_str(s, &self.key);
         }
         if self.status == Status::Done {
             s.push_str(",\"result\":");
@@ -752,6 +760,8 @@ mod tests {
             timeout_ms: 10_000,
             submit_seq: 0,
             priority: 0,
+            submitter: Box::default(),
+            key: Box::default(),
             held_by: Default::default(),
             place: Place::Nowhere,
             queued: false,

@@ -86,6 +86,8 @@ fn submit(core: &mut Core, io: &mut FakeIo, body: &str, kind: Option<&str>) -> R
             max_retries: None,
             retry: Default::default(),
             priority: 0,
+            submitter: "",
+            key: "",
             idempotency: None,
         },
     )

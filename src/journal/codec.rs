@@ -220,6 +220,7 @@ fn task_fixed_len(t: &Task) -> usize {
         + t.idempotency.as_ref().map_or(0, |k| 8 + k.0.len() + k.1.len())
         + if t.priority != 0 { 4 } else { 0 }
         + open_session(t).map_or(0, |s| 3 + session_len(s))
+        + if has_fairness(t) { 3 + fairness_len(t) } else { 0 }
         + 4
         + Ext::of(t).len()
 }
@@ -344,6 +345,22 @@ pub fn put_task_within(out: &mut Vec<u8>, t: &Task, limit: usize) {
     if let Some(s) = open_session(t) {
         put_session(out, s);
     }
+    if has_fairness(t) {
+        out.push(EXT_FAIRNESS);
+        out.extend_from_slice(&(fairness_len(t) as u16).to_le_bytes());
+        put_str(out, &t.submitter);
+        put_str(out, &t.key);
+    }
+}
+
+/// A task submitted by a scoped token or with a key carries both (tag [`EXT_FAIRNESS`]).
+fn has_fairness(t: &Task) -> bool {
+    !t.submitter.is_empty() || !t.key.is_empty()
+}
+
+/// Bytes of the fairness field's value (a jti and a key are short: at most a few hundred).
+fn fairness_len(t: &Task) -> usize {
+    8 + t.submitter.len() + t.key.len()
 }
 
 /// The session field of the optional fields (tag [`EXT_SESSION`]): worker id and secret.
@@ -365,7 +382,8 @@ fn session_len(s: &crate::tasks::SessionTag) -> usize {
 /// (u128), 3 the retry policy (flags u8: 1 backoff, 2 backoff_max, 4 any_worker given,
 /// 8 any_worker; then backoff u64, backoff_max u64), 4 the session of the open attempt (in a
 /// Task or AttemptStart record: worker id and secret, two strings; SPEC §12), 5 re-runs (reruns
-/// u32, rerun_base u32). Further fields take further tags.
+/// u32, rerun_base u32), 6 fairness (Task records: submitter and key, two strings; SPEC §14).
+/// Further fields take further tags.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Ext {
     pub next_attempt_wall_ms: Option<u64>,
@@ -381,6 +399,7 @@ const EXT_AGAIN: u8 = 2;
 const EXT_RETRY: u8 = 3;
 const EXT_SESSION: u8 = 4;
 const EXT_RERUNS: u8 = 5;
+const EXT_FAIRNESS: u8 = 6;
 
 impl Ext {
     pub fn of(t: &Task) -> Ext {
@@ -439,8 +458,14 @@ impl Ext {
 
     /// [`Ext::decode`], and the session field (which is not `Copy`, so kept apart).
     fn decode_with_session(d: &mut Dec<'_>) -> Option<(Ext, Option<crate::tasks::SessionTag>)> {
+        Ext::decode_all(d).map(|(ext, session, _)| (ext, session))
+    }
+
+    /// [`Ext::decode_with_session`], and the fairness field (submitter, key).
+    fn decode_all(d: &mut Dec<'_>) -> Option<(Ext, Option<crate::tasks::SessionTag>, Fairness)> {
         let mut ext = Ext::default();
         let mut session = None;
+        let mut fairness = Fairness::default();
         while !d.done() {
             let tag = d.u8()?;
             let len = d.u16()? as usize;
@@ -462,15 +487,19 @@ impl Ext {
                     ext.rerun_base = f.u32()?;
                 }
                 EXT_SESSION => session = Some(f.session()?),
+                EXT_FAIRNESS => fairness = (Box::from(f.str()?), Box::from(f.str()?)),
                 _ => continue,
             }
             if !f.done() {
                 return None;
             }
         }
-        Some((ext, session))
+        Some((ext, session, fairness))
     }
 }
+
+/// A task's submitter and key (SPEC §14; empty: the root token, no key).
+type Fairness = (Box<str>, Box<str>);
 
 /// An attempt's start; a session worker's carries its worker id and secret after the fields
 /// older records have (which decode as before: no session).
@@ -540,6 +569,8 @@ pub struct TaskImage {
     pub error: Option<Box<str>>,
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
     pub priority: i32,
+    pub submitter: Box<str>,
+    pub key: Box<str>,
     pub attempts: Vec<Attempt>,
     pub ext: Ext,
 }
@@ -570,6 +601,8 @@ impl TaskImage {
             reruns: self.ext.reruns,
             rerun_base: self.ext.rerun_base,
             priority: self.priority,
+            submitter: self.submitter,
+            key: self.key,
             stored,
             ..Task::default()
         }
@@ -719,7 +752,7 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         a.restarted = a.outcome == Some(Outcome::Disconnect) && a.error.as_deref() == Some(RESTART_ERROR);
         attempts.push(a);
     }
-    let (ext, session) = Ext::decode_with_session(d)?;
+    let (ext, session, (submitter, key)) = Ext::decode_all(d)?;
     if let Some(s) = session
         && let Some(a) = attempts.last_mut().filter(|a| a.outcome.is_none())
     {
@@ -741,6 +774,8 @@ fn decode_task(d: &mut Dec<'_>) -> Option<TaskImage> {
         error,
         idempotency,
         priority,
+        submitter,
+        key,
         attempts,
         ext,
     })
@@ -855,6 +890,8 @@ mod tests {
             error: Some(Box::from("last")),
             idempotency: None,
             priority: 0,
+            submitter: "".into(),
+            key: "".into(),
             attempts: Vec::new(),
             ext: Ext::default(),
         }
@@ -939,6 +976,22 @@ mod tests {
             t.priority = p;
             let (len, back) = round_trip(&t, usize::MAX);
             assert_eq!(back.priority, p);
+            assert_eq!(
+                len,
+                task_fixed_len(&t)
+                    + t.attempts.iter().map(|a| attempt_len(a, a.error.as_deref().map(error_len))).sum::<usize>()
+            );
+        }
+    }
+
+    #[test]
+    fn a_submitter_and_key_round_trip_and_a_record_without_them_reads_as_empty() {
+        for (submitter, key) in [("", ""), ("jti-1", ""), ("", "customer-7"), ("jti-2", "k\u{e9}")] {
+            let mut t = task_with_attempts(1, 10);
+            t.submitter = submitter.into();
+            t.key = key.into();
+            let (len, back) = round_trip(&t, usize::MAX);
+            assert_eq!((&*back.submitter, &*back.key), (submitter, key));
             assert_eq!(
                 len,
                 task_fixed_len(&t)

@@ -672,6 +672,8 @@ mod tests {
             error: None,
             idempotency: None,
             priority: 0,
+            submitter: "".into(),
+            key: "".into(),
             attempts: Vec::new(),
             ext: Ext::default(),
         }

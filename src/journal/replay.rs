@@ -636,6 +636,8 @@ mod tests {
             restored: false,
             submit_seq: rng.next() >> 1,
             priority: [0, 0, 1, -1, 86_400, -86_400][rng.below(6) as usize],
+            submitter: ["", "jti-1"][rng.below(2) as usize].into(),
+            key: ["", "k", "c\u{e9}"][rng.below(3) as usize].into(),
             held_by: Default::default(),
             idempotency: (rng.below(2) == 0).then(|| Box::new((Box::from("jti-1"), Box::from("key é")))),
             retry: crate::tasks::RetryPolicy {

@@ -43,6 +43,9 @@ pub struct NewTask<'a> {
     pub retry: RetryPolicy,
     /// Seconds of head start among due tasks (SPEC §14; 0: none).
     pub priority: i32,
+    /// Who submits it and its fairness key (SPEC §14: `""` the root token / no key).
+    pub submitter: &'a str,
+    pub key: &'a str,
     /// (token identity, `Idempotency-Key`).
     pub idempotency: Option<(&'a str, &'a str)>,
     /// A worker of this node that can take it has room now: it will not wait, so MAX_PENDING

@@ -231,6 +231,25 @@ fn priorities_survive_a_restart() {
     });
 }
 
+/// A task's fairness key is shown in its JSON when one was given (`""` is no key), and a task
+/// keeps its key and its submitter across a restart.
+#[test]
+fn a_key_is_shown_in_the_task_json_and_survives_a_restart() {
+    for_each_mode(|mode| {
+        let dir = TempDir::new("fair-key");
+        let relay = durable(mode, &dir, &[]);
+        let keyed = queued(&relay, "a", r#","key":"customer-7""#);
+        let plain = queued(&relay, "b", r#","key":"""#);
+        let shown = |relay: &Relay| {
+            assert!(relay.get_task(&plain).get("key").is_none(), "no key given, none shown");
+            relay.get_task(&keyed)["key"].clone()
+        };
+        assert_eq!(shown(&relay), "customer-7");
+        let relay = restart(relay, &dir, &[]);
+        assert_eq!(shown(&relay), "customer-7", "kept across a restart");
+    });
+}
+
 // ----- kind policies -------------------------------------------------------------------------
 
 fn put_policy(relay: &Relay, kind: &str, body: &str) -> Value {

@@ -1344,6 +1344,8 @@ impl Harness {
             max_retries,
             retry: Default::default(),
             priority: 0,
+            submitter: "",
+            key: "",
             idempotency,
         };
         let immediate = self.core.submit(&mut self.io, relay::dispatch::DIRECT, &new, false);

@@ -15,6 +15,8 @@ fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId
             max_retries: None,
             retry: Default::default(),
             priority: 0,
+            submitter: "",
+            key: "",
             idempotency: None,
         },
     )
@@ -154,6 +156,8 @@ fn max_pending_counts_tasks_whatever_their_payload_size() {
                 max_retries: None,
                 retry: Default::default(),
                 priority: 0,
+                submitter: "",
+                key: "",
                 idempotency: None,
             },
         )

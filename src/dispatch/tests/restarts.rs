@@ -72,6 +72,8 @@ fn queued(core: &mut Core, io: &mut FakeIo, max_retries: Option<u32>) -> TaskId 
         max_retries,
         retry: Default::default(),
         priority: 0,
+        submitter: "",
+        key: "",
         idempotency: None,
     };
     let id = core.submit_direct(io, new).expect("queued");

@@ -138,6 +138,8 @@ mod tests {
             max_retries: None,
             retry: Default::default(),
             priority: 0,
+            submitter: "",
+            key: "",
             idempotency: None,
             runs_now: false,
             claim_group: None,
