@@ -411,7 +411,7 @@ impl MemStore {
 
     pub fn lookup_key(&mut self, owner: &str, key: &str, conn: ConnRef, wait: bool, missing: Response) {
         let held = self.key_holder(owner, key).map(|id| (id, self.status_of(id).unwrap_or(Status::Pending)));
-        self.events.push(Event::Key { conn, wait, held, missing });
+        self.events.push(Event::Key { conn, wait, held, missing: Box::new(missing) });
     }
 
     /// The task an `Idempotency-Key` of this token identity names, if it still exists.
@@ -545,7 +545,7 @@ impl MemStore {
             payload,
             timeout_ms: task.timeout_ms,
             max_retries: task.max_retries,
-            retry: task.retry,
+            retry: Claimed::boxed_retry(task.retry),
             tried: task.tried_by(),
             counted: task.counted(),
             created_wall_ms: task.created_wall_ms,
