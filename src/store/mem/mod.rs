@@ -812,7 +812,12 @@ impl MemStore {
     }
 
     pub fn take_events(&mut self, out: &mut Vec<Event>) {
-        out.append(&mut self.events);
+        if out.is_empty() {
+            // (The core's buffer is empty: the two trade places, no event is moved.)
+            std::mem::swap(out, &mut self.events);
+        } else {
+            out.append(&mut self.events);
+        }
     }
 
     // ----- time --------------------------------------------------------------------------------
@@ -827,7 +832,13 @@ impl MemStore {
         ];
         // (A bulk re-run under way: its next slice in the next turn.)
         let rerun = self.bulk_rerun_due().then_some(self.now_ms);
-        due.into_iter().chain(sweep.into_iter().flatten()).chain(self.next_rate_wake_ms()).chain(rerun).min()
+        // (A plain fold, not a chain of iterators: this runs twice per sync task.)
+        let [a, b, c, d] = sweep;
+        [due, a, b, c, d, self.next_rate_wake_ms(), rerun].into_iter().fold(None, |m, t| match (m, t) {
+            (Some(m), Some(t)) => Some(m.min(t)),
+            (m, None) => m,
+            (None, t) => t,
+        })
     }
 
     pub fn on_timer(&mut self) {
