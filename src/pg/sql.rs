@@ -174,6 +174,21 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
      ), pend AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
        SELECT id, due_ms, ord_ms, seq, kind, queue, bytes, submitter, fair_key FROM ins
+     ), lanes AS (
+       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
+       FROM ins ORDER BY 1, 2, 3
+       ON CONFLICT DO NOTHING RETURNING kind
+     ), subs AS (
+       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
+       FROM ins ORDER BY 1, 2
+       ON CONFLICT DO NOTHING
+     ), multi AS (
+       INSERT INTO relay_fair_kinds (kind)
+       SELECT n.kind FROM lanes n GROUP BY n.kind
+       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
+       ON CONFLICT DO NOTHING
      )
      SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
      ORDER BY n.ord";
@@ -268,20 +283,31 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 /// one, and the node's running row is written. Which worker runs it is the node's choice: the
 /// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
 /// locked by another claim are skipped, never waited for; the rows come back in that order.
-pub const CLAIM: &str = "WITH c AS (
-       SELECT task_id FROM relay_pending
+pub const CLAIM: &str = "WITH plain AS (
+       SELECT task_id, kind, ord_ms, seq FROM relay_pending
        WHERE $3::text[] IS NULL AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[]) AND (kind IS NULL OR NOT (kind = ANY($7::text[])))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
+     ), mk AS MATERIALIZED (
+       SELECT f.kind AS fk FROM relay_fair_kinds f
+       WHERE EXISTS (SELECT 1 FROM relay_fair_kinds) AND f.kind IN (SELECT coalesce('k' || kind, 'n') FROM plain)
+     ), c AS (
+       SELECT task_id, ARRAY[ord_ms, seq] AS eff, NULL::text AS fk, 0::int8 AS pos FROM plain
+       WHERE NOT EXISTS (SELECT 1 FROM mk)
+       UNION ALL
+       SELECT * FROM relay_fair_pick(ARRAY(SELECT fk FROM mk), $4::int8, $6::uuid[], $5::int4,
+                                     ARRAY(SELECT task_id FROM plain), ARRAY(SELECT kind FROM plain),
+                                     ARRAY(SELECT ord_ms FROM plain), ARRAY(SELECT seq FROM plain))
+       WHERE EXISTS (SELECT 1 FROM mk)
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
-                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
+                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
                    FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
                  t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
@@ -291,24 +317,35 @@ pub const CLAIM: &str = "WITH c AS (
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
-     FROM u ORDER BY ord_ms, seq";
+     FROM u ORDER BY eff, fk, pos";
 
 /// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
 /// hold back, $7, from it too).
-pub const CLAIM_KINDS: &str = "WITH c AS (
-       SELECT task_id FROM relay_pending
+pub const CLAIM_KINDS: &str = "WITH plain AS (
+       SELECT task_id, kind, ord_ms, seq FROM relay_pending
        WHERE kind = ANY($3::text[]) AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[]) AND NOT (kind = ANY($7::text[]))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
+     ), mk AS MATERIALIZED (
+       SELECT f.kind AS fk FROM relay_fair_kinds f
+       WHERE EXISTS (SELECT 1 FROM relay_fair_kinds) AND f.kind IN (SELECT coalesce('k' || kind, 'n') FROM plain)
+     ), c AS (
+       SELECT task_id, ARRAY[ord_ms, seq] AS eff, NULL::text AS fk, 0::int8 AS pos FROM plain
+       WHERE NOT EXISTS (SELECT 1 FROM mk)
+       UNION ALL
+       SELECT * FROM relay_fair_pick(ARRAY(SELECT fk FROM mk), $4::int8, $6::uuid[], $5::int4,
+                                     ARRAY(SELECT task_id FROM plain), ARRAY(SELECT kind FROM plain),
+                                     ARRAY(SELECT ord_ms FROM plain), ARRAY(SELECT seq FROM plain))
+       WHERE EXISTS (SELECT 1 FROM mk)
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
-                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
+                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
                    FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
                  t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
@@ -318,7 +355,7 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
-     FROM u ORDER BY ord_ms, seq";
+     FROM u ORDER BY eff, fk, pos";
 
 /// Taken before [`CLAIM_LIMITED`], one lock per limited kind ($1, sorted: every node locks in
 /// the same order): claims of one kind on all nodes take turns, so what they count — the
@@ -820,6 +857,21 @@ pub const RERUN: &str = "WITH lim AS (
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
        SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
+     ), lanes AS (
+       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2, 3
+       ON CONFLICT DO NOTHING RETURNING kind
+     ), subs AS (
+       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2
+       ON CONFLICT DO NOTHING
+     ), multi AS (
+       INSERT INTO relay_fair_kinds (kind)
+       SELECT n.kind FROM lanes n GROUP BY n.kind
+       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
+       ON CONFLICT DO NOTHING
      )
      SELECT old.status, EXISTS (SELECT 1 FROM u), old.room FROM old";
 
@@ -872,6 +924,21 @@ pub const RERUN_MANY: &str = "WITH lim AS (
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
        SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
+     ), lanes AS (
+       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2, 3
+       ON CONFLICT DO NOTHING RETURNING kind
+     ), subs AS (
+       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2
+       ON CONFLICT DO NOTHING
+     ), multi AS (
+       INSERT INTO relay_fair_kinds (kind)
+       SELECT n.kind FROM lanes n GROUP BY n.kind
+       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
+       ON CONFLICT DO NOTHING
      ), matched AS (
        SELECT count(*) AS n FROM l
      )
@@ -996,6 +1063,31 @@ pub const FORGET_NODES: &str = "WITH gone AS (
      INSERT INTO relay_counters (node_id, status, n)
      SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status
      ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n";
+
+/// Rotation state of lanes that have no pending and no running task any more goes, 1000 lanes
+/// a run (with their submitters' rows once they have no lane left, and the kind's mark once it
+/// has one lane or none): the tables hold only lanes with work. Run by each node's database
+/// thread once a second, after [`INSERT_LOCK`] in its transaction (an insert either sees the
+/// lane's row or makes a new one, never one that goes as it inserts).
+pub const FAIR_SWEEP: &str = "WITH gone AS (
+       DELETE FROM relay_fair_lanes l WHERE (l.kind, l.submitter, l.fair_key) IN (
+         SELECT x.kind, x.submitter, x.fair_key FROM relay_fair_lanes x
+         WHERE NOT EXISTS (SELECT 1 FROM relay_pending p WHERE coalesce('k' || p.kind, 'n') = x.kind
+                             AND p.submitter = x.submitter AND p.fair_key = x.fair_key)
+           AND NOT EXISTS (SELECT 1 FROM relay_running r WHERE coalesce('k' || r.kind, 'n') = x.kind
+                             AND r.submitter = x.submitter AND r.fair_key = x.fair_key)
+         LIMIT 1000 FOR UPDATE SKIP LOCKED)
+       RETURNING l.kind, l.submitter
+     ), subs AS (
+       DELETE FROM relay_fair_submitters s
+       USING (SELECT kind, submitter, count(*) AS n FROM gone GROUP BY kind, submitter) g
+       WHERE s.kind = g.kind AND s.submitter = g.submitter
+         AND (SELECT count(*) FROM relay_fair_lanes l WHERE l.kind = g.kind AND l.submitter = g.submitter) <= g.n
+     ), kinds AS (
+       DELETE FROM relay_fair_kinds f USING (SELECT kind, count(*) AS n FROM gone GROUP BY kind) g
+       WHERE f.kind = g.kind AND (SELECT count(*) FROM relay_fair_lanes l WHERE l.kind = g.kind) - g.n < 2
+     )
+     SELECT count(*) FROM gone";
 
 /// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms. A retry
 /// never expires in the queue (SPEC §5): it fails when no untried worker is left
@@ -1177,6 +1269,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("RERUN_MANY", RERUN_MANY),
     ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
     ("FORGET_NODES", FORGET_NODES),
+    ("FAIR_SWEEP", FAIR_SWEEP),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),
     ("RETENTION", RETENTION),
     ("UPSERT_WORKERS", UPSERT_WORKERS),

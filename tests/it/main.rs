@@ -7,6 +7,7 @@ mod browser;
 mod cluster;
 mod dispatch;
 mod docs_examples;
+mod fair_cluster;
 mod files;
 mod flow;
 mod hostile;

@@ -975,6 +975,11 @@ impl PgStore {
             parts.push(Part::CancelRead);
             notify_finished = true;
         }
+        if !self.reruns.is_empty() && !parts.iter().any(|p| matches!(p, Part::InsertLock)) {
+            // (Re-runs queue tasks as inserts do: `FAIR_SWEEP` must not remove their lanes.)
+            stmts.push(Stmt::new(sql::INSERT_LOCK, vec![]));
+            parts.push(Part::InsertLock);
+        }
         for r in std::mem::take(&mut self.reruns) {
             match &r.filter {
                 None => {

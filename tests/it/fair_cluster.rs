@@ -1,0 +1,115 @@
+//! Fair shares in the cluster store (SPEC §14): claims rotate over submitters, then keys, with
+//! the rotation kept in PostgreSQL, and per-key limits hold across nodes claiming at once.
+//! (tests/it/fairness.rs holds the tests both stores pass; these are the cluster's own.)
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::support::pg::TestDb;
+use crate::support::*;
+
+const SECRET: &str = "integration-test-secret-0123456789abcdef";
+
+/// A private database, or `None` (skipped loudly; a failure where PostgreSQL is required).
+fn database(test: &str) -> Option<Arc<TestDb>> {
+    match crate::support::pg::shared() {
+        Ok(pg) => Some(Arc::new(TestDb::create(pg))),
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            skip_or_fail(test, &why);
+            None
+        }
+    }
+}
+
+/// A scoped token for `kinds` in the database's registry: (jti, token).
+fn scoped(db: &TestDb, name: &str, kinds: &str) -> (String, String) {
+    let url = db.url();
+    let (code, out, err) = run_relay_env(
+        &["token", "create", "--name", name, "--kinds", kinds, "--ttl", "1h"],
+        &[("TOKEN_SECRET", SECRET), ("DATABASE_URL", url.as_str())],
+    );
+    assert_eq!(code, Some(0), "token create failed: {err}");
+    let field = |key: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(key).and_then(|rest| rest.strip_prefix(": ")))
+            .unwrap_or_else(|| panic!("no {key} in {out:?}"))
+            .to_string()
+    };
+    (field("jti"), field("token"))
+}
+
+fn submit_as(relay: &Relay, token: Option<&str>, body: &str) {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let r = match &auth {
+        Some(a) => request(relay.addr, "POST", "/tasks", &[("Authorization", a.as_str())], Some(body.as_bytes())),
+        None => relay.submit(body),
+    };
+    assert_eq!(r.status, 202, "{body}: {}", r.text());
+}
+
+/// The names of the next `n` tasks a worker of concurrency 1 is sent, answering each.
+fn run_in_order(w: &FakeWorker, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|_| {
+            let t = w.expect_task();
+            w.done(&t.id, json!(null));
+            t.payload["n"].as_str().expect("n").to_string()
+        })
+        .collect()
+}
+
+/// Two submitters (the root token and a scoped token), the root token's tasks on two keys: one
+/// worker is handed them in rotation — submitters take turns, the root token's keys take turns
+/// within its turns, each key in submission order — and once one runs dry the rest come in
+/// order. The rotation state lives in the database: a claim after another sees its stamps.
+#[test]
+fn cluster_claims_rotate_over_submitters_then_keys() {
+    let Some(db) = database("cluster_claims_rotate_over_submitters_then_keys") else { return };
+    let (_, token) = scoped(&db, "other", "f");
+    let relay = Mode::start_on(db.clone(), &[("TOKEN_SECRET", SECRET)]);
+    let task = |n: &str, key: &str| format!(r#"{{"payload":{{"kind":"f","n":"{n}"}},"queue":true,"key":"{key}"}}"#);
+    for i in 0..5 {
+        submit_as(&relay, None, &task(&format!("r{i}"), ""));
+    }
+    for i in 0..2 {
+        submit_as(&relay, None, &task(&format!("k{i}"), "k2"));
+    }
+    for i in 0..3 {
+        submit_as(&relay, Some(&token), &task(&format!("s{i}"), ""));
+    }
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["f"],"concurrency":1})), Auto::Manual);
+    assert_eq!(run_in_order(&w, 10), ["r0", "s0", "k0", "s1", "r1", "s2", "k1", "r2", "r3", "r4"]);
+    // Nothing is left to rotate over: the lanes' rows go with the next sweep.
+    poll_until(Duration::from_secs(5), || db.query("SELECT count(*) FROM relay_fair_lanes") == ["0"]);
+    assert_eq!(db.query("SELECT count(*) FROM relay_fair_submitters"), ["0"]);
+    assert_eq!(db.query("SELECT count(*) FROM relay_fair_kinds"), ["0"]);
+}
+
+/// A flood of one key and one task of another, for a worker that takes several at once: one
+/// claim hands out the other key's task among the first two, not after the flood.
+#[test]
+fn cluster_one_claim_of_many_tasks_takes_them_in_rotation() {
+    let Some(db) = database("cluster_one_claim_of_many_tasks_takes_them_in_rotation") else { return };
+    let relay = Mode::start_on(db.clone(), &[]);
+    let body = (0..200)
+        .map(|i| format!(r#"{{"payload":{{"kind":"f","n":"a{i}"}},"queue":true,"key":"a"}}"#))
+        .chain([r#"{"payload":{"kind":"f","n":"b0"},"queue":true,"key":"b"}"#.to_string()])
+        .collect::<Vec<_>>()
+        .join(",");
+    let batch = relay.api("POST", "/tasks/batch", Some(&format!(r#"{{"tasks":[{body}]}}"#)));
+    assert_eq!(batch.status, 202, "{}", batch.text());
+    let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["f"],"concurrency":8})), Auto::Manual);
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.len() < 8 && Instant::now() < deadline {
+        if let Some(t) = w.next_task(Duration::from_millis(100)) {
+            got.push(t.payload["n"].as_str().expect("n").to_string());
+        }
+    }
+    assert_eq!(got.len(), 8, "{got:?}");
+    let at = got.iter().position(|n| n == "b0").unwrap_or_else(|| panic!("b0 not among the first 8: {got:?}"));
+    assert!(at <= 1, "b0 waits at most one dispatch of the flooding key: {got:?}");
+}
