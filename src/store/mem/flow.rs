@@ -567,8 +567,12 @@ impl Flow {
         }
         l.held = why;
         if why.is_none() {
+            // (Ready even if the kind had a next task: a claim may have found that one tried by
+            // every worker with room, and this lane's task is for them.)
+            let has_ready = !l.ready.is_empty();
             s.rot.join(lane.submitter, lane.key);
-            if self.refresh(Some(kind)) {
+            self.refresh(Some(kind));
+            if has_ready {
                 events.push(Event::Ready);
             }
         }
