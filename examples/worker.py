@@ -9,6 +9,14 @@ WORKER_TOKEN), CONCURRENCY (default 4), WORKER_ID (default: a UUID per process).
 Kinds:
   echo   result = the task's spec
   sleep  spec {"ms": N}: waits N ms, result {"slept_ms": N}
+  fail   spec {"error": "...", "retry": false, "retry_after_ms": N}: fails with that error and
+         those retry hints (each optional), to try relay's retries
+
+A handler returns the task's result; any exception it raises fails the attempt (relay retries
+the task as its policy says). To say more about the retry, raise Fail (docs/protocol.md, "Tasks
+and results"; SPEC §13): Fail("bad request", retry=False) is a permanent failure (the task fails
+at once, whatever retries remain); Fail("upstream 503", retry_after_ms=2000) makes the next
+attempt wait at least that long (an upstream's Retry-After, say).
 
 It says hello with its kinds and concurrency, runs tasks on a thread pool, answers each with a
 result, reconnects with exponential backoff and jitter (but exits 2 when relay refuses TOKEN
@@ -24,6 +32,7 @@ brings it back at once (jitter up to 1 s).
 """
 
 import json
+import math
 import os
 import random
 import signal
@@ -41,6 +50,18 @@ MAX_MESSAGE_BYTES = 1024 * 1024 + 64 * 1024
 GRACE_SECONDS = 30
 
 
+class Fail(Exception):
+    """Fails the attempt with retry hints: retry=False (permanent), retry_after_ms=N (pace)."""
+
+    def __init__(self, error, retry=True, retry_after_ms=None):
+        super().__init__(error)
+        self.error, self.retry = str(error), bool(retry)
+        # relay takes a non-negative number of ms, at most a day (docs/protocol.md).
+        self.retry_after_ms = None
+        if retry_after_ms is not None:
+            self.retry_after_ms = min(max(math.ceil(float(retry_after_ms)), 0), 86_400_000)
+
+
 def echo(task_id, spec):
     return spec
 
@@ -51,7 +72,13 @@ def sleep(task_id, spec):
     return {"slept_ms": ms}
 
 
-KINDS = {"echo": echo, "sleep": sleep}
+def fail(task_id, spec):
+    spec = spec if isinstance(spec, dict) else {}
+    raise Fail(spec.get("error", "failed on request"), retry=spec.get("retry", True) is not False,
+               retry_after_ms=spec.get("retry_after_ms"))
+
+
+KINDS = {"echo": echo, "sleep": sleep, "fail": fail}
 
 
 def log(msg, **fields):
@@ -85,11 +112,15 @@ def hello(state, concurrency, running=None):
     return json.dumps(msg)
 
 
-def result(task_id, data=None, error=None, attempt=None):
+def result(task_id, data=None, error=None, attempt=None, retry=True, retry_after_ms=None):
     if error is None:
         msg = {"type": "result", "task_id": task_id, "status": "done", "data": data}
     else:
         msg = {"type": "result", "task_id": task_id, "status": "failed", "error": error}
+        if not retry:
+            msg["retry"] = False
+        if retry_after_ms is not None:
+            msg["retry_after_ms"] = retry_after_ms
     if attempt is not None:
         msg["attempt"] = attempt
     return json.dumps(msg)
@@ -109,6 +140,9 @@ class Session:
     def run_task(self, task_id, handler, spec, attempt):
         try:
             message = result(task_id, data=handler(task_id, spec), attempt=attempt)
+        except Fail as e:
+            message = result(task_id, error=e.error, attempt=attempt, retry=e.retry,
+                             retry_after_ms=e.retry_after_ms)
         except Exception as e:  # a failing handler fails its task, not the worker
             message = result(task_id, error=f"{type(e).__name__}: {e}", attempt=attempt)
         state = self.state

@@ -308,6 +308,10 @@ pub struct Core {
     running: HashMap<TaskId, Running, BuildHasherDefault<IdHasher>>,
     /// A claim round's buffers, kept between rounds: (group, limit) asked, one group's takers.
     claim_asks: Vec<(u32, u32)>,
+    /// The group of the worker whose turn it is for the last task submitted to run now: the
+    /// next claim round asks it first, so that a store which claims in its own time (a
+    /// database) rotates first attempts over groups as [`Core::free_taker`] does.
+    next_taker: Option<u32>,
     claim_takers: Vec<u128>,
     /// Workers a submit found without room for its frame (kept between submits).
     claim_takers_slots: Vec<u32>,
@@ -363,6 +367,7 @@ impl Core {
             groups: Groups::default(),
             running: HashMap::default(),
             claim_asks: Vec::new(),
+            next_taker: None,
             claim_takers: Vec::new(),
             claim_takers_slots: Vec::new(),
             held: HashMap::default(),
@@ -611,6 +616,9 @@ impl Core {
         let taker = if due_now { self.free_taker(io, new.kind, frame_bytes) } else { None };
         // (Offered only to a group with no claim in flight, which may be taking its room.)
         let claim_group = taker.filter(|gid| self.groups.groups.get(gid).is_some_and(|g| g.asked == 0));
+        if taker.is_some() {
+            self.next_taker = taker;
+        }
         StoreTask {
             payload: new.payload,
             kind: new.kind,
@@ -1173,6 +1181,11 @@ impl Core {
             );
             if asks.is_empty() {
                 break;
+            }
+            if let Some(first) = self.next_taker.take()
+                && let Some(at) = asks.iter().position(|a| a.0 == first)
+            {
+                asks.swap(0, at);
             }
             let mut full = false;
             for &(gid, limit) in &asks {

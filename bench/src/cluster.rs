@@ -205,7 +205,7 @@ fn get_json(addr: SocketAddr, path: &str) -> Result<(u16, String), String> {
 }
 
 /// Until the node reached the database (`/healthz` 200).
-fn wait_health(addr: SocketAddr) -> Result<(), String> {
+pub(crate) fn wait_health(addr: SocketAddr) -> Result<(), String> {
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
         let (status, body) = get_json(addr, "/healthz")?;
@@ -220,7 +220,7 @@ fn wait_health(addr: SocketAddr) -> Result<(), String> {
 }
 
 /// Until the node has `n` active workers of its own.
-fn wait_active(addr: SocketAddr, n: usize) -> Result<(), String> {
+pub(crate) fn wait_active(addr: SocketAddr, n: usize) -> Result<(), String> {
     let want = format!("\"active_clients\":{n},");
     let deadline = Instant::now() + READY_TIMEOUT;
     loop {
@@ -278,14 +278,14 @@ fn as_pg(program: &Path) -> Command {
 }
 
 /// A private PostgreSQL server, stopped by PID and removed when dropped.
-struct Postgres {
+pub(crate) struct Postgres {
     dir: PathBuf,
     port: u16,
     server: Option<Server>,
 }
 
 impl Postgres {
-    fn start() -> Result<Postgres, String> {
+    pub(crate) fn start() -> Result<Postgres, String> {
         let bin = pg_bin().ok_or("no PostgreSQL server binaries")?;
         let dir = scratch("pg");
         std::fs::create_dir_all(dir.join("sock")).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -332,7 +332,7 @@ impl Postgres {
         Ok(Postgres { dir, port, server: Some(server) })
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("postgres://postgres@/postgres?host={}&port={}", self.dir.join("sock").display(), self.port)
     }
 

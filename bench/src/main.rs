@@ -51,8 +51,11 @@ scenarios (default: all):
             then a restart on that journal (replay time)
   finished  --finished-tasks tasks run to done on a durable relay: RSS per finished task,
             with TASK_MEMORY at 16 GiB, then at its default
-  flow      relay sync with no kind policy, a max_running and a rate that do not bind (CPU per
-            task), and the limit accuracy of a binding max_running and rate (issue 22; by name only)
+  flow      relay sync with no kind policy, a max_running and a rate that do not bind, and 1,000
+            keys (CPU per task); fair shares (a flood of --flood-tasks from one submitter, or on
+            one key, and a probe task a second for --probe-secs); the limit accuracy of a binding
+            max_running, rate and max_running_per_key on one node and on two nodes on one
+            PostgreSQL (issue 22; by name only)
   restarts  a durable relay started 6 times on one DATA_DIR with 3 tasks submitted each time:
             spawn to listening, replay time and DATA_DIR's size after each stop
   all       every one of the above
@@ -84,6 +87,8 @@ options:
   --replay-tasks N      tasks journaled before the restart in `batch` (default 1000000)
   --finished-tasks N    tasks run to done in `finished` (default 500000)
   --slowloris N         slowloris connections (default 1000)
+  --flood-tasks N       tasks the flood queues in `flow`'s fairness scenario (default 100000)
+  --probe-secs N        seconds of one probe task a second in that scenario (default 20)
   --syscall-ms N        after each measured window, count the server's syscalls and context
                         switches per operation with `perf stat` for this long (default 1500; 0 = off)
   --max-total-secs N    hard limit on the whole run; children are killed past it (default 1800)
@@ -127,6 +132,8 @@ pub struct Opts {
     pub replay_tasks: u64,
     pub finished_tasks: u64,
     pub slowloris: usize,
+    pub flood_tasks: usize,
+    pub probe_secs: u64,
     pub max_total: Duration,
     pub syscalls: Option<Duration>,
     pub addr: Option<String>,
@@ -161,6 +168,8 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
         replay_tasks: 1_000_000,
         finished_tasks: 500_000,
         slowloris: 1000,
+        flood_tasks: 100_000,
+        probe_secs: 20,
         max_total: Duration::from_secs(1800),
         syscalls: Some(Duration::from_millis(1500)),
         addr: None,
@@ -199,6 +208,8 @@ fn parse_args(args: &[String]) -> Result<Opts, String> {
             "--replay-tasks" => o.replay_tasks = num(value()?)?.max(1),
             "--finished-tasks" => o.finished_tasks = num(value()?)?.max(1),
             "--slowloris" => o.slowloris = num(value()?)? as usize,
+            "--flood-tasks" => o.flood_tasks = num(value()?)?.clamp(1, 1_000_000) as usize,
+            "--probe-secs" => o.probe_secs = num(value()?)?.clamp(1, 600),
             "--max-total-secs" => o.max_total = Duration::from_secs(num(value()?)?.max(1)),
             "--syscall-ms" => o.syscalls = Some(Duration::from_millis(num(value()?)?)).filter(|d| !d.is_zero()),
             "--addr" => o.addr = Some(value()?),

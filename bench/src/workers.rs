@@ -312,15 +312,50 @@ fn keep_alive(rx: mpsc::Receiver<WebSocket<TcpStream>>, stop: &AtomicBool) -> us
 pub struct Seen {
     /// Dispatch starts (task frames read), since the reset.
     pub starts: Vec<Duration>,
+    /// Each dispatch: the task id and when its frame was read.
+    pub dispatched: Vec<(Box<str>, Instant)>,
     pub done: usize,
     /// The most tasks running at once over every worker (sent and not answered yet).
     pub max_running: usize,
+    /// The most tasks of one payload `"fk"` (the bench's copy of the task's key) running at once.
+    pub max_running_per_key: usize,
     running: usize,
+    per_key: std::collections::HashMap<Box<str>, usize>,
     since: Option<Instant>,
 }
 
+impl Seen {
+    fn started(&mut self, id: &str, key: Option<&str>) {
+        let now = Instant::now();
+        let at = self.since.map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+        self.starts.push(at);
+        self.dispatched.push((id.into(), now));
+        self.running += 1;
+        self.max_running = self.max_running.max(self.running);
+        if let Some(k) = key {
+            let n = self.per_key.entry(k.into()).or_insert(0);
+            *n += 1;
+            self.max_running_per_key = self.max_running_per_key.max(*n);
+        }
+    }
+
+    fn ended(&mut self, key: Option<&str>) {
+        self.running = self.running.saturating_sub(1);
+        self.done += 1;
+        if let Some(k) = key
+            && let Some(n) = self.per_key.get_mut(k)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.per_key.remove(k);
+            }
+        }
+    }
+}
+
 /// Workers that hold each task `hold` before answering it and record, over all of them, when
-/// tasks start and how many run at once: what a limit lets through, measured by the workers.
+/// tasks start and how many run at once (in all, and per key): what a limit lets through, and
+/// when each task was dispatched, measured by the workers.
 pub struct Recorder {
     stop: Arc<AtomicBool>,
     seen: Arc<std::sync::Mutex<Seen>>,
@@ -329,50 +364,31 @@ pub struct Recorder {
 
 impl Recorder {
     pub fn ws(addr: SocketAddr, token: &str, n: usize, concurrency: u32, hold: Duration) -> Result<Recorder, String> {
+        Recorder::ws_on(&[addr], token, n, concurrency, hold)
+    }
+
+    /// `n` workers spread round robin over `addrs` (one relay node each), recording together.
+    pub fn ws_on(
+        addrs: &[SocketAddr],
+        token: &str,
+        n: usize,
+        concurrency: u32,
+        hold: Duration,
+    ) -> Result<Recorder, String> {
         let stop = Arc::new(AtomicBool::new(false));
         let seen = Arc::new(std::sync::Mutex::new(Seen { since: Some(Instant::now()), ..Seen::default() }));
-        let mut joins = Vec::new();
+        let mut recorder = Recorder { stop, seen, joins: Vec::new() };
         for i in 0..n {
+            let addr = *addrs.get(i % addrs.len().max(1)).ok_or("no address to connect workers to")?;
             let mut ws = ws_connect(addr, token, None)?;
             let hello =
                 format!(r#"{{"type":"hello","concurrency":{concurrency},"version":"relay-bench-recorder/{i}"}}"#);
             ws.send(Message::text(hello)).map_err(|e| format!("hello: {e}"))?;
             ws.get_mut().set_read_timeout(Some(Duration::from_millis(2))).map_err(|e| e.to_string())?;
-            let (stop, seen) = (stop.clone(), seen.clone());
-            joins.push(thread::spawn(move || {
-                let mut held: std::collections::VecDeque<(Instant, String)> = std::collections::VecDeque::new();
-                while !stop.load(Ordering::Relaxed) {
-                    match ws.read() {
-                        Ok(Message::Text(text)) if text.starts_with(r#"{"type":"task""#) => {
-                            let id = json_str_field(text.as_bytes(), "task_id").unwrap_or_default().to_string();
-                            let mut s = seen.lock().map_err(|_| "poisoned")?;
-                            let at = s.since.map_or(Duration::ZERO, |t| t.elapsed());
-                            s.starts.push(at);
-                            s.running += 1;
-                            s.max_running = s.max_running.max(s.running);
-                            held.push_back((Instant::now() + hold, id));
-                        }
-                        Ok(_) => {}
-                        Err(e) if is_timeout(&e) => {}
-                        Err(_) if stop.load(Ordering::Relaxed) => return Ok(()),
-                        Err(e) => return Err(format!("recorder read: {e}")),
-                    }
-                    while held.front().is_some_and(|(at, _)| *at <= Instant::now()) {
-                        let Some((_, id)) = held.pop_front() else { break };
-                        {
-                            let mut s = seen.lock().map_err(|_| "poisoned")?;
-                            s.running -= 1;
-                            s.done += 1;
-                        }
-                        let reply = format!(r#"{{"type":"result","task_id":"{id}","status":"done","data":null}}"#);
-                        ws.send(Message::text(reply)).map_err(|e| format!("send result: {e}"))?;
-                    }
-                }
-                close_ws(&mut ws);
-                Ok(())
-            }));
+            let (stop, seen) = (recorder.stop.clone(), recorder.seen.clone());
+            recorder.joins.push(thread::spawn(move || record(ws, &stop, &seen, hold)));
         }
-        Ok(Recorder { stop, seen, joins })
+        Ok(recorder)
     }
 
     /// Forgets what was seen (the workers must be idle).
@@ -386,21 +402,24 @@ impl Recorder {
     pub fn wait_done(&self, n: usize, within: Duration) -> Result<Seen, String> {
         let deadline = Instant::now() + within;
         loop {
-            let s = self.seen.lock().map_err(|_| "poisoned")?.clone();
-            if s.done >= n {
-                return Ok(s);
-            }
-            if Instant::now() > deadline {
-                return Err(format!("{} of {n} tasks answered within {within:?}", s.done));
+            {
+                // (No copy while waiting: `dispatched` may hold 100,000 entries.)
+                let s = self.seen.lock().map_err(|_| "poisoned")?;
+                if s.done >= n {
+                    return Ok(s.clone());
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("{} of {n} tasks answered within {within:?}", s.done));
+                }
             }
             thread::sleep(Duration::from_millis(5));
         }
     }
 
-    pub fn stop(self) -> Result<(), String> {
+    pub fn stop(mut self) -> Result<(), String> {
         self.stop.store(true, Ordering::Relaxed);
         let mut first = Ok(());
-        for j in self.joins {
+        for j in std::mem::take(&mut self.joins) {
             let r = j.join().unwrap_or_else(|_| Err("recorder thread panicked".into()));
             if first.is_ok() {
                 first = r;
@@ -408,4 +427,42 @@ impl Recorder {
         }
         first
     }
+}
+
+impl Drop for Recorder {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One recording worker: each task is held `hold`, then answered `done`.
+fn record(
+    mut ws: WebSocket<TcpStream>,
+    stop: &AtomicBool,
+    seen: &std::sync::Mutex<Seen>,
+    hold: Duration,
+) -> Result<(), String> {
+    let mut held: std::collections::VecDeque<(Instant, String, Option<String>)> = std::collections::VecDeque::new();
+    while !stop.load(Ordering::Relaxed) {
+        match ws.read() {
+            Ok(Message::Text(text)) if text.starts_with(r#"{"type":"task""#) => {
+                let id = json_str_field(text.as_bytes(), "task_id").unwrap_or_default().to_string();
+                let key = json_str_field(text.as_bytes(), "fk").map(str::to_string);
+                seen.lock().map_err(|_| "poisoned")?.started(&id, key.as_deref());
+                held.push_back((Instant::now() + hold, id, key));
+            }
+            Ok(_) => {}
+            Err(e) if is_timeout(&e) => {}
+            Err(_) if stop.load(Ordering::Relaxed) => return Ok(()),
+            Err(e) => return Err(format!("recorder read: {e}")),
+        }
+        while held.front().is_some_and(|(at, _, _)| *at <= Instant::now()) {
+            let Some((_, id, key)) = held.pop_front() else { break };
+            seen.lock().map_err(|_| "poisoned")?.ended(key.as_deref());
+            let reply = format!(r#"{{"type":"result","task_id":"{id}","status":"done","data":null}}"#);
+            ws.send(Message::text(reply)).map_err(|e| format!("send result: {e}"))?;
+        }
+    }
+    close_ws(&mut ws);
+    Ok(())
 }

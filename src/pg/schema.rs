@@ -25,6 +25,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (7, "worker sessions: a running attempt names its worker's session", V7),
     (8, "kind policies: concurrency, rate, pause", V8),
     (9, "a held worker session's row says until when it may resume", V9),
+    (10, "fair shares: tasks keep their submitter and key", V10),
 ];
 
 /// The newest version this build knows.
@@ -315,6 +316,18 @@ CREATE TABLE IF NOT EXISTS relay_kind_buckets (
 /// when it may resume, for `/clients` on every node.
 const V9: &str = r#"
 ALTER TABLE relay_workers ADD COLUMN IF NOT EXISTS resumable_until_ms int8;
+"#;
+
+/// Version 10 (SPEC §14 fair shares): a task's submitter (`''`: the root token, else the
+/// scoped token's jti) and fairness key (`''`: none), on the task, its pending row (claims rotate
+/// over them) and its running row (per-key caps count them).
+const V10: &str = r#"
+ALTER TABLE relay_tasks ADD COLUMN IF NOT EXISTS submitter text NOT NULL DEFAULT '',
+    ADD COLUMN IF NOT EXISTS fair_key text NOT NULL DEFAULT '';
+ALTER TABLE relay_pending ADD COLUMN IF NOT EXISTS submitter text NOT NULL DEFAULT '',
+    ADD COLUMN IF NOT EXISTS fair_key text NOT NULL DEFAULT '';
+ALTER TABLE relay_running ADD COLUMN IF NOT EXISTS submitter text NOT NULL DEFAULT '',
+    ADD COLUMN IF NOT EXISTS fair_key text NOT NULL DEFAULT '';
 "#;
 
 /// What [`migrate`] did.

@@ -134,6 +134,9 @@ pub struct NewTask {
     pub retry_backoff_ms: Option<u64>,
     pub retry_backoff_max_ms: Option<u64>,
     pub retry_any_worker: Option<bool>,
+    /// Its submitter and fairness key (SPEC §14; `""`: the root token, no key).
+    pub submitter: String,
+    pub fair_key: String,
 }
 
 /// Inserts the tasks and their pending rows in one statement, in order, as long as room is
@@ -147,9 +150,9 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
      ), n AS (
        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::int4[],
                             $7::int8[], $8::int8[], $9::text[], $10::text[], $11::bool[], $14::int4[],
-                            $15::int8[], $16::int8[], $17::bool[]) WITH ORDINALITY
+                            $15::int8[], $16::int8[], $17::bool[], $18::text[], $19::text[]) WITH ORDINALITY
          AS n(id, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key,
-              runs_now, priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, ord)
+              runs_now, priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, submitter, fair_key, ord)
      ), room AS (
        SELECT n.*, count(*) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord) AS cum_n,
               coalesce(sum(octet_length(n.payload)) FILTER (WHERE NOT n.runs_now) OVER (ORDER BY n.ord), 0) AS cum_b
@@ -160,16 +163,17 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
      ), ins AS (
        INSERT INTO relay_tasks (id, status, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms,
                                 idem_owner, idem_key, priority, retry_backoff_ms, retry_backoff_max_ms,
-                                retry_any_worker)
+                                retry_any_worker, submitter, fair_key)
        SELECT id, 'pending', kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms, idem_owner, idem_key,
-              priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
+              priority, retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, submitter, fair_key
        FROM ok ORDER BY ord
        ON CONFLICT (idem_owner, idem_key) WHERE idem_key IS NOT NULL DO NOTHING
        RETURNING id, seq, kind, queue, greatest(run_at_ms, created_ms) AS due_ms,
-                 greatest(run_at_ms, created_ms) - priority::int8 * 1000 AS ord_ms, octet_length(payload) AS bytes
+                 greatest(run_at_ms, created_ms) - priority::int8 * 1000 AS ord_ms, octet_length(payload) AS bytes,
+                 submitter, fair_key
      ), pend AS (
-       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
-       SELECT id, due_ms, ord_ms, seq, kind, queue, bytes FROM ins
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
+       SELECT id, due_ms, ord_ms, seq, kind, queue, bytes, submitter, fair_key FROM ins
      )
      SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
      ORDER BY n.ord";
@@ -240,6 +244,8 @@ pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64)
             arr_opt(backoffs.iter().map(Option::as_deref)),
             arr_opt(maxes.iter().map(Option::as_deref)),
             arr_opt(tasks.iter().map(|t| t.retry_any_worker.map(flag))),
+            arr(tasks.iter().map(|t| t.submitter.as_str())),
+            arr(tasks.iter().map(|t| t.fair_key.as_str())),
         ],
     )
 }
@@ -278,9 +284,10 @@ pub const CLAIM: &str = "WITH c AS (
                  d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
                    FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
      ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind, submitter, fair_key)
+       SELECT id, $1::uuid, attempt, kind, submitter, fair_key FROM u
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
@@ -304,9 +311,10 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
                  d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
                    FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
      ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind, submitter, fair_key)
+       SELECT id, $1::uuid, attempt, kind, submitter, fair_key FROM u
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
@@ -352,9 +360,10 @@ pub const CLAIM_LIMITED: &str = "WITH k AS (
        RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
                  d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
                                                               WHERE e ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.submitter, t.fair_key
      ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt, kind) SELECT id, $1::uuid, attempt, kind FROM u
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind, submitter, fair_key)
+       SELECT id, $1::uuid, attempt, kind, submitter, fair_key FROM u
      ), bk AS (
        INSERT INTO relay_kind_buckets (kind, tokens, at_ms)
        SELECT room.kind, greatest(0, room.tokens - (SELECT count(*) FROM u WHERE u.kind = room.kind)), room.now_db
@@ -438,12 +447,12 @@ pub const UNCLAIM: &str = "WITH u AS (
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms,
                  greatest(t.run_at_ms, t.created_ms) - t.priority::int8 * 1000 AS ord_ms, t.seq, t.kind, t.queue, t.tried,
-                 octet_length(t.payload) AS bytes
+                 octet_length(t.payload) AS bytes, t.submitter, t.fair_key
      ), r AS (
        DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      )
-     INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes)
-     SELECT id, due_ms, ord_ms, seq, kind, queue, tried, bytes FROM u
+     INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes, submitter, fair_key)
+     SELECT id, due_ms, ord_ms, seq, kind, queue, tried, bytes, submitter, fair_key FROM u
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 pub fn unclaim(node: &str, claimed: &[(String, u32)]) -> Stmt {
@@ -465,10 +474,10 @@ pub const RELEASE_ORPHANS: &str = "WITH o AS (
        FROM o WHERE t.id = o.task_id AND t.attempt = o.attempt AND t.owner_node = $1::uuid AND t.status = 'dispatched'
        RETURNING t.id, greatest(t.run_at_ms, t.created_ms) AS due_ms,
                  greatest(t.run_at_ms, t.created_ms) - t.priority::int8 * 1000 AS ord_ms, t.seq, t.kind, t.queue, t.tried,
-                 octet_length(t.payload) AS bytes
+                 octet_length(t.payload) AS bytes, t.submitter, t.fair_key
      )
-     INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes)
-     SELECT id, due_ms, ord_ms, seq, kind, queue, tried, bytes FROM u
+     INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes, submitter, fair_key)
+     SELECT id, due_ms, ord_ms, seq, kind, queue, tried, bytes, submitter, fair_key FROM u
      ON CONFLICT (task_id) DO NOTHING RETURNING task_id::text";
 
 /// Dead nodes' attempts: the running rows of nodes without a heartbeat within the lease ($2)
@@ -676,19 +685,19 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
        FROM a
        WHERE t.id = a.id AND t.owner_node = $1::uuid AND t.attempt = a.attempt AND t.status = 'dispatched'
        RETURNING t.id, t.status, t.seq, t.kind, t.queue, t.tried, octet_length(t.payload) AS bytes, t.created_ms,
-                 t.priority, t.reruns,
+                 t.priority, t.reruns, t.submitter, t.fair_key,
                  t.run_at_ms, t.finished_ms, t.result, t.error, t.client_id, t.client_ip, t.attempt_log, a.ended_ms,
                  a.next_attempt_ms
      ), run AS (
        DELETE FROM relay_running r USING u WHERE r.task_id = u.id
      ), requeue AS (
-       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes)
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, tried, payload_bytes, submitter, fair_key)
        SELECT id, greatest(run_at_ms, created_ms, next_attempt_ms),
               greatest(run_at_ms, created_ms, next_attempt_ms) - priority::int8 * 1000, seq, kind,
-              queue, tried, bytes FROM u WHERE status = 'pending'
+              queue, tried, bytes, submitter, fair_key FROM u WHERE status = 'pending'
      )
      SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text, client_ip,
-            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END, priority, reruns
+            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END, priority, reruns, fair_key
      FROM u";
 
 pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
@@ -731,12 +740,12 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
 /// the payload only with `?include=payload`: [`GET_TASKS_PAYLOAD`]): every read of a turn in
 /// one statement.
 pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text, priority, reruns
+            client_id::text, client_ip, attempt_log::text, priority, reruns, fair_key
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
 /// [`GET_TASKS`] with the payload (a task that is done has none).
 pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text, priority, reruns,
+            client_id::text, client_ip, attempt_log::text, priority, reruns, fair_key,
             CASE WHEN status = 'done' THEN NULL ELSE payload END
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
@@ -746,7 +755,8 @@ pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, 
 /// join on the ids so that every plan looks each id up by its key.
 pub const FINISHED_AMONG: &str =
     "SELECT t.id::text, t.status, t.kind, t.created_ms, t.run_at_ms, t.finished_ms, t.result,
-            t.error, t.client_id::text, t.client_ip, t.attempt_log::text, t.priority, t.reruns
+            t.error, t.client_id::text, t.client_ip, t.attempt_log::text, t.priority, t.reruns,
+            t.fair_key
      FROM unnest($1::uuid[]) AS k(id) JOIN relay_tasks t ON t.id = k.id
      WHERE t.status IN ('done', 'failed', 'canceled')";
 
@@ -778,7 +788,8 @@ pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
        SELECT seq FROM s ORDER BY seq LIMIT 1
      )
      SELECT p.id::text, p.status, p.kind, p.created_ms, p.run_at_ms, p.finished_ms, p.result, p.error,
-            p.client_id::text, p.client_ip, p.attempt_log::text, p.priority, p.reruns, NULL::text, p.seq, walked.n,
+            p.client_id::text, p.client_ip, p.attempt_log::text, p.priority, p.reruns, p.fair_key, NULL::text, p.seq,
+            walked.n,
             stop.seq
      FROM walked LEFT JOIN stop ON true LEFT JOIN page p ON p.before < $7::int8
      ORDER BY p.seq DESC";
@@ -805,10 +816,10 @@ pub const RERUN: &str = "WITH lim AS (
          reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}',
          attempt_log = t.attempt_log #- ARRAY[(jsonb_array_length(t.attempt_log) - 1)::text, 'next_attempt_ms']
        FROM old WHERE t.id = old.id AND old.status IN ('failed', 'canceled') AND old.room
-       RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
+       RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes, t.submitter, t.fair_key
      ), p AS (
-       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
-       SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes FROM u
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
+       SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
      )
      SELECT old.status, EXISTS (SELECT 1 FROM u), old.room FROM old";
 
@@ -857,10 +868,10 @@ pub const RERUN_MANY: &str = "WITH lim AS (
          reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}',
          attempt_log = t.attempt_log #- ARRAY[(jsonb_array_length(t.attempt_log) - 1)::text, 'next_attempt_ms']
        FROM r WHERE t.id = r.id AND NOT $7::bool
-       RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes
+       RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes, t.submitter, t.fair_key
      ), p AS (
-       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes)
-       SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes FROM u
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
+       SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
      ), matched AS (
        SELECT count(*) AS n FROM l
      )

@@ -446,25 +446,21 @@ fn one_free_slot_lets_one_batch_item_past_max_pending_not_all() {
 
 #[test]
 fn consecutive_tasks_rotate_over_workers_whose_kind_lists_differ() {
-    crate::support::modes::for_each_mode_known_cluster_defect(
-        "in cluster mode a node claims for its groups of workers one after another, so first attempts do not rotate over workers whose kind lists differ",
-        |mode| {
-            let relay = mode.start();
-            let hello = |kinds: Value| json!({"type":"hello","kinds":kinds,"concurrency":10,"version":"it"});
-            let _w = [
-                FakeWorker::connect(&relay, Some(hello(json!(["a"]))), Auto::Echo),
-                FakeWorker::connect(&relay, Some(hello(json!(["a", "b"]))), Auto::Echo),
-            ];
-            relay.wait_clients(2, |c| c["version"] == "it");
-            let mut seen = Vec::new();
-            for i in 0..6 {
-                let r =
-                    relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{{"kind":"a","i":{i}}}}}"#)));
-                assert_eq!(r.status, 200, "{}", r.text());
-                seen.push(r.json()["client_id"].as_str().expect("client").to_string());
-            }
-            let first = seen.iter().filter(|c| **c == seen[0]).count();
-            assert_eq!(first, 3, "six consecutive tasks, two eligible workers: {seen:?}");
-        },
-    );
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let hello = |kinds: Value| json!({"type":"hello","kinds":kinds,"concurrency":10,"version":"it"});
+        let _w = [
+            FakeWorker::connect(&relay, Some(hello(json!(["a"]))), Auto::Echo),
+            FakeWorker::connect(&relay, Some(hello(json!(["a", "b"]))), Auto::Echo),
+        ];
+        relay.wait_clients(2, |c| c["version"] == "it");
+        let mut seen = Vec::new();
+        for i in 0..6 {
+            let r = relay.api("POST", "/tasks?wait=true", Some(&format!(r#"{{"payload":{{"kind":"a","i":{i}}}}}"#)));
+            assert_eq!(r.status, 200, "{}", r.text());
+            seen.push(r.json()["client_id"].as_str().expect("client").to_string());
+        }
+        let first = seen.iter().filter(|c| **c == seen[0]).count();
+        assert_eq!(first, 3, "six consecutive tasks, two eligible workers: {seen:?}");
+    });
 }

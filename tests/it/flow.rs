@@ -235,22 +235,19 @@ fn priorities_survive_a_restart() {
 /// keeps its key and its submitter across a restart.
 #[test]
 fn a_key_is_shown_in_the_task_json_and_survives_a_restart() {
-    crate::support::modes::for_each_mode_known_cluster_defect(
-        "fair shares not built in the cluster store yet",
-        |mode| {
-            let dir = TempDir::new("fair-key");
-            let relay = durable(mode, &dir, &[]);
-            let keyed = queued(&relay, "a", r#","key":"customer-7""#);
-            let plain = queued(&relay, "b", r#","key":"""#);
-            let shown = |relay: &Relay| {
-                assert!(relay.get_task(&plain).get("key").is_none(), "no key given, none shown");
-                relay.get_task(&keyed)["key"].clone()
-            };
-            assert_eq!(shown(&relay), "customer-7");
-            let relay = restart(relay, &dir, &[]);
-            assert_eq!(shown(&relay), "customer-7", "kept across a restart");
-        },
-    );
+    for_each_mode(|mode| {
+        let dir = TempDir::new("fair-key");
+        let relay = durable(mode, &dir, &[]);
+        let keyed = queued(&relay, "a", r#","key":"customer-7""#);
+        let plain = queued(&relay, "b", r#","key":"""#);
+        let shown = |relay: &Relay| {
+            assert!(relay.get_task(&plain).get("key").is_none(), "no key given, none shown");
+            relay.get_task(&keyed)["key"].clone()
+        };
+        assert_eq!(shown(&relay), "customer-7");
+        let relay = restart(relay, &dir, &[]);
+        assert_eq!(shown(&relay), "customer-7", "kept across a restart");
+    });
 }
 
 // ----- kind policies -------------------------------------------------------------------------

@@ -94,7 +94,8 @@ impl model::PgBackend for Backend {
             .reader
             .simple(
                 "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text,
-                        client_ip, attempt_log::text, priority, reruns, CASE WHEN status = 'done' THEN NULL ELSE payload END
+                        client_ip, attempt_log::text, priority, reruns, fair_key,
+                        CASE WHEN status = 'done' THEN NULL ELSE payload END
                  FROM relay_tasks",
             )
             .expect("tasks");

@@ -417,6 +417,8 @@ fn new_task(id: &str, kind: Option<&str>, key: Option<&str>) -> sql::NewTask {
         retry_backoff_max_ms: None,
         retry_any_worker: None,
         priority: 0,
+        submitter: String::new(),
+        fair_key: String::new(),
     }
 }
 

@@ -696,3 +696,159 @@ fn a_task_canceled_during_its_backoff_and_run_again_no_longer_shows_the_wait() {
         relay.wait_status(&id, "done", Duration::from_secs(5));
     });
 }
+
+#[test]
+fn a_bulk_rerun_finds_the_failed_tasks_that_left_memory() {
+    // (One node walked only the failed tasks still in memory: those over TASK_MEMORY were
+    // listed, and re-run one by one, but POST /tasks/retry never found them. It reads them back
+    // from the journal in batches, off the loop; PostgreSQL has them all.)
+    for_each_mode(|mode| {
+        let data = files_dir("bulk-evicted");
+        let data_dir = data.to_string_lossy().into_owned();
+        let mut env = vec![("MAX_RETRIES", "0"), ("TASK_MEMORY", "16384")];
+        if !mode.is_cluster() {
+            env.push(("DATA_DIR", data_dir.as_str()));
+        }
+        let relay = mode.start_with(&env);
+        let a = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["a"]})), Auto::Fail("boom".into()));
+        let b = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["b"]})), Auto::Fail("other".into()));
+        relay.wait_clients(2, |c| c.get("kinds").is_some());
+        // More than one batch of reads (64) of tasks that left memory, a few newest in memory.
+        let (mut a_ids, mut b_ids) = (Vec::new(), Vec::new());
+        for i in 0..200 {
+            let kind = if i % 4 == 3 { "b" } else { "a" };
+            let r = post(&relay, "/tasks?wait=true", Some(&json!({"payload": {"kind": kind, "i": i}}).to_string()));
+            assert_eq!(r.status, 502, "{}", r.text());
+            let id = r.json()["task_id"].as_str().expect("id").to_string();
+            if kind == "a" { a_ids.push(id) } else { b_ids.push(id) }
+        }
+        drop((a, b));
+        relay.wait_clients(0, |_| true);
+        if !mode.is_cluster() {
+            assert!(
+                poll_until(Duration::from_secs(10), || relay.metric("relay_tasks_on_disk") >= 100.0),
+                "{}",
+                relay.metrics()
+            );
+            assert!(relay.metric("relay_tasks_on_disk") < 200.0, "some stay in memory: {}", relay.metrics());
+        }
+        let newest_first = |ids: &[String]| -> Value { json!(ids.iter().rev().collect::<Vec<_>>()) };
+        // A dry run counts them all, newest first: the kind is known from a task's summary,
+        // the error only once it is read back.
+        let r = post(&relay, "/tasks/retry", Some(r#"{"error_contains":"boom","dry_run":true}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!((r.json()["retried"].as_u64(), &r.json()["task_ids"]), (Some(150), &newest_first(&a_ids)));
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"b","dry_run":true,"limit":30}"#));
+        assert_eq!(r.json()["task_ids"], newest_first(&b_ids[20..]), "{}", r.text());
+        assert!(
+            b_ids.iter().chain(&a_ids).all(|id| relay.get_task(id)["status"] == "failed"),
+            "a dry run re-runs none"
+        );
+
+        // Re-run for real, up to a limit: the 120 newest of kind a, the oldest of them read back.
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"a","error_contains":"boom","limit":120}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["task_ids"], newest_first(&a_ids[30..]), "{}", r.text());
+        // (Counted as the database's gauges are read, a moment later in cluster mode.)
+        relay.wait_health(|h| h["tasks"]["pending"] == 120);
+        let t = relay.get_task(&a_ids[30]);
+        assert_eq!(
+            (t["status"].as_str(), t["reruns"].as_u64(), t["attempts"].as_u64()),
+            (Some("pending"), Some(1), Some(1))
+        );
+        assert_eq!(relay.get_task(&a_ids[29])["status"], "failed", "beyond the limit");
+        // A worker runs them; the next dry run finds the 30 left.
+        let _w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["a"]})), Auto::Echo);
+        for id in &a_ids[30..] {
+            let t = relay.wait_status(id, "done", Duration::from_secs(10));
+            assert_eq!(outcomes(&t), ["failed", "done"], "{t}");
+        }
+        let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"a","dry_run":true}"#));
+        assert_eq!(r.json()["task_ids"], newest_first(&a_ids[..30]), "{}", r.text());
+        drop(relay);
+        let _ = std::fs::remove_dir_all(&data);
+    });
+}
+
+#[test]
+fn failed_ttl_holds_across_a_restart() {
+    // A failed task is kept FAILED_TTL from when it failed, not from the restart: listed and
+    // run again after one, forgotten on time after it (and a second restart does not bring it
+    // back). One node restores it from the journal in memory or, over TASK_MEMORY, as a summary
+    // read back on demand; both are tried.
+    for_each_mode(|mode| {
+        let variants: &[(&str, &str, &str)] = if mode.is_cluster() {
+            &[("1h", "4s", "67108864"), ("4s", "1h", "67108864")]
+        } else {
+            &[("1h", "4s", "67108864"), ("1h", "4s", "1"), ("4s", "1h", "1")]
+        };
+        for &(task_ttl, failed_ttl, memory) in variants {
+            let failed_short = failed_ttl == "4s";
+            let data = files_dir("failed-ttl-restart");
+            let data_dir = data.to_string_lossy().into_owned();
+            let mut env =
+                vec![("TASK_TTL", task_ttl), ("FAILED_TTL", failed_ttl), ("MAX_RETRIES", "0"), ("TASK_MEMORY", memory)];
+            if !mode.is_cluster() {
+                env.push(("DATA_DIR", data_dir.as_str()));
+            }
+            let what = format!("{} TASK_TTL {task_ttl}, FAILED_TTL {failed_ttl}, TASK_MEMORY {memory}", mode.name());
+            let relay = mode.start_with(&env);
+            let ok = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["ok"]})), Auto::Echo);
+            let bad =
+                FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["bad"]})), Auto::Fail("no".into()));
+            relay.wait_clients(2, |c| c.get("kinds").is_some());
+            let id_of_wait = |body: &str, status: u16| {
+                let r = post(&relay, "/tasks?wait=true", Some(body));
+                assert_eq!(r.status, status, "{}", r.text());
+                r.json()["task_id"].as_str().expect("id").to_string()
+            };
+            let done = id_of_wait(r#"{"payload":{"kind":"ok"}}"#, 200);
+            let rerun = id_of_wait(r#"{"payload":{"kind":"bad"}}"#, 502);
+            let kept = id_of_wait(r#"{"payload":{"kind":"bad"}}"#, 502);
+            let ended = Instant::now();
+            drop((ok, bad));
+            let db = relay.db.clone();
+            assert!(relay.stop().success());
+            let restart = || match &db {
+                Some(db) => Mode::start_on(Arc::clone(db), &env),
+                None => mode.start_with(&env),
+            };
+            let relay = restart();
+
+            // Within both TTLs: all three are there, the failed ones listed and re-runnable.
+            let listed = relay.api("GET", "/tasks?status=failed", None).json();
+            let listed: Vec<&str> =
+                listed["tasks"].as_array().expect("tasks").iter().filter_map(|t| t["task_id"].as_str()).collect();
+            assert!(ended.elapsed() < Duration::from_secs(4), "{what}: the restart took too long to tell");
+            assert_eq!(listed, [kept.as_str(), rerun.as_str()], "{what}");
+            assert_eq!(relay.get_task(&done)["status"], "done", "{what}");
+            let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"bad","dry_run":true}"#));
+            assert_eq!(r.json()["task_ids"], json!([kept, rerun]), "{what}: {}", r.text());
+            let r = post(&relay, &format!("/tasks/{rerun}/retry"), None);
+            assert_eq!((r.status, r.json()["reruns"].as_u64()), (202, Some(1)), "{what}: {}", r.text());
+
+            // Past the shorter TTL: that task is gone, the other kept.
+            let status = |relay: &Relay, id: &str| relay.api("GET", &format!("/tasks/{id}"), None).status;
+            let (gone, stays) = if failed_short { (&kept, &done) } else { (&done, &kept) };
+            assert!(poll_until(Duration::from_secs(10), || status(&relay, gone) == 404), "{what}: {gone} is kept");
+            assert_eq!(status(&relay, stays), 200, "{what}: {stays} went too");
+            let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"bad","dry_run":true}"#));
+            let left: Value = if failed_short { json!([]) } else { json!([kept]) };
+            assert_eq!(r.json()["task_ids"], left, "{what}: {}", r.text());
+            // The re-run runs; a second restart brings nothing back.
+            let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["bad"]})), Auto::Echo);
+            relay.wait_status(&rerun, "done", Duration::from_secs(5));
+            drop(w);
+            assert!(relay.stop().success());
+            let relay = restart();
+            assert_eq!(status(&relay, gone), 404, "{what}: {gone} came back after a restart");
+            assert_eq!(status(&relay, stays), 200, "{what}");
+            if failed_short {
+                // (With the short TASK_TTL the re-run's end may be forgotten by now.)
+                assert_eq!(relay.get_task(&rerun)["status"], "done", "{what}");
+            }
+            drop(relay);
+            let _ = std::fs::remove_dir_all(&data);
+        }
+    });
+}

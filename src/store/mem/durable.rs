@@ -78,7 +78,6 @@ impl MemStore {
             self.evict_next += 1;
             evicted += 1;
             let Some(task) = self.tasks.remove(&id) else { continue };
-            self.dead.remove(&task.submit_seq);
             self.remember_attempts(&task);
             self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
             self.tasks_evicted += 1;
@@ -96,6 +95,7 @@ impl MemStore {
             } else {
                 self.status_counts[task.status.index()] -= 1;
                 self.by_submission.remove(&task.submit_seq);
+                self.dead.remove(&task.submit_seq);
                 if !self.logged_forgetting {
                     self.logged_forgetting = true;
                     crate::log!(
@@ -193,6 +193,10 @@ impl MemStore {
                 self.remember_key(*key, id, forget_wall - wall);
             }
             listed.push((light.evicted.submit_seq, id));
+            if matches!(light.evicted.status, Status::Failed | Status::Canceled) {
+                // (A bulk re-run finds it there: SPEC §13.)
+                self.dead.insert(light.evicted.submit_seq, id);
+            }
             if cfg.ttl_of(light.evicted.status) < ttl {
                 sooner.push((light.finished_wall_ms, id));
             }
@@ -396,41 +400,6 @@ impl MemStore {
     }
 
     /// The reader thread answered: the waiting request gets the task (or 404 if it went).
-    /// A re-run of a task that had left memory: it comes back in (its record where the journal
-    /// has it) and runs again, or is answered as `POST /tasks/{id}/retry` answers it.
-    fn rerun_read_back(&mut self, conn: ConnRef, id: TaskId, task: Option<Task>, scope: Option<&[String]>, wait: bool) {
-        let (Some(mut task), Some(e)) = (task, self.evicted.get(&id).copied()) else {
-            // (Forgotten meanwhile, or unreadable: as a read would say.)
-            self.answer(conn, not_found());
-            return;
-        };
-        if !in_scope(task.kind.as_deref(), scope) {
-            self.answer(conn, not_found());
-            return;
-        }
-        if !matches!(task.status, Status::Failed | Status::Canceled) {
-            let mut r = task_response(&task, false);
-            r.status = 409;
-            self.answer(conn, r);
-            return;
-        }
-        if let Some(r) = self.unavailable(true) {
-            self.answer(conn, r);
-            return;
-        }
-        if !self.pending_room(Self::rerun_bytes(&task)) {
-            self.answer(conn, crate::store::queue_full_response());
-            return;
-        }
-        self.evicted.remove(&id);
-        task.stored = Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] };
-        task.submit_seq = e.submit_seq;
-        self.finished_mem += task.mem_bytes();
-        self.tasks.insert(id, task);
-        self.run_again(id);
-        self.answer_rerun(conn, id, wait);
-    }
-
     fn on_read_done(&mut self, done: ReadDone) {
         let Some(pending) = self.reads.remove(&done.token) else { return };
         let task = done.result.as_ref().ok().and_then(|bytes| match journal_codec::frame_at(bytes) {
@@ -440,7 +409,21 @@ impl MemStore {
             },
             _ => None,
         });
+        if task.is_none() && self.evicted.contains_key(&pending.id) {
+            let why =
+                done.result.as_ref().err().cloned().unwrap_or_else(|| "the record read back is not this task".into());
+            crate::log!(
+                Level::Error,
+                "cannot read a task back from the journal",
+                task_id = uuid_string(pending.id),
+                error = why
+            );
+        }
         let scope = pending.scope.as_deref();
+        if let ReadFor::Bulk { job, at } = pending.purpose {
+            self.bulk_read_back(job, at, pending.id, task);
+            return;
+        }
         if let ReadFor::Rerun { wait } = pending.purpose {
             self.rerun_read_back(pending.conn, pending.id, task, scope, wait);
             return;
@@ -467,17 +450,10 @@ impl MemStore {
                     r.status = 409;
                     r
                 }
-                ReadFor::Page { .. } | ReadFor::Rerun { .. } => return,
+                ReadFor::Page { .. } | ReadFor::Rerun { .. } | ReadFor::Bulk { .. } => return,
             },
             Some(_) => not_found(),
             None if self.evicted.contains_key(&pending.id) => {
-                let why = done.result.err().unwrap_or_else(|| "the record read back is not this task".into());
-                crate::log!(
-                    Level::Error,
-                    "cannot read a task back from the journal",
-                    task_id = uuid_string(pending.id),
-                    error = why
-                );
                 Response::error(500, "internal", "cannot read the task from the journal")
             }
             None => not_found(),

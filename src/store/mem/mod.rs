@@ -33,6 +33,7 @@ mod durable;
 mod flow;
 mod fragile;
 mod listing;
+mod rerun;
 
 /// (token identity, `Idempotency-Key` header).
 type IdempotencyKey = (Box<str>, Box<str>);
@@ -64,20 +65,6 @@ const MAX_RETRY_KINDS_DUE: usize = 64;
 const COMPACT_TASKS_PER_TURN: usize = 4096;
 /// Finished tasks evicted from memory per loop turn at most.
 const EVICT_PER_TURN: usize = 8192;
-/// The most tasks, and bytes of them (payload, attempt log, ...), bulk re-runs put back in one
-/// loop turn: each one rewrites its task's whole record (10,000 tasks of 5 KB held the loop for
-/// 200 ms in one turn).
-const RERUN_SLICE_TASKS: usize = 1024;
-const RERUN_SLICE_BYTES: usize = 4 << 20;
-
-/// A bulk re-run under way: what it selected, how far it got, what it re-ran.
-#[derive(Debug)]
-struct BulkRerun {
-    conn: ConnRef,
-    ids: Vec<TaskId>,
-    next: usize,
-    done: Vec<TaskId>,
-}
 /// Journal bytes waiting for the disk beyond which new submits wait (backpressure).
 pub const JOURNAL_BACKLOG_BYTES: u64 = 64 << 20;
 
@@ -113,6 +100,8 @@ enum ReadFor {
     Page { page: u64, index: usize },
     /// `POST /tasks/{id}/retry` of a task that left memory: back in, and run again.
     Rerun { wait: bool },
+    /// A task a bulk re-run picked (`POST /tasks/retry`): `job` names it, `at` the pick.
+    Bulk { job: u64, at: u64 },
 }
 
 struct PendingRead {
@@ -194,11 +183,11 @@ pub struct MemStore {
     /// Failed tasks kept another while (`FAILED_TTL` beyond `TASK_TTL`, moved here from
     /// `finished`) or forgotten sooner (`FAILED_TTL` below it), with the time they are forgotten.
     failed_extra: VecDeque<(u64, TaskId)>,
-    /// Failed and canceled tasks in memory, by submission: what `POST /tasks/retry` walks.
+    /// Failed and canceled tasks, in memory or left it (`evicted`), by submission: what
+    /// `POST /tasks/retry` walks.
     dead: BTreeMap<u64, TaskId>,
-    /// Bulk re-runs under way (`POST /tasks/retry`), a slice a loop turn: [`RERUN_SLICE_TASKS`]
-    /// tasks or [`RERUN_SLICE_BYTES`] of them at most, over all of them.
-    bulk_reruns: std::collections::VecDeque<BulkRerun>,
+    /// Bulk re-runs under way (`POST /tasks/retry`), a bounded slice a loop turn (`rerun.rs`).
+    bulk_reruns: std::collections::VecDeque<rerun::BulkRerun>,
     idempotency: HashMap<IdempotencyKey, TaskId>,
     idempotency_expiry: VecDeque<(u64, IdempotencyKey)>,
     /// The earliest time a due task may expire in the queue (monotonic), if one waits.
@@ -705,162 +694,6 @@ impl MemStore {
         }
     }
 
-    // ----- re-runs (SPEC §13) ----------------------------------------------------------------
-
-    pub fn rerun(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, wait: bool) {
-        let Some(task) = self.tasks.get(&id) else {
-            if !self.read_evicted(conn, id, ReadFor::Rerun { wait }, scope) {
-                self.answer(conn, not_found());
-            }
-            return;
-        };
-        if !in_scope(task.kind.as_deref(), scope) {
-            self.answer(conn, not_found());
-            return;
-        }
-        if !matches!(task.status, Status::Failed | Status::Canceled) {
-            let mut r = task_response(task, false);
-            r.status = 409;
-            self.answer(conn, r);
-            return;
-        }
-        if let Some(r) = self.unavailable(true) {
-            self.answer(conn, r);
-            return;
-        }
-        if !self.pending_room(Self::rerun_bytes(task)) {
-            self.answer(conn, super::queue_full_response());
-            return;
-        }
-        self.run_again(id);
-        self.answer_rerun(conn, id, wait);
-    }
-
-    /// The answer to a re-run: the task as it is now (202), or held until it is final.
-    pub(super) fn answer_rerun(&mut self, conn: ConnRef, id: TaskId, wait: bool) {
-        if wait {
-            self.events.push(Event::NotFinal { conn, id, post: true });
-        } else if let Some(task) = self.tasks.get(&id) {
-            let r = task_response(task, true);
-            self.answer(conn, r);
-        }
-    }
-
-    pub fn rerun_many(&mut self, f: &super::RerunFilter, scope: Option<&[String]>, conn: ConnRef) {
-        if !f.dry_run
-            && let Some(r) = self.unavailable(true)
-        {
-            self.answer(conn, r);
-            return;
-        }
-        let mut ids = Vec::new();
-        for &id in self.dead.values().rev().take(super::RERUN_SCAN) {
-            if ids.len() >= f.limit as usize {
-                break;
-            }
-            let Some(t) = self.tasks.get(&id) else { continue };
-            let matches = t.status == f.status
-                && in_scope(t.kind.as_deref(), scope)
-                && f.kind.as_deref().is_none_or(|k| t.kind.as_deref() == Some(k))
-                && f.error_contains.as_deref().is_none_or(|e| t.error.as_deref().is_some_and(|te| te.contains(e)))
-                && f.finished_after_ms.is_none_or(|at| t.finished_wall_ms.is_some_and(|fin| fin > at));
-            if matches {
-                ids.push(id);
-            }
-        }
-        if f.dry_run || ids.is_empty() {
-            self.answer(conn, super::rerun_answer(&ids));
-            return;
-        }
-        let done = Vec::with_capacity(ids.len());
-        self.bulk_reruns.push_back(BulkRerun { conn, ids, next: 0, done });
-        self.bulk_rerun_slice();
-    }
-
-    /// A slice of the bulk re-runs under way (this turn's share; the store's timer asks for the
-    /// next turn while some are left). Each re-runs what it selected, newest first, as long as
-    /// MAX_PENDING and MAX_PENDING_BYTES leave room (SPEC §7) and the journal can write; then it
-    /// is answered with what it re-ran — room for none: 429, as a submit would be.
-    fn bulk_rerun_slice(&mut self) {
-        let (mut tasks, mut bytes) = (RERUN_SLICE_TASKS, RERUN_SLICE_BYTES);
-        while let Some(mut job) = self.bulk_reruns.pop_front() {
-            let mut stopped = None;
-            while job.next < job.ids.len() && tasks > 0 && bytes > 0 {
-                let id = job.ids[job.next];
-                let Some(t) = self.tasks.get(&id) else {
-                    job.next += 1;
-                    continue;
-                };
-                if let Some(r) = self.unavailable(true) {
-                    stopped = Some(r);
-                    break;
-                }
-                if !self.pending_room(Self::rerun_bytes(t)) {
-                    stopped = Some(super::queue_full_response());
-                    break;
-                }
-                let cost = t.mem_bytes();
-                job.next += 1;
-                if self.run_again(id) {
-                    job.done.push(id);
-                }
-                tasks -= 1;
-                bytes = bytes.saturating_sub(cost);
-            }
-            if stopped.is_none() && job.next < job.ids.len() {
-                self.bulk_reruns.push_front(job);
-                return;
-            }
-            let r = match stopped {
-                Some(r) if job.done.is_empty() => r,
-                _ => {
-                    let mut r = super::rerun_answer(&job.done);
-                    r.lsn =
-                        job.done.iter().filter_map(|id| self.tasks.get(id)).map(|t| t.stored.lsn).max().unwrap_or(0);
-                    r
-                }
-            };
-            self.answer(job.conn, r);
-        }
-    }
-
-    /// A failed or canceled task, pending again: a fresh retry budget (and no worker tried in
-    /// this run), its attempt log kept, `reruns` counted. Due now; it waits for a worker however
-    /// long it takes (as a queued task), and its old TASK_TTL entry is skipped.
-    fn run_again(&mut self, id: TaskId) -> bool {
-        let (now_wall, bytes) = {
-            let Some(task) = self.tasks.get(&id) else { return false };
-            (self.wall_ms, task.payload.as_deref().map_or(0, |p| p.get().len()))
-        };
-        let Some(task) = self.tasks.get_mut(&id) else { return false };
-        if !matches!(task.status, Status::Failed | Status::Canceled) || task.payload.is_none() {
-            return false;
-        }
-        self.finished_mem = self.finished_mem.saturating_sub(task.mem_bytes());
-        self.dead.remove(&task.submit_seq);
-        self.status_counts[task.status.index()] -= 1;
-        self.status_counts[Status::Pending.index()] += 1;
-        self.pending_bytes += bytes;
-        task.status = Status::Pending;
-        self.flow.count_kind(LaneOf::of(task), None, Some(Status::Pending), self.wall_ms, &mut self.events);
-        let Some(task) = self.tasks.get_mut(&id) else { return false };
-        task.finished_wall_ms = None;
-        task.error = None;
-        task.result = None;
-        task.reruns += 1;
-        task.rerun_base = task.attempts.len() as u32;
-        task.queued = true;
-        task.next_attempt_wall_ms = None;
-        task.again = None;
-        task.due_wall_ms = now_wall;
-        task.place = Place::Nowhere;
-        self.record(id, Rec::Whole);
-        crate::log!(Level::Debug, "task re-run", task_id = uuid_string(id));
-        self.enqueue_ready(id);
-        self.events.push(Event::Ready);
-        true
-    }
-
     // ----- cancel and reads ------------------------------------------------------------------
 
     pub fn cancel(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef) {
@@ -964,7 +797,7 @@ impl MemStore {
             self.next_expiry_ms,
         ];
         // (A bulk re-run under way: its next slice in the next turn.)
-        let rerun = (!self.bulk_reruns.is_empty()).then_some(self.now_ms);
+        let rerun = self.bulk_rerun_due().then_some(self.now_ms);
         due.into_iter().chain(sweep.into_iter().flatten()).chain(self.next_rate_wake_ms()).chain(rerun).min()
     }
 
@@ -1110,6 +943,7 @@ impl MemStore {
         } else if let Some(e) = self.evicted.remove(&id) {
             self.status_counts[e.status.index()] -= 1;
             self.by_submission.remove(&e.submit_seq);
+            self.dead.remove(&e.submit_seq);
             Stored { lsn: 0, home: e.loc, segs: [e.loc.seg, 0, 0] }
         } else {
             return;

@@ -404,6 +404,9 @@ impl PgStore {
             retry_backoff_max_ms: new.retry.backoff_max_ms,
             retry_any_worker: new.retry.any_worker,
             priority: new.priority,
+            // (The API refuses a key with U+0000; a jti is checked against the registry.)
+            submitter: storable_lossy(new.submitter),
+            fair_key: storable_lossy(new.key),
         };
         if new.runs_now {
             // (This store claims in the transaction that inserts: the core's claim round asks.)

@@ -29,14 +29,16 @@ pub mod col {
     pub const ATTEMPT_LOG: usize = 10;
     pub const PRIORITY: usize = 11;
     pub const RERUNS: usize = 12;
-    pub const PAYLOAD: usize = 13;
-    pub const SEQ: usize = 14;
+    /// The fairness key (SPEC §14; `""`: none).
+    pub const KEY: usize = 13;
+    pub const PAYLOAD: usize = 14;
+    pub const SEQ: usize = 15;
 }
 
 /// `LIST_TASKS`'s columns after the task's.
 pub mod lcol {
-    pub const WALKED: usize = 15;
-    pub const STOP_SEQ: usize = 16;
+    pub const WALKED: usize = 16;
+    pub const STOP_SEQ: usize = 17;
 }
 
 /// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
@@ -181,6 +183,7 @@ pub fn task(row: &Row) -> Option<Task> {
         next_attempt_wall_ms: next_attempt,
         reruns: row.i64(col::RERUNS).and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
         priority: row.i64(col::PRIORITY).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
+        key: row.text(col::KEY).map(Box::from).unwrap_or_default(),
         ..Task::default()
     })
     .map(|mut t| {

@@ -22,12 +22,36 @@ fn python_example_worker_runs_tasks_and_drains() {
     let connected = worker.wait_log("msg=\"connected\"", Duration::from_secs(15));
     assert!(connected, "worker.py did not connect:\n{}", worker.log_text());
     relay.wait_clients(1, Duration::from_secs(5), |c| {
-        c["kinds"] == json!(["echo", "sleep"]) && c["concurrency"] == 2 && c["version"] == "worker.py/1"
+        c["kinds"] == json!(["echo", "fail", "sleep"]) && c["concurrency"] == 2 && c["version"] == "worker.py/1"
     });
 
     let task = relay.run_task(json!({"kind": "echo", "spec": {"hello": ["world", 1]}}));
     assert_eq!(task["status"], "done", "{task}");
     assert_eq!(task["result"], json!({"hello": ["world", 1]}));
+
+    // A handler's retry hints (SPEC §13). `any_worker` would run a retry on this one worker
+    // at once: `retry: false` ends the task after one attempt instead...
+    let submit = |spec: serde_json::Value| {
+        let body = json!({"payload": {"kind": "fail", "spec": spec}, "retry": {"any_worker": true}});
+        let (status, t) = relay.api("POST", "/tasks", Some(&body.to_string()));
+        assert_eq!(status, 202, "{t}");
+        t["task_id"].as_str().expect("task_id").to_string()
+    };
+    let id = submit(json!({"error": "bad input", "retry": false}));
+    let task = relay.wait_final(&id, Duration::from_secs(5));
+    assert_eq!((task["status"].as_str(), task["error"].as_str()), (Some("failed"), Some("bad input")), "{task}");
+    assert_eq!(task["attempts"], 1, "retry: false is final: {task}");
+    // ... and `retry_after_ms` holds the retry back, pending as `backoff`.
+    let id = submit(json!({"error": "upstream 503", "retry_after_ms": 60_000}));
+    let mut task = json!(null);
+    let waits = crate::support::poll_until(Duration::from_secs(5), || {
+        task = relay.api("GET", &format!("/tasks/{id}"), None).1;
+        task["waiting_on"] == "backoff"
+    });
+    assert!(waits, "the retry does not wait: {task}");
+    assert_eq!((task["status"].as_str(), task["attempts"].as_u64()), (Some("pending"), Some(1)), "{task}");
+    assert!(task["next_attempt_at"].is_string(), "{task}");
+    assert_eq!(relay.api("DELETE", &format!("/tasks/{id}"), None).0, 200);
 
     let id = relay.submit(json!({"kind": "sleep", "spec": {"ms": 2000}}));
     relay.wait_clients(1, Duration::from_secs(5), |c| c["in_flight"] == 1);
