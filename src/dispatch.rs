@@ -89,6 +89,39 @@ pub enum Timer {
 const NO_KIND: &str = "\u{0}";
 /// Round-robin cursors kept at most (kinds come from clients; the map must stay bounded).
 const MAX_CURSORS: usize = 4096;
+
+/// Round-robin positions of first attempts (indexes into the ring), per kind. Tasks without a
+/// kind have a field of their own: their lookups, two or three per task, hash nothing.
+#[derive(Default)]
+struct Cursors {
+    no_kind: Option<usize>,
+    kinds: HashMap<Box<str>, usize>,
+}
+
+impl Cursors {
+    fn get(&self, kind: Option<&str>) -> Option<usize> {
+        match kind {
+            None => self.no_kind,
+            Some(k) => self.kinds.get(k).copied(),
+        }
+    }
+
+    fn set(&mut self, kind: Option<&str>, i: usize) {
+        let Some(k) = kind else {
+            self.no_kind = Some(i);
+            return;
+        };
+        match self.kinds.get_mut(k) {
+            Some(cursor) => *cursor = i,
+            None => {
+                if self.kinds.len() >= MAX_CURSORS {
+                    self.kinds.clear();
+                }
+                self.kinds.insert(Box::from(k), i);
+            }
+        }
+    }
+}
 /// Bytes of a task frame besides its payload (type, task id, braces, WebSocket header).
 const TASK_FRAME_OVERHEAD_BYTES: usize = 96;
 /// Tasks one claim asks for at most.
@@ -198,7 +231,8 @@ struct Running {
     retry: RetryPolicy,
     /// Earlier attempts that count against `max_retries`.
     counted: u32,
-    /// Workers sent the task, this one included.
+    /// Workers sent the task before, maybe with this one (`client_id`): a first attempt's is
+    /// empty and allocates nothing; [`Running::tried_all`] adds this one when a failure asks.
     tried: Vec<u128>,
     created_wall_ms: u64,
     answered: bool,
@@ -208,6 +242,18 @@ struct Running {
     resumes: u32,
     /// Read back from the journal at start, held for its session (SPEC §12).
     restored: bool,
+}
+
+impl Running {
+    /// Every worker sent the task, this attempt's included (a failure's questions).
+    fn tried_all(&self) -> Vec<u128> {
+        let mut tried = Vec::with_capacity(self.tried.len() + 1);
+        tried.extend_from_slice(&self.tried);
+        if !tried.contains(&self.client_id) {
+            tried.push(self.client_id);
+        }
+        tried
+    }
 }
 
 /// A `wait=true` request held until its task is final or WAIT_TIMEOUT.
@@ -300,8 +346,8 @@ pub struct Core {
     workers: Vec<Option<Worker>>,
     /// Slots of connected workers, in connection order (the round-robin ring).
     order: Vec<u32>,
-    /// Round-robin position of first attempts per kind (key [`NO_KIND`]: tasks without one).
-    cursors: HashMap<Box<str>, usize>,
+    /// Round-robin position of first attempts per kind.
+    cursors: Cursors,
     /// How many active workers of this node take each kind.
     reach: Reach,
     groups: Groups,
@@ -362,7 +408,7 @@ impl Core {
             node_name,
             workers: Vec::new(),
             order: Vec::new(),
-            cursors: HashMap::new(),
+            cursors: Cursors::default(),
             reach: Reach::default(),
             groups: Groups::default(),
             running: HashMap::default(),
@@ -566,10 +612,15 @@ impl Core {
     pub fn submit(&mut self, io: &mut dyn Io, conn: ConnRef, new: &NewTask<'_>, wait: bool) -> Option<Response> {
         self.begin(conn);
         // A paused kind's submits wait, as queued ones do, for any worker (SPEC §14).
-        let paused = NewTask { queue: true, ..*new };
         let held = self.store.kind_paused(new.kind);
         self.metrics.held_paused += u64::from(held);
-        let new = if !new.queue && held { &paused } else { new };
+        let paused;
+        let new = if !new.queue && held {
+            paused = NewTask { queue: true, ..*new };
+            &paused
+        } else {
+            new
+        };
         let waits = new.queue || new.run_at_wall_ms.is_some();
         if !waits && !self.can_ever_take(new.kind) {
             let r = self.no_worker(new.kind);
@@ -648,7 +699,7 @@ impl Core {
         if n == 0 || !any {
             return None;
         }
-        let start = self.cursors.get(kind.unwrap_or(NO_KIND)).copied().unwrap_or(n - 1);
+        let start = self.cursors.get(kind).unwrap_or(n - 1);
         let mut starved = std::mem::take(&mut self.claim_takers_slots);
         starved.clear();
         let mut found = None;
@@ -705,7 +756,7 @@ impl Core {
     ) -> Option<Response> {
         self.begin(conn);
         let how = if wait && !self.shutting_down { ReadHow::Wait { post: false } } else { ReadHow::Get { payload } };
-        self.store.read(id, scope, conn, how);
+        self.read(io, id, scope, conn, how);
         self.end(io)
     }
 
@@ -783,9 +834,17 @@ impl Core {
 
     /// The wait of `conn` ends without the task being final (or it is, and is read): it is
     /// answered with the task as it is now.
-    fn release(&mut self, conn: ConnRef) {
+    fn release(&mut self, io: &mut dyn Io, conn: ConnRef) {
         let Some(held) = self.unhold(conn) else { return };
-        self.store.read(held.task, None, conn, ReadHow::Release { post: held.post });
+        self.read(io, held.task, None, conn, ReadHow::Release { post: held.post });
+    }
+
+    /// Reads task `id` for `conn`: answered now when the store has the answer in the call, else
+    /// by the store's event.
+    fn read(&mut self, io: &mut dyn Io, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+        if let Some(r) = self.store.read(id, scope, conn, how) {
+            self.reply(io, conn, r);
+        }
     }
 
     fn unhold(&mut self, conn: ConnRef) -> Option<Held> {
@@ -812,7 +871,7 @@ impl Core {
     pub fn release_waiters(&mut self, io: &mut dyn Io) {
         let conns: Vec<ConnRef> = self.held.keys().copied().collect();
         for conn in conns {
-            self.release(conn);
+            self.release(io, conn);
         }
         self.settle(io);
     }
@@ -1051,7 +1110,8 @@ impl Core {
             "result" => {
                 let id = msg.task_id.as_deref().and_then(crate::tasks::parse_id);
                 let outcome = match msg.status.as_deref() {
-                    Some("done") => Ok(msg.data.map(RawValue::to_owned)),
+                    // (Borrowed from the message: the store copies what it keeps, once.)
+                    Some("done") => Ok(msg.data),
                     // Cut to 64 KiB (SPEC §7): the attempt log holds every one, and the journal's
                     // record of the task holds the log.
                     Some("failed") => Err(msg
@@ -1123,7 +1183,7 @@ impl Core {
         conn: ConnRef,
         id: TaskId,
         attempt: Option<u32>,
-        outcome: Result<Option<Box<RawValue>>, String>,
+        outcome: Result<Option<&RawValue>, String>,
         hint: Hint,
     ) {
         let Some(client_id) = self.worker_at(conn).map(|w| w.client_id) else { return };
@@ -1145,8 +1205,15 @@ impl Core {
         }
         match outcome {
             Ok(data) => {
-                let result = data.unwrap_or_else(null_value);
-                self.end_attempt(id, Outcome::Done, None, Some(&result));
+                let null;
+                let result = match data {
+                    Some(d) => d,
+                    None => {
+                        null = null_value();
+                        &*null
+                    }
+                };
+                self.end_attempt(id, Outcome::Done, None, Some(result));
             }
             Err(error) => self.end_attempt_with(id, Outcome::Failed, Some(&error), None, hint),
         }
@@ -1283,8 +1350,7 @@ impl Core {
         if n == 0 {
             return None;
         }
-        let key = kind.unwrap_or(NO_KIND);
-        let start = self.cursors.get(key).copied().unwrap_or(n - 1);
+        let start = self.cursors.get(kind).unwrap_or(n - 1);
         // A degraded worker gets no first attempt while another worker can take it (SPEC §13):
         // a second pass, only while some worker is degraded.
         let avoid = first && self.now_ms < self.degraded_until_ms;
@@ -1311,15 +1377,7 @@ impl Core {
                 continue;
             }
             if first {
-                match self.cursors.get_mut(key) {
-                    Some(cursor) => *cursor = i,
-                    None => {
-                        if self.cursors.len() >= MAX_CURSORS {
-                            self.cursors.clear();
-                        }
-                        self.cursors.insert(Box::from(key), i);
-                    }
-                }
+                self.cursors.set(kind, i);
             }
             return Some(slot);
         }
@@ -1347,8 +1405,6 @@ impl Core {
             },
         );
         let timer = self.wheel.arm(self.now_ms + c.timeout_ms, Timer::Attempt { task: c.id, num: c.attempt });
-        let mut tried = c.tried;
-        tried.push(client_id);
         self.running.insert(
             c.id,
             Running {
@@ -1362,7 +1418,7 @@ impl Core {
                 max_retries: c.max_retries,
                 retry: c.retry,
                 counted: c.counted,
-                tried,
+                tried: c.tried,
                 created_wall_ms: c.created_wall_ms,
                 answered: false,
                 held: None,
@@ -1451,15 +1507,16 @@ impl Core {
             (Outcome::Done, Some(result)) => Next::Done { result },
             _ => {
                 let error = error.unwrap_or("failed");
+                let tried = r.tried_all();
                 if self.shutting_down || uncounted {
                     // A node shutting down hands its tasks back: not the task's fault.
                     Next::Retry
                 } else if hint.permanent || r.counted + 1 > r.max_retries {
                     Next::Failed { error }
-                } else if self.takers().untried(r.kind.as_deref(), &r.tried) {
+                } else if self.takers().untried(r.kind.as_deref(), &tried) {
                     self.retry_later(&r, hint, None)
                 } else if r.retry.any_worker.unwrap_or(self.cfg.retry_any_worker)
-                    && let Some(again) = self.tried_longest_ago(r.kind.as_deref(), &r.tried)
+                    && let Some(again) = self.tried_longest_ago(r.kind.as_deref(), &tried)
                 {
                     self.retry_later(&r, hint, Some(again))
                 } else {
@@ -1553,7 +1610,7 @@ impl Core {
     pub fn on_timer(&mut self, io: &mut dyn Io, timer: Timer) {
         match timer {
             Timer::Attempt { task, num } => self.on_attempt_timeout(io, task, num),
-            Timer::Wait(conn) => self.release(conn),
+            Timer::Wait(conn) => self.release(io, conn),
             Timer::HelloGrace(conn) => self.greet(conn),
             Timer::Session(sid) => self.session_expired(sid),
             Timer::Store => {
@@ -1704,7 +1761,7 @@ impl Core {
                 if let Some(ms) = took_ms {
                     self.metrics.task_final(status, ms);
                 }
-                self.answer_waiters(id);
+                self.answer_waiters(io, id);
             }
             Event::Stop { id, attempt } => self.stop(io, id, attempt),
             Event::Answer { conn, response } => self.reply(io, conn, response),
@@ -1744,20 +1801,20 @@ impl Core {
             r.lsn = self.lsn_of(id);
             self.reply(io, conn, r);
         } else if status.is_final() || self.shutting_down {
-            self.store.read(id, None, conn, ReadHow::Release { post: true });
+            self.read(io, id, None, conn, ReadHow::Release { post: true });
         } else {
             self.hold(conn, id, true);
         }
     }
 
     /// Task `id` is final: everyone waiting on it is answered.
-    fn answer_waiters(&mut self, id: TaskId) {
+    fn answer_waiters(&mut self, io: &mut dyn Io, id: TaskId) {
         let Some(waiters) = self.waiters.remove(&id) else { return };
         self.store.unwatch(id);
         for conn in std::iter::once(waiters.first).chain(waiters.more) {
             if let Some(held) = self.held.remove(&conn) {
                 self.wheel.cancel(held.timer);
-                self.store.read(id, None, conn, ReadHow::Release { post: held.post });
+                self.read(io, id, None, conn, ReadHow::Release { post: held.post });
             }
         }
     }

@@ -249,13 +249,38 @@ pub enum Place {
     Claimed,
 }
 
+/// A task's payload, JSON as submitted, shared by the task and its claims: it is copied once,
+/// from the request body, when the task is stored (an `Arc<RawValue>` would take two copies:
+/// to a `Box<RawValue>`, then into the `Arc`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Payload(std::sync::Arc<str>);
+
+impl Payload {
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<&RawValue> for Payload {
+    fn from(raw: &RawValue) -> Payload {
+        Payload(std::sync::Arc::from(raw.get()))
+    }
+}
+
+impl From<Box<RawValue>> for Payload {
+    fn from(raw: Box<RawValue>) -> Payload {
+        Payload::from(&*raw)
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Task {
     pub id: TaskId,
     pub status: Status,
     pub kind: Option<Box<str>>,
     /// What workers are sent; dropped once the task is final.
-    pub payload: Option<std::sync::Arc<RawValue>>,
+    pub payload: Option<Payload>,
     pub created_wall_ms: u64,
     /// Set for tasks submitted with `delay`/`run_at`.
     pub run_at_wall_ms: Option<u64>,

@@ -166,6 +166,40 @@ impl Fair {
     }
 }
 
+/// Where the fairness scenario runs.
+#[derive(Clone, Copy, PartialEq)]
+enum Setup {
+    /// One node, memory store, the flood as given.
+    OneNode,
+    /// Two nodes on one private PostgreSQL, workers, flood batches and probes alternating over
+    /// both; a fifth of the flood (the cluster drains slower on this machine).
+    TwoNodes,
+}
+
+impl Setup {
+    fn flood(self, opts: &Opts) -> usize {
+        match self {
+            Setup::OneNode => opts.flood_tasks,
+            Setup::TwoNodes => (opts.flood_tasks / 5).max(1),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Setup::OneNode => "one node (memory store)",
+            Setup::TwoNodes => "two nodes on one PostgreSQL",
+        }
+    }
+}
+
+/// The drain: tasks/s and the hold per task that makes the workers drain `flood` in 1.25 × the
+/// probe window.
+fn drain(opts: &Opts, flood: usize) -> (f64, Duration) {
+    let rate = flood as f64 / (opts.probe_secs as f64 * 1.25);
+    let slots = DRAIN_WORKERS as f64 * f64::from(DRAIN_SLOTS);
+    (rate, Duration::from_secs_f64(slots / rate))
+}
+
 /// What one fairness run saw: submit → dispatch of each probe and each flood task.
 #[derive(Default)]
 struct FairRun {
@@ -175,12 +209,13 @@ struct FairRun {
     drained_in: Duration,
 }
 
-/// `relay token create` with the bench's secret and registry: the token.
-fn mint_token(relay: &Path, store: &Path) -> Result<String, String> {
+/// `relay token create` with the bench's secret and registry (`TOKEN_STORE` or `DATABASE_URL`):
+/// the token.
+fn mint_token(relay: &Path, registry: (&str, &str)) -> Result<String, String> {
     let out = Command::new(relay)
         .env_clear()
         .env("TOKEN_SECRET", TOKEN_SECRET)
-        .env("TOKEN_STORE", store)
+        .env(registry.0, registry.1)
         .args(["token", "create", "--name", "bench-probe", "--kinds", KIND, "--ttl", "1h"])
         .stdin(Stdio::null())
         .output()
@@ -195,40 +230,69 @@ fn mint_token(relay: &Path, store: &Path) -> Result<String, String> {
         .ok_or_else(|| format!("relay token create printed no token: {text}"))
 }
 
-fn fair_run(opts: &Opts, fair: Fair) -> Result<FairRun, String> {
+fn fair_run(opts: &Opts, setup: Setup, fair: Fair) -> Result<FairRun, String> {
     let dir = crate::scenarios::scratch_dir().join(format!("flow-fair-{}", unique()));
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let store = dir.join("tokens.json");
     let result = (|| {
+        let pg = match setup {
+            Setup::OneNode => None,
+            Setup::TwoNodes => Some(crate::cluster::Postgres::start()?),
+        };
+        let registry = match &pg {
+            None => ("TOKEN_STORE", dir.join("tokens.json").display().to_string()),
+            Some(pg) => ("DATABASE_URL", pg.url()),
+        };
+        let mut nodes: Vec<Server> = Vec::new();
+        let env = [("TOKEN_SECRET", TOKEN_SECRET.to_string()), (registry.0, registry.1.clone())];
+        for _ in 0..if pg.is_some() { 2 } else { 1 } {
+            nodes.push(start_relay(opts, &opts.relay, &env)?);
+        }
+        if pg.is_some() {
+            for node in &nodes {
+                crate::cluster::wait_health(node.addr)?;
+            }
+        }
+        // (Minted once the nodes made the schema: the cluster's registry is a table.)
         let probe_token = match fair {
-            Fair::Submitters => mint_token(&opts.relay, &store)?,
+            Fair::Submitters => mint_token(&opts.relay, (registry.0, &registry.1))?,
             Fair::Keys => API_TOKEN.to_string(),
         };
-        let env = [("TOKEN_SECRET", TOKEN_SECRET.to_string()), ("TOKEN_STORE", store.display().to_string())];
-        let mut relay = start_relay(opts, &opts.relay, &env)?;
-        let r = fair_load(opts, fair, relay.addr, &probe_token);
-        check_alive(&mut relay)?;
+        let addrs: Vec<SocketAddr> = nodes.iter().map(|n| n.addr).collect();
+        let r = fair_load(opts, setup.flood(opts), fair, &addrs, &probe_token);
+        for node in &mut nodes {
+            check_alive(node)?;
+        }
+        drop(nodes); // (the nodes end their sessions before PostgreSQL stops)
         r
     })();
     let _ = std::fs::remove_dir_all(&dir);
     result
 }
 
-fn fair_load(opts: &Opts, fair: Fair, addr: SocketAddr, probe_token: &str) -> Result<FairRun, String> {
-    let flood = opts.flood_tasks;
+fn fair_load(
+    opts: &Opts,
+    flood: usize,
+    fair: Fair,
+    nodes: &[SocketAddr],
+    probe_token: &str,
+) -> Result<FairRun, String> {
     let probes = opts.probe_secs as usize;
-    let drain_rate = flood as f64 / (opts.probe_secs as f64 * 1.25);
-    let slots = DRAIN_WORKERS as f64 * f64::from(DRAIN_SLOTS);
-    let hold = Duration::from_secs_f64(slots / drain_rate);
-    let pool = Recorder::ws(addr, WORKER_TOKEN, DRAIN_WORKERS, DRAIN_SLOTS, hold)?;
+    let (drain_rate, hold) = drain(opts, flood);
+    let pool = Recorder::ws_on(nodes, WORKER_TOKEN, DRAIN_WORKERS, DRAIN_SLOTS, hold)?;
     let r = (|| {
-        wait_workers(addr, DRAIN_WORKERS)?;
+        for (i, node) in nodes.iter().enumerate() {
+            let own = (0..DRAIN_WORKERS).filter(|w| w % nodes.len() == i).count();
+            if nodes.len() == 1 { wait_workers(*node, own)? } else { crate::cluster::wait_active(*node, own)? }
+        }
         pool.reset();
         let flood_key = if fair == Fair::Keys { r#","key":"flood""# } else { "" };
         let probe_key = if fair == Fair::Keys { r#","key":"probe""# } else { "" };
+        let mut conns = Vec::new();
+        for node in nodes {
+            conns.push(HttpConn::connect(*node, IO_TIMEOUT)?.with_max_response(8 << 20));
+        }
         // The flood: batches of 1,000, each task's submit time that of its batch.
         let mut submitted: HashMap<Box<str>, (bool, Instant)> = HashMap::with_capacity(flood + probes);
-        let mut conn = HttpConn::connect(addr, IO_TIMEOUT)?.with_max_response(8 << 20);
         let began = Instant::now();
         let mut n = 0;
         while n < flood {
@@ -237,6 +301,7 @@ fn fair_load(opts: &Opts, fair: Fair, addr: SocketAddr, probe_token: &str) -> Re
                 (n..n + m).map(|i| format!("{{\"payload\":{{\"kind\":\"{KIND}\",\"n\":{i}}}{flood_key}}}")).collect();
             let body = format!("{{\"tasks\":[{}]}}", items.join(","));
             let at = Instant::now();
+            let conn = &mut conns[(n / FLOOD_BATCH) % nodes.len()];
             let resp = conn.request(&build_request("POST", "/tasks/batch", Some(API_TOKEN), body.as_bytes()))?;
             if resp.status != 202 {
                 return Err(format!("flood batch answered {}: {}", resp.status, String::from_utf8_lossy(resp.body)));
@@ -260,6 +325,7 @@ fn fair_load(opts: &Opts, fair: Fair, addr: SocketAddr, probe_token: &str) -> Re
             std::thread::sleep(tick.saturating_duration_since(Instant::now()));
             let body = format!("{{\"payload\":{{\"kind\":\"{KIND}\",\"probe\":{i}}},\"queue\":true{probe_key}}}");
             let at = Instant::now();
+            let conn = &mut conns[i % nodes.len()];
             let resp = conn.request(&build_request("POST", "/tasks", Some(probe_token), body.as_bytes()))?;
             let id = json_str_field(resp.body, "task_id").filter(|_| resp.status == 202).ok_or_else(|| {
                 format!("probe submit answered {}: {}", resp.status, String::from_utf8_lossy(resp.body))
@@ -322,26 +388,37 @@ fn ms(d: Duration) -> String {
 }
 
 fn fairness(opts: &Opts) -> Result<(), String> {
+    let mut setups = vec![Setup::OneNode];
+    match crate::cluster::available() {
+        Ok(()) => setups.push(Setup::TwoNodes),
+        Err(e) => println!("fair shares, two nodes on PostgreSQL: SKIPPED ({e})\n"),
+    }
+    for setup in setups {
+        fairness_on(opts, setup)?;
+    }
+    Ok(())
+}
+
+fn fairness_on(opts: &Opts, setup: Setup) -> Result<(), String> {
     let kinds = [Fair::Submitters, Fair::Keys];
     let mut runs: Vec<Vec<FairRun>> = kinds.iter().map(|_| Vec::new()).collect();
     for round in 1..=opts.rounds {
         for (i, fair) in kinds.iter().enumerate() {
-            eprintln!("bench: flow fairness round {round}/{}: {}", opts.rounds, fair.name());
-            runs[i].push(fair_run(opts, *fair)?);
+            eprintln!("bench: flow fairness, {}, round {round}/{}: {}", setup.name(), opts.rounds, fair.name());
+            runs[i].push(fair_run(opts, setup, *fair)?);
         }
     }
-    let drain_rate = opts.flood_tasks as f64 / (opts.probe_secs as f64 * 1.25);
-    let hold = DRAIN_WORKERS as f64 * f64::from(DRAIN_SLOTS) / drain_rate;
+    let flood = setup.flood(opts);
+    let (drain_rate, hold) = drain(opts, flood);
     let mut t = String::new();
     let _ = writeln!(
         t,
-        "fair shares, one node (memory store): {} tasks queued by batches of {FLOOD_BATCH}, then one probe task a \
-         second for {} s; {DRAIN_WORKERS} workers × {DRAIN_SLOTS} slots holding each task {:.0} ms (drain {:.0} \
-         tasks/s, one dispatch every {:.2} ms); wait = submit → dispatch as the workers saw it; {} rounds, samples \
-         pooled\n",
-        opts.flood_tasks,
+        "fair shares, {}: {flood} tasks queued by batches of {FLOOD_BATCH}, then one probe task a second for {} s; \
+         {DRAIN_WORKERS} workers × {DRAIN_SLOTS} slots holding each task {:.0} ms (drain {:.0} tasks/s, one \
+         dispatch every {:.2} ms); wait = submit → dispatch as the workers saw it; {} rounds, samples pooled\n",
+        setup.name(),
         opts.probe_secs,
-        hold * 1e3,
+        hold.as_secs_f64() * 1e3,
         drain_rate,
         1e3 / drain_rate,
         opts.rounds,

@@ -363,10 +363,6 @@ pub struct Recorder {
 }
 
 impl Recorder {
-    pub fn ws(addr: SocketAddr, token: &str, n: usize, concurrency: u32, hold: Duration) -> Result<Recorder, String> {
-        Recorder::ws_on(&[addr], token, n, concurrency, hold)
-    }
-
     /// `n` workers spread round robin over `addrs` (one relay node each), recording together.
     pub fn ws_on(
         addrs: &[SocketAddr],

@@ -52,9 +52,9 @@ impl Core {
     pub fn wait(&mut self, io: &mut dyn Io, conn: ConnRef, id: TaskId, post: bool) -> Option<Response> {
         self.begin(conn);
         if self.shutting_down {
-            self.store.read(id, None, conn, ReadHow::Release { post });
+            self.read(io, id, None, conn, ReadHow::Release { post });
         } else {
-            self.store.read(id, None, conn, ReadHow::Wait { post });
+            self.read(io, id, None, conn, ReadHow::Wait { post });
         }
         self.end(io)
     }

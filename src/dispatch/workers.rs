@@ -337,40 +337,38 @@ impl Groups {
         let (active, kinds) = (w.active(), w.kinds.as_deref());
         let takes_some = active && kinds.is_none_or(|k| !k.is_empty());
         let want = (free > 0 && takes_some).then_some(free);
-        let mut gained = want.is_some();
-        let mut stays = None;
         if let Some((gid, was)) = w.listed {
             let same_group = want.is_some() && self.groups.get(&gid).is_some_and(|g| g.accepts.same_as(active, kinds));
             if same_group && Some(was) == want {
                 return false;
             }
-            if same_group {
-                stays = Some(gid);
+            if let (true, Some(free)) = (same_group, want) {
+                // Only its free slots changed (a task sent, or one ended): it stays a member.
+                if let Some(g) = self.groups.get_mut(&gid) {
+                    g.free = g.free - u64::from(was) + u64::from(free);
+                }
+                w.listed = Some((gid, free));
+                return free > was;
             }
-            gained = want.is_some_and(|f| !same_group || f > was);
+            // It leaves its group (no free slot, or it takes other kinds now).
             if let Some(g) = self.groups.get_mut(&gid) {
                 g.free -= u64::from(was);
-                if !same_group {
-                    g.members.remove(&slot);
-                    if g.members.is_empty() && g.asked == 0 {
-                        self.by_accepts.remove(&g.accepts);
-                        self.groups.remove(&gid);
-                    }
+                g.members.remove(&slot);
+                if g.members.is_empty() && g.asked == 0 {
+                    self.by_accepts.remove(&g.accepts);
+                    self.groups.remove(&gid);
                 }
             }
             w.listed = None;
         }
         let Some(free) = want else { return false };
-        let gid = match stays {
-            Some(gid) => gid,
-            None => self.group_of(w.acceptance()),
-        };
+        let gid = self.group_of(w.acceptance());
         if let Some(g) = self.groups.get_mut(&gid) {
             g.free += u64::from(free);
             g.members.insert(slot);
         }
         w.listed = Some((gid, free));
-        gained
+        true
     }
 
     /// The group of workers that accept this (a new one when there is none).

@@ -109,6 +109,10 @@ pub struct Journal {
     _lock: File,
     batch: Batch,
     batch_bytes: u64,
+    /// The bytes of the last batch handed to the writer (at most [`HOLD_BYTES`]): the next
+    /// batch's buffer starts that large, so a busy turn's records are not copied again and again
+    /// as it doubles.
+    last_batch_bytes: usize,
     /// Bytes handed to the writer so far.
     sent_bytes: u64,
     /// Every record up to here is handed to the writer.
@@ -278,6 +282,7 @@ impl Journal {
             _lock: lock,
             batch: Batch::default(),
             batch_bytes: 0,
+            last_batch_bytes: 0,
             sent_bytes: 0,
             sent_lsn: replayed.next_lsn.saturating_sub(1),
             urgent: false,
@@ -390,7 +395,10 @@ impl Journal {
             self.announced = self.head;
         }
         if self.batch.chunks.last().is_none_or(|(seg, _)| *seg != self.head) {
-            self.batch.chunks.push((self.head, Vec::new()));
+            // (The batch's first chunk: as large as the last batch; a later one, after a
+            // rotation, grows as it needs.)
+            let cap = if self.batch.chunks.is_empty() { self.last_batch_bytes } else { 0 };
+            self.batch.chunks.push((self.head, Vec::with_capacity(cap)));
         }
         let Some((_, buf)) = self.batch.chunks.last_mut() else { unreachable!("a chunk was just pushed") };
         buf
@@ -595,6 +603,7 @@ impl Journal {
         self.held_since_ms = None;
         self.sent_lsn = self.lsn();
         let batch = std::mem::take(&mut self.batch);
+        self.last_batch_bytes = self.batch_bytes.min(HOLD_BYTES) as usize;
         self.sent_bytes += self.batch_bytes;
         self.batch_bytes = 0;
         if self.tx.send(Msg::Batch(batch)).is_err() {

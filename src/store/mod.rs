@@ -114,7 +114,7 @@ pub struct Claimed {
     /// The number of the attempt about to start: the fencing number of every write about it.
     pub attempt: u32,
     pub kind: Option<Box<str>>,
-    pub payload: std::sync::Arc<RawValue>,
+    pub payload: crate::tasks::Payload,
     pub timeout_ms: u64,
     pub max_retries: u32,
     /// The task's own retry policy (SPEC §13).
@@ -466,8 +466,11 @@ impl Store {
         each!(self, s => s.rerun_many(filter, scope, conn))
     }
 
-    /// [`Event::Answer`] or [`Event::NotFinal`].
-    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+    /// The answer when the store has it within the call (a memory store's task in memory: no
+    /// event, no second step for the core); else `None` and [`Event::Answer`] or
+    /// [`Event::NotFinal`] follows.
+    #[must_use]
+    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) -> Option<Response> {
         each!(self, s => s.read(id, scope, conn, how))
     }
 

@@ -286,7 +286,7 @@ impl MemStore {
             let due = task.due_wall_ms;
             self.status_counts[Status::Pending.index()] += 1;
             self.count_task(&task, None, Some(Status::Pending));
-            self.pending_bytes += task.payload.as_deref().map_or(0, |p| p.get().len());
+            self.pending_bytes += task.payload.as_ref().map_or(0, |p| p.get().len());
             self.tasks.insert_boxed(id, task);
             if cut_short {
                 self.record(id, Rec::AttemptEnded);

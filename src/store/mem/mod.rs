@@ -322,7 +322,7 @@ impl MemStore {
 
     /// A re-run's payload bytes (what it adds to MAX_PENDING_BYTES).
     pub(super) fn rerun_bytes(task: &Task) -> usize {
-        task.payload.as_deref().map_or(0, |p| p.get().len())
+        task.payload.as_ref().map_or(0, |p| p.get().len())
     }
 
     pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
@@ -353,7 +353,7 @@ impl MemStore {
             id,
             status: Status::Pending,
             kind: new.kind.map(Box::from),
-            payload: Some(new.payload.to_owned().into()),
+            payload: Some(new.payload.into()),
             created_wall_ms: self.wall_ms,
             run_at_wall_ms: new.run_at_wall_ms,
             due_wall_ms,
@@ -484,7 +484,7 @@ impl MemStore {
             return;
         }
         debug_assert!(!task.status.is_final(), "a final task never changes status");
-        let bytes = task.payload.as_deref().map_or(0, |p| p.get().len());
+        let bytes = task.payload.as_ref().map_or(0, |p| p.get().len());
         if task.status == Status::Pending {
             self.pending_bytes -= bytes;
         } else if status == Status::Pending {
@@ -550,6 +550,11 @@ impl MemStore {
         a.session = start.session.map(|(worker_id, secret)| {
             Box::new(crate::tasks::SessionTag { worker_id: worker_id.into(), secret: secret.into() })
         });
+        // (Most tasks have one attempt: room for exactly one, which the final task's
+        // `shrink_to_fit` keeps as it is, where a push would take four and copy them to one.)
+        if task.attempts.capacity() == 0 {
+            task.attempts.reserve_exact(1);
+        }
         task.attempts.push(a);
         self.set_status(id, Status::Dispatched);
         if let Some(task) = self.tasks.get(&id) {
@@ -739,26 +744,24 @@ impl MemStore {
         }
     }
 
-    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+    /// The answer, when it is ready in the call (a task in memory); else `None` and an event
+    /// follows ([`Event::NotFinal`], or the answer once a task on disk is read back).
+    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) -> Option<Response> {
         let post = matches!(how, ReadHow::Wait { post: true } | ReadHow::Release { post: true });
         match self.tasks.get(&id) {
-            Some(task) if !in_scope(task.kind.as_deref(), scope) => self.answer(conn, not_found()),
+            Some(task) if !in_scope(task.kind.as_deref(), scope) => Some(not_found()),
             Some(task) if matches!(how, ReadHow::Wait { .. }) && !task.status.is_final() => {
                 self.events.push(Event::NotFinal { conn, id, post });
+                None
             }
             Some(task) => {
                 self.note_waiting(task);
-                let r = match how {
+                Some(match how {
                     ReadHow::Get { payload: true } => crate::tasks::task_response_with_payload(task),
                     _ => task_response(task, post),
-                };
-                self.answer(conn, r);
+                })
             }
-            None => {
-                if !self.read_evicted(conn, id, ReadFor::One { post }, scope) {
-                    self.answer(conn, not_found());
-                }
-            }
+            None => (!self.read_evicted(conn, id, ReadFor::One { post }, scope)).then(not_found),
         }
     }
 

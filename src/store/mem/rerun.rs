@@ -372,7 +372,7 @@ impl MemStore {
     fn run_again(&mut self, id: TaskId) -> bool {
         let (now_wall, bytes) = {
             let Some(task) = self.tasks.get(&id) else { return false };
-            (self.wall_ms, task.payload.as_deref().map_or(0, |p| p.get().len()))
+            (self.wall_ms, task.payload.as_ref().map_or(0, |p| p.get().len()))
         };
         let Some(task) = self.tasks.get_mut(&id) else { return false };
         if !matches!(task.status, Status::Failed | Status::Canceled) || task.payload.is_none() {

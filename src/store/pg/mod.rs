@@ -662,19 +662,19 @@ impl PgStore {
         }
     }
 
-    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) {
+    /// The answer when it needs no statement (a task this node just made final, or the database
+    /// is unavailable); else `None`, and it comes as an event after the turn's transaction.
+    pub fn read(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef, how: ReadHow) -> Option<Response> {
         if let (Some(task), ReadHow::Release { post }) = (self.fresh_final.get(&id), how)
             && crate::store::mem::in_scope(task.kind.as_deref(), scope)
         {
-            let response = crate::tasks::task_response(task, post);
-            self.events.push(Event::Answer { conn, response });
-            return;
+            return Some(crate::tasks::task_response(task, post));
         }
         if !self.usable() || self.reads.len() >= MAX_READS_PER_TXN * 4 {
-            self.events.push(Event::Answer { conn, response: unavailable() });
-            return;
+            return Some(unavailable());
         }
         self.reads.push(ReadReq { conn, id, scope: scope.map(<[String]>::to_vec), how });
+        None
     }
 
     pub fn list(&mut self, q: &crate::listing::Query, scope: Option<&[String]>, conn: ConnRef) {
