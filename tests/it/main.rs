@@ -8,6 +8,7 @@ mod cluster;
 mod dispatch;
 mod docs_examples;
 mod fair_cluster;
+mod fairness;
 mod files;
 mod flow;
 mod hostile;
