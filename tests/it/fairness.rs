@@ -64,7 +64,7 @@ fn one_at_a_time(relay: &Relay) -> FakeWorker {
 
 #[test]
 fn a_flood_from_one_submitter_delays_another_submitters_task_by_at_most_one_dispatch() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let store = Store::new("fair-flood", mode);
         let relay = store.start_relay();
         let other = store.create("other-service", "f", "1h");
@@ -87,7 +87,7 @@ fn a_flood_from_one_submitter_delays_another_submitters_task_by_at_most_one_disp
 
 #[test]
 fn a_flood_on_one_key_delays_another_key_of_the_same_submitter_by_at_most_one_dispatch() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let relay = mode.start();
         batch(&relay, API, (0..10_000).map(|i| item("f", i, json!({"key":"a"}))).collect());
         id_of(&relay.submit(&item("f", "b", json!({"key":"b","queue":true})).to_string()));
@@ -99,7 +99,7 @@ fn a_flood_on_one_key_delays_another_key_of_the_same_submitter_by_at_most_one_di
 
 #[test]
 fn splitting_a_backlog_over_many_keys_buys_no_extra_share_against_another_submitter() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let store = Store::new("fair-split", mode);
         let relay = store.start_relay();
         let b = store.create("one-key-service", "f", "1h");
@@ -276,7 +276,7 @@ fn one_submitter_without_keys_keeps_exact_submission_and_priority_order() {
 /// Lanes are rebuilt from the journal: a restart keeps the rotation fair.
 #[test]
 fn fair_shares_hold_after_a_restart() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let dir = TempDir::new("fair-restart");
         let relay = durable(mode, &dir, &[]);
         batch(&relay, API, (0..200).map(|i| item("f", i, json!({"key":"a"}))).collect());
