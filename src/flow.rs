@@ -166,8 +166,39 @@ impl Policy {
         s
     }
 
-    /// The running attempts the kind may have at once (every task without a key shares the key
-    /// `""`, so the per-key cap bounds them too).
+    /// `max_running`: the kind's attempts running at once, over all its keys.
+    pub fn kind_cap(&self) -> Option<u32> {
+        self.max_running
+    }
+
+    /// `max_running_per_key`: the attempts of one lane (kind, submitter, key) running at once.
+    pub fn key_cap(&self) -> Option<u32> {
+        self.max_running_per_key
+    }
+
+    /// The kind's own `rate` bucket, full.
+    pub fn kind_bucket(&self) -> Option<Bucket> {
+        self.rate.map(|r| Bucket::new(r, self.burst))
+    }
+
+    /// A lane's `rate_per_key` bucket, full (`burst` applies to both rates).
+    pub fn key_bucket(&self) -> Option<Bucket> {
+        self.rate_per_key.map(|r| Bucket::new(r, self.burst))
+    }
+
+    /// Does it hold the kind as a whole back (paused, `max_running`, `rate`)?
+    pub fn kind_limits(&self) -> bool {
+        self.paused || self.max_running.is_some() || self.rate.is_some()
+    }
+
+    /// Does it hold single lanes back (`max_running_per_key`, `rate_per_key`)?
+    pub fn key_limits(&self) -> bool {
+        self.max_running_per_key.is_some() || self.rate_per_key.is_some()
+    }
+
+    /// The running attempts the kind may have at once, per-key cap folded in: the reading of
+    /// a store that keeps no lanes (the cluster store, until it keeps them), where every task
+    /// shares one key.
     pub fn running_cap(&self) -> Option<u32> {
         match (self.max_running, self.max_running_per_key) {
             (Some(a), Some(b)) => Some(a.min(b)),
@@ -175,13 +206,9 @@ impl Policy {
         }
     }
 
-    /// The kind's bucket (and the per-key one: see [`Policy::running_cap`]), tightest first.
-    pub fn buckets(&self) -> impl Iterator<Item = Bucket> + '_ {
-        [self.rate, self.rate_per_key].into_iter().flatten().map(|r| Bucket::new(r, self.burst))
-    }
-
-    /// One bucket for a store that keeps one per kind: the tighter rate (tokens per ms) and the
-    /// burst (given, or one second's worth of that rate).
+    /// One bucket for a store that keeps one per kind and no lanes (see
+    /// [`Policy::running_cap`]): the tighter rate (tokens per ms) and the burst (given, or one
+    /// second's worth of that rate).
     pub fn one_bucket(&self) -> Option<(f64, f64)> {
         let tight = [self.rate, self.rate_per_key]
             .into_iter()
@@ -233,6 +260,22 @@ impl Bucket {
     pub fn take(&mut self, now_ms: u64, n: u32) {
         self.refill(now_ms);
         self.tokens = (self.tokens - f64::from(n)).max(0.0);
+    }
+
+    /// Its rate (tokens per ms) and capacity: what a store that keeps buckets elsewhere (the
+    /// cluster store, in the database) needs to refill them there.
+    pub fn rate_and_capacity(&self) -> (f64, f64) {
+        (self.per_ms, self.capacity)
+    }
+
+    /// When it is full again if nothing takes from it (wall clock; `now_ms` if it is).
+    pub fn full_ms(&mut self, now_ms: u64) -> u64 {
+        self.refill(now_ms);
+        let missing = self.capacity - self.tokens;
+        if missing <= 1e-9 {
+            return now_ms;
+        }
+        now_ms + (missing / self.per_ms).ceil().max(1.0) as u64
     }
 
     /// When the next whole token is there (wall clock).
@@ -353,6 +396,8 @@ mod tests {
     fn the_tightest_running_cap_applies() {
         let p = Policy { max_running: Some(5), max_running_per_key: Some(2), ..Policy::default() };
         assert_eq!(p.running_cap(), Some(2));
+        assert_eq!((p.kind_cap(), p.key_cap()), (Some(5), Some(2)), "each for itself in a store with lanes");
+        assert!(p.kind_limits() && p.key_limits());
         assert_eq!(Policy::default().running_cap(), None);
         assert!(!Policy::default().limits());
     }

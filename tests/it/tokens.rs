@@ -15,20 +15,20 @@ const SECRET: &str = "integration-test-secret-0123456789abcdef";
 
 /// A registry in a fresh temp directory (removed when dropped), or in cluster mode a fresh
 /// database's `relay_tokens` (`relay token` with `DATABASE_URL`, SPEC §11).
-struct Store {
+pub(crate) struct Store {
     dir: PathBuf,
     path: PathBuf,
     db: Option<Arc<TestDb>>,
     url: String,
 }
 
-struct Issued {
-    jti: String,
-    token: String,
+pub(crate) struct Issued {
+    pub jti: String,
+    pub token: String,
 }
 
 impl Store {
-    fn new(tag: &str, mode: Mode) -> Store {
+    pub(crate) fn new(tag: &str, mode: Mode) -> Store {
         let dir = std::env::temp_dir().join(format!("relay-it-tokens-{tag}-{}", uuid::Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join("tokens.json");
@@ -54,7 +54,7 @@ impl Store {
     }
 
     /// The server, with its blobs in the same temp directory.
-    fn start_relay(&self) -> Relay {
+    pub(crate) fn start_relay(&self) -> Relay {
         self.start_relay_with(&[("TOKEN_SECRET", SECRET)])
     }
 
@@ -88,7 +88,7 @@ impl Store {
         run_relay_env(&full, &self.env())
     }
 
-    fn create(&self, name: &str, kinds: &str, ttl: &str) -> Issued {
+    pub(crate) fn create(&self, name: &str, kinds: &str, ttl: &str) -> Issued {
         let (code, out, err) = self.cli(&["create", "--name", name, "--kinds", kinds, "--ttl", ttl]);
         assert_eq!(code, Some(0), "create failed: {err}");
         let field = |key: &str| {
@@ -121,7 +121,7 @@ impl Drop for Store {
     }
 }
 
-fn call(relay: &Relay, method: &str, path: &str, token: &str, body: Option<&str>) -> Resp {
+pub(crate) fn call(relay: &Relay, method: &str, path: &str, token: &str, body: Option<&str>) -> Resp {
     let auth = format!("Bearer {token}");
     request(relay.addr, method, path, &[("Authorization", auth.as_str())], body.map(str::as_bytes))
 }

@@ -195,7 +195,15 @@ pub struct ModelConfig {
     pub max_pending: usize,
     pub max_pending_bytes: usize,
     pub task_memory_bytes: usize,
+    /// Tasks from two submitters and with two fairness keys (SPEC §14): dispatch order then
+    /// holds within a lane (kind, submitter, key) only.
+    pub lanes: bool,
 }
+
+/// The submitters (the root token, a scoped token's jti) and fairness keys of tasks when
+/// [`ModelConfig::lanes`] is set.
+const SUBMITTERS: [&str; 2] = ["", "jti-1"];
+const FAIR_KEYS: [&str; 2] = ["", "k1"];
 
 pub const TASK_TIMEOUT_MS: u64 = 1_000;
 pub const WAIT_TIMEOUT_MS: u64 = 2_500;
@@ -265,6 +273,7 @@ pub fn config_from(s: &mut dyn Source) -> ModelConfig {
         max_pending_bytes: if b.is_multiple_of(4) { 250 } else { 1 << 20 },
         // Small more often with a journal: finished tasks then leave memory and are read back.
         task_memory_bytes: if b & 0x10 != 0 || (journal && b & 0x20 != 0) { 3_000 } else { 64 << 20 },
+        lanes: a & 0x40 != 0,
     }
 }
 
@@ -413,6 +422,8 @@ struct MAttempt {
 struct MTask {
     id: TaskId,
     kind: Option<String>,
+    /// (submitter, key): indexes into [`SUBMITTERS`] and [`FAIR_KEYS`].
+    lane: (usize, usize),
     payload: String,
     queued: bool,
     restored: bool,
@@ -986,6 +997,7 @@ impl Harness {
                     && (o.due, u) < key
                     && wk.accepts(o.kind.as_deref())
                     && !o.tried(wk.client)
+                    && (!self.cfg.lanes || (o.kind == t.kind && o.lane == t.lane))
                 {
                     return Err(Failure {
                         step: 0,
@@ -1318,6 +1330,7 @@ impl Harness {
         let keys = ["k0", "k1", "k2"];
         let idempotency = key.map(|(o, k)| (owners[o as usize % 2], keys[k as usize % 3]));
         let key = key.map(|(o, k)| (o % 2, k % 3));
+        let lane = if self.cfg.lanes { ((pad as usize + n / 2) % 2, (pad as usize / 2 + n) % 2) } else { (0, 0) };
 
         // What SPEC §4/§7 says the answer is.
         let existing = key.and_then(|k| self.keys.get(&k).copied()).filter(|&i| self.tasks[i].known());
@@ -1344,8 +1357,8 @@ impl Harness {
             max_retries,
             retry: Default::default(),
             priority: 0,
-            submitter: "",
-            key: "",
+            submitter: SUBMITTERS[lane.0],
+            key: FAIR_KEYS[lane.1],
             idempotency,
         };
         let immediate = self.core.submit(&mut self.io, relay::dispatch::DIRECT, &new, false);
@@ -1372,6 +1385,7 @@ impl Harness {
                 self.tasks.push(MTask {
                     id,
                     kind: kind.map(String::from),
+                    lane,
                     payload,
                     queued,
                     restored: false,

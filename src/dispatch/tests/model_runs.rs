@@ -96,6 +96,7 @@ mod found {
             max_pending: 8,
             max_pending_bytes: 1048576,
             task_memory_bytes: 3000,
+            lanes: false,
         };
         check(
             cfg,
@@ -127,6 +128,7 @@ mod found {
             max_pending: 3,
             max_pending_bytes: 1048576,
             task_memory_bytes: 67108864,
+            lanes: false,
         };
         check(
             cfg,
@@ -162,6 +164,7 @@ mod found {
             max_pending: 3,
             max_pending_bytes: 1048576,
             task_memory_bytes: 67108864,
+            lanes: false,
         };
         check(
             cfg,

@@ -285,7 +285,7 @@ impl MemStore {
             task.place = Place::Nowhere;
             let due = task.due_wall_ms;
             self.status_counts[Status::Pending.index()] += 1;
-            self.count_kind(task.kind.as_deref(), None, Some(Status::Pending));
+            self.count_task(&task, None, Some(Status::Pending));
             self.pending_bytes += task.payload.as_ref().map_or(0, |p| p.get().len());
             self.tasks.insert_boxed(id, task);
             if cut_short {
@@ -330,7 +330,7 @@ impl MemStore {
         task.restored = true;
         task.place = Place::Nowhere;
         self.status_counts[Status::Dispatched.index()] += 1;
-        self.count_kind(task.kind.as_deref(), None, Some(Status::Dispatched));
+        self.count_task(&task, None, Some(Status::Dispatched));
         self.tasks.insert_boxed(held.task.id, task);
         self.restored_held.push(held);
         Ok(())

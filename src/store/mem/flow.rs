@@ -1,22 +1,223 @@
-//! The memory store's flow control (SPEC §14): each kind's counts, policy and token buckets,
-//! and the ready lanes a claim walks.
+//! The memory store's flow control (SPEC §14): each kind's counts, policy and token bucket, the
+//! fair-share rotation of its ready tasks, and the per-key limits of its lanes.
 //!
-//! Every kind has a ready lane (its due-order queue, less priorities; tasks without a kind have
-//! one too). `heads` holds the first task of every lane that is *open*: not empty, and not held
-//! back by its kind's policy (paused, at its running cap, or out of rate tokens). A claim for
-//! workers of every kind merges the lanes through `heads`, so a held kind costs it nothing — it
-//! is not there — and a claim for a worker's kinds merges only its kinds' open lanes: no
-//! head-of-line blocking and no scan. A held kind opens again when what held it changes: its
-//! policy, one of its attempts ending (concurrency), or the time its next token is due (rate).
+//! A *lane* is (kind, submitter, key): the ready tasks of one key of one submitter, in priority
+//! order (due − priority, then submission). Each kind (and tasks without a kind) keeps a
+//! [`Rotation`] over its lanes: its submitters with an open lane, least recently served first,
+//! then that submitter's open lanes the same way, then the lane's first task. Serving a lane
+//! stamps it and its submitter with the kind's next count; a lane or submitter that newly has a
+//! task to give joins with the current count (at the back); ties go by name. That is round
+//! robin: a flood from one submitter or one key delays another's task by one dispatch per
+//! other backlogged submitter or key. Every step is a BTreeMap/BTreeSet operation: no scan.
+//!
+//! `heads` holds the task each *open* kind's rotation takes next: a kind that its policy holds
+//! back (paused, at `max_running`, out of `rate` tokens) is not there, so a claim for workers of
+//! every kind merges the open kinds through `heads` and a held kind costs it nothing. A lane at
+//! its `max_running_per_key` or out of its `rate_per_key` tokens leaves its kind's rotation
+//! until a slot frees or its next token is due: no head-of-line blocking, within a kind or
+//! across kinds. Both are held by the claim that finds them out of room, and open again when
+//! what held them changes: the policy, one of their attempts ending, their next token's time.
+//!
+//! Everything is bounded: a lane or submitter exists while it has ready, claimed or running
+//! tasks, and an idle lane whose per-key bucket is not full yet stays only until it would be
+//! full again (at most [`MAX_IDLE_LANES`] of them), so a key cannot refill by emptying.
 
-use std::collections::btree_map;
-use std::iter::Peekable;
+use std::cell::Cell;
+use std::collections::BTreeSet;
 use std::ops::Bound;
+use std::rc::Rc;
 
 use super::*;
 use crate::flow::{Bucket, KindOp, Policy, WaitingOn, kind_response, unknown_kind};
 
-/// A kind as the memory store knows it: tasks pending and running, its policy.
+/// Idle lanes kept for a per-key bucket that is not full yet, at most: beyond, the one that
+/// would be full soonest is forgotten early (its key gets a full bucket a little sooner).
+const MAX_IDLE_LANES: usize = 65_536;
+
+/// Rate wakes and lane expiries handled in one timer run at most (the rest: the next run).
+const WAKES_PER_TURN: usize = 4_096;
+
+/// The lane of a task: (kind, submitter, key).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LaneOf<'a> {
+    pub kind: Option<&'a str>,
+    pub submitter: &'a str,
+    pub key: &'a str,
+}
+
+impl<'a> LaneOf<'a> {
+    pub fn of(t: &'a Task) -> LaneOf<'a> {
+        LaneOf { kind: t.kind.as_deref(), submitter: &t.submitter, key: &t.key }
+    }
+}
+
+/// One key of one submitter in one kind.
+#[derive(Debug)]
+struct Lane {
+    name: Rc<str>,
+    stamp: u64,
+    ready: BTreeMap<QueueKey, TaskId>,
+    /// In its submitter's rotation (it has a ready task and is not held).
+    in_rotation: bool,
+    /// Claimed and running attempts (for `max_running_per_key`; tasks with a kind only).
+    occupied: u32,
+    /// Its `rate_per_key` bucket.
+    bucket: Option<Bucket>,
+    /// Why it is out of the rotation, if a per-key limit holds it.
+    held: Option<WaitingOn>,
+    /// It has an entry in [`Flow::expiries`].
+    expiring: bool,
+    /// (claim, the last task that claim walked past here, whether it found nothing here).
+    walked: Cell<(u64, Option<QueueKey>, bool)>,
+}
+
+impl Lane {
+    fn new(name: &str, bucket: Option<Bucket>) -> Lane {
+        Lane {
+            name: Rc::from(name),
+            stamp: 0,
+            ready: BTreeMap::new(),
+            in_rotation: false,
+            occupied: 0,
+            bucket,
+            held: None,
+            expiring: false,
+            walked: Cell::new((0, None, false)),
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.ready.is_empty() && self.occupied == 0
+    }
+
+    /// What holds it back under the kind's per-key limits now, if anything does.
+    fn room(&self, policy: Option<&Policy>, wall_ms: u64) -> Option<WaitingOn> {
+        let p = policy?;
+        if p.key_cap().is_some_and(|cap| self.occupied >= cap) {
+            return Some(WaitingOn::Concurrency);
+        }
+        let mut b = self.bucket?;
+        (b.available(wall_ms) == 0).then_some(WaitingOn::Rate)
+    }
+}
+
+/// A submitter of one kind: its lanes.
+#[derive(Debug)]
+struct Sub {
+    name: Rc<str>,
+    stamp: u64,
+    /// Its lanes in the rotation, least recently served first.
+    open: BTreeSet<(u64, Rc<str>)>,
+    lanes: HashMap<Rc<str>, Lane>,
+}
+
+/// A kind's fair-share rotation (SPEC §14): submitters, then their keys, then priority order.
+#[derive(Debug, Default)]
+pub(super) struct Rotation {
+    counter: u64,
+    /// Submitters with a lane in the rotation, least recently served first.
+    open: BTreeSet<(u64, Rc<str>)>,
+    subs: HashMap<Rc<str>, Sub>,
+    /// Its entry in `heads` (the task it takes next), while its kind is open.
+    head: Option<(QueueKey, TaskId)>,
+    /// The last claim that found nothing here to take.
+    done_in: Cell<u64>,
+}
+
+impl Rotation {
+    /// The task the rotation takes next.
+    fn first(&self) -> Option<(QueueKey, TaskId)> {
+        let (_, s) = self.open.first()?;
+        let sub = self.subs.get(&**s)?;
+        let (_, k) = sub.open.first()?;
+        let (q, id) = sub.lanes.get(&**k)?.ready.first_key_value()?;
+        Some((*q, *id))
+    }
+
+    fn lane(&self, sub: &str, key: &str) -> Option<&Lane> {
+        self.subs.get(sub)?.lanes.get(key)
+    }
+
+    fn lane_mut(&mut self, sub: &str, key: &str) -> Option<&mut Lane> {
+        self.subs.get_mut(sub)?.lanes.get_mut(key)
+    }
+
+    /// The lane, made (with `bucket`) if it is new (always `Some`).
+    fn lane_or_new(&mut self, sub: &str, key: &str, bucket: Option<Bucket>) -> Option<&mut Lane> {
+        if !self.subs.contains_key(sub) {
+            let name: Rc<str> = Rc::from(sub);
+            self.subs.insert(name.clone(), Sub { name, stamp: 0, open: BTreeSet::new(), lanes: HashMap::new() });
+        }
+        let s = self.subs.get_mut(sub)?;
+        if !s.lanes.contains_key(key) {
+            let l = Lane::new(key, bucket);
+            s.lanes.insert(l.name.clone(), l);
+        }
+        s.lanes.get_mut(key)
+    }
+
+    /// The lane has a ready task and nothing holds it: into the rotation, at the back if new.
+    fn join(&mut self, sub: &str, key: &str) {
+        let counter = self.counter;
+        let Some(s) = self.subs.get_mut(sub) else { return };
+        let Some(l) = s.lanes.get_mut(key) else { return };
+        if l.in_rotation || l.held.is_some() || l.ready.is_empty() {
+            return;
+        }
+        l.in_rotation = true;
+        l.stamp = counter;
+        s.open.insert((counter, l.name.clone()));
+        if s.open.len() == 1 {
+            s.stamp = counter;
+            self.open.insert((counter, s.name.clone()));
+        }
+    }
+
+    /// Out of the rotation (no ready task, or held).
+    fn leave(&mut self, sub: &str, key: &str) {
+        let Some(s) = self.subs.get_mut(sub) else { return };
+        let Some(l) = s.lanes.get_mut(key) else { return };
+        if !l.in_rotation {
+            return;
+        }
+        l.in_rotation = false;
+        s.open.remove(&(l.stamp, l.name.clone()));
+        if s.open.is_empty() {
+            self.open.remove(&(s.stamp, s.name.clone()));
+        }
+    }
+
+    /// The lane was served: it and its submitter go to the back.
+    fn serve(&mut self, sub: &str, key: &str) {
+        self.counter += 1;
+        let c = self.counter;
+        let Some(s) = self.subs.get_mut(sub) else { return };
+        let Some(l) = s.lanes.get_mut(key) else { return };
+        let sub_open = !s.open.is_empty();
+        if l.in_rotation {
+            s.open.remove(&(l.stamp, l.name.clone()));
+            s.open.insert((c, l.name.clone()));
+        }
+        l.stamp = c;
+        if sub_open {
+            self.open.remove(&(s.stamp, s.name.clone()));
+            self.open.insert((c, s.name.clone()));
+        }
+        s.stamp = c;
+    }
+
+    /// Forgets the lane (and its submitter, if it was the last), whatever its bucket.
+    fn forget(&mut self, sub: &str, key: &str) {
+        self.leave(sub, key);
+        let Some(s) = self.subs.get_mut(sub) else { return };
+        s.lanes.remove(key);
+        if s.lanes.is_empty() {
+            self.subs.remove(sub);
+        }
+    }
+}
+
+/// A kind as the memory store knows it: tasks pending and running, its policy, its rotation.
 #[derive(Debug, Default)]
 pub(super) struct KindState {
     pub policy: Option<Policy>,
@@ -26,9 +227,11 @@ pub(super) struct KindState {
     pub dispatched: u32,
     /// Claimed and not started yet: they count against the running cap.
     pub claimed: u32,
-    pub buckets: Vec<Bucket>,
-    /// Why its lane is out of `heads` (`None`: open).
+    /// The kind's `rate` bucket.
+    pub bucket: Option<Bucket>,
+    /// Why its rotation is out of `heads` (`None`: open).
     pub held: Option<WaitingOn>,
+    rot: Rotation,
 }
 
 impl KindState {
@@ -40,7 +243,8 @@ impl KindState {
         self.dispatched + self.claimed
     }
 
-    /// Why the kind holds its tasks back now, if it does.
+    /// Why the kind holds its tasks back now, if it does (its own limits: the per-key ones are
+    /// its lanes').
     fn room(&self, wall_ms: u64) -> (Option<u32>, Option<WaitingOn>) {
         match self.room_and_bound(wall_ms) {
             (Some(0), why) => (Some(0), Some(why)),
@@ -56,11 +260,10 @@ impl KindState {
             return (Some(0), WaitingOn::Paused);
         }
         let mut room: Option<(u32, WaitingOn)> = None;
-        if let Some(cap) = p.running_cap() {
+        if let Some(cap) = p.kind_cap() {
             room = Some((cap.saturating_sub(self.occupied()), WaitingOn::Concurrency));
         }
-        for b in &self.buckets {
-            let mut b = *b;
+        if let Some(mut b) = self.bucket {
             let n = b.available(wall_ms);
             if room.is_none_or(|(r, _)| n < r) {
                 room = Some((n, WaitingOn::Rate));
@@ -73,15 +276,103 @@ impl KindState {
     }
 }
 
-/// A lane's entries in order.
-type LaneIter<'a> = Peekable<btree_map::Range<'a, QueueKey, TaskId>>;
+/// Something due at a time: a held kind or lane whose next token is there.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Wake {
+    Kind(Box<str>),
+    Lane(Box<str>, Rc<str>, Rc<str>),
+}
 
-impl MemStore {
+/// An idle lane kept for its bucket: (when it is full again, kind, submitter, key).
+type Expiry = (u64, Box<str>, Rc<str>, Rc<str>);
+
+/// What a claim found held while looking for its next task.
+enum Hold {
+    Kind(Box<str>, WaitingOn),
+    Lane(Box<str>, Rc<str>, Rc<str>, WaitingOn),
+}
+
+/// The task a claim takes next, and its lane.
+struct Pick {
+    at: QueueKey,
+    id: TaskId,
+    kind: Option<Box<str>>,
+    sub: Rc<str>,
+    key: Rc<str>,
+}
+
+/// One claim's walk: which claim it is, and how many tasks its takers all tried it passed.
+#[derive(Debug)]
+pub(super) struct ClaimWalk {
+    no: u64,
+    skipped: usize,
+}
+
+/// The memory store's flow control: kinds, their rotations and policies.
+#[derive(Debug, Default)]
+pub(super) struct Flow {
+    /// Kinds with tasks pending or running, or with a policy (SPEC §14).
+    kinds: HashMap<Box<str>, KindState>,
+    /// Tasks without a kind (no policy applies to them).
+    none: Rotation,
+    /// The task each open kind's rotation takes next (and the kindless rotation's).
+    pub heads: BTreeMap<QueueKey, TaskId>,
+    /// Held kinds and lanes by when their next token is due (wall clock).
+    wakes: BTreeSet<(u64, Wake)>,
+    /// Idle lanes kept for their bucket, by when it is full again (wall clock).
+    expiries: BTreeSet<Expiry>,
+    /// Kinds with a policy.
+    policies: usize,
+    /// Dispatches a policy held back, by `WaitingOn` (`relay_dispatch_held_total`).
+    held_total: [u64; 6],
+    claims: u64,
+}
+
+impl Flow {
+    fn rot_mut(&mut self, kind: Option<&str>) -> Option<&mut Rotation> {
+        match kind {
+            None => Some(&mut self.none),
+            Some(k) => self.kinds.get_mut(k).map(|s| &mut s.rot),
+        }
+    }
+
+    /// Puts the rotation's next task in `heads` (if its kind is open); `true` if it has one now
+    /// and had none there before.
+    fn refresh(&mut self, kind: Option<&str>) -> bool {
+        let (rot, open) = match kind {
+            None => (&mut self.none, true),
+            Some(k) => match self.kinds.get_mut(k) {
+                Some(s) => (&mut s.rot, s.held.is_none()),
+                None => return false,
+            },
+        };
+        let next = if open { rot.first() } else { None };
+        if next == rot.head {
+            return false;
+        }
+        let had = rot.head.is_some();
+        if let Some((k, _)) = rot.head {
+            self.heads.remove(&k);
+        }
+        if let Some((k, id)) = next {
+            self.heads.insert(k, id);
+        }
+        rot.head = next;
+        !had && next.is_some()
+    }
+
     // ----- counts --------------------------------------------------------------------------
 
-    /// A task of `kind` went from `from` to `to` (`None`: did not exist / is gone).
-    pub(super) fn count_kind(&mut self, kind: Option<&str>, from: Option<Status>, to: Option<Status>) {
-        let Some(kind) = kind else { return };
+    /// A task of `lane` went from `from` to `to` (`None`: did not exist / is gone).
+    pub fn count_kind(
+        &mut self,
+        lane: LaneOf<'_>,
+        from: Option<Status>,
+        to: Option<Status>,
+        wall: u64,
+        events: &mut Vec<Event>,
+    ) {
+        let Some(kind) = lane.kind else { return };
         if from == to {
             return;
         }
@@ -97,169 +388,257 @@ impl MemStore {
             }
         }
         let freed = from == Some(Status::Dispatched);
-        if s.forgettable() {
-            self.kinds.remove(kind);
+        match (freed, to == Some(Status::Dispatched)) {
+            (true, false) => self.occupy(lane, false, wall),
+            (false, true) => self.occupy(lane, true, wall),
+            _ => {}
+        }
+        if self.kinds.get(kind).is_some_and(KindState::forgettable) {
+            self.forget_kind(kind);
         } else if freed {
-            self.reopen(kind);
+            self.reopen(kind, wall, events);
+            self.reopen_lane(lane, wall, events);
         }
     }
 
-    /// A claim took (`+1`) or let go of (`-1`) a task of `kind` before its attempt started.
-    pub(super) fn count_claimed(&mut self, kind: Option<&str>, took: bool) {
-        let Some(kind) = kind else { return };
+    /// A claim took (`true`) or let go of a task of `lane` before its attempt started.
+    pub fn count_claimed(&mut self, lane: LaneOf<'_>, took: bool, wall: u64, events: &mut Vec<Event>) {
+        let Some(kind) = lane.kind else { return };
         let Some(s) = self.kinds.get_mut(kind) else { return };
         if took {
             s.claimed += 1;
+            self.occupy(lane, true, wall);
         } else {
             s.claimed = s.claimed.saturating_sub(1);
-            self.reopen(kind);
+            self.occupy(lane, false, wall);
+            self.reopen(kind, wall, events);
+            self.reopen_lane(lane, wall, events);
+        }
+    }
+
+    /// One more (`true`) or one less claimed or running attempt in the lane.
+    fn occupy(&mut self, lane: LaneOf<'_>, up: bool, wall: u64) {
+        let Some(s) = lane.kind.and_then(|k| self.kinds.get_mut(k)) else { return };
+        if up {
+            let bucket = s.policy.and_then(|p| p.key_bucket());
+            if let Some(l) = s.rot.lane_or_new(lane.submitter, lane.key, bucket) {
+                l.occupied += 1;
+            }
+        } else {
+            if let Some(l) = s.rot.lane_mut(lane.submitter, lane.key) {
+                l.occupied = l.occupied.saturating_sub(1);
+            }
+            self.settle(lane, wall);
+        }
+    }
+
+    fn forget_kind(&mut self, kind: &str) {
+        if let Some(s) = self.kinds.remove(kind)
+            && let Some((k, _)) = s.rot.head
+        {
+            self.heads.remove(&k);
+        }
+    }
+
+    /// Forgets the lane if nothing keeps it: no ready, claimed or running task, and a full
+    /// bucket or none (one not full yet stays until it is: [`Flow::expiries`]).
+    fn settle(&mut self, lane: LaneOf<'_>, wall: u64) {
+        let rot = match lane.kind {
+            None => &mut self.none,
+            Some(k) => match self.kinds.get_mut(k) {
+                Some(s) => &mut s.rot,
+                None => return,
+            },
+        };
+        let Some(s) = rot.subs.get_mut(lane.submitter) else { return };
+        let sub = s.name.clone();
+        let Some(l) = s.lanes.get_mut(lane.key) else { return };
+        if !l.idle() {
+            return;
+        }
+        let full_at = l.bucket.as_mut().map(|b| b.full_ms(wall)).filter(|&at| at > wall);
+        match (full_at, lane.kind) {
+            (Some(at), Some(kind)) => {
+                if !l.expiring {
+                    l.expiring = true;
+                    let key = l.name.clone();
+                    self.expiries.insert((at, Box::from(kind), sub, key));
+                    while self.expiries.len() > MAX_IDLE_LANES {
+                        let Some((_, k, s, key)) = self.expiries.pop_first() else { break };
+                        self.expired(LaneOf { kind: Some(&k), submitter: &s, key: &key }, true, wall);
+                    }
+                }
+            }
+            _ => rot.forget(lane.submitter, lane.key),
+        }
+    }
+
+    /// An idle lane's expiry is due (`force`: the cap on idle lanes says so).
+    fn expired(&mut self, lane: LaneOf<'_>, force: bool, wall: u64) {
+        let Some(rot) = self.rot_mut(lane.kind) else { return };
+        let Some(l) = rot.lane_mut(lane.submitter, lane.key) else { return };
+        l.expiring = false;
+        if !l.idle() {
+            return;
+        }
+        if force {
+            rot.forget(lane.submitter, lane.key);
+        } else {
+            self.settle(lane, wall);
         }
     }
 
     // ----- lanes ---------------------------------------------------------------------------
 
-    fn lane(&self, kind: Option<&str>) -> Option<&BTreeMap<QueueKey, TaskId>> {
-        match kind {
-            None => Some(&self.ready_none),
-            Some(k) => self.ready_kind.get(k),
-        }
-    }
-
-    fn lane_first(&self, kind: Option<&str>) -> Option<(QueueKey, TaskId)> {
-        self.lane(kind).and_then(|l| l.first_key_value()).map(|(k, id)| (*k, *id))
-    }
-
-    fn lane_open(&self, kind: Option<&str>) -> bool {
-        kind.is_none_or(|k| self.kinds.get(k).is_none_or(|s| s.held.is_none()))
-    }
-
-    /// Puts a ready task in its lane (and `heads`, if it is the open lane's new first).
-    pub(super) fn lane_insert(&mut self, kind: Option<&str>, key: QueueKey, id: TaskId) {
-        let old = self.lane_first(kind);
-        match kind {
-            None => {
-                self.ready_none.insert(key, id);
-            }
-            Some(k) => match self.ready_kind.get_mut(k) {
-                Some(q) => {
-                    q.insert(key, id);
-                }
-                None => {
-                    self.ready_kind.insert(Box::from(k), BTreeMap::from([(key, id)]));
-                }
-            },
-        }
-        if old.is_none_or(|(o, _)| key < o) && self.lane_open(kind) {
-            if let Some((o, _)) = old {
-                self.heads.remove(&o);
-            }
-            self.heads.insert(key, id);
-        }
-    }
-
-    pub(super) fn lane_remove(&mut self, kind: Option<&str>, key: QueueKey) {
-        let was_first = self.lane_first(kind).is_some_and(|(k, _)| k == key);
-        match kind {
-            None => {
-                self.ready_none.remove(&key);
-            }
+    /// Puts a ready task in its lane (and the lane in the rotation, if it can run).
+    pub fn lane_insert(&mut self, lane: LaneOf<'_>, at: QueueKey, id: TaskId) {
+        let (rot, bucket) = match lane.kind {
+            None => (&mut self.none, None),
             Some(k) => {
-                if let Some(q) = self.ready_kind.get_mut(k) {
-                    q.remove(&key);
-                    if q.is_empty() {
-                        self.ready_kind.remove(k);
-                    }
-                }
+                let s = match self.kinds.get_mut(k) {
+                    Some(s) => s,
+                    None => self.kinds.entry(Box::from(k)).or_default(),
+                };
+                let bucket = s.policy.and_then(|p| p.key_bucket());
+                (&mut s.rot, bucket)
             }
+        };
+        let Some(l) = rot.lane_or_new(lane.submitter, lane.key, bucket) else { return };
+        l.ready.insert(at, id);
+        if l.ready.len() == 1 {
+            rot.join(lane.submitter, lane.key);
         }
-        if was_first
-            && self.heads.remove(&key).is_some()
-            && let Some((k, id)) = self.lane_first(kind)
-        {
-            self.heads.insert(k, id);
-        }
+        self.refresh(lane.kind);
     }
 
-    /// Holds the kind's lane back (`Some`) or opens it (`None`).
-    fn set_held(&mut self, kind: &str, held: Option<WaitingOn>) {
+    pub fn lane_remove(&mut self, lane: LaneOf<'_>, at: QueueKey, wall: u64) {
+        let Some(rot) = self.rot_mut(lane.kind) else { return };
+        let Some(l) = rot.lane_mut(lane.submitter, lane.key) else { return };
+        if l.ready.remove(&at).is_none() {
+            return;
+        }
+        if l.ready.is_empty() {
+            rot.leave(lane.submitter, lane.key);
+            self.settle(lane, wall);
+        }
+        self.refresh(lane.kind);
+    }
+
+    /// Holds the kind's rotation back (`Some`) or opens it (`None`).
+    fn set_held(&mut self, kind: &str, held: Option<WaitingOn>, events: &mut Vec<Event>) {
         let Some(s) = self.kinds.get_mut(kind) else { return };
-        let was = s.held;
         s.held = held;
-        match (was.is_some(), held.is_some()) {
-            (false, true) => {
-                if let Some((k, _)) = self.lane_first(Some(kind)) {
-                    self.heads.remove(&k);
-                }
-            }
-            (true, false) => {
-                if let Some((k, id)) = self.lane_first(Some(kind)) {
-                    self.heads.insert(k, id);
-                    self.events.push(Event::Ready);
-                }
-            }
-            _ => {}
+        if self.refresh(Some(kind)) {
+            events.push(Event::Ready);
         }
     }
 
-    /// Decides again whether the kind's lane is held, after what holds it may have changed.
-    fn reopen(&mut self, kind: &str) {
-        let wall = self.wall_ms;
+    /// Decides again whether the kind is held, after what holds it may have changed.
+    fn reopen(&mut self, kind: &str, wall: u64, events: &mut Vec<Event>) {
         let Some(s) = self.kinds.get(kind) else { return };
-        if s.held.is_none() && s.policy.is_none_or(|p| !p.limits()) {
+        if s.held.is_none() && s.policy.is_none_or(|p| !p.kind_limits()) {
             return;
         }
         let (held, (_, why)) = (s.held, s.room(wall));
         if why == Some(WaitingOn::Rate) {
-            self.wake_for_rate(kind);
+            self.wake_for_rate(kind, wall);
         }
-        // (An open lane is closed by the claim that finds it out of room, not here: a held
+        // (An open kind is closed by the claim that finds it out of room, not here: a held
         // task costs a claim nothing either way, and this keeps every attempt end cheap.)
         if why.is_none() || held.is_some() {
-            self.set_held(kind, why);
+            self.set_held(kind, why, events);
+        }
+    }
+
+    /// Decides again whether a held lane stays held.
+    fn reopen_lane(&mut self, lane: LaneOf<'_>, wall: u64, events: &mut Vec<Event>) {
+        let Some(kind) = lane.kind else { return };
+        let Some(s) = self.kinds.get_mut(kind) else { return };
+        let policy = s.policy;
+        let Some(sb) = s.rot.subs.get_mut(lane.submitter) else { return };
+        let Some(l) = sb.lanes.get_mut(lane.key) else { return };
+        if l.held.is_none() {
+            return;
+        }
+        let why = l.room(policy.as_ref(), wall);
+        if why == Some(WaitingOn::Rate) && l.held != why {
+            let at = l.bucket.as_mut().map_or(wall, |b| b.next_token_ms(wall));
+            self.wakes.insert((at, Wake::Lane(Box::from(kind), sb.name.clone(), l.name.clone())));
+        }
+        l.held = why;
+        if why.is_none() {
+            // (Ready even if the kind had a next task: a claim may have found that one tried by
+            // every worker with room, and this lane's task is for them.)
+            let has_ready = !l.ready.is_empty();
+            s.rot.join(lane.submitter, lane.key);
+            self.refresh(Some(kind));
+            if has_ready {
+                events.push(Event::Ready);
+            }
         }
     }
 
     /// The kind is out of tokens: it opens again when its next one is due.
-    fn wake_for_rate(&mut self, kind: &str) {
-        let wall = self.wall_ms;
+    fn wake_for_rate(&mut self, kind: &str, wall: u64) {
         let Some(s) = self.kinds.get_mut(kind) else { return };
-        let at = s.buckets.iter_mut().map(|b| b.next_token_ms(wall)).max().unwrap_or(wall);
-        self.rate_wakes.insert((at, Box::from(kind)));
+        let at = s.bucket.as_mut().map_or(wall, |b| b.next_token_ms(wall));
+        self.wakes.insert((at, Wake::Kind(Box::from(kind))));
     }
 
-    /// Kinds whose next token is due now open again.
-    pub(super) fn on_rate_wakes(&mut self) {
-        while let Some((at, _)) = self.rate_wakes.first() {
-            if *at > self.wall_ms {
-                break;
+    /// Kinds and lanes whose next token is due now open again; idle lanes whose bucket is full
+    /// again are forgotten.
+    pub fn on_wakes(&mut self, wall: u64, events: &mut Vec<Event>) {
+        for _ in 0..WAKES_PER_TURN {
+            match self.wakes.first() {
+                Some((at, _)) if *at <= wall => {}
+                _ => break,
             }
-            let Some((_, kind)) = self.rate_wakes.pop_first() else { break };
-            self.reopen(&kind);
+            let Some((_, wake)) = self.wakes.pop_first() else { break };
+            match wake {
+                Wake::Kind(kind) => self.reopen(&kind, wall, events),
+                Wake::Lane(kind, sub, key) => {
+                    self.reopen_lane(LaneOf { kind: Some(&kind), submitter: &sub, key: &key }, wall, events)
+                }
+            }
+        }
+        for _ in 0..WAKES_PER_TURN {
+            match self.expiries.first() {
+                Some((at, ..)) if *at <= wall => {}
+                _ => break,
+            }
+            let Some((_, kind, sub, key)) = self.expiries.pop_first() else { break };
+            self.expired(LaneOf { kind: Some(&kind), submitter: &sub, key: &key }, false, wall);
         }
     }
 
-    /// When a rate-held kind opens again (the loop's clock).
-    pub(super) fn next_rate_wake_ms(&self) -> Option<u64> {
-        self.rate_wakes.first().map(|(at, _)| self.now_ms + at.saturating_sub(self.wall_ms))
+    /// When a wake is due (wall clock).
+    pub fn next_wake_wall_ms(&self) -> Option<u64> {
+        let a = self.wakes.first().map(|w| w.0);
+        let b = self.expiries.first().map(|e| e.0);
+        a.into_iter().chain(b).min()
     }
 
-    /// May a task of `kind` start now without waiting for anything its policy says?
-    pub(super) fn unlimited(&self, kind: Option<&str>) -> bool {
-        kind.is_none_or(|k| self.kinds.get(k).is_none_or(|s| s.policy.is_none_or(|p| !p.limits())))
-    }
-
-    /// The insert's fast path: may a task of `kind` start at once under its policy? If so, it
-    /// takes its rate tokens now (its claim counts it against the running cap).
-    pub(super) fn admit_now(&mut self, kind: Option<&str>) -> bool {
-        if self.unlimited(kind) {
-            return true;
-        }
-        let (wall, Some(k)) = (self.wall_ms, kind) else { return true };
+    /// The insert's fast path: may a task of `lane` start at once under its kind's policy? If
+    /// so, it takes its rate tokens now (its claim counts it against the running caps).
+    pub fn admit_now(&mut self, lane: LaneOf<'_>, wall: u64) -> bool {
+        let Some(k) = lane.kind else { return true };
         let Some(s) = self.kinds.get_mut(k) else { return true };
+        let Some(p) = s.policy.filter(Policy::limits) else { return true };
         if s.held.is_some() || s.room(wall).1.is_some() {
             return false;
         }
-        for b in &mut s.buckets {
+        if p.key_limits() {
+            let Some(l) = s.rot.lane_or_new(lane.submitter, lane.key, p.key_bucket()) else { return false };
+            let free = l.held.is_none() && l.room(Some(&p), wall).is_none();
+            if free && let Some(b) = &mut l.bucket {
+                b.take(wall, 1);
+            }
+            self.settle(lane, wall);
+            if !free {
+                return false;
+            }
+        }
+        if let Some(b) = self.kinds.get_mut(k).and_then(|s| s.bucket.as_mut()) {
             b.take(wall, 1);
         }
         true
@@ -271,140 +650,298 @@ impl MemStore {
 
     // ----- claims ----------------------------------------------------------------------------
 
-    /// The ready tasks a claim takes, in dispatch order: of its kinds, with room under their
-    /// kinds' policies, and not tried by every taker. Kinds found out of room are held.
-    pub(super) fn claimable(&mut self, ask: &ClaimAsk<'_>) -> Vec<TaskId> {
-        let limit = ask.limit as usize;
-        if limit == 0 {
-            return Vec::new();
-        }
-        let wall = self.wall_ms;
-        let mut out = Vec::new();
-        // Limited kinds this claim met: (kind, room left, what holds it once out of room).
-        let mut rooms: Vec<(&str, u32, WaitingOn)> = Vec::new();
-        let mut full: Vec<(Box<str>, WaitingOn)> = Vec::new();
-        {
-            let kinds_state = &self.kinds;
-            let tasks = &self.tasks;
+    /// A new claim's walk.
+    pub fn walk(&mut self) -> ClaimWalk {
+        self.claims += 1;
+        ClaimWalk { no: self.claims, skipped: 0 }
+    }
+
+    /// The next task a claim takes, served: of its kinds, the next in the open kinds' order
+    /// (their rotations' next tasks, earliest first), in that kind the rotation's next task
+    /// its takers have not all tried. Kinds and lanes found out of room are held on the way.
+    pub fn claim_next(
+        &mut self,
+        tasks: &TaskTable,
+        ask: &ClaimAsk<'_>,
+        walk: &mut ClaimWalk,
+        wall: u64,
+        events: &mut Vec<Event>,
+    ) -> Option<TaskId> {
+        loop {
+            if walk.skipped >= MAX_CLAIM_SKIP {
+                return None;
+            }
+            let mut holds: Vec<Hold> = Vec::new();
+            let mut best: Option<Pick> = None;
             let takeable = |id: &TaskId| {
                 tasks.get(id).is_some_and(|t| t.this_run().is_empty() || ask.takers.iter().any(|&c| !t.tried(c)))
             };
-            let mut lanes: Vec<LaneIter<'_>> = Vec::new();
-            let mut heads = match ask.kinds {
-                None => Some(self.heads.iter().peekable()),
+            match ask.kinds {
+                None => {
+                    for (at, id) in &self.heads {
+                        if best.as_ref().is_some_and(|b| *at >= b.at) || walk.skipped >= MAX_CLAIM_SKIP {
+                            break;
+                        }
+                        let Some(t) = tasks.get(id) else { continue };
+                        self.consider(t.kind.as_deref(), &takeable, walk, wall, &mut best, &mut holds);
+                    }
+                }
                 Some(kinds) => {
                     for k in kinds {
-                        if let Some(q) = self.ready_kind.get(&**k)
-                            && kinds_state.get(&**k).is_none_or(|s| s.held.is_none())
-                        {
-                            lanes.push(q.range(..).peekable());
+                        let Some((at, _)) = self.kinds.get(&**k).and_then(|s| s.rot.head) else { continue };
+                        if best.as_ref().is_some_and(|b| at >= b.at) || walk.skipped >= MAX_CLAIM_SKIP {
+                            continue;
+                        }
+                        self.consider(Some(k), &takeable, walk, wall, &mut best, &mut holds);
+                    }
+                }
+            }
+            if !holds.is_empty() {
+                for h in holds {
+                    self.hold(h, wall, events);
+                }
+                continue;
+            }
+            let b = best?;
+            let kind = b.kind.as_deref();
+            match kind {
+                None => self.none.serve(&b.sub, &b.key),
+                Some(k) => {
+                    if let Some(s) = self.kinds.get_mut(k) {
+                        s.rot.serve(&b.sub, &b.key);
+                        if let Some(bk) = &mut s.bucket {
+                            bk.take(wall, 1);
+                        }
+                        if let Some(bk) = s.rot.lane_mut(&b.sub, &b.key).and_then(|l| l.bucket.as_mut()) {
+                            bk.take(wall, 1);
                         }
                     }
-                    None
                 }
-            };
-            let mut skipped = 0;
-            loop {
-                // The next task in order: the first of the open heads not walked yet, or the
-                // next of a lane this claim is walking.
-                let mut best: Option<(QueueKey, usize)> = None;
-                for (i, l) in lanes.iter_mut().enumerate() {
-                    if let Some((k, _)) = l.peek()
-                        && best.is_none_or(|(b, _)| **k < b)
+            }
+            self.refresh(kind);
+            return Some(b.id);
+        }
+    }
+
+    /// The task `kind`'s rotation would give this claim, if earlier than `best`; or what holds
+    /// the kind or its lanes back.
+    fn consider(
+        &self,
+        kind: Option<&str>,
+        takeable: &dyn Fn(&TaskId) -> bool,
+        walk: &mut ClaimWalk,
+        wall: u64,
+        best: &mut Option<Pick>,
+        holds: &mut Vec<Hold>,
+    ) {
+        let (rot, policy) = match kind {
+            None => (&self.none, None),
+            Some(k) => match self.kinds.get(k) {
+                Some(s) => {
+                    if s.policy.is_some_and(|p| p.kind_limits())
+                        && let (_, Some(why)) = s.room(wall)
                     {
-                        best = Some((**k, i));
+                        holds.push(Hold::Kind(Box::from(k), why));
+                        return;
                     }
+                    (&s.rot, s.policy)
                 }
-                let from_heads = match (heads.as_mut().and_then(|h| h.peek()), best) {
-                    (Some((hk, _)), Some((bk, _))) => **hk < bk,
-                    (Some(_), None) => true,
-                    (None, _) => false,
+                None => return,
+            },
+        };
+        if rot.done_in.get() == walk.no {
+            return;
+        }
+        let key_limits = policy.is_some_and(|p| p.key_limits());
+        let mut held = false;
+        for (_, sname) in &rot.open {
+            let Some(sub) = rot.subs.get(&**sname) else { continue };
+            for (_, kname) in &sub.open {
+                let Some(lane) = sub.lanes.get(&**kname) else { continue };
+                if key_limits && let Some(why) = lane.room(policy.as_ref(), wall) {
+                    if let Some(k) = kind {
+                        holds.push(Hold::Lane(Box::from(k), sname.clone(), kname.clone(), why));
+                        held = true;
+                    }
+                    continue;
+                }
+                let (no, after, exhausted) = lane.walked.get();
+                let from = match (no == walk.no, after) {
+                    (true, _) if exhausted => continue,
+                    (true, Some(at)) => Bound::Excluded(at),
+                    _ => Bound::Unbounded,
                 };
-                let (key, id, lane_at) = if from_heads {
-                    let Some((k, id)) = heads.as_mut().and_then(Iterator::next) else { break };
-                    (*k, *id, None)
-                } else {
-                    let Some((_, i)) = best else { break };
-                    let Some((k, id)) = lanes[i].next() else { break };
-                    (*k, *id, Some(i))
-                };
-                let Some(task) = tasks.get(&id) else { continue };
-                let kind = task.kind.as_deref();
-                // Room under the kind's policy.
-                let mut blocked = false;
-                if let Some(k) = kind
-                    && let Some(s) = kinds_state.get(k)
-                    && s.policy.is_some_and(|p| p.limits())
-                {
-                    let at = match rooms.iter().position(|r| r.0 == k) {
-                        Some(at) => at,
-                        None => {
-                            let (room, why) = s.room_and_bound(wall);
-                            rooms.push((k, room.unwrap_or(u32::MAX), why));
-                            rooms.len() - 1
+                for (at, id) in lane.ready.range((from, Bound::Unbounded)) {
+                    if takeable(id) {
+                        if best.as_ref().is_none_or(|b| *at < b.at) {
+                            *best = Some(Pick {
+                                at: *at,
+                                id: *id,
+                                kind: kind.map(Box::from),
+                                sub: sname.clone(),
+                                key: kname.clone(),
+                            });
                         }
-                    };
-                    if rooms[at].1 == 0 {
-                        blocked = true;
-                        if !full.iter().any(|f| &*f.0 == k) {
-                            full.push((Box::from(k), rooms[at].2));
-                        }
-                    } else if takeable(&id) {
-                        rooms[at].1 -= 1;
+                        return;
+                    }
+                    walk.skipped += 1;
+                    lane.walked.set((walk.no, Some(*at), false));
+                    if walk.skipped >= MAX_CLAIM_SKIP {
+                        return;
                     }
                 }
-                if !blocked {
-                    if takeable(&id) {
-                        out.push(id);
-                    } else {
-                        skipped += 1;
-                    }
-                    // Walk on in this lane (a head from `heads` opens its lane's walk).
-                    if lane_at.is_none() && out.len() < limit && skipped < MAX_CLAIM_SKIP {
-                        let lane = match kind {
-                            None => Some(&self.ready_none),
-                            Some(k) => self.ready_kind.get(k),
-                        };
-                        if let Some(q) = lane {
-                            lanes.push(q.range((Bound::Excluded(key), Bound::Unbounded)).peekable());
-                        }
-                    }
-                } else if let Some(i) = lane_at {
-                    // A held kind's lane is walked no further.
-                    drop(lanes.swap_remove(i));
+                lane.walked.set((walk.no, None, true));
+            }
+        }
+        if !held {
+            rot.done_in.set(walk.no);
+        }
+    }
+
+    /// Holds what a claim found out of room.
+    fn hold(&mut self, h: Hold, wall: u64, events: &mut Vec<Event>) {
+        match h {
+            Hold::Kind(kind, why) => {
+                self.held_total[why.index()] += 1;
+                if why == WaitingOn::Rate {
+                    self.wake_for_rate(&kind, wall);
                 }
-                if out.len() >= limit || skipped >= MAX_CLAIM_SKIP {
-                    break;
+                self.set_held(&kind, Some(why), events);
+            }
+            Hold::Lane(kind, sub, key, why) => {
+                self.held_total[why.index()] += 1;
+                let Some(s) = self.kinds.get_mut(&*kind) else { return };
+                let Some(l) = s.rot.lane_mut(&sub, &key) else { return };
+                l.held = Some(why);
+                if why == WaitingOn::Rate {
+                    let at = l.bucket.as_mut().map_or(wall, |b| b.next_token_ms(wall));
+                    self.wakes.insert((at, Wake::Lane(kind.clone(), sub.clone(), key.clone())));
+                }
+                s.rot.leave(&sub, &key);
+                self.refresh(Some(&kind));
+            }
+        }
+    }
+
+    // ----- policies --------------------------------------------------------------------------
+
+    /// The kind's per-key limits changed (or were restored): buckets made again unless the
+    /// `rate_per_key` stays the same, held lanes decided again, idle lanes kept no longer than
+    /// their bucket needs. A policy change is rare: this walks the kind's lanes.
+    fn apply_key_policy(&mut self, kind: &str, old: Option<Policy>, wall: u64, events: &mut Vec<Event>) {
+        let Some(s) = self.kinds.get_mut(kind) else { return };
+        let policy = s.policy;
+        let fresh = policy.and_then(|p| p.key_bucket());
+        let keep = match (old.and_then(|p| p.key_bucket()), fresh) {
+            (Some(a), Some(b)) => a.same_shape(&b),
+            (None, None) => true,
+            _ => false,
+        };
+        let mut lanes: Vec<(Rc<str>, Rc<str>)> = Vec::new();
+        for sub in s.rot.subs.values_mut() {
+            for l in sub.lanes.values_mut() {
+                if !keep {
+                    l.bucket = fresh;
+                }
+                if l.held.is_some() || l.idle() {
+                    lanes.push((sub.name.clone(), l.name.clone()));
                 }
             }
         }
-        // Rate tokens for what was taken; kinds out of room are held.
-        let mut taken: Vec<(Box<str>, u32)> = Vec::new();
-        for id in &out {
-            if let Some(k) = self.tasks.get(id).and_then(|t| t.kind.as_deref())
-                && self.kinds.get(k).is_some_and(|s| !s.buckets.is_empty())
-            {
-                match taken.iter_mut().find(|t| &*t.0 == k) {
-                    Some(t) => t.1 += 1,
-                    None => taken.push((Box::from(k), 1)),
-                }
-            }
+        for (sub, key) in lanes {
+            let lane = LaneOf { kind: Some(kind), submitter: &sub, key: &key };
+            self.reopen_lane(lane, wall, events);
+            self.settle(lane, wall);
         }
-        for (k, n) in taken {
-            if let Some(s) = self.kinds.get_mut(&*k) {
-                for b in &mut s.buckets {
-                    b.take(wall, n);
-                }
-            }
+        self.refresh(Some(kind));
+    }
+
+    /// Replaces (`Some`) or removes the kind's policy (in memory only).
+    fn set_policy(&mut self, kind: &str, policy: Option<Policy>, wall: u64, events: &mut Vec<Event>) {
+        let had = self.kinds.get(kind).and_then(|s| s.policy);
+        let s = self.kinds.entry(Box::from(kind)).or_default();
+        let bucket = policy.and_then(|p| p.kind_bucket());
+        // A rate that stays the same keeps its bucket (a resume does not refill it).
+        let same = match (&bucket, &s.bucket) {
+            (Some(a), Some(b)) => a.same_shape(b),
+            (None, None) => true,
+            _ => false,
+        };
+        if !same {
+            s.bucket = bucket;
         }
-        for (k, why) in full {
-            self.held_total[why.index()] += 1;
-            if why == WaitingOn::Rate {
-                self.wake_for_rate(&k);
-            }
-            self.set_held(&k, Some(why));
+        s.policy = policy;
+        match (had.is_some(), policy.is_some()) {
+            (false, true) => self.policies += 1,
+            (true, false) => self.policies -= 1,
+            _ => {}
+        }
+        self.apply_key_policy(kind, had, wall, events);
+    }
+
+    /// After a policy change that the journal recorded: the kind forgotten if nothing keeps
+    /// it, held or opened as the policy says.
+    fn policy_applied(&mut self, kind: &str, wall: u64, events: &mut Vec<Event>) {
+        if self.kinds.get(kind).is_some_and(KindState::forgettable) {
+            self.forget_kind(kind);
+            return;
+        }
+        let why = self.kinds.get(kind).and_then(|s| s.room(wall).1);
+        if why == Some(WaitingOn::Rate) {
+            self.wake_for_rate(kind, wall);
+        }
+        self.set_held(kind, why, events);
+        events.push(Event::Ready);
+    }
+
+    /// The flow control that holds a pending task back now, if any does (SPEC §14: the first
+    /// of paused, concurrency, rate — its kind's or its lane's).
+    pub fn held_by(&self, task: &Task, wall: u64) -> Option<WaitingOn> {
+        if task.status != Status::Pending {
+            return None;
+        }
+        let s = self.kinds.get(task.kind.as_deref()?)?;
+        let kind = s.room(wall).1;
+        let lane = s
+            .policy
+            .filter(Policy::key_limits)
+            .and_then(|p| s.rot.lane(&task.submitter, &task.key).and_then(|l| l.room(Some(&p), wall)));
+        kind.into_iter().chain(lane).min_by_key(|w| w.index())
+    }
+}
+
+impl MemStore {
+    /// A task of `kind` went from `from` to `to`, for a task not in the table (yet).
+    pub(super) fn count_task(&mut self, task: &Task, from: Option<Status>, to: Option<Status>) {
+        self.flow.count_kind(LaneOf::of(task), from, to, self.wall_ms, &mut self.events);
+    }
+
+    /// The tasks a claim takes, in dispatch order, out of the ready lanes and claimed.
+    pub(super) fn claim_tasks(&mut self, ask: &ClaimAsk<'_>) -> Vec<Claimed> {
+        let mut out = Vec::new();
+        let mut walk = self.flow.walk();
+        while out.len() < ask.limit as usize {
+            let Some(id) = self.flow.claim_next(&self.tasks, ask, &mut walk, self.wall_ms, &mut self.events) else {
+                break;
+            };
+            self.unqueue(id);
+            out.extend(self.claimed(id));
         }
         out
+    }
+
+    /// Kinds and lanes whose next token is due now open again.
+    pub(super) fn on_rate_wakes(&mut self) {
+        self.flow.on_wakes(self.wall_ms, &mut self.events);
+    }
+
+    /// When a rate-held kind or lane opens again (the loop's clock).
+    pub(super) fn next_rate_wake_ms(&self) -> Option<u64> {
+        self.flow.next_wake_wall_ms().map(|at| self.now_ms + at.saturating_sub(self.wall_ms))
+    }
+
+    pub fn kind_paused(&self, kind: Option<&str>) -> bool {
+        self.flow.kind_paused(kind)
     }
 
     // ----- policies --------------------------------------------------------------------------
@@ -413,7 +950,7 @@ impl MemStore {
     pub fn kind_op(&mut self, op: KindOp, conn: ConnRef) {
         match op {
             KindOp::Get(kind) => {
-                let r = match self.kinds.get(kind.as_str()) {
+                let r = match self.flow.kinds.get(kind.as_str()) {
                     Some(s) => kind_response(&kind, s.policy.as_ref(), s.dispatched.into(), s.pending.into()),
                     None => unknown_kind(),
                 };
@@ -425,8 +962,8 @@ impl MemStore {
                     return;
                 }
                 if policy.is_some()
-                    && self.kinds.get(kind.as_str()).is_none_or(|s| s.policy.is_none())
-                    && self.policies >= crate::flow::MAX_POLICIES
+                    && self.flow.kinds.get(kind.as_str()).is_none_or(|s| s.policy.is_none())
+                    && self.flow.policies >= crate::flow::MAX_POLICIES
                 {
                     self.answer(
                         conn,
@@ -435,7 +972,7 @@ impl MemStore {
                     return;
                 }
                 let lsn = self.set_policy(&kind, policy);
-                let s = self.kinds.get(kind.as_str());
+                let s = self.flow.kinds.get(kind.as_str());
                 let mut r = kind_response(
                     &kind,
                     s.and_then(|s| s.policy.as_ref()),
@@ -446,14 +983,14 @@ impl MemStore {
                 self.answer(conn, r);
             }
             KindOp::List => {
-                let mut names: Vec<&str> = self.kinds.keys().map(|k| &**k).collect();
+                let mut names: Vec<&str> = self.flow.kinds.keys().map(|k| &**k).collect();
                 names.sort_unstable();
                 let mut s = String::from("{\"kinds\":[");
                 for (i, k) in names.iter().enumerate() {
                     if i > 0 {
                         s.push(',');
                     }
-                    let st = &self.kinds[*k];
+                    let st = &self.flow.kinds[*k];
                     crate::flow::write_kind_json(
                         &mut s,
                         k,
@@ -470,70 +1007,37 @@ impl MemStore {
 
     /// Replaces (`Some`) or removes the kind's policy, journaled; returns the record's number.
     pub(super) fn set_policy(&mut self, kind: &str, policy: Option<Policy>) -> u64 {
-        let had = self.kinds.get(kind).is_some_and(|s| s.policy.is_some());
-        let s = self.kinds.entry(Box::from(kind)).or_default();
-        let mut stored = s.stored;
-        let buckets: Vec<Bucket> = policy.iter().flat_map(|p| p.buckets()).collect();
-        // A rate that stays the same keeps its bucket (a resume does not refill it).
-        let kept: Vec<Bucket> =
-            if buckets.len() == s.buckets.len() && buckets.iter().zip(&s.buckets).all(|(a, b)| a.same_shape(b)) {
-                std::mem::take(&mut s.buckets)
-            } else {
-                buckets
-            };
-        s.buckets = kept;
-        s.policy = policy;
-        match (had, policy.is_some()) {
-            (false, true) => self.policies += 1,
-            (true, false) => self.policies -= 1,
-            _ => {}
-        }
+        self.flow.set_policy(kind, policy, self.wall_ms, &mut self.events);
         let mut lsn = 0;
-        if let Some(j) = &mut self.journal {
+        if let Some(j) = &mut self.journal
+            && let Some(s) = self.flow.kinds.get_mut(kind)
+        {
             let json = policy.map(|p| p.to_json());
-            j.policy(kind, json.as_deref(), &mut stored);
+            j.policy(kind, json.as_deref(), &mut s.stored);
             lsn = j.lsn();
         }
-        if let Some(s) = self.kinds.get_mut(kind) {
-            s.stored = stored;
-            let forget = s.forgettable();
-            let held = s.held;
-            if forget {
-                if held.is_some() {
-                    self.set_held(kind, None);
-                }
-                self.kinds.remove(kind);
-                return lsn;
-            }
-        }
-        let wall = self.wall_ms;
-        let why = self.kinds.get(kind).and_then(|s| s.room(wall).1);
-        if why == Some(WaitingOn::Rate) {
-            self.wake_for_rate(kind);
-        }
-        self.set_held(kind, why);
-        self.events.push(Event::Ready);
+        self.flow.policy_applied(kind, self.wall_ms, &mut self.events);
         lsn
     }
 
     /// Policies restored from the journal at start.
     pub(super) fn restore_policies(&mut self, policies: Vec<(Box<str>, Policy, Stored)>) {
         for (kind, policy, stored) in policies {
-            let s = self.kinds.entry(kind.clone()).or_default();
-            s.buckets = policy.buckets().collect();
-            s.policy = Some(policy);
-            s.stored = stored;
-            self.policies += 1;
-            if policy.paused {
-                s.held = Some(WaitingOn::Paused);
+            self.flow.set_policy(&kind, Some(policy), self.wall_ms, &mut self.events);
+            if let Some(s) = self.flow.kinds.get_mut(&kind) {
+                s.stored = stored;
+                if policy.paused {
+                    s.held = Some(WaitingOn::Paused);
+                }
             }
+            self.flow.refresh(Some(&kind));
         }
     }
 
     /// Policies whose record pins segment `seg` or an older one (compaction writes them again).
     pub(super) fn compact_policies(&mut self, seg: u32) {
         let Some(j) = &mut self.journal else { return };
-        for (kind, s) in self.kinds.iter_mut() {
+        for (kind, s) in self.flow.kinds.iter_mut() {
             if let Some(p) = &s.policy
                 && s.stored.segs.iter().any(|&x| x != 0 && x <= seg)
             {
@@ -543,24 +1047,16 @@ impl MemStore {
         }
     }
 
-    /// The kind policy that holds a pending task back now, if one does (SPEC §14).
-    pub(super) fn held_by(&self, task: &Task) -> Option<WaitingOn> {
-        if task.status != Status::Pending {
-            return None;
-        }
-        let s = self.kinds.get(task.kind.as_deref()?)?;
-        s.room(self.wall_ms).1
-    }
-
     /// Marks the task with the policy that holds it back, for its JSON's `waiting_on`.
     pub(super) fn note_waiting(&self, task: &Task) {
-        task.held_by.set(self.held_by(task));
+        task.held_by.set(self.flow.held_by(task, self.wall_ms));
     }
 
     /// `relay_kind_running` / `relay_kind_pending` (kinds with a policy, at most
     /// [`crate::flow::MAX_LABELLED_KINDS`]) and `relay_dispatch_held_total`.
     pub fn kind_gauges(&self, g: &mut crate::metrics::Gauges) {
         let mut kinds: Vec<(&str, u64, u64)> = self
+            .flow
             .kinds
             .iter()
             .filter(|(_, s)| s.policy.is_some())
@@ -569,6 +1065,6 @@ impl MemStore {
         kinds.sort_unstable();
         kinds.truncate(crate::flow::MAX_LABELLED_KINDS);
         g.kinds = kinds.into_iter().map(|(k, r, p)| (k.to_string(), r, p)).collect();
-        g.held = self.held_total;
+        g.held = self.flow.held_total;
     }
 }

@@ -26,6 +26,7 @@ use crate::metrics::Ignored;
 use crate::tasks::{
     Attempt, ConnRef, Evicted, IdHasher, Place, Status, Stored, Task, TaskId, TaskTable, task_response, uuid_string,
 };
+use flow::LaneOf;
 use fragile::{Fragile, KindKey};
 
 mod durable;
@@ -165,19 +166,9 @@ pub struct MemStore {
     status_counts: [usize; Status::COUNT],
     /// Payload bytes of the tasks whose status is pending (bounded by MAX_PENDING_BYTES).
     pending_bytes: usize,
-    /// The ready lanes (`flow.rs`): one per kind, one for tasks without a kind, and the first
-    /// task of every open lane.
-    ready_kind: HashMap<Box<str>, BTreeMap<QueueKey, TaskId>>,
-    ready_none: BTreeMap<QueueKey, TaskId>,
-    heads: BTreeMap<QueueKey, TaskId>,
-    /// Kinds with tasks pending or running, or with a policy (SPEC §14).
-    kinds: HashMap<Box<str>, flow::KindState>,
-    /// Kinds held for rate, by when their next token is due (wall clock).
-    rate_wakes: std::collections::BTreeSet<(u64, Box<str>)>,
-    /// Kinds with a policy.
-    policies: usize,
-    /// Dispatches a policy held back, by `WaitingOn` (`relay_dispatch_held_total`).
-    held_total: [u64; 6],
+    /// The ready lanes and kinds (`flow.rs`): per kind a rotation over submitters and keys,
+    /// policies, and the next task of every open kind.
+    flow: flow::Flow,
     /// Ready first attempts by their real due time (the ready queues' order includes the
     /// priority): they expire TASK_TTL after they fell due.
     ready_due: BTreeMap<QueueKey, TaskId>,
@@ -239,13 +230,7 @@ impl MemStore {
             tasks: TaskTable::default(),
             status_counts: [0; Status::COUNT],
             pending_bytes: 0,
-            ready_kind: HashMap::new(),
-            ready_none: BTreeMap::new(),
-            heads: BTreeMap::new(),
-            kinds: HashMap::new(),
-            rate_wakes: std::collections::BTreeSet::new(),
-            policies: 0,
-            held_total: [0; 6],
+            flow: flow::Flow::default(),
             ready_due: BTreeMap::new(),
             fragile: Fragile::default(),
             scheduled: BTreeMap::new(),
@@ -387,7 +372,8 @@ impl MemStore {
         self.record(id, Rec::Whole);
         self.by_submission.insert(seq, id);
         self.status_counts[Status::Pending.index()] += 1;
-        self.count_kind(new.kind, None, Some(Status::Pending));
+        let lane = LaneOf { kind: new.kind, submitter: new.submitter, key: new.key };
+        self.flow.count_kind(lane, None, Some(Status::Pending), self.wall_ms, &mut self.events);
         self.pending_bytes += bytes;
         crate::log!(Level::Debug, "task accepted", task_id = uuid_string(id), kind = new.kind.unwrap_or("-"));
         if let Some((owner, key)) = new.idempotency {
@@ -396,8 +382,9 @@ impl MemStore {
         self.events.push(Event::Inserted { to, id });
         if due_wall_ms > self.wall_ms {
             self.schedule(id);
-        } else if let Some(group) =
-            new.claim_group.filter(|_| self.heads.is_empty() && self.writable() && self.admit_now(new.kind))
+        } else if let Some(group) = new
+            .claim_group
+            .filter(|_| self.flow.heads.is_empty() && self.writable() && self.flow.admit_now(lane, self.wall_ms))
         {
             // Nothing older waits to be claimed: the idle group takes it as it is stored.
             if let Some(task) = self.claimed(id) {
@@ -448,12 +435,11 @@ impl MemStore {
         if fragile {
             self.fragile.insert(task.kind.as_deref(), id, attempts);
         }
-        let kind = task.kind.clone();
-        self.lane_insert(kind.as_deref(), key, id);
-        if was_claimed {
-            self.count_claimed(kind.as_deref(), false);
-        }
         let Some(task) = self.tasks.get(&id) else { return };
+        self.flow.lane_insert(LaneOf::of(task), key, id);
+        if was_claimed {
+            self.flow.count_claimed(LaneOf::of(task), false, self.wall_ms, &mut self.events);
+        }
         if attempts == 0 {
             // A first attempt expires TASK_TTL after it fell due.
             self.ready_due.insert((task.due_wall_ms, task.submit_seq), id);
@@ -481,16 +467,12 @@ impl MemStore {
                     self.ready_due.remove(&key);
                 }
                 self.fragile.remove(task.kind.as_deref(), id, task.attempts.len());
-                let (kind, ready) = (task.kind.clone(), ready_key(task));
-                self.lane_remove(kind.as_deref(), ready);
+                self.flow.lane_remove(LaneOf::of(task), ready_key(task), self.wall_ms);
             }
             Place::Scheduled => {
                 self.scheduled.remove(&key);
             }
-            Place::Claimed => {
-                let kind = task.kind.clone();
-                self.count_claimed(kind.as_deref(), false);
-            }
+            Place::Claimed => self.flow.count_claimed(LaneOf::of(task), false, self.wall_ms, &mut self.events),
             Place::Nowhere => {}
         }
     }
@@ -511,8 +493,7 @@ impl MemStore {
         self.status_counts[task.status.index()] -= 1;
         self.status_counts[status.index()] += 1;
         let from = std::mem::replace(&mut task.status, status);
-        let kind = task.kind.clone();
-        self.count_kind(kind.as_deref(), Some(from), Some(status));
+        self.flow.count_kind(LaneOf::of(task), Some(from), Some(status), self.wall_ms, &mut self.events);
     }
 
     // ----- claims and attempts -----------------------------------------------------------------
@@ -520,12 +501,7 @@ impl MemStore {
     pub fn claim(&mut self, ask: &ClaimAsk<'_>) {
         // (A full journal: no attempt starts, since its result could not be kept; the workers
         // claim again once it can write.)
-        let ids = if self.writable() { self.claimable(ask) } else { Vec::new() };
-        let mut tasks = Vec::with_capacity(ids.len());
-        for id in ids {
-            self.unqueue(id);
-            tasks.extend(self.claimed(id));
-        }
+        let tasks = if self.writable() { self.claim_tasks(ask) } else { Vec::new() };
         self.events.push(Event::Claimed { group: ask.group, tasks });
     }
 
@@ -534,10 +510,7 @@ impl MemStore {
         let task = self.tasks.get_mut(&id)?;
         let payload = task.payload.clone()?;
         task.place = Place::Claimed;
-        if let Some(k) = task.kind.clone() {
-            self.count_claimed(Some(&k), true);
-        }
-        let task = self.tasks.get(&id)?;
+        self.flow.count_claimed(LaneOf::of(task), true, self.wall_ms, &mut self.events);
         Some(Claimed {
             id,
             attempt: task.attempts.len() as u32 + 1,
@@ -583,9 +556,10 @@ impl MemStore {
             task.attempts.reserve_exact(1);
         }
         task.attempts.push(a);
-        let kind = task.kind.clone();
         self.set_status(id, Status::Dispatched);
-        self.count_claimed(kind.as_deref(), false);
+        if let Some(task) = self.tasks.get(&id) {
+            self.flow.count_claimed(LaneOf::of(task), false, self.wall_ms, &mut self.events);
+        }
         self.record(id, Rec::AttemptStarted);
     }
 
@@ -1000,7 +974,7 @@ impl MemStore {
     /// Some task is ready to be claimed (O(1): the first task of every open lane is in `heads`;
     /// a lane its kind's policy holds back has none to give).
     pub fn has_ready(&self) -> bool {
-        !self.heads.is_empty()
+        !self.flow.heads.is_empty()
     }
 
     pub fn writable(&self) -> bool {

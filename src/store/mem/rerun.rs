@@ -384,8 +384,7 @@ impl MemStore {
         self.status_counts[Status::Pending.index()] += 1;
         self.pending_bytes += bytes;
         task.status = Status::Pending;
-        let kind = task.kind.clone();
-        self.count_kind(kind.as_deref(), None, Some(Status::Pending));
+        self.flow.count_kind(flow::LaneOf::of(task), None, Some(Status::Pending), self.wall_ms, &mut self.events);
         let Some(task) = self.tasks.get_mut(&id) else { return false };
         task.finished_wall_ms = None;
         task.error = None;
