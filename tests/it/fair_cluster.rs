@@ -113,3 +113,68 @@ fn cluster_one_claim_of_many_tasks_takes_them_in_rotation() {
     let at = got.iter().position(|n| n == "b0").unwrap_or_else(|| panic!("b0 not among the first 8: {got:?}"));
     assert!(at <= 1, "b0 waits at most one dispatch of the flooding key: {got:?}");
 }
+
+/// `max_running_per_key` holds for the whole cluster: three nodes with three workers each claim
+/// tasks of three keys at once, and no key ever runs more than its cap (counted from what the
+/// workers were sent and have not answered), while each key is used up to it.
+#[test]
+fn max_running_per_key_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once() {
+    let Some(db) = database("max_running_per_key_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once") else {
+        return;
+    };
+    // (Attempts are answered only once every key is at its cap: none may time out meanwhile.)
+    let nodes: Vec<Relay> = (0..3).map(|_| Mode::start_on(db.clone(), &[("TASK_TIMEOUT", "60s")])).collect();
+    let mut workers = Vec::new();
+    for node in &nodes {
+        for _ in 0..3 {
+            workers.push(FakeWorker::connect(
+                node,
+                Some(json!({"type":"hello","kinds":["m"],"concurrency":4})),
+                Auto::Manual,
+            ));
+        }
+    }
+    nodes[0].wait_clients(9, |c| c["concurrency"] == 4);
+    let r = nodes[0].api("PUT", "/kinds/m", Some(r#"{"max_running_per_key":2}"#));
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Every node knows the policy before the tasks come (SPEC §14: within a second).
+    let set = Instant::now();
+    poll_until(Duration::from_secs(2), || set.elapsed() >= Duration::from_millis(1_100));
+    let keys = ["a", "b", "c"];
+    let body = (0..45)
+        .map(|i| format!(r#"{{"payload":{{"kind":"m","k":"{k}"}},"key":"{k}"}}"#, k = keys[i % 3]))
+        .collect::<Vec<_>>()
+        .join(",");
+    let batch = nodes[1].api("POST", "/tasks/batch", Some(&format!(r#"{{"tasks":[{body}]}}"#)));
+    assert_eq!(batch.status, 202, "{}", batch.text());
+    let mut running: Vec<(usize, String, String)> = Vec::new();
+    let mut most = std::collections::HashMap::new();
+    let mut done = 0;
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut last_new = Instant::now();
+    while done < 45 && Instant::now() < deadline {
+        for (i, w) in workers.iter().enumerate() {
+            while let Some(t) = w.next_task(Duration::from_millis(5)) {
+                let k = t.payload["k"].as_str().expect("k").to_string();
+                running.push((i, t.id, k));
+                last_new = Instant::now();
+            }
+        }
+        for k in keys {
+            let n = running.iter().filter(|r| r.2 == k).count();
+            assert!(n <= 2, "max_running_per_key 2 exceeded for key {k} across nodes: {running:?}");
+            let m = most.entry(k).or_insert(0);
+            *m = n.max(*m);
+        }
+        // Answer one when every key is at its cap (or nothing more comes for a while: the tail).
+        if !running.is_empty() && (running.len() == 6 || last_new.elapsed() > Duration::from_millis(600)) {
+            let (i, id, _) = running.remove(0);
+            workers[i].done(&id, json!(null));
+            done += 1;
+        }
+    }
+    assert_eq!(done, 45, "every task ran");
+    for k in keys {
+        assert_eq!(most.get(k), Some(&2), "key {k} used its cap: {most:?}");
+    }
+}
