@@ -262,6 +262,12 @@ impl Bucket {
         self.tokens = (self.tokens - f64::from(n)).max(0.0);
     }
 
+    /// Its rate (tokens per ms) and capacity: what a store that keeps buckets elsewhere (the
+    /// cluster store, in the database) needs to refill them there.
+    pub fn rate_and_capacity(&self) -> (f64, f64) {
+        (self.per_ms, self.capacity)
+    }
+
     /// When it is full again if nothing takes from it (wall clock; `now_ms` if it is).
     pub fn full_ms(&mut self, now_ms: u64) -> u64 {
         self.refill(now_ms);

@@ -540,7 +540,17 @@ fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<PgEr
             Err(e) => crate::log!(Level::Error, "database housekeeping failed", job = what, error = &e),
         }
     }
-    None
+    // Lanes without work lose their rotation state (SPEC §14), under the insert lock: a
+    // transaction of its own, after the lock's.
+    shared.background.fetch_add(1, Ordering::Relaxed);
+    match conn.pipeline(&[Stmt::new(sql::INSERT_LOCK, vec![]), Stmt::new(sql::FAIR_SWEEP, vec![])]) {
+        Ok(_) => None,
+        Err(e) if e.is_fatal() => Some(e),
+        Err(e) => {
+            crate::log!(Level::Error, "database housekeeping failed", job = "fair lanes", error = &e);
+            None
+        }
+    }
 }
 
 /// The `relay-db-listen` thread.

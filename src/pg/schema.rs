@@ -26,6 +26,8 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (8, "kind policies: concurrency, rate, pause", V8),
     (9, "a held worker session's row says until when it may resume", V9),
     (10, "fair shares: tasks keep their submitter and key", V10),
+    (11, "fair shares: claims rotate over submitters and keys", V11),
+    (12, "per-key limits: running attempts and token buckets per lane", V12),
 ];
 
 /// The newest version this build knows.
@@ -328,6 +330,230 @@ ALTER TABLE relay_pending ADD COLUMN IF NOT EXISTS submitter text NOT NULL DEFAU
     ADD COLUMN IF NOT EXISTS fair_key text NOT NULL DEFAULT '';
 ALTER TABLE relay_running ADD COLUMN IF NOT EXISTS submitter text NOT NULL DEFAULT '',
     ADD COLUMN IF NOT EXISTS fair_key text NOT NULL DEFAULT '';
+"#;
+
+/// Version 11 (SPEC §14 rotation, docs/cluster.md): a *lane* is (kind, submitter, key), named in
+/// these tables by `coalesce('k' || kind, 'n')` (a kind, or `n` for tasks without one) so that
+/// every column is a key column. Each lane with pending or running tasks has a row with the
+/// stamp it was last served at (`relay_fair_stamp`: one counter for all kinds, as only stamps of
+/// one kind are compared), and each (kind, submitter) too; a lane or submitter that is new joins
+/// with the counter as it is, at the back. `relay_fair_kinds` names the kinds with two lanes or
+/// more: only their claims rotate (a kind with one lane is claimed in plain order, as before).
+/// The pending and running rows are indexed by lane.
+const V11: &str = r#"
+CREATE SEQUENCE IF NOT EXISTS relay_fair_stamp;
+-- (Called once: a lane served next gets more than the `last_value` a new lane joins with.)
+SELECT nextval('relay_fair_stamp');
+CREATE TABLE IF NOT EXISTS relay_fair_lanes (
+    kind          text NOT NULL,                       -- 'k' || kind, or 'n'
+    submitter     text NOT NULL,
+    fair_key      text NOT NULL,
+    stamp         int8 NOT NULL,
+    PRIMARY KEY (kind, submitter, fair_key)
+);
+CREATE TABLE IF NOT EXISTS relay_fair_submitters (
+    kind          text NOT NULL,
+    submitter     text NOT NULL,
+    stamp         int8 NOT NULL,
+    PRIMARY KEY (kind, submitter)
+);
+CREATE TABLE IF NOT EXISTS relay_fair_kinds (
+    kind          text PRIMARY KEY
+);
+CREATE INDEX IF NOT EXISTS relay_pending_lane ON relay_pending (coalesce('k' || kind, 'n'), submitter, fair_key, ord_ms, seq);
+CREATE INDEX IF NOT EXISTS relay_running_lane ON relay_running (coalesce('k' || kind, 'n'), submitter, fair_key);
+-- The rotation of a claim (SPEC §14) over the lanes of the kinds `kinds` (as `relay_fair_lanes`
+-- names them) with a task claimable at `now_ms` by one of `takers`: up to `2 lim` tasks in the
+-- order the rotation hands them out — round robin over the kind's submitters (least recently
+-- served first: `stamp`, then name), within a submitter over its lanes (the same way), within a
+-- lane in priority order. Exact as long as no lane runs dry within the claim, which it allows
+-- for: a lane's i-th task comes in the i-th round of its submitter's lanes, a submitter's t-th
+-- in the t-th round of the kind's submitters. Only the first `lim` lanes a round robin of `lim`
+-- dispatches can touch are read, `lim` tasks each. `eff` is the largest queue position (due time
+-- less head start, submission) up to each task in its kind: kinds merge by it, as a node's
+-- claim merges kinds by the head of each kind's rotation. A function of its own (PL/pgSQL)
+-- so that its plan is cached apart from the claim's, and planned only when a kind rotates.
+CREATE OR REPLACE FUNCTION relay_fair_rotation(kinds text[], now_ms int8, takers uuid[], lim int4)
+RETURNS TABLE (task_id uuid, ord_ms int8, seq int8, fk text, submitter text, fair_key text, pos int8, eff int8[])
+LANGUAGE plpgsql STABLE ROWS 8 AS $fn$
+#variable_conflict use_column
+BEGIN
+  RETURN QUERY WITH lanes AS (
+    SELECT l.kind AS fk, l.submitter, l.fair_key, l.stamp, s.stamp AS s_stamp
+    FROM relay_fair_submitters s
+    JOIN relay_fair_lanes l ON l.kind = s.kind AND l.submitter = s.submitter
+    WHERE s.kind = ANY(kinds) AND EXISTS (SELECT 1 FROM relay_pending p
+                  WHERE coalesce('k' || p.kind, 'n') = l.kind AND p.submitter = l.submitter
+                    AND p.fair_key = l.fair_key AND p.ord_ms <= now_ms + 86400000 AND p.due_ms <= now_ms AND NOT (p.tried @> takers))
+  ), ranked AS (
+    SELECT lanes.*, dense_rank() OVER (PARTITION BY fk ORDER BY s_stamp, submitter) AS q,
+           row_number() OVER (PARTITION BY fk, submitter ORDER BY stamp, fair_key) AS r
+    FROM lanes
+  ), touched AS (
+    SELECT * FROM (SELECT ranked.*, row_number() OVER (PARTITION BY fk ORDER BY r, q) AS nth FROM ranked) x
+    WHERE x.nth <= lim
+  ), cand AS (
+    SELECT f.fk, f.submitter, f.fair_key, f.q, f.r, x.task_id, x.ord_ms, x.seq,
+           row_number() OVER (PARTITION BY f.fk, f.submitter, f.fair_key ORDER BY x.ord_ms, x.seq) AS i
+    FROM touched f CROSS JOIN LATERAL (
+      SELECT p.task_id, p.ord_ms, p.seq FROM relay_pending p
+      WHERE coalesce('k' || p.kind, 'n') = f.fk AND p.submitter = f.submitter AND p.fair_key = f.fair_key
+        AND p.ord_ms <= now_ms + 86400000 AND p.due_ms <= now_ms AND NOT (p.tried @> takers)
+      ORDER BY p.ord_ms, p.seq LIMIT lim) x
+  ), turns AS (
+    SELECT cand.*, row_number() OVER (PARTITION BY fk, submitter ORDER BY i, r) AS t FROM cand
+  ), rot AS (
+    SELECT x.*, max(ARRAY[x.ord_ms, x.seq]) OVER (PARTITION BY x.fk ORDER BY x.pos ROWS UNBOUNDED PRECEDING) AS eff
+    FROM (SELECT turns.*, row_number() OVER (PARTITION BY fk ORDER BY t, q) AS pos FROM turns) x
+    WHERE x.pos <= 2 * lim
+  )
+  SELECT rot.task_id, rot.ord_ms, rot.seq, rot.fk, rot.submitter, rot.fair_key, rot.pos, rot.eff FROM rot;
+END $fn$;
+-- A claim's choice once a kind in it rotates: the plain walk's tasks (`p_*`, locked by the
+-- claim) of kinds that do not rotate, and the rotation of the kinds `mk`, merged by queue
+-- position (a kind by the head of its rotation) — the first `lim`, locked (rows another claim
+-- holds are skipped, and the rotation's next ones taken); the lanes and submitters served get
+-- new stamps in the order they were served (rows upserted in key order: claims never deadlock).
+CREATE OR REPLACE FUNCTION relay_fair_pick(mk text[], now_ms int8, takers uuid[], lim int4, p_ids uuid[],
+                                           p_kinds text[], p_ord int8[], p_seq int8[])
+RETURNS TABLE (task_id uuid, eff int8[], fk text, pos int8)
+LANGUAGE plpgsql ROWS 8 AS $fn$
+#variable_conflict use_column
+BEGIN
+  RETURN QUERY WITH plain AS (
+    SELECT x.id, x.o, x.s FROM unnest(p_ids, p_kinds, p_ord, p_seq) AS x(id, kind, o, s)
+    WHERE NOT (coalesce('k' || x.kind, 'n') = ANY(mk))
+  ), rot_locked AS (
+    SELECT p.task_id, rot.fk, rot.submitter, rot.fair_key, rot.pos, rot.eff
+    FROM relay_fair_rotation(mk, now_ms, takers, lim) rot JOIN relay_pending p ON p.task_id = rot.task_id
+    ORDER BY rot.eff, rot.fk, rot.pos LIMIT lim
+    FOR UPDATE OF p SKIP LOCKED
+  ), c AS (
+    SELECT plain.id AS task_id, NULL::text AS fk, NULL::text AS submitter, NULL::text AS fair_key, 0::int8 AS pos,
+           ARRAY[plain.o, plain.s] AS eff FROM plain
+    UNION ALL SELECT r.task_id, r.fk, r.submitter, r.fair_key, r.pos, r.eff FROM rot_locked r
+    ORDER BY eff, fk, pos LIMIT lim
+  ), served AS (
+    SELECT x.fk, x.submitter, x.fair_key, nextval('relay_fair_stamp') AS stamp
+    FROM (SELECT * FROM c WHERE c.fk IS NOT NULL ORDER BY c.fk, c.pos) x
+  ), ls AS (
+    INSERT INTO relay_fair_lanes AS l (kind, submitter, fair_key, stamp)
+    SELECT v.fk, v.submitter, v.fair_key, max(v.stamp) FROM served v GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+    ON CONFLICT (kind, submitter, fair_key) DO UPDATE SET stamp = greatest(l.stamp, excluded.stamp)
+  ), ss AS (
+    INSERT INTO relay_fair_submitters AS s (kind, submitter, stamp)
+    SELECT v.fk, v.submitter, max(v.stamp) FROM served v GROUP BY 1, 2 ORDER BY 1, 2
+    ON CONFLICT (kind, submitter) DO UPDATE SET stamp = greatest(s.stamp, excluded.stamp)
+  )
+  SELECT c.task_id, c.eff, c.fk, c.pos FROM c;
+END $fn$;
+INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+    SELECT coalesce('k' || kind, 'n'), submitter, fair_key, 0 FROM relay_pending
+    UNION SELECT coalesce('k' || kind, 'n'), submitter, fair_key, 0 FROM relay_running
+    ON CONFLICT DO NOTHING;
+INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+    SELECT DISTINCT kind, submitter, 0 FROM relay_fair_lanes ON CONFLICT DO NOTHING;
+INSERT INTO relay_fair_kinds (kind)
+    SELECT kind FROM relay_fair_lanes GROUP BY kind HAVING count(*) > 1 ON CONFLICT DO NOTHING;
+"#;
+
+/// Version 12 (SPEC §14 per-key limits): `max_running_per_key` and `rate_per_key` hold per lane.
+/// The rotation leaves out the lanes at their cap (counted from `relay_running`) or out of
+/// tokens (`relay_lane_buckets`: one per lane a claim took from, kept until it would be full
+/// again, `full_ms`), under the kind's lock like the kind's own limits.
+const V12: &str = r#"
+CREATE TABLE IF NOT EXISTS relay_lane_buckets (
+    kind          text NOT NULL,                       -- as relay_fair_lanes names it
+    submitter     text NOT NULL,
+    fair_key      text NOT NULL,
+    tokens        float8 NOT NULL,
+    at_ms         int8 NOT NULL,                       -- database clock (relay_now_ms())
+    full_ms       int8 NOT NULL,                       -- when it is full again, untouched
+    PRIMARY KEY (kind, submitter, fair_key)
+);
+CREATE INDEX IF NOT EXISTS relay_lane_buckets_full ON relay_lane_buckets (full_ms);
+-- The rotation with a room per lane: `caps` (running attempts per lane), `rates` (tokens per
+-- ms) and `bursts`, one of each per kind of `kinds` (NULL: no limit). A lane's room is the
+-- least of its cap less its attempts running on every node and the whole tokens of its bucket
+-- (full when it has none); a lane without room is out of the rotation, the others go on.
+CREATE OR REPLACE FUNCTION relay_fair_rotation(kinds text[], now_ms int8, takers uuid[], lim int4, caps int8[],
+                                               rates float8[], bursts float8[])
+RETURNS TABLE (task_id uuid, ord_ms int8, seq int8, fk text, submitter text, fair_key text, pos int8, eff int8[])
+LANGUAGE plpgsql STABLE ROWS 8 AS $fn$
+#variable_conflict use_column
+BEGIN
+  RETURN QUERY WITH lanes AS (
+    SELECT l.kind AS fk, l.submitter, l.fair_key, l.stamp, s.stamp AS s_stamp,
+           least(coalesce(k.cap - (SELECT count(*) FROM relay_running r
+                                   WHERE coalesce('k' || r.kind, 'n') = l.kind AND r.submitter = l.submitter
+                                     AND r.fair_key = l.fair_key), lim),
+                 coalesce(floor(least(k.burst, coalesce(b.tokens + greatest(0, relay_now_ms() - b.at_ms) * k.per_ms,
+                                                        k.burst)) + 1e-9)::int8, lim)) AS room
+    FROM unnest(kinds, caps, rates, bursts) AS k(fk, cap, per_ms, burst)
+    JOIN relay_fair_submitters s ON s.kind = k.fk
+    JOIN relay_fair_lanes l ON l.kind = s.kind AND l.submitter = s.submitter
+    LEFT JOIN relay_lane_buckets b ON b.kind = l.kind AND b.submitter = l.submitter AND b.fair_key = l.fair_key
+    WHERE EXISTS (SELECT 1 FROM relay_pending p
+                  WHERE coalesce('k' || p.kind, 'n') = l.kind AND p.submitter = l.submitter
+                    AND p.fair_key = l.fair_key AND p.ord_ms <= now_ms + 86400000 AND p.due_ms <= now_ms AND NOT (p.tried @> takers))
+  ), ranked AS (
+    SELECT lanes.*, dense_rank() OVER (PARTITION BY fk ORDER BY s_stamp, submitter) AS q,
+           row_number() OVER (PARTITION BY fk, submitter ORDER BY stamp, fair_key) AS r
+    FROM lanes WHERE lanes.room > 0
+  ), touched AS (
+    SELECT * FROM (SELECT ranked.*, row_number() OVER (PARTITION BY fk ORDER BY r, q) AS nth FROM ranked) x
+    WHERE x.nth <= lim
+  ), cand AS (
+    SELECT f.fk, f.submitter, f.fair_key, f.q, f.r, f.room, x.task_id, x.ord_ms, x.seq,
+           row_number() OVER (PARTITION BY f.fk, f.submitter, f.fair_key ORDER BY x.ord_ms, x.seq) AS i
+    FROM touched f CROSS JOIN LATERAL (
+      SELECT p.task_id, p.ord_ms, p.seq FROM relay_pending p
+      WHERE coalesce('k' || p.kind, 'n') = f.fk AND p.submitter = f.submitter AND p.fair_key = f.fair_key
+        AND p.ord_ms <= now_ms + 86400000 AND p.due_ms <= now_ms AND NOT (p.tried @> takers)
+      ORDER BY p.ord_ms, p.seq LIMIT least(lim, f.room)) x
+  ), turns AS (
+    SELECT cand.*, row_number() OVER (PARTITION BY fk, submitter ORDER BY i, r) AS t FROM cand
+  ), rot AS (
+    SELECT x.*, max(ARRAY[x.ord_ms, x.seq]) OVER (PARTITION BY x.fk ORDER BY x.pos ROWS UNBOUNDED PRECEDING) AS eff
+    FROM (SELECT turns.*, row_number() OVER (PARTITION BY fk ORDER BY t, q) AS pos FROM turns) x
+    WHERE x.pos <= 2 * lim
+  )
+  SELECT rot.task_id, rot.ord_ms, rot.seq, rot.fk, rot.submitter, rot.fair_key, rot.pos, rot.eff FROM rot;
+END $fn$;
+DROP FUNCTION IF EXISTS relay_fair_rotation(text[], int8, uuid[], int4);
+CREATE OR REPLACE FUNCTION relay_fair_pick(mk text[], now_ms int8, takers uuid[], lim int4, p_ids uuid[],
+                                           p_kinds text[], p_ord int8[], p_seq int8[])
+RETURNS TABLE (task_id uuid, eff int8[], fk text, pos int8)
+LANGUAGE plpgsql ROWS 8 AS $fn$
+#variable_conflict use_column
+BEGIN
+  RETURN QUERY WITH plain AS (
+    SELECT x.id, x.o, x.s FROM unnest(p_ids, p_kinds, p_ord, p_seq) AS x(id, kind, o, s)
+    WHERE NOT (coalesce('k' || x.kind, 'n') = ANY(mk))
+  ), rot_locked AS (
+    SELECT p.task_id, rot.fk, rot.submitter, rot.fair_key, rot.pos, rot.eff
+    FROM relay_fair_rotation(mk, now_ms, takers, lim, NULL, NULL, NULL) rot JOIN relay_pending p ON p.task_id = rot.task_id
+    ORDER BY rot.eff, rot.fk, rot.pos LIMIT lim
+    FOR UPDATE OF p SKIP LOCKED
+  ), c AS (
+    SELECT plain.id AS task_id, NULL::text AS fk, NULL::text AS submitter, NULL::text AS fair_key, 0::int8 AS pos,
+           ARRAY[plain.o, plain.s] AS eff FROM plain
+    UNION ALL SELECT r.task_id, r.fk, r.submitter, r.fair_key, r.pos, r.eff FROM rot_locked r
+    ORDER BY eff, fk, pos LIMIT lim
+  ), served AS (
+    SELECT x.fk, x.submitter, x.fair_key, nextval('relay_fair_stamp') AS stamp
+    FROM (SELECT * FROM c WHERE c.fk IS NOT NULL ORDER BY c.fk, c.pos) x
+  ), ls AS (
+    INSERT INTO relay_fair_lanes AS l (kind, submitter, fair_key, stamp)
+    SELECT v.fk, v.submitter, v.fair_key, max(v.stamp) FROM served v GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+    ON CONFLICT (kind, submitter, fair_key) DO UPDATE SET stamp = greatest(l.stamp, excluded.stamp)
+  ), ss AS (
+    INSERT INTO relay_fair_submitters AS s (kind, submitter, stamp)
+    SELECT v.fk, v.submitter, max(v.stamp) FROM served v GROUP BY 1, 2 ORDER BY 1, 2
+    ON CONFLICT (kind, submitter) DO UPDATE SET stamp = greatest(s.stamp, excluded.stamp)
+  )
+  SELECT c.task_id, c.eff, c.fk, c.pos FROM c;
+END $fn$;
 "#;
 
 /// What [`migrate`] did.

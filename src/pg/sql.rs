@@ -174,6 +174,21 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
      ), pend AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
        SELECT id, due_ms, ord_ms, seq, kind, queue, bytes, submitter, fair_key FROM ins
+     ), lanes AS (
+       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
+       FROM ins ORDER BY 1, 2, 3
+       ON CONFLICT DO NOTHING RETURNING kind
+     ), subs AS (
+       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
+       FROM ins ORDER BY 1, 2
+       ON CONFLICT DO NOTHING
+     ), multi AS (
+       INSERT INTO relay_fair_kinds (kind)
+       SELECT n.kind FROM lanes n GROUP BY n.kind
+       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
+       ON CONFLICT DO NOTHING
      )
      SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
      ORDER BY n.ord";
@@ -268,20 +283,31 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 /// one, and the node's running row is written. Which worker runs it is the node's choice: the
 /// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
 /// locked by another claim are skipped, never waited for; the rows come back in that order.
-pub const CLAIM: &str = "WITH c AS (
-       SELECT task_id FROM relay_pending
+pub const CLAIM: &str = "WITH plain AS (
+       SELECT task_id, kind, ord_ms, seq FROM relay_pending
        WHERE $3::text[] IS NULL AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[]) AND (kind IS NULL OR NOT (kind = ANY($7::text[])))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
+     ), mk AS MATERIALIZED (
+       SELECT f.kind AS fk FROM relay_fair_kinds f
+       WHERE EXISTS (SELECT 1 FROM relay_fair_kinds) AND f.kind IN (SELECT coalesce('k' || kind, 'n') FROM plain)
+     ), c AS (
+       SELECT task_id, ARRAY[ord_ms, seq] AS eff, NULL::text AS fk, 0::int8 AS pos FROM plain
+       WHERE NOT EXISTS (SELECT 1 FROM mk)
+       UNION ALL
+       SELECT * FROM relay_fair_pick(ARRAY(SELECT fk FROM mk), $4::int8, $6::uuid[], $5::int4,
+                                     ARRAY(SELECT task_id FROM plain), ARRAY(SELECT kind FROM plain),
+                                     ARRAY(SELECT ord_ms FROM plain), ARRAY(SELECT seq FROM plain))
+       WHERE EXISTS (SELECT 1 FROM mk)
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
-                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
+                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
                    FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
                  t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
@@ -291,24 +317,35 @@ pub const CLAIM: &str = "WITH c AS (
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
-     FROM u ORDER BY ord_ms, seq";
+     FROM u ORDER BY eff, fk, pos";
 
 /// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
 /// hold back, $7, from it too).
-pub const CLAIM_KINDS: &str = "WITH c AS (
-       SELECT task_id FROM relay_pending
+pub const CLAIM_KINDS: &str = "WITH plain AS (
+       SELECT task_id, kind, ord_ms, seq FROM relay_pending
        WHERE kind = ANY($3::text[]) AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[]) AND NOT (kind = ANY($7::text[]))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
+     ), mk AS MATERIALIZED (
+       SELECT f.kind AS fk FROM relay_fair_kinds f
+       WHERE EXISTS (SELECT 1 FROM relay_fair_kinds) AND f.kind IN (SELECT coalesce('k' || kind, 'n') FROM plain)
+     ), c AS (
+       SELECT task_id, ARRAY[ord_ms, seq] AS eff, NULL::text AS fk, 0::int8 AS pos FROM plain
+       WHERE NOT EXISTS (SELECT 1 FROM mk)
+       UNION ALL
+       SELECT * FROM relay_fair_pick(ARRAY(SELECT fk FROM mk), $4::int8, $6::uuid[], $5::int4,
+                                     ARRAY(SELECT task_id FROM plain), ARRAY(SELECT kind FROM plain),
+                                     ARRAY(SELECT ord_ms FROM plain), ARRAY(SELECT seq FROM plain))
+       WHERE EXISTS (SELECT 1 FROM mk)
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
-                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
+                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
                    FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
                    WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
                  t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
@@ -318,7 +355,7 @@ pub const CLAIM_KINDS: &str = "WITH c AS (
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
             retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
-     FROM u ORDER BY ord_ms, seq";
+     FROM u ORDER BY eff, fk, pos";
 
 /// Taken before [`CLAIM_LIMITED`], one lock per limited kind ($1, sorted: every node locks in
 /// the same order): claims of one kind on all nodes take turns, so what they count — the
@@ -327,40 +364,76 @@ pub const KIND_LOCKS: &str = "SELECT pg_advisory_xact_lock(hashtextextended('rel
      FROM unnest($1::text[]) WITH ORDINALITY AS x(k, i) ORDER BY i";
 
 /// [`CLAIM_KINDS`] for the kinds $3 that a `max_running` ($7, NULL: none) or a rate ($8 tokens
-/// per ms, $9 burst; NULL: none) limits, under [`KIND_LOCKS`]: each kind takes at most what it
-/// has room for — its cap less its attempts running on every node (`relay_running`), and the
-/// whole tokens of its bucket (`relay_kind_buckets`, refilled on the database's clock, full when
-/// new) — and its bucket keeps what is left.
+/// per ms, $9 burst; NULL: none) limits, or a per-key limit (`max_running_per_key` $10,
+/// `rate_per_key` $11 tokens per ms and $12 burst), under [`KIND_LOCKS`]: each kind takes at
+/// most what it has room for — its cap less its attempts running on every node
+/// (`relay_running`), and the whole tokens of its bucket (`relay_kind_buckets`, refilled on the
+/// database's clock, full when new) — in the order of its rotation over the lanes that have
+/// room themselves (`relay_fair_rotation`: a lane at its per-key cap or out of per-key tokens is
+/// left out, the others go on), and its bucket and those of the lanes served keep what is left.
 pub const CLAIM_LIMITED: &str = "WITH k AS (
-       SELECT k.kind, k.cap, k.per_ms, k.burst, b.tokens AS b_tokens, b.at_ms AS b_at, relay_now_ms() AS now_db
-       FROM unnest($3::text[], $7::int8[], $8::float8[], $9::float8[]) AS k(kind, cap, per_ms, burst)
+       SELECT k.kind, k.cap, k.per_ms, k.burst, k.key_cap, k.key_per_ms, k.key_burst, b.tokens AS b_tokens,
+              b.at_ms AS b_at, relay_now_ms() AS now_db
+       FROM unnest($3::text[], $7::int8[], $8::float8[], $9::float8[], $10::int8[], $11::float8[], $12::float8[])
+         AS k(kind, cap, per_ms, burst, key_cap, key_per_ms, key_burst)
        LEFT JOIN relay_kind_buckets b ON b.kind = k.kind
      ), k2 AS (
        SELECT k.*, CASE WHEN per_ms IS NULL THEN NULL
                         ELSE least(burst, coalesce(b_tokens + greatest(0, now_db - b_at) * per_ms, burst)) END AS tokens
        FROM k
      ), room AS (
-       SELECT kind, per_ms, now_db, tokens,
+       SELECT kind, per_ms, now_db, tokens, key_cap, key_per_ms, key_burst,
               greatest(0, least($5::int8,
                 coalesce(cap - (SELECT count(*) FROM relay_running r WHERE r.kind = k2.kind), $5::int8),
                 coalesce(floor(tokens + 1e-9)::int8, $5::int8))) AS n
        FROM k2
+     ), open AS MATERIALIZED (
+       SELECT * FROM room WHERE n > 0 ORDER BY kind
      ), c AS (
-       SELECT x.task_id FROM room CROSS JOIN LATERAL (
-         SELECT p.task_id FROM relay_pending p
-         WHERE p.kind = room.kind AND p.ord_ms <= $4::int8 + 86400000 AND p.due_ms <= $4::int8
-           AND NOT (p.tried @> $6::uuid[])
-         ORDER BY p.ord_ms, p.seq LIMIT room.n
-         FOR UPDATE SKIP LOCKED) x
+       SELECT p.task_id, rot.eff, rot.fk, rot.pos, rot.submitter, rot.fair_key
+       FROM relay_fair_rotation(ARRAY(SELECT 'k' || kind FROM open), $4::int8, $6::uuid[], $5::int4,
+                                ARRAY(SELECT key_cap FROM open), ARRAY(SELECT key_per_ms FROM open),
+                                ARRAY(SELECT key_burst FROM open)) rot
+       JOIN open ON 'k' || open.kind = rot.fk
+       JOIN relay_pending p ON p.task_id = rot.task_id
+       WHERE rot.pos <= open.n
+       ORDER BY rot.eff, rot.fk, rot.pos LIMIT $5::int4
+       FOR UPDATE OF p SKIP LOCKED
+     ), served AS (
+       SELECT fk, submitter, fair_key, nextval('relay_fair_stamp') AS stamp
+       FROM (SELECT * FROM c ORDER BY fk, pos) x
+     ), ls AS (
+       INSERT INTO relay_fair_lanes AS l (kind, submitter, fair_key, stamp)
+       SELECT fk, submitter, fair_key, max(stamp) FROM served GROUP BY 1, 2, 3 ORDER BY 1, 2, 3
+       ON CONFLICT (kind, submitter, fair_key) DO UPDATE SET stamp = greatest(l.stamp, excluded.stamp)
+     ), ss AS (
+       INSERT INTO relay_fair_submitters AS s (kind, submitter, stamp)
+       SELECT fk, submitter, max(stamp) FROM served GROUP BY 1, 2 ORDER BY 1, 2
+       ON CONFLICT (kind, submitter) DO UPDATE SET stamp = greatest(s.stamp, excluded.stamp)
+     ), lb AS (
+       INSERT INTO relay_lane_buckets AS lb (kind, submitter, fair_key, tokens, at_ms, full_ms)
+       SELECT x.fk, x.submitter, x.fair_key, x.left_, x.now_db,
+              x.now_db + ceil((x.key_burst - x.left_) / x.key_per_ms)::int8
+       FROM (SELECT v.fk, v.submitter, v.fair_key, open.now_db, open.key_burst, open.key_per_ms,
+                    greatest(0, least(open.key_burst, coalesce(b.tokens + greatest(0, open.now_db - b.at_ms)
+                                                                 * open.key_per_ms, open.key_burst)) - count(*)) AS left_
+             FROM served v JOIN open ON 'k' || open.kind = v.fk
+             LEFT JOIN relay_lane_buckets b ON b.kind = v.fk AND b.submitter = v.submitter AND b.fair_key = v.fair_key
+             WHERE open.key_per_ms IS NOT NULL
+             GROUP BY v.fk, v.submitter, v.fair_key, open.now_db, open.key_burst, open.key_per_ms, b.tokens, b.at_ms
+             ORDER BY 1, 2, 3) x
+       ON CONFLICT (kind, submitter, fair_key) DO UPDATE
+         SET tokens = excluded.tokens, at_ms = excluded.at_ms, full_ms = excluded.full_ms
      ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, p.ord_ms, p.seq
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
      ), u AS (
        UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
        FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.ord_ms,
-                 d.seq, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*) FROM jsonb_array_elements(t.attempt_log) e
-                                                              WHERE e ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.submitter, t.fair_key
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
+                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
+                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
      ), r AS (
        INSERT INTO relay_running (task_id, owner_node, attempt, kind, submitter, fair_key)
        SELECT id, $1::uuid, attempt, kind, submitter, fair_key FROM u
@@ -371,8 +444,8 @@ pub const CLAIM_LIMITED: &str = "WITH k AS (
        ON CONFLICT (kind) DO UPDATE SET tokens = excluded.tokens, at_ms = excluded.at_ms
      )
      SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
-            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker
-     FROM u ORDER BY ord_ms, seq";
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
+     FROM u ORDER BY eff, fk, pos";
 
 /// After a claim of limited kinds $1: per kind, whether due tasks ($2 now) still wait (the node
 /// looks again shortly: a slot or a token frees on any node without telling it), its attempts
@@ -383,32 +456,91 @@ pub const KIND_BACKLOG: &str = "SELECT k.kind,
             b.tokens, relay_now_ms() - b.at_ms
      FROM unnest($1::text[]) AS k(kind) LEFT JOIN relay_kind_buckets b ON b.kind = k.kind";
 
+/// After a claim of kinds with per-key limits $1 (`max_running_per_key` $2, `rate_per_key` $3
+/// tokens per ms and $4 burst): the lanes with due tasks ($5 now) that a per-key limit holds
+/// back, 1000 at most — kind, submitter, key and why (`concurrency`, `rate`), for `waiting_on`.
+pub const LANE_BACKLOG: &str = "SELECT * FROM (
+       SELECT k.kind, l.submitter, l.fair_key,
+              CASE WHEN k.cap IS NOT NULL AND k.cap <= (SELECT count(*) FROM relay_running r
+                     WHERE coalesce('k' || r.kind, 'n') = l.kind AND r.submitter = l.submitter
+                       AND r.fair_key = l.fair_key) THEN 'concurrency'
+                   WHEN k.per_ms IS NOT NULL AND least(k.burst, coalesce(b.tokens + greatest(0, relay_now_ms() - b.at_ms)
+                     * k.per_ms, k.burst)) < 1 - 1e-9 THEN 'rate' END AS why
+       FROM unnest($1::text[], $2::int8[], $3::float8[], $4::float8[]) AS k(kind, cap, per_ms, burst)
+       JOIN relay_fair_lanes l ON l.kind = 'k' || k.kind
+       LEFT JOIN relay_lane_buckets b ON b.kind = l.kind AND b.submitter = l.submitter AND b.fair_key = l.fair_key
+       WHERE EXISTS (SELECT 1 FROM relay_pending p WHERE coalesce('k' || p.kind, 'n') = l.kind
+                       AND p.submitter = l.submitter AND p.fair_key = l.fair_key AND p.due_ms <= $5::int8)
+     ) x WHERE x.why IS NOT NULL LIMIT 1000";
+
 /// `relay_kind_running` / `relay_kind_pending` for the kinds with a policy ($1, at most 1,000):
 /// kind, attempts running, tasks pending (each counted on its kind's index).
 pub const KIND_GAUGES: &str = "SELECT k.kind, (SELECT count(*) FROM relay_running r WHERE r.kind = k.kind),
             (SELECT count(*) FROM relay_pending p WHERE p.kind = k.kind)
      FROM unnest($1::text[]) AS k(kind) ORDER BY k.kind";
 
-/// A limited kind in a claim: (kind, running cap, tokens per ms, burst).
-pub type Limited<'a> = (&'a str, Option<u32>, Option<f64>, Option<f64>);
+/// A limited kind in a claim: the kind, its own running cap and bucket (tokens per ms, burst),
+/// and those of each of its lanes.
+#[derive(Debug, Clone, Copy)]
+pub struct Limited<'a> {
+    pub kind: &'a str,
+    pub cap: Option<u32>,
+    pub bucket: Option<(f64, f64)>,
+    pub key_cap: Option<u32>,
+    pub key_bucket: Option<(f64, f64)>,
+}
 
 /// [`CLAIM_LIMITED`] for one group.
+/// [`LANE_BACKLOG`] for the kinds of `kinds` with per-key limits (`None`: none has).
+pub fn lane_backlog(kinds: &[Limited<'_>], now_ms: u64) -> Option<Stmt> {
+    let keyed: Vec<&Limited<'_>> = kinds.iter().filter(|k| k.key_cap.is_some() || k.key_bucket.is_some()).collect();
+    if keyed.is_empty() {
+        return None;
+    }
+    let caps: Vec<Option<String>> = keyed.iter().map(|k| k.key_cap.map(|c| c.to_string())).collect();
+    let rates: Vec<Option<String>> = keyed.iter().map(|k| k.key_bucket.map(|b| format!("{:e}", b.0))).collect();
+    let bursts: Vec<Option<String>> = keyed.iter().map(|k| k.key_bucket.map(|b| b.1.to_string())).collect();
+    Some(Stmt::new(
+        LANE_BACKLOG,
+        vec![
+            arr(keyed.iter().map(|k| k.kind)),
+            texts(&caps),
+            texts(&rates),
+            texts(&bursts),
+            (now_ms.min(i64::MAX as u64) as i64).into(),
+        ],
+    ))
+}
+
+fn texts(v: &[Option<String>]) -> Param {
+    arr_opt(v.iter().map(Option::as_deref))
+}
+
 pub fn claim_limited(node: &str, group: u32, kinds: &[Limited<'_>], now_ms: u64, limit: u32, takers: &str) -> Stmt {
-    let caps: Vec<Option<String>> = kinds.iter().map(|k| k.1.map(|c| c.to_string())).collect();
-    let rates: Vec<Option<String>> = kinds.iter().map(|k| k.2.map(|r| format!("{r:e}"))).collect();
-    let bursts: Vec<Option<String>> = kinds.iter().map(|k| k.3.map(|b| b.to_string())).collect();
+    let cap = |c: Option<u32>| c.map(|c| c.to_string());
+    let rate = |b: Option<(f64, f64)>| b.map(|b| format!("{:e}", b.0));
+    let burst = |b: Option<(f64, f64)>| b.map(|b| b.1.to_string());
+    let caps: Vec<Option<String>> = kinds.iter().map(|k| cap(k.cap)).collect();
+    let rates: Vec<Option<String>> = kinds.iter().map(|k| rate(k.bucket)).collect();
+    let bursts: Vec<Option<String>> = kinds.iter().map(|k| burst(k.bucket)).collect();
+    let key_caps: Vec<Option<String>> = kinds.iter().map(|k| cap(k.key_cap)).collect();
+    let key_rates: Vec<Option<String>> = kinds.iter().map(|k| rate(k.key_bucket)).collect();
+    let key_bursts: Vec<Option<String>> = kinds.iter().map(|k| burst(k.key_bucket)).collect();
     Stmt::new(
         CLAIM_LIMITED,
         vec![
             node.into(),
             i64::from(group).into(),
-            arr(kinds.iter().map(|k| k.0)),
+            arr(kinds.iter().map(|k| k.kind)),
             (now_ms.min(i64::MAX as u64) as i64).into(),
             i64::from(limit).into(),
             Param::Text(takers.to_string()),
-            arr_opt(caps.iter().map(Option::as_deref)),
-            arr_opt(rates.iter().map(Option::as_deref)),
-            arr_opt(bursts.iter().map(Option::as_deref)),
+            texts(&caps),
+            texts(&rates),
+            texts(&bursts),
+            texts(&key_caps),
+            texts(&key_rates),
+            texts(&key_bursts),
         ],
     )
 }
@@ -697,7 +829,7 @@ pub const ATTEMPT_ENDED: &str = "WITH a AS (
               queue, tried, bytes, submitter, fair_key FROM u WHERE status = 'pending'
      )
      SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text, client_ip,
-            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END, priority, reruns, fair_key
+            CASE WHEN status = 'pending' THEN NULL ELSE attempt_log::text END, priority, reruns, fair_key, submitter
      FROM u";
 
 pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
@@ -740,12 +872,12 @@ pub fn attempt_ended(node: &str, ended: &[Ended]) -> Stmt {
 /// the payload only with `?include=payload`: [`GET_TASKS_PAYLOAD`]): every read of a turn in
 /// one statement.
 pub const GET_TASKS: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text, priority, reruns, fair_key
+            client_id::text, client_ip, attempt_log::text, priority, reruns, fair_key, submitter
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
 /// [`GET_TASKS`] with the payload (a task that is done has none).
 pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error,
-            client_id::text, client_ip, attempt_log::text, priority, reruns, fair_key,
+            client_id::text, client_ip, attempt_log::text, priority, reruns, fair_key, submitter,
             CASE WHEN status = 'done' THEN NULL ELSE payload END
      FROM relay_tasks WHERE id = ANY($1::uuid[])";
 
@@ -756,7 +888,7 @@ pub const GET_TASKS_PAYLOAD: &str = "SELECT id::text, status, kind, created_ms, 
 pub const FINISHED_AMONG: &str =
     "SELECT t.id::text, t.status, t.kind, t.created_ms, t.run_at_ms, t.finished_ms, t.result,
             t.error, t.client_id::text, t.client_ip, t.attempt_log::text, t.priority, t.reruns,
-            t.fair_key
+            t.fair_key, t.submitter
      FROM unnest($1::uuid[]) AS k(id) JOIN relay_tasks t ON t.id = k.id
      WHERE t.status IN ('done', 'failed', 'canceled')";
 
@@ -788,7 +920,8 @@ pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
        SELECT seq FROM s ORDER BY seq LIMIT 1
      )
      SELECT p.id::text, p.status, p.kind, p.created_ms, p.run_at_ms, p.finished_ms, p.result, p.error,
-            p.client_id::text, p.client_ip, p.attempt_log::text, p.priority, p.reruns, p.fair_key, NULL::text, p.seq,
+            p.client_id::text, p.client_ip, p.attempt_log::text, p.priority, p.reruns, p.fair_key, p.submitter, NULL::text,
+            p.seq,
             walked.n,
             stop.seq
      FROM walked LEFT JOIN stop ON true LEFT JOIN page p ON p.before < $7::int8
@@ -820,6 +953,21 @@ pub const RERUN: &str = "WITH lim AS (
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
        SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
+     ), lanes AS (
+       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2, 3
+       ON CONFLICT DO NOTHING RETURNING kind
+     ), subs AS (
+       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2
+       ON CONFLICT DO NOTHING
+     ), multi AS (
+       INSERT INTO relay_fair_kinds (kind)
+       SELECT n.kind FROM lanes n GROUP BY n.kind
+       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
+       ON CONFLICT DO NOTHING
      )
      SELECT old.status, EXISTS (SELECT 1 FROM u), old.room FROM old";
 
@@ -872,6 +1020,21 @@ pub const RERUN_MANY: &str = "WITH lim AS (
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
        SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
+     ), lanes AS (
+       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2, 3
+       ON CONFLICT DO NOTHING RETURNING kind
+     ), subs AS (
+       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
+       FROM u ORDER BY 1, 2
+       ON CONFLICT DO NOTHING
+     ), multi AS (
+       INSERT INTO relay_fair_kinds (kind)
+       SELECT n.kind FROM lanes n GROUP BY n.kind
+       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
+       ON CONFLICT DO NOTHING
      ), matched AS (
        SELECT count(*) AS n FROM l
      )
@@ -996,6 +1159,36 @@ pub const FORGET_NODES: &str = "WITH gone AS (
      INSERT INTO relay_counters (node_id, status, n)
      SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status
      ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n";
+
+/// Rotation state of lanes that have no pending and no running task any more goes, 1000 lanes
+/// a run (with their submitters' rows once they have no lane left, and the kind's mark once it
+/// has one lane or none): the tables hold only lanes with work. So do lanes' token buckets once
+/// they would be full again (1000 a run): a key cannot refill its bucket by running dry. Run by each node's database
+/// thread once a second, after [`INSERT_LOCK`] in its transaction (an insert either sees the
+/// lane's row or makes a new one, never one that goes as it inserts).
+pub const FAIR_SWEEP: &str = "WITH gone AS (
+       DELETE FROM relay_fair_lanes l WHERE (l.kind, l.submitter, l.fair_key) IN (
+         SELECT x.kind, x.submitter, x.fair_key FROM relay_fair_lanes x
+         WHERE NOT EXISTS (SELECT 1 FROM relay_pending p WHERE coalesce('k' || p.kind, 'n') = x.kind
+                             AND p.submitter = x.submitter AND p.fair_key = x.fair_key)
+           AND NOT EXISTS (SELECT 1 FROM relay_running r WHERE coalesce('k' || r.kind, 'n') = x.kind
+                             AND r.submitter = x.submitter AND r.fair_key = x.fair_key)
+         LIMIT 1000 FOR UPDATE SKIP LOCKED)
+       RETURNING l.kind, l.submitter
+     ), subs AS (
+       DELETE FROM relay_fair_submitters s
+       USING (SELECT kind, submitter, count(*) AS n FROM gone GROUP BY kind, submitter) g
+       WHERE s.kind = g.kind AND s.submitter = g.submitter
+         AND (SELECT count(*) FROM relay_fair_lanes l WHERE l.kind = g.kind AND l.submitter = g.submitter) <= g.n
+     ), kinds AS (
+       DELETE FROM relay_fair_kinds f USING (SELECT kind, count(*) AS n FROM gone GROUP BY kind) g
+       WHERE f.kind = g.kind AND (SELECT count(*) FROM relay_fair_lanes l WHERE l.kind = g.kind) - g.n < 2
+     ), buckets AS (
+       DELETE FROM relay_lane_buckets b WHERE (b.kind, b.submitter, b.fair_key) IN (
+         SELECT x.kind, x.submitter, x.fair_key FROM relay_lane_buckets x WHERE x.full_ms <= relay_now_ms()
+         LIMIT 1000 FOR UPDATE SKIP LOCKED)
+     )
+     SELECT count(*) FROM gone";
 
 /// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms. A retry
 /// never expires in the queue (SPEC §5): it fails when no untried worker is left
@@ -1158,6 +1351,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("KIND_LOCKS", KIND_LOCKS),
     ("CLAIM_LIMITED", CLAIM_LIMITED),
     ("KIND_BACKLOG", KIND_BACKLOG),
+    ("LANE_BACKLOG", LANE_BACKLOG),
     ("KIND_GAUGES", KIND_GAUGES),
     ("POLICY_CHANGES", POLICY_CHANGES),
     ("KINDS", KINDS),
@@ -1177,6 +1371,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("RERUN_MANY", RERUN_MANY),
     ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
     ("FORGET_NODES", FORGET_NODES),
+    ("FAIR_SWEEP", FAIR_SWEEP),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),
     ("RETENTION", RETENTION),
     ("UPSERT_WORKERS", UPSERT_WORKERS),

@@ -14,9 +14,6 @@ use crate::support::worker::TaskMsg;
 use crate::support::*;
 use crate::tokens::{Store, call};
 
-/// The cluster store keeps no submitters or keys yet.
-const DEFECT: &str = "fair shares not built in the cluster store yet";
-
 fn id_of(r: &Resp) -> String {
     assert_eq!(r.status, 202, "{}", r.text());
     r.json()["task_id"].as_str().unwrap_or_else(|| panic!("no task_id: {}", r.text())).to_string()
@@ -64,7 +61,7 @@ fn one_at_a_time(relay: &Relay) -> FakeWorker {
 
 #[test]
 fn a_flood_from_one_submitter_delays_another_submitters_task_by_at_most_one_dispatch() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let store = Store::new("fair-flood", mode);
         let relay = store.start_relay();
         let other = store.create("other-service", "f", "1h");
@@ -87,7 +84,7 @@ fn a_flood_from_one_submitter_delays_another_submitters_task_by_at_most_one_disp
 
 #[test]
 fn a_flood_on_one_key_delays_another_key_of_the_same_submitter_by_at_most_one_dispatch() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let relay = mode.start();
         batch(&relay, API, (0..10_000).map(|i| item("f", i, json!({"key":"a"}))).collect());
         id_of(&relay.submit(&item("f", "b", json!({"key":"b","queue":true})).to_string()));
@@ -99,7 +96,7 @@ fn a_flood_on_one_key_delays_another_key_of_the_same_submitter_by_at_most_one_di
 
 #[test]
 fn splitting_a_backlog_over_many_keys_buys_no_extra_share_against_another_submitter() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let store = Store::new("fair-split", mode);
         let relay = store.start_relay();
         let b = store.create("one-key-service", "f", "1h");
@@ -127,7 +124,7 @@ fn running_by_key(running: &[(String, String)]) -> HashMap<&str, usize> {
 
 #[test]
 fn max_running_per_key_caps_one_key_while_another_key_of_the_kind_keeps_running() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let relay = mode.start();
         let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":10})), Auto::Manual);
         relay.wait_clients(1, |c| c["concurrency"] == 10);
@@ -183,7 +180,7 @@ fn max_running_per_key_caps_one_key_while_another_key_of_the_kind_keeps_running(
 
 #[test]
 fn rate_per_key_bounds_each_key_and_one_key_never_waits_for_another() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let relay = mode.start();
         let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":100})), Auto::Manual);
         relay.wait_clients(1, |c| c["concurrency"] == 100);
@@ -232,7 +229,7 @@ fn rate_per_key_bounds_each_key_and_one_key_never_waits_for_another() {
 /// two lanes, each with its own per-key limits.
 #[test]
 fn the_same_key_from_two_submitters_is_two_lanes_with_a_cap_each() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let store = Store::new("fair-samekey", mode);
         let relay = store.start_relay();
         let other = store.create("other-service", "p", "1h");
@@ -276,7 +273,7 @@ fn one_submitter_without_keys_keeps_exact_submission_and_priority_order() {
 /// Lanes are rebuilt from the journal: a restart keeps the rotation fair.
 #[test]
 fn fair_shares_hold_after_a_restart() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let dir = TempDir::new("fair-restart");
         let relay = durable(mode, &dir, &[]);
         batch(&relay, API, (0..200).map(|i| item("f", i, json!({"key":"a"}))).collect());

@@ -7,6 +7,7 @@ mod browser;
 mod cluster;
 mod dispatch;
 mod docs_examples;
+mod fair_cluster;
 mod fairness;
 mod files;
 mod flow;

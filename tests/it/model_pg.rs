@@ -94,7 +94,7 @@ impl model::PgBackend for Backend {
             .reader
             .simple(
                 "SELECT id::text, status, kind, created_ms, run_at_ms, finished_ms, result, error, client_id::text,
-                        client_ip, attempt_log::text, priority, reruns, fair_key,
+                        client_ip, attempt_log::text, priority, reruns, fair_key, submitter,
                         CASE WHEN status = 'done' THEN NULL ELSE payload END
                  FROM relay_tasks",
             )

@@ -159,6 +159,10 @@ pub struct PgStore {
     /// The held kinds with tasks waiting already counted in `held_total` (at most one entry per
     /// limited kind, as `held_kinds`).
     held_counted: HashMap<String, crate::flow::WaitingOn>,
+    /// Lanes (kind, submitter, key) a per-key limit holds back with tasks waiting, as the last
+    /// claim of their kind found them (at most 1000 a kind: `LANE_BACKLOG`), for `waiting_on`
+    /// and `held_total` (counted as a lane becomes held).
+    held_lanes: HashMap<(String, String, String), crate::flow::WaitingOn>,
     /// Claims a limit held back, by `WaitingOn` index; kinds with a policy as last counted.
     held_total: [u64; 6],
     kind_gauges: Vec<(String, u64, u64)>,
@@ -257,6 +261,7 @@ impl PgStore {
             want_policies: true,
             limited_claimed: Vec::new(),
             held_kinds: HashMap::new(),
+            held_lanes: HashMap::new(),
             held_counted: HashMap::new(),
             held_total: [0; 6],
             kind_gauges: Vec::new(),
@@ -477,6 +482,7 @@ impl PgStore {
             }
             None => {
                 self.held_counted.remove(&kind);
+                self.held_lanes.retain(|lane, _| lane.0 != kind);
                 self.policies.remove(&kind);
             }
         }
@@ -491,7 +497,12 @@ impl PgStore {
         let why = match task.kind.as_deref() {
             Some(k) if task.status == Status::Pending => match self.policies.get(k) {
                 Some(p) if p.paused => Some(crate::flow::WaitingOn::Paused),
-                Some(p) if p.limits() => self.held_kinds.get(k).copied(),
+                Some(p) if p.limits() => {
+                    let lane = (k.to_string(), task.submitter.to_string(), task.key.to_string());
+                    let by_lane = self.held_lanes.get(&lane).copied();
+                    // (The first reason in SPEC order: concurrency before rate.)
+                    [self.held_kinds.get(k).copied(), by_lane].into_iter().flatten().min_by_key(|w| w.index())
+                }
                 _ => None,
             },
             _ => None,
@@ -975,6 +986,11 @@ impl PgStore {
             parts.push(Part::CancelRead);
             notify_finished = true;
         }
+        if !self.reruns.is_empty() && !parts.iter().any(|p| matches!(p, Part::InsertLock)) {
+            // (Re-runs queue tasks as inserts do: `FAIR_SWEEP` must not remove their lanes.)
+            stmts.push(Stmt::new(sql::INSERT_LOCK, vec![]));
+            parts.push(Part::InsertLock);
+        }
         for r in std::mem::take(&mut self.reruns) {
             match &r.filter {
                 None => {
@@ -1054,22 +1070,25 @@ impl PgStore {
             .policies
             .iter()
             .filter(|(_, p)| !p.paused && p.limits())
-            .map(|(k, p)| {
-                let bucket = p.one_bucket();
-                (k.as_str(), p.running_cap(), bucket.map(|b| b.0), bucket.map(|b| b.1))
+            .map(|(k, p)| sql::Limited {
+                kind: k.as_str(),
+                cap: p.kind_cap(),
+                bucket: p.kind_bucket().map(|b| b.rate_and_capacity()),
+                key_cap: p.key_cap(),
+                key_bucket: p.key_bucket().map(|b| b.rate_and_capacity()),
             })
             .collect();
-        limited.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        limited.sort_unstable_by(|a, b| a.kind.cmp(b.kind));
         for c in std::mem::take(&mut self.claims) {
             let kinds: Option<Vec<&str>> =
                 c.kinds.as_ref().map(|k| k.iter().map(String::as_str).filter(|k| !held.contains(k)).collect());
             let mine: Vec<sql::Limited<'_>> = limited
                 .iter()
-                .filter(|l| c.kinds.as_ref().is_none_or(|ks| ks.iter().any(|k| k == l.0)))
+                .filter(|l| c.kinds.as_ref().is_none_or(|ks| ks.iter().any(|k| k == l.kind)))
                 .copied()
                 .collect();
             if !mine.is_empty() {
-                let names: Vec<&str> = mine.iter().map(|l| l.0).collect();
+                let names: Vec<&str> = mine.iter().map(|l| l.kind).collect();
                 stmts.push(Stmt::new(sql::KIND_LOCKS, vec![text_array_of(&names)]));
                 parts.push(Part::KindLocks);
                 stmts
@@ -1077,6 +1096,11 @@ impl PgStore {
                 parts.push(Part::ClaimLimited);
                 stmts.push(Stmt::new(sql::KIND_BACKLOG, vec![text_array_of(&names), (wall as i64).into()]));
                 parts.push(Part::KindBacklog);
+                if let Some(s) = sql::lane_backlog(&mine, wall) {
+                    let keyed = mine.iter().filter(|l| l.key_cap.is_some() || l.key_bucket.is_some());
+                    stmts.push(s);
+                    parts.push(Part::LaneBacklog(keyed.map(|l| l.kind.to_string()).collect()));
+                }
             }
             stmts.push(
                 sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers, &held).with_json(ccol::JSON),
@@ -1328,7 +1352,12 @@ impl PgStore {
                 Part::Retention => {}
                 Part::Finished(ids) => self.check_finished.extend(ids),
                 Part::InsertLock | Part::InsertKeys | Part::CancelRead | Part::Notify => {}
-                Part::PolicyLock | Part::PolicySet(..) | Part::KindLocks | Part::KindBacklog | Part::KindGauges => {}
+                Part::PolicyLock
+                | Part::PolicySet(..)
+                | Part::KindLocks
+                | Part::KindBacklog
+                | Part::LaneBacklog(_)
+                | Part::KindGauges => {}
                 Part::ClaimLimited => {
                     if matches!(why, Failure::Lost(_)) {
                         self.orphans = true;
@@ -1532,10 +1561,10 @@ impl PgStore {
                         waiting |= row.bool(1) == Some(true);
                         let why = self.policies.get(kind).and_then(|p| {
                             let running = row.i64(2).unwrap_or(0).max(0) as u64;
-                            if p.running_cap().is_some_and(|cap| running >= u64::from(cap)) {
+                            if p.kind_cap().is_some_and(|cap| running >= u64::from(cap)) {
                                 return Some(crate::flow::WaitingOn::Concurrency);
                             }
-                            let (per_ms, burst) = p.one_bucket()?;
+                            let (per_ms, burst) = p.kind_bucket()?.rate_and_capacity();
                             let tokens = row.text(3).and_then(|t| t.parse::<f64>().ok())?;
                             let since = row.i64(4).unwrap_or(0).max(0) as f64;
                             ((tokens + since * per_ms).min(burst) < 1.0 - 1e-9).then_some(crate::flow::WaitingOn::Rate)
@@ -1562,6 +1591,27 @@ impl PgStore {
                         // A slot or a token may free on any node: look again shortly.
                         self.due_ms.insert(self.now_ms + LIMITED_POLL_MS);
                     }
+                }
+                Part::LaneBacklog(kinds) => {
+                    let mut now: HashMap<(String, String, String), crate::flow::WaitingOn> = HashMap::new();
+                    for row in here {
+                        let (Some(kind), Some(sub), Some(key)) = (row.text(0), row.text(1), row.text(2)) else {
+                            continue;
+                        };
+                        let why = match row.text(3) {
+                            Some("concurrency") => crate::flow::WaitingOn::Concurrency,
+                            Some("rate") => crate::flow::WaitingOn::Rate,
+                            _ => continue,
+                        };
+                        now.insert((kind.to_string(), sub.to_string(), key.to_string()), why);
+                    }
+                    for (lane, why) in &now {
+                        if self.held_lanes.get(lane) != Some(why) {
+                            self.held_total[why.index()] += 1;
+                        }
+                    }
+                    self.held_lanes.retain(|lane, _| !kinds.contains(&lane.0));
+                    self.held_lanes.extend(now);
                 }
                 Part::PolicySet(kind, policy) => {
                     if let Some(changed) = here.first().and_then(|r| r.i64(0)) {

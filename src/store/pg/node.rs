@@ -184,6 +184,8 @@ pub enum Part {
     KindLocks,
     ClaimLimited,
     KindBacklog,
+    /// `LANE_BACKLOG`, after `KIND_BACKLOG` when a limited kind has per-key limits: the kinds.
+    LaneBacklog(Vec<String>),
     KindGauges,
 }
 

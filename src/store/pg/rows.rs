@@ -31,14 +31,16 @@ pub mod col {
     pub const RERUNS: usize = 12;
     /// The fairness key (SPEC §14; `""`: none).
     pub const KEY: usize = 13;
-    pub const PAYLOAD: usize = 14;
-    pub const SEQ: usize = 15;
+    /// The submitter (SPEC §14; `""`: the root token).
+    pub const SUBMITTER: usize = 14;
+    pub const PAYLOAD: usize = 15;
+    pub const SEQ: usize = 16;
 }
 
 /// `LIST_TASKS`'s columns after the task's.
 pub mod lcol {
-    pub const WALKED: usize = 16;
-    pub const STOP_SEQ: usize = 17;
+    pub const WALKED: usize = 17;
+    pub const STOP_SEQ: usize = 18;
 }
 
 /// The columns of `CLAIM` (and `ADOPT_ORPHANS`), by index.
@@ -184,6 +186,7 @@ pub fn task(row: &Row) -> Option<Task> {
         reruns: row.i64(col::RERUNS).and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
         priority: row.i64(col::PRIORITY).and_then(|p| i32::try_from(p).ok()).unwrap_or(0),
         key: row.text(col::KEY).map(Box::from).unwrap_or_default(),
+        submitter: row.text(col::SUBMITTER).map(Box::from).unwrap_or_default(),
         ..Task::default()
     })
     .map(|mut t| {
