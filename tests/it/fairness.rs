@@ -289,7 +289,7 @@ fn fair_shares_hold_after_a_restart() {
 /// refill it, and another key goes on meanwhile.
 #[test]
 fn a_key_does_not_refill_its_rate_by_running_empty() {
-    crate::support::modes::for_each_mode_known_cluster_defect(DEFECT, |mode| {
+    for_each_mode(|mode| {
         let relay = mode.start();
         let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":10})), Auto::Manual);
         relay.wait_clients(1, |c| c["concurrency"] == 10);
