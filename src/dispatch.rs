@@ -1405,6 +1405,7 @@ impl Core {
             },
         );
         let timer = self.wheel.arm(self.now_ms + c.timeout_ms, Timer::Attempt { task: c.id, num: c.attempt });
+        let retry = c.retry();
         self.running.insert(
             c.id,
             Running {
@@ -1416,7 +1417,7 @@ impl Core {
                 timeout_ms: c.timeout_ms,
                 kind: c.kind,
                 max_retries: c.max_retries,
-                retry: c.retry,
+                retry,
                 counted: c.counted,
                 tried: c.tried,
                 created_wall_ms: c.created_wall_ms,
@@ -1743,7 +1744,7 @@ impl Core {
             },
             Event::Key { conn, wait, held, missing } => match held {
                 Some((id, status)) => self.answer_existing(io, conn, id, status, wait),
-                None => self.reply(io, conn, missing),
+                None => self.reply(io, conn, *missing),
             },
             Event::Claimed { group, tasks } => self.on_claimed(io, group, tasks.into_iter()),
             Event::ClaimedOne { group, task } => self.on_claimed(io, group, std::iter::once(task)),

@@ -144,8 +144,10 @@ pub fn run(opts: &Opts) -> Result<(), String> {
 const TOKEN_SECRET: &str = "relay-bench-flow-secret-0123456789abcdef";
 /// Tasks per flood batch.
 const FLOOD_BATCH: usize = 1000;
-/// The draining workers: this many, of this many slots each; the hold of each task is set so
-/// that they drain the flood in 1.25 × the probe window (the flood outlasts the probes).
+/// The draining workers: this many, of this many slots each; the hold of each task, and the
+/// pace of each worker's answers (one per DRAIN_WORKERS / rate: a steady drain, not waves of
+/// every slot at once), are set so that they drain the flood in 1.25 × the probe window (the
+/// flood outlasts the probes).
 const DRAIN_WORKERS: usize = 8;
 const DRAIN_SLOTS: u32 = 25;
 
@@ -204,6 +206,14 @@ fn drain(opts: &Opts, flood: usize) -> (f64, Duration) {
 #[derive(Default)]
 struct FairRun {
     probe: Vec<Duration>,
+    /// Each probe's submit → its 202.
+    probe_ack: Vec<Duration>,
+    /// Each probe's dispatches ahead: tasks the workers saw start after it was submitted and
+    /// before it started.
+    probe_ahead: Vec<usize>,
+    /// Each probe's wait as relay saw it: its first attempt's `started_at` − its `created_at`
+    /// (milliseconds, from the task JSON).
+    probe_relay: Vec<Duration>,
     flood: Vec<Duration>,
     queued_in: Duration,
     drained_in: Duration,
@@ -243,7 +253,12 @@ fn fair_run(opts: &Opts, setup: Setup, fair: Fair) -> Result<FairRun, String> {
             Some(pg) => ("DATABASE_URL", pg.url()),
         };
         let mut nodes: Vec<Server> = Vec::new();
-        let env = [("TOKEN_SECRET", TOKEN_SECRET.to_string()), (registry.0, registry.1.clone())];
+        // (Finished tasks stay in memory, so the probes' task JSON can be read at the end.)
+        let env = [
+            ("TOKEN_SECRET", TOKEN_SECRET.to_string()),
+            (registry.0, registry.1.clone()),
+            ("TASK_MEMORY", (1u64 << 30).to_string()),
+        ];
         for _ in 0..if pg.is_some() { 2 } else { 1 } {
             nodes.push(start_relay(opts, &opts.relay, &env)?);
         }
@@ -278,7 +293,8 @@ fn fair_load(
 ) -> Result<FairRun, String> {
     let probes = opts.probe_secs as usize;
     let (drain_rate, hold) = drain(opts, flood);
-    let pool = Recorder::ws_on(nodes, WORKER_TOKEN, DRAIN_WORKERS, DRAIN_SLOTS, hold)?;
+    let pace = Duration::from_secs_f64(DRAIN_WORKERS as f64 / drain_rate);
+    let pool = Recorder::ws_on(nodes, WORKER_TOKEN, DRAIN_WORKERS, DRAIN_SLOTS, hold, pace)?;
     let r = (|| {
         for (i, node) in nodes.iter().enumerate() {
             let own = (0..DRAIN_WORKERS).filter(|w| w % nodes.len() == i).count();
@@ -320,6 +336,8 @@ fn fair_load(
         let queued_in = began.elapsed();
         // The probe: one task a second.
         let probe_started = Instant::now();
+        let mut probe_ack = Vec::with_capacity(probes);
+        let mut probe_ids = Vec::with_capacity(probes);
         for i in 0..probes {
             let tick = probe_started + Duration::from_secs(i as u64);
             std::thread::sleep(tick.saturating_duration_since(Instant::now()));
@@ -331,16 +349,35 @@ fn fair_load(
                 format!("probe submit answered {}: {}", resp.status, String::from_utf8_lossy(resp.body))
             })?;
             submitted.insert(id.into(), (true, at));
+            probe_ack.push(at.elapsed());
+            probe_ids.push(id.to_string());
         }
         let within = Duration::from_secs_f64(flood as f64 / drain_rate * 2.0) + Duration::from_secs(60);
         let seen: Seen = pool.wait_done(flood + probes, within)?;
-        let mut run = FairRun { queued_in, drained_in: began.elapsed(), ..FairRun::default() };
-        for (id, at) in &seen.dispatched {
+        let mut run = FairRun { queued_in, drained_in: began.elapsed(), probe_ack, ..FairRun::default() };
+        for (j, (id, at)) in seen.dispatched.iter().enumerate() {
             // (The first dispatch of each task; a task is taken out once it was counted.)
             if let Some((is_probe, sent)) = submitted.remove(id) {
                 let wait = at.saturating_duration_since(sent);
-                if is_probe { run.probe.push(wait) } else { run.flood.push(wait) }
+                if is_probe {
+                    run.probe.push(wait);
+                    // (`dispatched` is in time order: each start is stamped under the lock.)
+                    let before = &seen.dispatched[..j];
+                    run.probe_ahead.push(j - before.partition_point(|(_, t)| *t <= sent));
+                } else {
+                    run.flood.push(wait);
+                }
             }
+        }
+        let mut conn = HttpConn::connect(nodes[0], IO_TIMEOUT)?;
+        for id in &probe_ids {
+            let resp = conn.request(&build_request("GET", &format!("/tasks/{id}"), Some(API_TOKEN), b""))?;
+            let created = json_str_field(resp.body, "created_at").and_then(time_of_day_ms);
+            let started = json_str_field(resp.body, "started_at").and_then(time_of_day_ms);
+            let (Some(c), Some(s)) = (created, started) else {
+                return Err(format!("probe {id}: no created_at / started_at: {}", String::from_utf8_lossy(resp.body)));
+            };
+            run.probe_relay.push(Duration::from_millis((s + DAY_MS - c) % DAY_MS));
         }
         if run.probe.len() != probes || run.flood.len() != flood {
             return Err(format!(
@@ -353,6 +390,19 @@ fn fair_load(
     })();
     pool.stop()?;
     r
+}
+
+const DAY_MS: u64 = 86_400_000;
+
+/// Milliseconds into the day of an RFC 3339 UTC time with milliseconds (relay's task times).
+fn time_of_day_ms(t: &str) -> Option<u64> {
+    let (_, time) = t.split_once('T')?;
+    let time = time.strip_suffix('Z')?;
+    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
+    let mut parts = hms.split(':').map(|p| p.parse::<u64>().ok());
+    let (h, m, s) = (parts.next()??, parts.next()??, parts.next()??);
+    let frac: String = frac.chars().chain("000".chars()).take(3).collect();
+    Some(((h * 60 + m) * 60 + s) * 1000 + frac.parse::<u64>().ok()?)
 }
 
 /// Every `"task_id":"..."` of a batch answer, in order.
@@ -414,36 +464,53 @@ fn fairness_on(opts: &Opts, setup: Setup) -> Result<(), String> {
     let _ = writeln!(
         t,
         "fair shares, {}: {flood} tasks queued by batches of {FLOOD_BATCH}, then one probe task a second for {} s; \
-         {DRAIN_WORKERS} workers × {DRAIN_SLOTS} slots holding each task {:.0} ms (drain {:.0} tasks/s, one \
-         dispatch every {:.2} ms); wait = submit → dispatch as the workers saw it; {} rounds, samples pooled\n",
+         {DRAIN_WORKERS} workers × {DRAIN_SLOTS} slots holding each task {:.0} ms and each answering one every \
+         {:.2} ms (paced for a steady {:.0} tasks/s, one dispatch every {:.2} ms); wait = submit → dispatch as the workers saw it; {} rounds, samples pooled\n",
         setup.name(),
         opts.probe_secs,
         hold.as_secs_f64() * 1e3,
+        DRAIN_WORKERS as f64 * 1e3 / drain_rate,
         drain_rate,
         1e3 / drain_rate,
         opts.rounds,
     );
     let _ = writeln!(
         t,
-        "| scenario | probe tasks | probe p50 | probe p99 | probe max | flood tasks | flood p50 | flood p99 | flood max | flood queued in | all drained in |"
+        "| scenario | probe tasks | probe p50 | probe p99 | probe max | dispatches ahead p50 / max | relay's view p50 / max | probe 202 p50 / max | flood tasks | flood p50 | flood p99 | flood max | flood queued in | all drained in |"
     );
-    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let _ = writeln!(t, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for (i, fair) in kinds.iter().enumerate() {
         let mut probe: Vec<Duration> = runs[i].iter().flat_map(|r| r.probe.iter().copied()).collect();
         let mut flood: Vec<Duration> = runs[i].iter().flat_map(|r| r.flood.iter().copied()).collect();
+        let mut ack: Vec<Duration> = runs[i].iter().flat_map(|r| r.probe_ack.iter().copied()).collect();
         probe.sort();
         flood.sort();
+        ack.sort();
+        let mut ahead: Vec<usize> = runs[i].iter().flat_map(|r| r.probe_ahead.iter().copied()).collect();
+        let mut relay_view: Vec<Duration> = runs[i].iter().flat_map(|r| r.probe_relay.iter().copied()).collect();
+        ahead.sort();
+        relay_view.sort();
+        let ahead_q = |p: f64| {
+            let rank = ((p * ahead.len() as f64).ceil() as usize).clamp(1, ahead.len().max(1));
+            ahead.get(rank - 1).copied().unwrap_or(0)
+        };
         let med = |f: &dyn Fn(&FairRun) -> Duration| {
             Duration::from_secs_f64(median(runs[i].iter().map(|r| f(r).as_secs_f64()).collect()))
         };
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} / {} | {} / {} | {} / {} | {} | {} | {} | {} | {} | {} |",
             fair.name(),
             probe.len(),
             ms(quantile(&probe, 0.5)),
             ms(quantile(&probe, 0.99)),
             ms(quantile(&probe, 1.0)),
+            ahead_q(0.5),
+            ahead_q(1.0),
+            ms(quantile(&relay_view, 0.5)),
+            ms(quantile(&relay_view, 1.0)),
+            ms(quantile(&ack, 0.5)),
+            ms(quantile(&ack, 1.0)),
             flood.len(),
             ms(quantile(&flood, 0.5)),
             ms(quantile(&flood, 0.99)),
@@ -483,7 +550,7 @@ const PER_KEYS: usize = 10;
 /// 20 ms, against `max_running 5`; 60 tasks against `rate 20/s` with a burst of 5; 200 tasks on
 /// 10 keys against `max_running_per_key 2` — observed by the workers.
 fn limits(nodes: &[SocketAddr], settle: Duration) -> Result<Accuracy, String> {
-    let pool = Recorder::ws_on(nodes, WORKER_TOKEN, 4, 16, Duration::from_millis(20))?;
+    let pool = Recorder::ws_on(nodes, WORKER_TOKEN, 4, 16, Duration::from_millis(20), Duration::ZERO)?;
     let r = (|| {
         for (i, node) in nodes.iter().enumerate() {
             let own = (0..4).filter(|w| w % nodes.len() == i).count();
@@ -614,6 +681,18 @@ mod tests {
         check(r#"{"tasks":[]}"#, &[]);
         check(r#"{"tasks":[{"task_id":"a","status":"pending"},{"task_id":"b-2","status":"pending"}]}"#, &["a", "b-2"]);
         check(r#"{"tasks":[{"task_id":"a"},{"error":"queue_full","message":"x"}]}"#, &["a"]);
+    }
+
+    #[test]
+    fn times_of_day() {
+        fn check(t: &str, expected: Option<u64>) {
+            assert_eq!(time_of_day_ms(t), expected, "{t}");
+        }
+        check("2026-12-02T18:54:14.123Z", Some(((18 * 60 + 54) * 60 + 14) * 1000 + 123));
+        check("2026-12-02T00:00:01Z", Some(1000));
+        check("2026-12-02T00:00:01.5Z", Some(1500));
+        check("2026-12-02 00:00:01Z", None);
+        check("2026-12-02T00:00:01", None);
     }
 
     #[test]

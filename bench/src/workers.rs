@@ -364,12 +364,16 @@ pub struct Recorder {
 
 impl Recorder {
     /// `n` workers spread round robin over `addrs` (one relay node each), recording together.
+    /// With a `pace`, each worker answers at most one task per `pace` (the workers' phases
+    /// staggered), so that together they drain a backlog at a steady `n / pace` per second, not
+    /// in waves of every slot at once; `Duration::ZERO`: each task is answered once held.
     pub fn ws_on(
         addrs: &[SocketAddr],
         token: &str,
         n: usize,
         concurrency: u32,
         hold: Duration,
+        pace: Duration,
     ) -> Result<Recorder, String> {
         let stop = Arc::new(AtomicBool::new(false));
         let seen = Arc::new(std::sync::Mutex::new(Seen { since: Some(Instant::now()), ..Seen::default() }));
@@ -380,9 +384,11 @@ impl Recorder {
             let hello =
                 format!(r#"{{"type":"hello","concurrency":{concurrency},"version":"relay-bench-recorder/{i}"}}"#);
             ws.send(Message::text(hello)).map_err(|e| format!("hello: {e}"))?;
-            ws.get_mut().set_read_timeout(Some(Duration::from_millis(2))).map_err(|e| e.to_string())?;
+            let tick = if pace.is_zero() { Duration::from_millis(2) } else { (pace / 2).min(Duration::from_millis(2)) };
+            ws.get_mut().set_read_timeout(Some(tick.max(Duration::from_micros(500)))).map_err(|e| e.to_string())?;
             let (stop, seen) = (recorder.stop.clone(), recorder.seen.clone());
-            recorder.joins.push(thread::spawn(move || record(ws, &stop, &seen, hold)));
+            let phase = Instant::now() + pace * i as u32 / n.max(1) as u32;
+            recorder.joins.push(thread::spawn(move || record(ws, &stop, &seen, hold, pace, phase)));
         }
         Ok(recorder)
     }
@@ -431,13 +437,19 @@ impl Drop for Recorder {
     }
 }
 
-/// One recording worker: each task is held `hold`, then answered `done`.
+/// One recording worker: each task is held `hold`, then answered `done`; with a `pace`, one
+/// answer per `pace` at most (answer k at max(its hold's end, answer k−1's time + pace), the
+/// first no earlier than `phase`).
 fn record(
     mut ws: WebSocket<TcpStream>,
     stop: &AtomicBool,
     seen: &std::sync::Mutex<Seen>,
     hold: Duration,
+    pace: Duration,
+    phase: Instant,
 ) -> Result<(), String> {
+    // When the next answer may go at the earliest (the last one's scheduled time + pace).
+    let mut next_slot = phase;
     let mut held: std::collections::VecDeque<(Instant, String, Option<String>)> = std::collections::VecDeque::new();
     while !stop.load(Ordering::Relaxed) {
         match ws.read() {
@@ -452,7 +464,12 @@ fn record(
             Err(_) if stop.load(Ordering::Relaxed) => return Ok(()),
             Err(e) => return Err(format!("recorder read: {e}")),
         }
-        while held.front().is_some_and(|(at, _, _)| *at <= Instant::now()) {
+        while let Some(&(due, _, _)) = held.front() {
+            let at = if pace.is_zero() { due } else { due.max(next_slot) };
+            if at > Instant::now() {
+                break;
+            }
+            next_slot = at + pace;
             let Some((_, id, key)) = held.pop_front() else { break };
             seen.lock().map_err(|_| "poisoned")?.ended(key.as_deref());
             let reply = format!(r#"{{"type":"result","task_id":"{id}","status":"done","data":null}}"#);

@@ -493,6 +493,7 @@ impl Core {
                 shown.in_flight = s.held.len() as u32;
             }
         }
+        let retry = c.retry();
         let mut tried = c.tried;
         if !tried.contains(&r.client_id) {
             tried.push(r.client_id);
@@ -512,7 +513,7 @@ impl Core {
                 counted: c.counted,
                 tried,
                 created_wall_ms: c.created_wall_ms,
-                retry: c.retry,
+                retry,
                 answered: false,
                 held: Some(sid),
                 resumes: 0,

@@ -410,7 +410,7 @@ impl Journal {
         let buf = self.head_chunk();
         let start = buf.len();
         let n = codec::put_frame(buf, lsn, kind, fill) as u64;
-        let head_bytes = self.segments.get(&self.head).map_or(0, |s| s.bytes);
+        let head_bytes = self.segment_mut(self.head).map_or(0, |s| s.bytes);
         if head_bytes > HEADER_BYTES as u64 && head_bytes + n > self.head_cap && self.can_rotate() {
             // It goes to a new segment.
             let Some((_, buf)) = self.batch.chunks.last_mut() else { unreachable!("the frame is in it") };
@@ -422,7 +422,10 @@ impl Journal {
             self.head_chunk().extend_from_slice(&frame);
         }
         let head = self.head;
-        let seg = self.segments.entry(head).or_insert(Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        if self.segment_mut(head).is_none() {
+            self.segments.insert(head, Segment { pins: 0, bytes: HEADER_BYTES as u64, closed_ms: None });
+        }
+        let Some(seg) = self.segment_mut(head) else { unreachable!("the head segment was just inserted") };
         let off = seg.bytes;
         seg.bytes += n;
         let filled = seg.bytes;
@@ -463,14 +466,24 @@ impl Journal {
         self.drop_unpinned_prefix();
     }
 
+    /// Segment `n`. Most records go to, pin and unpin the head, the newest segment: the map's
+    /// last entry, reached without comparing keys (a search compares with every older segment
+    /// kept, and a young journal keeps several small ones).
+    fn segment_mut(&mut self, n: u32) -> Option<&mut Segment> {
+        if self.segments.last_key_value().is_some_and(|(&last, _)| last == n) {
+            return self.segments.last_entry().map(|e| e.into_mut());
+        }
+        self.segments.get_mut(&n)
+    }
+
     fn pin(&mut self, seg: u32) {
-        if let Some(s) = self.segments.get_mut(&seg) {
+        if let Some(s) = self.segment_mut(seg) {
             s.pins += 1;
         }
     }
 
     fn unpin(&mut self, seg: u32) {
-        let Some(s) = self.segments.get_mut(&seg) else { return };
+        let Some(s) = self.segment_mut(seg) else { return };
         s.pins = s.pins.saturating_sub(1);
         self.drop_unpinned_prefix();
     }

@@ -117,8 +117,9 @@ pub struct Claimed {
     pub payload: crate::tasks::Payload,
     pub timeout_ms: u64,
     pub max_retries: u32,
-    /// The task's own retry policy (SPEC §13).
-    pub retry: RetryPolicy,
+    /// The task's own retry policy (SPEC §13), if it has one: boxed, so that a claim (and the
+    /// event that carries one) stays small enough to be moved without a call to `memcpy`.
+    pub retry: Option<Box<RetryPolicy>>,
     /// Workers already sent the task (client ids, in the order they were), but one made
     /// eligible again ([`Later::again`]).
     pub tried: Vec<u128>,
@@ -126,6 +127,18 @@ pub struct Claimed {
     pub counted: u32,
     /// Submitted (wall clock), for the submit-to-final histogram.
     pub created_wall_ms: u64,
+}
+
+impl Claimed {
+    /// The task's retry policy (the default's when it has none of its own).
+    pub fn retry(&self) -> RetryPolicy {
+        self.retry.as_deref().copied().unwrap_or_default()
+    }
+
+    /// A policy as a claim holds it.
+    pub fn boxed_retry(retry: RetryPolicy) -> Option<Box<RetryPolicy>> {
+        (!retry.is_default()).then(|| Box::new(retry))
+    }
 }
 
 /// An attempt a session worker was running when relay stopped (a crash or a SIGTERM), read
@@ -253,7 +266,8 @@ pub enum Event {
     NotInserted { to: InsertTo, why: Refusal },
     /// A keyed submit that will not be stored asked whether its key names a task: `held`; if
     /// not, `missing` is its answer.
-    Key { conn: ConnRef, wait: bool, held: Option<(TaskId, Status)>, missing: Response },
+    /// (`missing` is boxed: the rare event does not make every event larger.)
+    Key { conn: ConnRef, wait: bool, held: Option<(TaskId, Status)>, missing: Box<Response> },
     /// Tasks claimed for the workers of `group`.
     Claimed { group: u32, tasks: Vec<Claimed> },
     /// One task claimed for `group` as it was stored (the same as [`Event::Claimed`] with one

@@ -319,7 +319,7 @@ impl MemStore {
                 // (This run's attempts that count, but the open one.)
                 counted: task.counted().saturating_sub(1),
                 created_wall_ms: task.created_wall_ms,
-                retry: task.retry,
+                retry: crate::store::Claimed::boxed_retry(task.retry),
             },
             client_id: a.client_id,
             client_ip: a.client_ip,

@@ -1454,7 +1454,7 @@ impl PgStore {
                     let found = held_keys(here);
                     for l in ls {
                         let held = found.get(&(l.owner.as_str(), l.key.as_str())).copied();
-                        self.events.push(Event::Key { conn: l.conn, wait: l.wait, held, missing: l.missing });
+                        self.events.push(Event::Key { conn: l.conn, wait: l.wait, held, missing: Box::new(l.missing) });
                     }
                 }
                 Part::Insert(items) => {
@@ -1914,11 +1914,11 @@ fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
             .saturating_sub(row.i64(ccol::RERUN_BASE).and_then(|n| u32::try_from(n).ok()).unwrap_or(0))
             .saturating_sub(row.i64(ccol::UNCOUNTED).and_then(|n| u32::try_from(n).ok()).unwrap_or(0)),
         tried,
-        retry: crate::tasks::RetryPolicy {
+        retry: Claimed::boxed_retry(crate::tasks::RetryPolicy {
             backoff_ms: rows::ms(row, ccol::RETRY_BACKOFF_MS),
             backoff_max_ms: rows::ms(row, ccol::RETRY_BACKOFF_MAX_MS),
             any_worker: row.bool(ccol::RETRY_ANY_WORKER),
-        },
+        }),
         created_wall_ms: rows::ms(row, ccol::CREATED_MS).unwrap_or(0),
     })
 }
