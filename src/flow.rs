@@ -196,26 +196,13 @@ impl Policy {
         self.max_running_per_key.is_some() || self.rate_per_key.is_some()
     }
 
-    /// The running attempts the kind may have at once, per-key cap folded in: the reading of
-    /// a store that keeps no lanes (the cluster store, until it keeps them), where every task
-    /// shares one key.
+    /// The tighter of the two running caps, if either is set (a kind with it may have room
+    /// again whenever one of its attempts ends).
     pub fn running_cap(&self) -> Option<u32> {
         match (self.max_running, self.max_running_per_key) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
-    }
-
-    /// One bucket for a store that keeps one per kind and no lanes (see
-    /// [`Policy::running_cap`]): the tighter rate (tokens per ms) and the burst (given, or one
-    /// second's worth of that rate).
-    pub fn one_bucket(&self) -> Option<(f64, f64)> {
-        let tight = [self.rate, self.rate_per_key]
-            .into_iter()
-            .flatten()
-            .min_by(|a, b| (f64::from(a.count) / a.per_ms as f64).total_cmp(&(f64::from(b.count) / b.per_ms as f64)))?;
-        let burst = self.burst.unwrap_or_else(|| tight.default_burst()).max(1);
-        Some((f64::from(tight.count) / tight.per_ms as f64, f64::from(burst)))
     }
 
     /// Does it hold anything back?

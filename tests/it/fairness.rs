@@ -284,3 +284,29 @@ fn fair_shares_hold_after_a_restart() {
         assert!(first.iter().any(|n| n == "b"), "key b waited past {first:?} after a restart");
     });
 }
+
+/// A key's bucket outlives its tasks until it is full again: emptying a key of tasks does not
+/// refill it, and another key goes on meanwhile.
+#[test]
+fn a_key_does_not_refill_its_rate_by_running_empty() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","concurrency":10})), Auto::Manual);
+        relay.wait_clients(1, |c| c["concurrency"] == 10);
+        assert_eq!(relay.api("PUT", "/kinds/h", Some(r#"{"rate_per_key":"1/h"}"#)).status, 200);
+        let submit =
+            |key: &str, n: &str| id_of(&relay.submit(&item("h", n, json!({"key": key, "queue": true})).to_string()));
+        let first = submit("a", "a0");
+        let t = w.expect_task();
+        assert_eq!(t.id, first);
+        w.done(&t.id, json!(null));
+        relay.wait_status(&first, "done", Duration::from_secs(5));
+        // Key a has no task left; its next one still waits for the token an hour away.
+        let again = submit("a", "a1");
+        let other = submit("b", "b0");
+        let t = w.expect_task();
+        assert_eq!(t.id, other, "key b is not held by a's rate");
+        let waiting = relay.get_task(&again);
+        assert_eq!((&waiting["status"], &waiting["waiting_on"]), (&json!("pending"), &json!("rate")), "{waiting}");
+    });
+}

@@ -32,7 +32,7 @@ use crate::flow::{Bucket, KindOp, Policy, WaitingOn, kind_response, unknown_kind
 
 /// Idle lanes kept for a per-key bucket that is not full yet, at most: beyond, the one that
 /// would be full soonest is forgotten early (its key gets a full bucket a little sooner).
-const MAX_IDLE_LANES: usize = 65_536;
+const MAX_IDLE_LANES: usize = if cfg!(test) { 64 } else { 65_536 };
 
 /// Rate wakes and lane expiries handled in one timer run at most (the rest: the next run).
 const WAKES_PER_TURN: usize = 4_096;
@@ -1066,5 +1066,203 @@ impl MemStore {
         kinds.truncate(crate::flow::MAX_LABELLED_KINDS);
         g.kinds = kinds.into_iter().map(|(k, r, p)| (k.to_string(), r, p)).collect();
         g.held = self.flow.held_total;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The rotation and the lanes on a real memory store (no sockets): the order, and that
+    //! everything a lane keeps goes once nothing needs it.
+    use super::*;
+    use crate::store::{AttemptEnd, AttemptStart, InsertTo, NewTask, Next};
+    use crate::tasks::Outcome;
+
+    const CONN: ConnRef = ConnRef { slot: 9, generation: 9 };
+    const WALL: u64 = 1_000_000;
+
+    fn store() -> MemStore {
+        let cfg = MemConfig {
+            task_ttl_ms: 600_000,
+            failed_ttl_ms: 0,
+            max_pending: 100_000,
+            max_pending_bytes: 1 << 30,
+            task_memory_bytes: 1 << 30,
+            task_timeout_ms: 1_000,
+            max_retries: 0,
+        };
+        let mut s = MemStore::new(cfg, None);
+        s.set_clock(0, WALL);
+        s
+    }
+
+    fn events(s: &mut MemStore) -> Vec<Event> {
+        let mut out = Vec::new();
+        s.take_events(&mut out);
+        out
+    }
+
+    /// A queued task of `kind` from `submitter` with `key`, its payload `name`.
+    fn submit(s: &mut MemStore, kind: &str, submitter: &str, key: &str, name: &str) -> TaskId {
+        let payload = RawValue::from_string(format!("{name:?}")).expect("raw");
+        let new = NewTask {
+            payload: &payload,
+            kind: Some(kind),
+            run_at_wall_ms: None,
+            queue: true,
+            timeout_ms: None,
+            max_retries: None,
+            retry: Default::default(),
+            priority: 0,
+            submitter,
+            key,
+            idempotency: None,
+            runs_now: false,
+            claim_group: None,
+        };
+        s.insert(&new, InsertTo::Submit { conn: CONN, wait: false });
+        events(s)
+            .into_iter()
+            .find_map(|e| match e {
+                Event::Inserted { id, .. } => Some(id),
+                _ => None,
+            })
+            .expect("inserted")
+    }
+
+    /// Claims up to `n` tasks for one taker of every kind: (id, payload).
+    fn claim(s: &mut MemStore, n: u32) -> Vec<(TaskId, String)> {
+        s.claim(&ClaimAsk { group: 0, kinds: None, limit: n, takers: &[1] });
+        events(s)
+            .into_iter()
+            .find_map(|e| match e {
+                Event::Claimed { tasks, .. } => {
+                    Some(tasks.into_iter().map(|c| (c.id, c.payload.get().trim_matches('"').to_string())).collect())
+                }
+                _ => None,
+            })
+            .unwrap_or_default()
+    }
+
+    /// The claimed task's attempt starts and ends done.
+    fn run(s: &mut MemStore, id: TaskId) {
+        let start = AttemptStart {
+            client_id: 1,
+            client_ip: std::net::IpAddr::from([127, 0, 0, 1]),
+            started_wall_ms: s.wall_ms,
+            started_mono_ms: s.now_ms,
+            node: None,
+            session: None,
+        };
+        s.attempt_started(id, 1, &start);
+        let end = AttemptEnd {
+            outcome: Outcome::Done,
+            error: None,
+            duration_ms: 1,
+            ended_wall_ms: s.wall_ms,
+            uncounted: false,
+            resumes: 0,
+        };
+        let result = RawValue::from_string("null".into()).expect("raw");
+        s.attempt_ended(id, 1, &end, Next::Done { result: &result });
+        events(s);
+    }
+
+    fn lanes(s: &MemStore, kind: &str) -> usize {
+        s.flow.kinds.get(kind).map_or(0, |k| k.rot.subs.values().map(|sub| sub.lanes.len()).sum())
+    }
+
+    #[test]
+    fn the_rotation_goes_over_submitters_then_their_keys_then_each_keys_order() {
+        let mut s = store();
+        for (sub, key, name) in [
+            ("", "a", "a0"),
+            ("", "a", "a1"),
+            ("", "a", "a2"),
+            ("", "b", "b0"),
+            ("s1", "", "s0"),
+            ("s1", "", "s1"),
+            ("s1", "", "s2"),
+        ] {
+            submit(&mut s, "k", sub, key, name);
+        }
+        let order: Vec<String> = (0..7).flat_map(|_| claim(&mut s, 1)).map(|c| c.1).collect();
+        assert_eq!(order, ["a0", "s0", "b0", "s1", "a1", "s2", "a2"]);
+        assert!(claim(&mut s, 1).is_empty());
+    }
+
+    #[test]
+    fn one_claim_of_many_takes_the_rotation_in_turn() {
+        let mut s = store();
+        for i in 0..4 {
+            submit(&mut s, "k", "", "", &format!("r{i}"));
+        }
+        for i in 0..2 {
+            submit(&mut s, "k", "s1", "x", &format!("s{i}"));
+        }
+        let order: Vec<String> = claim(&mut s, 10).into_iter().map(|c| c.1).collect();
+        assert_eq!(order, ["r0", "s0", "r1", "s1", "r2", "r3"]);
+    }
+
+    #[test]
+    fn everything_is_forgotten_once_no_task_waits_or_runs() {
+        let mut s = store();
+        let mut ids = Vec::new();
+        for i in 0..50 {
+            let sub = ["", "s1", "s2"][i % 3];
+            let key = format!("key{}", i % 7);
+            ids.push(submit(&mut s, "k", sub, &key, "t"));
+        }
+        // Half run, the rest are canceled (some claimed first, given back).
+        let claimed = claim(&mut s, 20);
+        for (id, _) in &claimed[..10] {
+            run(&mut s, *id);
+        }
+        for (id, _) in &claimed[10..] {
+            s.give_back(*id, 1);
+        }
+        for id in ids {
+            s.cancel(id, None, CONN);
+            events(&mut s);
+        }
+        assert!(s.flow.heads.is_empty());
+        assert!(s.flow.kinds.is_empty(), "{:?}", s.flow.kinds.keys().collect::<Vec<_>>());
+        assert!(s.flow.none.subs.is_empty());
+    }
+
+    #[test]
+    fn an_idle_lane_keeps_its_bucket_until_it_is_full_again_and_no_longer() {
+        let mut s = store();
+        let policy = Policy { rate_per_key: Some(crate::flow::Rate { count: 1, per_ms: 1_000 }), ..Policy::default() };
+        s.set_policy("k", Some(policy));
+        events(&mut s);
+        for i in 0..40 {
+            submit(&mut s, "k", "", &format!("key{i}"), "t");
+        }
+        let claimed = claim(&mut s, 100);
+        assert_eq!(claimed.len(), 40, "a full bucket each");
+        for (id, _) in claimed {
+            run(&mut s, id);
+        }
+        assert_eq!(lanes(&s, "k"), 40, "empty buckets are kept: a key does not refill by emptying");
+        // Its next task waits for the token, though the lane had emptied.
+        submit(&mut s, "k", "", "key0", "again");
+        assert!(claim(&mut s, 1).is_empty());
+        s.set_clock(1_000, WALL + 1_000);
+        s.on_timer();
+        events(&mut s);
+        assert_eq!(claim(&mut s, 1).len(), 1, "its token came");
+        s.set_clock(2_000, WALL + 2_000);
+        s.on_timer();
+        assert_eq!(lanes(&s, "k"), 1, "full buckets are forgotten (key0's task is claimed)");
+        assert!(s.flow.expiries.len() <= 1);
+        // At most MAX_IDLE_LANES idle lanes however many keys empty at once.
+        for i in 0..(MAX_IDLE_LANES + 30) {
+            submit(&mut s, "k", "s1", &format!("many{i}"), "t");
+        }
+        for (id, _) in claim(&mut s, 10_000) {
+            run(&mut s, id);
+        }
+        assert!(lanes(&s, "k") <= MAX_IDLE_LANES + 1, "{} lanes", lanes(&s, "k"));
+        assert!(s.flow.expiries.len() <= MAX_IDLE_LANES);
     }
 }
