@@ -652,12 +652,27 @@ pub fn push_u64(s: &mut String, mut n: u64) {
 pub fn push_ip(s: &mut String, ip: IpAddr) {
     match ip {
         IpAddr::V4(v4) => {
-            for (i, octet) in v4.octets().iter().enumerate() {
+            // Into one buffer, pushed at once: a task's JSON holds two addresses.
+            let mut buf = [0u8; 15];
+            let mut n = 0;
+            for (i, octet) in v4.octets().into_iter().enumerate() {
                 if i > 0 {
-                    s.push('.');
+                    buf[n] = b'.';
+                    n += 1;
                 }
-                push_u64(s, u64::from(*octet));
+                if octet >= 100 {
+                    buf[n] = b'0' + octet / 100;
+                    n += 1;
+                }
+                if octet >= 10 {
+                    buf[n] = b'0' + octet / 10 % 10;
+                    n += 1;
+                }
+                buf[n] = b'0' + octet % 10;
+                n += 1;
             }
+            // Only ASCII digits and dots were written.
+            s.push_str(std::str::from_utf8(&buf[..n]).unwrap_or("0.0.0.0"));
         }
         IpAddr::V6(v6) => {
             use std::fmt::Write as _;
@@ -873,7 +888,7 @@ mod tests {
             push_u64(&mut s, n);
             assert_eq!(s, n.to_string());
         }
-        for ip in ["0.0.0.0", "10.0.0.5", "255.255.255.255", "::1", "2001:db8::7"] {
+        for ip in ["0.0.0.0", "10.0.0.5", "127.0.0.1", "1.20.100.99", "255.255.255.255", "::1", "2001:db8::7"] {
             s.clear();
             push_ip(&mut s, ip.parse().expect("ip"));
             assert_eq!(s, ip);

@@ -20,36 +20,35 @@ pub fn rfc3339_ms(ms: u64) -> String {
 
 pub fn write_rfc3339_ms(out: &mut String, ms: u64) {
     let secs = ms / 1000;
+    // The text up to the second is kept for the last second written: a task's JSON holds
+    // several times of one second, written for every answer (this runs ~3 times per task).
+    LAST_SECOND.with(|last| {
+        let mut last = last.borrow_mut();
+        if last.0 != secs || last.1.is_empty() {
+            last.1.clear();
+            write_second(&mut last.1, secs);
+            last.0 = secs;
+        }
+        out.push_str(&last.1);
+    });
+    let milli = (ms % 1000) as u32;
+    for digit in [milli / 100, milli / 10 % 10, milli % 10] {
+        out.push(char::from(b'0' + digit as u8));
+    }
+    out.push('Z');
+}
+
+thread_local! {
+    /// (second, its text up to and including the `.` before the milliseconds).
+    static LAST_SECOND: std::cell::RefCell<(u64, String)> = const { std::cell::RefCell::new((0, String::new())) };
+}
+
+/// `2026-11-29T12:06:15.` for `secs` since the epoch.
+fn write_second(out: &mut String, secs: u64) {
     let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
     let (y, m, d) = civil_from_days(days);
-    if !(0..=9999).contains(&y) {
-        let _ = write!(
-            out,
-            "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-            rem / 3600,
-            rem / 60 % 60,
-            rem % 60,
-            ms % 1000
-        );
-        return;
-    }
-    // By hand: this runs several times for every task JSON.
-    let mut b = *b"0000-00-00T00:00:00.000Z";
-    let mut put = |at: usize, width: usize, mut v: u64| {
-        for i in (at..at + width).rev() {
-            b[i] = b'0' + (v % 10) as u8;
-            v /= 10;
-        }
-    };
-    put(0, 4, y as u64);
-    put(5, 2, m as u64);
-    put(8, 2, d as u64);
-    put(11, 2, rem / 3600);
-    put(14, 2, rem / 60 % 60);
-    put(17, 2, rem % 60);
-    put(20, 3, ms % 1000);
-    out.push_str(std::str::from_utf8(&b).unwrap_or(""));
+    let _ = write!(out, "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.", rem / 3600, rem / 60 % 60, rem % 60);
 }
 
 /// An HTTP-date (RFC 9110 §5.6.7, IMF-fixdate) for `secs` since the epoch:
@@ -290,6 +289,12 @@ mod tests {
             assert_eq!(parse_rfc3339_ms(&text), Ok(ms), "{text}");
         }
         assert_eq!(rfc3339_ms(1_795_953_975_123), "2026-11-29T12:06:15.123Z");
+        // The second's text is kept between calls: the same second, another, and back.
+        assert_eq!(rfc3339_ms(1_795_953_975_007), "2026-11-29T12:06:15.007Z");
+        assert_eq!(rfc3339_ms(1_795_953_976_090), "2026-11-29T12:06:16.090Z");
+        assert_eq!(rfc3339_ms(1_795_953_975_999), "2026-11-29T12:06:15.999Z");
+        assert_eq!(rfc3339_ms(0), "1970-01-01T00:00:00.000Z");
+        assert_eq!(rfc3339_ms(253_402_300_800_000), "10000-01-01T00:00:00.000Z");
     }
 
     #[test]
