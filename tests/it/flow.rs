@@ -399,6 +399,36 @@ fn a_policy_set_on_one_node_applies_on_another_within_a_second() {
     assert_eq!(w.next_task(Duration::from_secs(3)).map(|t| t.id), Some(id), "resumed on every node");
 }
 
+/// A node that sets a policy of its own right after another node set one must still learn the
+/// other's: its own change (a higher `changed` number) is no mark that it read the smaller ones.
+#[test]
+fn a_node_that_sets_a_policy_still_learns_the_one_another_node_set_just_before() {
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail(
+                "a_node_that_sets_a_policy_still_learns_the_one_another_node_set_just_before",
+                &why,
+            );
+            return;
+        }
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let one = Mode::start_on(db.clone(), &[]);
+    let two = Mode::start_on(db, &[]);
+    let w = FakeWorker::connect(&two, Some(json!({"type":"hello","kinds":["k"],"concurrency":4})), Auto::Manual);
+    two.wait_clients(1, |c| c["concurrency"] == 4);
+    // Back to back: node two sets its own policy before its once-a-second read of changes.
+    put_policy(&one, "k", r#"{"paused":true}"#);
+    put_policy(&two, "other", r#"{"max_running":9}"#);
+    let set = std::time::Instant::now();
+    poll_until(Duration::from_secs(3), || set.elapsed() >= Duration::from_millis(1_500));
+    let id = id_of(&two.submit(r#"{"payload":{"kind":"k"}}"#));
+    assert!(w.no_task(Duration::from_millis(700)), "paused on node two as well");
+    assert_eq!(two.get_task(&id)["waiting_on"], "paused");
+}
+
 // ----- limits --------------------------------------------------------------------------------
 
 #[test]

@@ -1614,10 +1614,8 @@ impl PgStore {
                     self.held_lanes.extend(now);
                 }
                 Part::PolicySet(kind, policy) => {
-                    if let Some(changed) = here.first().and_then(|r| r.i64(0)) {
-                        // (Changes commit in `changed` order: the next read goes on from here.)
-                        self.policies_high = self.policies_high.max(changed);
-                    }
+                    // (`policies_high` stays: changes of other nodes with smaller numbers may
+                    // not have been read yet, and the next read brings this one back, the same.)
                     self.apply_policy(kind, policy);
                 }
                 Part::Kinds(conn, op) => {
