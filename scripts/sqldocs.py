@@ -14,34 +14,46 @@ src = (root / "src/pg/sql.rs").read_text()
 doc_path = root / "docs/cluster.md"
 doc = doc_path.read_text()
 
-consts = {}
-lines = src.split("\n")
-i = 0
-while i < len(lines):
-    m = re.match(r'pub const ([A-Z0-9_]+): &str =( "(.*))?$', lines[i])
-    if not m:
-        i += 1
-        continue
-    name, first = m.group(1), m.group(3)
-    start = i
-    if first is None:  # `=` at the end of the line, the string on the next
-        i += 1
-        first = lines[i].strip()[1:]
-    i, j = start, start - 1
-    if lines[start].rstrip().endswith("="):
-        i += 1
+LIT = r'"((?:[^"\\]|\\.)*)"'
+
+
+def literal_text(raw):
+    """A Rust string literal's contents as the statement's text: continuation lines lose the
+    indentation of the source (up to 5 spaces), escaped quotes are plain."""
+    lines = raw.split("\n")
+    return "\n".join([lines[0]] + [re.sub(r"^ {1,5}", "", l) for l in lines[1:]]).replace('\\"', '"')
+
+
+def doc_above(at):
+    """The `///` comment right above the line on which offset `at` starts."""
+    before = src[: src.rfind("\n", 0, at) + 1].split("\n")[:-1]
     comment = []
-    while j >= 0 and lines[j].startswith("///"):
-        comment.insert(0, lines[j][3:].strip())
-        j -= 1
-    body = [first]
-    while not body[-1].endswith('";'):
-        i += 1
-        body.append(re.sub(r"^ {1,5}", "", lines[i]))
-    body[-1] = body[-1][: -len('";')]
-    text = "\n".join(body).replace('\\"', '"')
-    consts[name] = (" ".join(comment), text)
-    i += 1
+    while before and before[-1].startswith("///"):
+        comment.insert(0, before.pop()[3:].strip())
+    return " ".join(comment)
+
+
+# The shared parts: `macro_rules! name { () => { "..." }; }`, each one string literal.
+macros = {}
+for m in re.finditer(r"^macro_rules! ([a-z_]+) \{\n    \(\) => \{\n        " + LIT + r"\n    \};\n\}", src, re.M | re.S):
+    macros[m.group(1)] = m.group(2)
+
+# The statements: `pub const NAME: &str = "...";` or `= concat!(` of literals and shared parts `);`.
+consts = {}
+for m in re.finditer(r'^pub const ([A-Z0-9_]+): &str =\s*(concat!\((.*?)\n\);|' + LIT + ";)", src, re.M | re.S):
+    name = m.group(1)
+    if m.group(3) is not None:
+        raw = ""
+        for piece in re.finditer(LIT + r"|([a-z_]+)!\(\)", m.group(3), re.S):
+            if piece.group(2) is not None:
+                if piece.group(2) not in macros:
+                    sys.exit(f"sqldocs: {name} uses {piece.group(2)}!() but no such macro_rules! is found")
+                raw += macros[piece.group(2)]
+            else:
+                raw += piece.group(1)
+    else:
+        raw = m.group(4)
+    consts[name] = (doc_above(m.start()), literal_text(raw))
 
 all_block = re.search(r"pub const ALL: &\[\(&str, &str\)\] = &\[(.*?)\];", src, re.S)
 if not all_block:

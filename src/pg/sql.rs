@@ -139,13 +139,40 @@ pub struct NewTask {
     pub fair_key: String,
 }
 
+/// The fair-shares bookkeeping of the tasks that just entered the queue (`entered`: inserted by
+/// [`INSERT_TASKS`], re-run by [`RERUN`] and [`RERUN_MANY`]): a lane for each new (kind,
+/// submitter, key) and a row for each new (kind, submitter), stamped with the stamp last given,
+/// and a kind that now has more than one lane entered in `relay_fair_kinds` (the kinds
+/// [`CLAIM`] picks fairly among lanes).
+macro_rules! fair_lanes {
+    () => {
+        "), lanes AS (
+       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
+       FROM entered ORDER BY 1, 2, 3
+       ON CONFLICT DO NOTHING RETURNING kind
+     ), subs AS (
+       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
+       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
+       FROM entered ORDER BY 1, 2
+       ON CONFLICT DO NOTHING
+     ), multi AS (
+       INSERT INTO relay_fair_kinds (kind)
+       SELECT n.kind FROM lanes n GROUP BY n.kind
+       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
+       ON CONFLICT DO NOTHING
+     )"
+    };
+}
+
 /// Inserts the tasks and their pending rows in one statement, in order, as long as room is
 /// left under $12 tasks and $13 payload bytes waiting (the retry policy: $15–$17) (counted by `relay_pending_counts`, read
 /// under [`INSERT_LOCK`]; a task marked `runs_now` needs no room). A task whose (owner, key) is
 /// already taken is not inserted. Returns one row per task given: id, seq (NULL: not inserted),
 /// and whether there was room (not inserted but room: its key is taken — [`IDEMPOTENT_LOOKUP`]
 /// in the same transaction tells by which task).
-pub const INSERT_TASKS: &str = "WITH lim AS (
+pub const INSERT_TASKS: &str = concat!(
+    "WITH lim AS (
        SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
      ), n AS (
        SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bool[], $5::int8[], $6::int4[],
@@ -160,7 +187,7 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
      ), ok AS (
        SELECT room.* FROM room, lim
        WHERE room.runs_now OR (lim.n + room.cum_n <= $12::int8 AND lim.b + room.cum_b <= $13::int8)
-     ), ins AS (
+     ), entered AS (
        INSERT INTO relay_tasks (id, status, kind, payload, queue, timeout_ms, max_retries, created_ms, run_at_ms,
                                 idem_owner, idem_key, priority, retry_backoff_ms, retry_backoff_max_ms,
                                 retry_any_worker, submitter, fair_key)
@@ -173,25 +200,13 @@ pub const INSERT_TASKS: &str = "WITH lim AS (
                  submitter, fair_key
      ), pend AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
-       SELECT id, due_ms, ord_ms, seq, kind, queue, bytes, submitter, fair_key FROM ins
-     ), lanes AS (
-       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
-       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
-       FROM ins ORDER BY 1, 2, 3
-       ON CONFLICT DO NOTHING RETURNING kind
-     ), subs AS (
-       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
-       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
-       FROM ins ORDER BY 1, 2
-       ON CONFLICT DO NOTHING
-     ), multi AS (
-       INSERT INTO relay_fair_kinds (kind)
-       SELECT n.kind FROM lanes n GROUP BY n.kind
-       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
-       ON CONFLICT DO NOTHING
-     )
-     SELECT n.id::text, ins.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN ins ON ins.id = n.id
-     ORDER BY n.ord";
+       SELECT id, due_ms, ord_ms, seq, kind, queue, bytes, submitter, fair_key FROM entered
+     ",
+    fair_lanes!(),
+    "
+     SELECT n.id::text, entered.seq, ok.id IS NOT NULL FROM n LEFT JOIN ok ON ok.id = n.id LEFT JOIN entered ON entered.id = n.id
+     ORDER BY n.ord"
+);
 
 // ---------------------------------------------------------------------------------------------
 // Kind policies (SPEC §14).
@@ -273,6 +288,42 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 // ---------------------------------------------------------------------------------------------
 // Claim and dispatch.
 
+/// The part [`CLAIM`] and [`CLAIM_KINDS`] share, after each found its due tasks (`plain`): the
+/// fair-shares pick among them when a kind has several lanes, the pending rows deleted, the
+/// tasks made dispatched to this node, and its running rows written.
+macro_rules! claim_tail {
+    () => {
+        " mk AS MATERIALIZED (
+       SELECT f.kind AS fk FROM relay_fair_kinds f
+       WHERE EXISTS (SELECT 1 FROM relay_fair_kinds) AND f.kind IN (SELECT coalesce('k' || kind, 'n') FROM plain)
+     ), c AS (
+       SELECT task_id, ARRAY[ord_ms, seq] AS eff, NULL::text AS fk, 0::int8 AS pos FROM plain
+       WHERE NOT EXISTS (SELECT 1 FROM mk)
+       UNION ALL
+       SELECT * FROM relay_fair_pick(ARRAY(SELECT fk FROM mk), $4::int8, $6::uuid[], $5::int4,
+                                     ARRAY(SELECT task_id FROM plain), ARRAY(SELECT kind FROM plain),
+                                     ARRAY(SELECT ord_ms FROM plain), ARRAY(SELECT seq FROM plain))
+       WHERE EXISTS (SELECT 1 FROM mk)
+     ), d AS (
+       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
+     ), u AS (
+       UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
+       FROM d WHERE t.id = d.task_id AND t.status = 'pending'
+       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
+                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
+                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
+                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
+                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
+     ), r AS (
+       INSERT INTO relay_running (task_id, owner_node, attempt, kind, submitter, fair_key)
+       SELECT id, $1::uuid, attempt, kind, submitter, fair_key FROM u
+     )
+     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
+            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
+     FROM u ORDER BY eff, fk, pos"
+    };
+}
+
 /// Claims up to $5 due tasks (due at $4) for one group of this node's workers, in order of due
 /// time less their priority's head start (`ord_ms`; a head start is at most a day, which bounds
 /// the walk over tasks not due yet): those that
@@ -283,79 +334,31 @@ pub const IDEMPOTENT_LOOKUP: &str = "SELECT t.idem_owner, t.idem_key, t.id::text
 /// one, and the node's running row is written. Which worker runs it is the node's choice: the
 /// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
 /// locked by another claim are skipped, never waited for; the rows come back in that order.
-pub const CLAIM: &str = "WITH plain AS (
+pub const CLAIM: &str = concat!(
+    "WITH plain AS (
        SELECT task_id, kind, ord_ms, seq FROM relay_pending
        WHERE $3::text[] IS NULL AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[]) AND (kind IS NULL OR NOT (kind = ANY($7::text[])))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
-     ), mk AS MATERIALIZED (
-       SELECT f.kind AS fk FROM relay_fair_kinds f
-       WHERE EXISTS (SELECT 1 FROM relay_fair_kinds) AND f.kind IN (SELECT coalesce('k' || kind, 'n') FROM plain)
-     ), c AS (
-       SELECT task_id, ARRAY[ord_ms, seq] AS eff, NULL::text AS fk, 0::int8 AS pos FROM plain
-       WHERE NOT EXISTS (SELECT 1 FROM mk)
-       UNION ALL
-       SELECT * FROM relay_fair_pick(ARRAY(SELECT fk FROM mk), $4::int8, $6::uuid[], $5::int4,
-                                     ARRAY(SELECT task_id FROM plain), ARRAY(SELECT kind FROM plain),
-                                     ARRAY(SELECT ord_ms FROM plain), ARRAY(SELECT seq FROM plain))
-       WHERE EXISTS (SELECT 1 FROM mk)
-     ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
-     ), u AS (
-       UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
-       FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
-                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
-                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
-                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
-     ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt, kind, submitter, fair_key)
-       SELECT id, $1::uuid, attempt, kind, submitter, fair_key FROM u
-     )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
-            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
-     FROM u ORDER BY eff, fk, pos";
+     ),",
+    claim_tail!()
+);
 
 /// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
 /// hold back, $7, from it too).
-pub const CLAIM_KINDS: &str = "WITH plain AS (
+pub const CLAIM_KINDS: &str = concat!(
+    "WITH plain AS (
        SELECT task_id, kind, ord_ms, seq FROM relay_pending
        WHERE kind = ANY($3::text[]) AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[]) AND NOT (kind = ANY($7::text[]))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
-     ), mk AS MATERIALIZED (
-       SELECT f.kind AS fk FROM relay_fair_kinds f
-       WHERE EXISTS (SELECT 1 FROM relay_fair_kinds) AND f.kind IN (SELECT coalesce('k' || kind, 'n') FROM plain)
-     ), c AS (
-       SELECT task_id, ARRAY[ord_ms, seq] AS eff, NULL::text AS fk, 0::int8 AS pos FROM plain
-       WHERE NOT EXISTS (SELECT 1 FROM mk)
-       UNION ALL
-       SELECT * FROM relay_fair_pick(ARRAY(SELECT fk FROM mk), $4::int8, $6::uuid[], $5::int4,
-                                     ARRAY(SELECT task_id FROM plain), ARRAY(SELECT kind FROM plain),
-                                     ARRAY(SELECT ord_ms FROM plain), ARRAY(SELECT seq FROM plain))
-       WHERE EXISTS (SELECT 1 FROM mk)
-     ), d AS (
-       DELETE FROM relay_pending p USING c WHERE p.task_id = c.task_id RETURNING p.task_id, c.eff, c.fk, c.pos
-     ), u AS (
-       UPDATE relay_tasks t SET status = 'dispatched', owner_node = $1::uuid, attempt = t.attempt + 1
-       FROM d WHERE t.id = d.task_id AND t.status = 'pending'
-       RETURNING t.id, t.attempt, t.kind, t.payload, t.timeout_ms, t.max_retries, t.tried, t.created_ms, d.eff,
-                 d.fk, d.pos, CASE WHEN t.attempt = 1 THEN 0 ELSE (SELECT count(*)
-                   FROM jsonb_array_elements(t.attempt_log) WITH ORDINALITY e(v, i)
-                   WHERE i > t.rerun_base AND v ? 'uncounted') END AS uncounted,
-                 t.retry_backoff_ms, t.retry_backoff_max_ms, t.retry_any_worker, t.rerun_base, t.submitter, t.fair_key
-     ), r AS (
-       INSERT INTO relay_running (task_id, owner_node, attempt, kind, submitter, fair_key)
-       SELECT id, $1::uuid, attempt, kind, submitter, fair_key FROM u
-     )
-     SELECT id::text, attempt, kind, payload, timeout_ms, max_retries, tried::text, created_ms, $2::int4, uncounted,
-            retry_backoff_ms, retry_backoff_max_ms, retry_any_worker, rerun_base
-     FROM u ORDER BY eff, fk, pos";
+     ),",
+    claim_tail!()
+);
 
 /// Taken before [`CLAIM_LIMITED`], one lock per limited kind ($1, sorted: every node locks in
 /// the same order): claims of one kind on all nodes take turns, so what they count — the
@@ -938,13 +941,14 @@ pub const LIST_TASKS: &str = "WITH s AS MATERIALIZED (
 /// pending tasks leave room for it (SPEC §7, as for a submit). Returns its status before (no
 /// row: unknown or out of scope), whether it was re-run, and whether there was room;
 /// [`GET_TASKS`] after it reads the task back.
-pub const RERUN: &str = "WITH lim AS (
+pub const RERUN: &str = concat!(
+    "WITH lim AS (
        SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
      ), old AS (
        SELECT t.id, t.status, lim.n + 1 <= $4::int8 AND lim.b + coalesce(octet_length(t.payload), 0) <= $5::int8 AS room
        FROM relay_tasks t, lim
        WHERE t.id = $1::uuid AND ($2::text[] IS NULL OR t.kind = ANY($2::text[])) FOR UPDATE OF t
-     ), u AS (
+     ), entered AS (
        UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
          reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}',
          attempt_log = t.attempt_log #- ARRAY[(jsonb_array_length(t.attempt_log) - 1)::text, 'next_attempt_ms']
@@ -952,24 +956,12 @@ pub const RERUN: &str = "WITH lim AS (
        RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes, t.submitter, t.fair_key
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
-       SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
-     ), lanes AS (
-       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
-       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
-       FROM u ORDER BY 1, 2, 3
-       ON CONFLICT DO NOTHING RETURNING kind
-     ), subs AS (
-       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
-       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
-       FROM u ORDER BY 1, 2
-       ON CONFLICT DO NOTHING
-     ), multi AS (
-       INSERT INTO relay_fair_kinds (kind)
-       SELECT n.kind FROM lanes n GROUP BY n.kind
-       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
-       ON CONFLICT DO NOTHING
-     )
-     SELECT old.status, EXISTS (SELECT 1 FROM u), old.room FROM old";
+       SELECT id, $3::int8, $3::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM entered
+     ",
+    fair_lanes!(),
+    "
+     SELECT old.status, EXISTS (SELECT 1 FROM entered), old.room FROM old"
+);
 
 pub fn rerun(id: &str, scope: Option<&[String]>, now_ms: u64, max_pending: u64, max_pending_bytes: u64) -> Stmt {
     Stmt::new(
@@ -991,7 +983,8 @@ pub fn rerun(id: &str, scope: Option<&[String]>, now_ms: u64, max_pending: u64, 
 /// MAX_PENDING_BYTES leave room for — unless $7 (a dry run), which only lists them. Rows locked
 /// by another node are skipped. Returns their ids, and on every row how many matched (one row
 /// of a NULL id when none could be re-run).
-pub const RERUN_MANY: &str = "WITH lim AS (
+pub const RERUN_MANY: &str = concat!(
+    "WITH lim AS (
        SELECT coalesce(sum(n), 0) AS n, coalesce(sum(bytes), 0) AS b FROM relay_pending_counts
      ), s AS MATERIALIZED (
        SELECT id, status, kind, seq, finished_ms FROM relay_tasks ORDER BY seq DESC LIMIT $8::int4
@@ -1011,7 +1004,7 @@ pub const RERUN_MANY: &str = "WITH lim AS (
          WINDOW w AS (ORDER BY l.seq DESC)
        ) l, lim
        WHERE $7::bool OR (lim.n + l.cum_n <= $10::int8 AND lim.b + l.cum_b <= $11::int8)
-     ), u AS (
+     ), entered AS (
        UPDATE relay_tasks t SET status = 'pending', finished_ms = NULL, error = NULL, result = NULL, queue = true,
          reruns = t.reruns + 1, rerun_base = t.attempt, tried = '{}',
          attempt_log = t.attempt_log #- ARRAY[(jsonb_array_length(t.attempt_log) - 1)::text, 'next_attempt_ms']
@@ -1019,26 +1012,14 @@ pub const RERUN_MANY: &str = "WITH lim AS (
        RETURNING t.id, t.seq, t.kind, t.priority, octet_length(t.payload) AS bytes, t.submitter, t.fair_key
      ), p AS (
        INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
-       SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM u
-     ), lanes AS (
-       INSERT INTO relay_fair_lanes (kind, submitter, fair_key, stamp)
-       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, fair_key, (SELECT last_value FROM relay_fair_stamp)
-       FROM u ORDER BY 1, 2, 3
-       ON CONFLICT DO NOTHING RETURNING kind
-     ), subs AS (
-       INSERT INTO relay_fair_submitters (kind, submitter, stamp)
-       SELECT DISTINCT coalesce('k' || kind, 'n'), submitter, (SELECT last_value FROM relay_fair_stamp)
-       FROM u ORDER BY 1, 2
-       ON CONFLICT DO NOTHING
-     ), multi AS (
-       INSERT INTO relay_fair_kinds (kind)
-       SELECT n.kind FROM lanes n GROUP BY n.kind
-       HAVING count(*) > 1 OR EXISTS (SELECT 1 FROM relay_fair_lanes l WHERE l.kind = n.kind)
-       ON CONFLICT DO NOTHING
-     ), matched AS (
+       SELECT id, $9::int8, $9::int8 - priority::int8 * 1000, seq, kind, true, bytes, submitter, fair_key FROM entered
+     ",
+    fair_lanes!(),
+    ", matched AS (
        SELECT count(*) AS n FROM l
      )
-     SELECT r.id::text, matched.n FROM matched LEFT JOIN r ON true ORDER BY r.seq DESC";
+     SELECT r.id::text, matched.n FROM matched LEFT JOIN r ON true ORDER BY r.seq DESC"
+);
 
 pub fn rerun_many(
     f: &crate::store::RerunFilter,
