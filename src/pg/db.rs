@@ -366,6 +366,10 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
     let mut backoff = Backoff::new(cfg.backoff_min_ms, cfg.backoff_max_ms);
     let started_ms = crate::timefmt::wall_ms() as i64;
     let mut logged_down = false;
+    // The server process of the connection last lost: it may still run (blocked on a lock) the
+    // transaction this node gave up on, and commit it later — claims nobody runs, a submit
+    // answered 503 stored after all. It goes before this node works again.
+    let mut lost_pid: Option<i32> = None;
     'connect: loop {
         if shared.stop.load(Ordering::SeqCst) {
             return;
@@ -402,6 +406,18 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 return;
             }
             continue;
+        }
+        if let Some(pid) = lost_pid.take()
+            && let Err(e) = end_lost_backend(&mut conn, pid, cfg.io_timeout_ms)
+        {
+            crate::log!(Level::Warn, "database: could not end the lost connection's server process", error = &e);
+            if e.is_fatal() {
+                lost_pid = Some(pid);
+                if !wait_down(&shared, &rx, Instant::now() + Duration::from_millis(backoff.next_ms(random_u64()))) {
+                    return;
+                }
+                continue;
+            }
         }
         backoff.reset();
         logged_down = false;
@@ -444,6 +460,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 broken = housekeeping(&cfg, &shared, &mut conn);
             }
             if let Some(e) = broken {
+                lost_pid = Some(conn.backend_pid());
                 crate::log!(Level::Warn, "database connection lost", error = &e);
                 if shared.set_health(Health::Unreachable) {
                     (shared.wake)();
@@ -451,6 +468,21 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 continue 'connect;
             }
         }
+    }
+}
+
+/// Ends the server process `pid` of a connection this node lost, if it is still there (older
+/// than this connection: not a process that took its number since), and waits until it is gone
+/// (at most `wait_ms`): its open transaction is rolled back, never committed late.
+fn end_lost_backend(conn: &mut Conn, pid: i32, wait_ms: u64) -> Result<(), PgError> {
+    let deadline = Instant::now() + Duration::from_millis(wait_ms);
+    loop {
+        let rows = conn.pipeline(&[Stmt::new(sql::END_LOST_BACKEND, vec![i64::from(pid).into()])])?;
+        let left = rows.first().and_then(|r| r.rows.first()).and_then(|r| r.i64(0)).unwrap_or(0);
+        if left == 0 || Instant::now() >= deadline {
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 

@@ -101,6 +101,14 @@ pub const HEARTBEAT: &str = "INSERT INTO relay_nodes (node_id, name, started_ms,
      VALUES ($1::uuid, $2::text, $3::int8, relay_now_ms(), $4::text)
      ON CONFLICT (node_id) DO UPDATE SET heartbeat_ms = relay_now_ms(), name = excluded.name";
 
+/// A lost connection's server process $1, if it is still there and older than this session (a
+/// process that took its number since is left alone): terminated (its open transaction rolls
+/// back). Returns how many such processes are still there (0: gone).
+pub const END_LOST_BACKEND: &str = "SELECT count(*) FROM (
+       SELECT pg_terminate_backend(a.pid) FROM pg_stat_activity a, pg_stat_activity me
+       WHERE a.pid = $1::int4 AND me.pid = pg_backend_pid() AND a.backend_start < me.backend_start
+     ) t";
+
 /// Live nodes: $1 lease_ms.
 pub const LIVE_NODES: &str = "SELECT node_id::text, name, started_ms, heartbeat_ms FROM relay_nodes
      WHERE heartbeat_ms > relay_now_ms() - $1::int8 ORDER BY started_ms";
@@ -1338,6 +1346,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("KINDS", KINDS),
     ("UNCLAIM", UNCLAIM),
     ("RELEASE_ORPHANS", RELEASE_ORPHANS),
+    ("END_LOST_BACKEND", END_LOST_BACKEND),
     ("ADOPT_ORPHANS", ADOPT_ORPHANS),
     ("TAKE_SESSION", TAKE_SESSION),
     ("SESSION_ATTEMPTS", SESSION_ATTEMPTS),

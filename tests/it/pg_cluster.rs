@@ -1162,3 +1162,45 @@ fn pg_sql_a_session_attempt_waits_for_its_worker_and_moves_with_it() {
     assert_eq!(out[0].rows.len(), 1, "adopted once the window is over");
     assert_eq!(out[0].rows[0].text(0), Some(two.as_str()));
 }
+
+/// A transaction a node gave up on (no answer within its I/O timeout: here, blocked on the lock
+/// every insert takes) must not commit later behind its back: the node ends the lost
+/// connection's server process before it works again. Before, the submit answered 503 was
+/// stored (and claimed for a worker it was never sent to) once the lock came free.
+#[test]
+fn a_transaction_the_node_gave_up_on_never_commits_later() {
+    let name = "a_transaction_the_node_gave_up_on_never_commits_later";
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail(name, &why);
+            return;
+        }
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let node = crate::support::Mode::start_on(db.clone(), &[]);
+    let params = relay::pg::url::parse(&db.url()).expect("url");
+    let mut lock = relay::pg::wire::Conn::connect(&params, relay::pg::wire::Timeouts::default()).expect("connect");
+    let insert_lock = relay::pg::sql::INSERT_LOCK.replace("pg_advisory_xact_lock", "pg_advisory_lock");
+    lock.simple(&insert_lock).expect("take the insert lock");
+    let r = node.submit(r#"{"payload":{"kind":"k"},"queue":true}"#);
+    assert_eq!(r.status, 503, "the database did not answer in time: {}", r.text());
+    // Every connection that waits for the lock now is one the node lost (or soon will, its
+    // I/O timeout later): each must be ended before the lock comes free.
+    let now = db.query("SELECT now()::text");
+    let since = now.first().expect("now");
+    let waiting = format!(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE l.locktype = 'advisory' AND NOT l.granted AND a.backend_start < '{since}'::timestamptz"
+    );
+    let gone = crate::support::poll_until(Duration::from_secs(20), || db.query(&waiting) == ["0"]);
+    lock.simple("SELECT pg_advisory_unlock_all()").expect("unlock");
+    // Taken again: whatever still waited for it has run by then.
+    lock.simple(&insert_lock).expect("take the insert lock again");
+    let stored = db.query("SELECT count(*) FROM relay_tasks");
+    lock.simple("SELECT pg_advisory_unlock_all()").expect("unlock");
+    lock.close();
+    assert!(gone, "the lost connections' server processes were ended");
+    assert_eq!(stored, ["0"], "a submit answered 503 stored nothing");
+}
