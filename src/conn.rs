@@ -33,6 +33,9 @@ pub struct Conn {
     pub in_dirty: bool,
     /// Once `out` is flushed, shut down writes and linger until the peer closes.
     pub close_after_flush: bool,
+    /// Writes are shut down (once: every `shutdown(2)` wakes the socket's waiters, and under
+    /// edge-triggered epoll each wake is a new writable event that would come back here).
+    pub write_shut: bool,
     /// When the output last made progress (bytes written, or all of it drained): an HTTP
     /// client whose output is stuck for IDLE_TIMEOUT is closed.
     pub out_progress_ms: u64,
@@ -170,6 +173,7 @@ impl Conn {
             read_more: false,
             in_dirty: false,
             close_after_flush: false,
+            write_shut: false,
             gates: std::collections::VecDeque::new(),
             out_progress_ms: 0,
             spill: std::collections::VecDeque::new(),

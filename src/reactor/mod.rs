@@ -1088,7 +1088,14 @@ impl Server {
             conn.out = Vec::new();
         }
         if conn.close_after_flush && !answer_under_way(conn) {
-            let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+            // Once only: shutdown(2) on a socket whose writes are already shut down wakes it
+            // again, and that writable event came back here — the loop spun at full CPU for
+            // each connection lingering for its peer's close (after SIGTERM: beside the
+            // downloads it must keep moving, SPEC §10).
+            if !conn.write_shut {
+                conn.write_shut = true;
+                let _ = conn.stream.shutdown(std::net::Shutdown::Write);
+            }
             if !matches!(conn.state, State::Closing) {
                 if let State::Http(_) = conn.state {
                     conn.state = State::Closing;

@@ -523,6 +523,25 @@ fn a_download_keeps_moving_after_sigterm(mut relay: Relay) {
         took < Duration::from_secs(5),
         "the rest of the download took {took:?} after SIGTERM (SHUTDOWN_TIMEOUT 20s)"
     );
+    // The held request's client has its answer and keeps its socket open: relay lingers for
+    // its close (2 s), and must do so idle. It spun the loop at full CPU while it lingered —
+    // beside the downloads, which then moved 5–8 times slower with 1,000 such clients.
+    let pid = relay.pid();
+    let (lingering, cpu_before) = (Instant::now(), cpu_secs(pid).expect("relay runs"));
+    let mut cpu_used = 0.0;
+    while let Some(cpu) = cpu_secs(pid) {
+        cpu_used = cpu - cpu_before;
+        if lingering.elapsed() > Duration::from_secs(10) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let lingered = lingering.elapsed();
+    assert!(
+        cpu_used < 0.5,
+        "relay used {cpu_used:.2} s of CPU in the {lingered:?} it waited for the held client's close after the download"
+    );
+    drop(held);
     let status = relay.wait_exit(Duration::from_secs(10)).expect("relay exits once the download is done");
     assert!(status.success(), "{status:?}");
 }

@@ -64,6 +64,35 @@ fn http10_and_connection_close_are_answered_then_closed() {
     });
 }
 
+/// A connection answered with `Connection: close` lingers (2 s) for its peer's close; while
+/// the client keeps its socket open, relay sits idle. Each writable event called shutdown(2)
+/// again, which woke the socket again: the loop spun at full CPU for the whole linger (1.3 s
+/// of CPU in 1.5 s). After SIGTERM every answered `wait=true` lingers so, beside the
+/// downloads that must keep moving at full speed (SPEC §10; issue 19).
+#[test]
+fn a_connection_lingering_for_its_peers_close_costs_no_cpu() {
+    for_each_mode(|mode| {
+        let relay = mode.start();
+        let pid = relay.pid();
+        let mut c = Client::connect(relay.addr);
+        let r = c.call("GET", "/healthz", &[("Connection", "close")], None);
+        assert_eq!(r.status, 200);
+        let (since, cpu_before) = (Instant::now(), cpu_secs(pid).expect("relay runs"));
+        // relay closes the connection once the linger is over: /metrics' own connection is
+        // then the only one open.
+        let mut closed = false;
+        while !closed && since.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(100));
+            closed = relay.metric("relay_connections_open") <= 1.0;
+        }
+        let cpu = cpu_secs(pid).expect("relay runs") - cpu_before;
+        let lingered = since.elapsed();
+        assert!(closed, "relay never closed the lingering connection ({lingered:?})");
+        assert!(cpu < 0.5, "relay used {cpu:.2} s of CPU in the {lingered:?} a connection lingered");
+        drop(c);
+    });
+}
+
 #[test]
 fn chunked_request_body_is_decoded() {
     for_each_mode(|mode| {

@@ -332,6 +332,21 @@ pub fn metric_value(text: &str, series: &str) -> Option<f64> {
         .map(|v| v.trim().parse().unwrap_or_else(|e| panic!("metric {series}: bad value {v:?}: {e}")))
 }
 
+/// CPU time a process has used so far (user + system, all its threads), in seconds; `None`
+/// once it is gone (or a zombie).
+pub fn cpu_secs(pid: u32) -> Option<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command's `)`: state, then utime and stime as the 12th and 13th fields.
+    let fields: Vec<&str> = stat.rsplit(')').next()?.split_whitespace().collect();
+    if fields.first() == Some(&"Z") {
+        return None;
+    }
+    let ticks: u64 = fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?;
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1);
+    Some(ticks as f64 / hz as f64)
+}
+
 /// Resident memory of a process, in KiB (VmRSS).
 pub fn rss_kib(pid: u32) -> u64 {
     proc_status_kib(pid, "VmRSS:")
