@@ -573,9 +573,16 @@ fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<PgEr
         }
     }
     // Lanes without work lose their rotation state (SPEC §14), under the insert lock: a
-    // transaction of its own, after the lock's.
+    // transaction of its own, after the lock's. It holds every node's inserts meanwhile, so it
+    // gives up after `SWEEP_TIMEOUT` (a plan made on stale statistics once ran for 43 minutes
+    // over 15,000 new lanes, and no submit was stored on any node meanwhile); what it left is
+    // swept a second later.
     shared.background.fetch_add(1, Ordering::Relaxed);
-    match conn.pipeline(&[Stmt::new(sql::INSERT_LOCK, vec![]), Stmt::new(sql::FAIR_SWEEP, vec![])]) {
+    match conn.pipeline(&[
+        Stmt::new(sql::SWEEP_TIMEOUT, vec![]),
+        Stmt::new(sql::INSERT_LOCK, vec![]),
+        Stmt::new(sql::FAIR_SWEEP, vec![]),
+    ]) {
         Ok(_) => None,
         Err(e) if e.is_fatal() => Some(e),
         Err(e) => {

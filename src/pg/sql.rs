@@ -1149,6 +1149,10 @@ pub const FORGET_NODES: &str = "WITH gone AS (
      SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status
      ON CONFLICT (node_id, status) DO UPDATE SET n = relay_counters.n + excluded.n";
 
+/// The longest [`FAIR_SWEEP`] may take, its wait for [`INSERT_LOCK`] included (the rest of its
+/// transaction: 1 s): it holds every node's inserts while it runs.
+pub const SWEEP_TIMEOUT: &str = "SELECT set_config('statement_timeout', '1000', true)";
+
 /// Rotation state of lanes that have no pending and no running task any more goes, 1000 lanes
 /// a run (with their submitters' rows once they have no lane left, and the kind's mark once it
 /// has one lane or none): the tables hold only lanes with work. So do lanes' token buckets once
@@ -1361,6 +1365,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("RERUN_MANY", RERUN_MANY),
     ("FAIL_UNPLACEABLE", FAIL_UNPLACEABLE),
     ("FORGET_NODES", FORGET_NODES),
+    ("SWEEP_TIMEOUT", SWEEP_TIMEOUT),
     ("FAIR_SWEEP", FAIR_SWEEP),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),
     ("RETENTION", RETENTION),

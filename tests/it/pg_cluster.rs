@@ -1204,3 +1204,43 @@ fn a_transaction_the_node_gave_up_on_never_commits_later() {
     assert!(gone, "the lost connections' server processes were ended");
     assert_eq!(stored, ["0"], "a submit answered 503 stored nothing");
 }
+
+/// The once-a-second sweep of idle fairness lanes runs under the lock every insert takes: when
+/// it is slow (here: blocked on a row another session holds; in a probe, a plan made on stale
+/// statistics that ran 43 minutes) it gives up within a second instead of holding every node's
+/// submits.
+#[test]
+fn a_slow_lane_sweep_never_holds_submits_for_long() {
+    let name = "a_slow_lane_sweep_never_holds_submits_for_long";
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail(name, &why);
+            return;
+        }
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let node = crate::support::Mode::start_on(db.clone(), &[]);
+    let r = node.submit(r#"{"payload":{"kind":"k"},"queue":true,"key":"a"}"#);
+    assert_eq!(r.status, 202, "{}", r.text());
+    let id = r.json()["task_id"].as_str().expect("task_id").to_string();
+    // Another session holds the lane's submitter row; then the lane runs dry: the sweep
+    // removes the lane and waits for that row, under the insert lock.
+    let params = relay::pg::url::parse(&db.url()).expect("url");
+    let mut other = relay::pg::wire::Conn::connect(&params, relay::pg::wire::Timeouts::default()).expect("connect");
+    other.simple("BEGIN; SELECT * FROM relay_fair_submitters FOR UPDATE").expect("lock the submitter rows");
+    assert_eq!(node.api("DELETE", &format!("/tasks/{id}"), None).status, 200);
+    let blocked = crate::support::poll_until(Duration::from_secs(10), || {
+        db.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE 'WITH gone AS%'")
+            != ["0"]
+    });
+    assert!(blocked, "the sweep waits for the row");
+    let t = Instant::now();
+    let r = node.submit(r#"{"payload":{"kind":"z"},"queue":true}"#);
+    let took = t.elapsed();
+    other.simple("ROLLBACK").expect("rollback");
+    other.close();
+    assert_eq!(r.status, 202, "{}", r.text());
+    assert!(took < Duration::from_secs(3), "a submit waited {took:?} behind the sweep");
+}
