@@ -826,6 +826,11 @@ fn failed_ttl_holds_across_a_restart() {
             assert_eq!(r.json()["task_ids"], json!([kept, rerun]), "{what}: {}", r.text());
             let r = post(&relay, &format!("/tasks/{rerun}/retry"), None);
             assert_eq!((r.status, r.json()["reruns"].as_u64()), (202, Some(1)), "{what}: {}", r.text());
+            // The re-run runs (at once: left pending, a TASK_TTL of 4 s would expire it in the
+            // queue while the wait below lasts, and it would be listed failed again).
+            let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["bad"]})), Auto::Echo);
+            relay.wait_status(&rerun, "done", Duration::from_secs(5));
+            drop(w);
 
             // Past the shorter TTL: that task is gone, the other kept.
             let status = |relay: &Relay, id: &str| relay.api("GET", &format!("/tasks/{id}"), None).status;
@@ -835,10 +840,7 @@ fn failed_ttl_holds_across_a_restart() {
             let r = post(&relay, "/tasks/retry", Some(r#"{"kind":"bad","dry_run":true}"#));
             let left: Value = if failed_short { json!([]) } else { json!([kept]) };
             assert_eq!(r.json()["task_ids"], left, "{what}: {}", r.text());
-            // The re-run runs; a second restart brings nothing back.
-            let w = FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["bad"]})), Auto::Echo);
-            relay.wait_status(&rerun, "done", Duration::from_secs(5));
-            drop(w);
+            // A second restart brings nothing back.
             assert!(relay.stop().success());
             let relay = restart();
             assert_eq!(status(&relay, gone), 404, "{what}: {gone} came back after a restart");
