@@ -163,7 +163,19 @@ struct Shared {
     /// so a node without a heartbeat is dead (after a database restart the UNLOGGED heartbeats
     /// are gone until every node beat again).
     settled: AtomicBool,
+    /// Set while `relay-db` runs one of the loop's requests: `relay-db-listen` then asks the
+    /// database, on its own connection, whether it still answers ([`PROBE_MS`]).
+    running: AtomicBool,
+    /// When the database last answered such a question, in ms since `epoch` (0: not since the
+    /// request began).
+    answered_ms: AtomicU64,
+    epoch: Instant,
 }
+
+/// How often `relay-db-listen` asks the database whether it answers while a request runs: a
+/// long transaction (one 48 MiB row takes PostgreSQL seconds to hand out on a loaded machine)
+/// is told from a database that stopped answering.
+const PROBE_MS: u64 = 250;
 
 impl Shared {
     fn set_health(&self, h: Health) -> bool {
@@ -209,6 +221,9 @@ impl Db {
             background: AtomicU64::new(0),
             own_pid: AtomicI32::new(0),
             settled: AtomicBool::new(false),
+            running: AtomicBool::new(false),
+            answered_ms: AtomicU64::new(0),
+            epoch: Instant::now(),
         });
         let listen = cfg.listen.clone();
         let mut threads = Vec::new();
@@ -242,6 +257,13 @@ impl Db {
             Err(TrySendError::Full(req)) => Err(SendError::Busy(req)),
             Err(TrySendError::Disconnected(req)) => Err(SendError::Stopped(req)),
         }
+    }
+
+    /// How long ago the database answered `relay-db-listen`'s question during the request that
+    /// runs now (`None`: not since it began, or no listener runs).
+    pub fn answered_ago_ms(&self) -> Option<u64> {
+        let at = self.shared.answered_ms.load(Ordering::SeqCst);
+        (at != 0).then(|| (self.shared.epoch.elapsed().as_millis() as u64).saturating_sub(at))
     }
 
     /// The connection has been up for one lease: dead nodes can be told from live ones.
@@ -436,7 +458,13 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             let due = next_heartbeat.min(next_housekeeping);
             let wait = due.saturating_duration_since(now).min(Duration::from_millis(100));
             let broken = match rx.recv_timeout(wait) {
-                Ok(req) => run_request(&cfg, &shared, &mut conn, req),
+                Ok(req) => {
+                    shared.answered_ms.store(0, Ordering::SeqCst);
+                    shared.running.store(true, Ordering::SeqCst);
+                    let broken = run_request(&cfg, &shared, &mut conn, req);
+                    shared.running.store(false, Ordering::SeqCst);
+                    broken
+                }
                 Err(RecvTimeoutError::Timeout) => flush_notifies(&cfg, &shared, &mut conn),
                 Err(RecvTimeoutError::Disconnected) => {
                     conn.close();
@@ -619,7 +647,17 @@ fn listener(cfg: DbConfig, shared: Arc<Shared>) {
                 conn.close();
                 return;
             }
-            match conn.wait_notification(Duration::from_millis(250)) {
+            if shared.running.load(Ordering::SeqCst) {
+                // (An answer that comes after the request ended is stale: it is dropped.)
+                if conn.simple("SELECT 1").is_err() {
+                    break;
+                }
+                if shared.running.load(Ordering::SeqCst) {
+                    let now = (shared.epoch.elapsed().as_millis() as u64).max(1);
+                    shared.answered_ms.store(now, Ordering::SeqCst);
+                }
+            }
+            match conn.wait_notification(Duration::from_millis(PROBE_MS)) {
                 Ok(Some(n)) => {
                     let own = shared.own_pid.load(Ordering::SeqCst);
                     let mut bits = 0u64;

@@ -871,6 +871,57 @@ fn cluster_a_database_that_stops_answering_is_refused_within_seconds() {
     assert!(poll_until(Duration::from_secs(15), || a.submit(r#"{"payload":4,"queue":true}"#).status == 202));
 }
 
+/// A transaction that takes long while the database answers is not a database gone (SPEC §11:
+/// 503 only while it is unreachable). Here relay's next transactions wait 3.5 s for a lock
+/// held outside relay; a GET of a 48 MiB result takes PostgreSQL seconds on a loaded machine
+/// the same way. Before, any transaction in flight 2 s turned /healthz 503 and refused every
+/// request that needed the database (`hostile::a_48_mib_result…` saw it in CI).
+#[test]
+fn cluster_a_long_transaction_while_the_database_answers_is_not_a_database_gone() {
+    let name = "cluster_a_long_transaction_while_the_database_answers_is_not_a_database_gone";
+    let Some(c) = Cluster::start(name, 1, &[]) else {
+        return;
+    };
+    let a = c.node(0);
+    let _w = FakeWorker::connect(a, None, Auto::Echo);
+    wait_workers(a, 1);
+    let done = a.api("POST", "/tasks?wait=true", Some(r#"{"payload":1}"#));
+    assert_eq!(done.status, 200, "{}", done.text());
+    let id = done.json()["task_id"].as_str().expect("id").to_string();
+    let pg = &c.pg;
+    let held = Duration::from_millis(3_500);
+    std::thread::scope(|scope| {
+        let locker = scope.spawn(|| {
+            pg.psql(&format!(
+                "BEGIN; LOCK TABLE relay_tasks IN ACCESS EXCLUSIVE MODE; SELECT pg_sleep({}); COMMIT;",
+                held.as_secs_f64()
+            ))
+        });
+        let locked = poll_until(Duration::from_secs(5), || {
+            pg.psql(
+                "SELECT count(*) FROM pg_locks WHERE relation = 'relay_tasks'::regclass \
+                 AND mode = 'AccessExclusiveLock' AND granted",
+            ) == "1"
+        });
+        assert!(locked, "the lock was never taken");
+        let since = Instant::now();
+        // A read that waits for the lock, as the 48 MiB one waits for PostgreSQL.
+        let reader = scope.spawn(|| a.api("GET", &format!("/tasks/{id}"), None));
+        let mut seen = Vec::new();
+        while !locker.is_finished() {
+            let (status, body) = health(a);
+            seen.push((since.elapsed(), status));
+            assert_eq!(status, 200, "/healthz {status} {body} after {:?} of a long transaction", since.elapsed());
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        locker.join().expect("locker");
+        let r = reader.join().expect("reader");
+        assert_eq!(r.status, 200, "{}", r.text());
+        let last = seen.last().map(|s| s.0).unwrap_or_default();
+        assert!(last >= Duration::from_millis(2_500), "/healthz was asked until {last:?} only, not past 2 s");
+    });
+}
+
 #[test]
 fn cluster_a_token_the_node_has_not_seen_yet_waits_for_one_refresh() {
     let env = [("TOKEN_SECRET", TOKEN_SECRET)];

@@ -289,12 +289,17 @@ impl PgStore {
     }
 
     /// The database answers: connected, the transaction in flight (if any) younger than
-    /// [`STALL_MS`] (a database that stops answering without closing the connection — a
-    /// partition — is noticed by the database thread only after its I/O timeout), and not
-    /// refusing every transaction.
+    /// [`STALL_MS`] or the database answering the listener meanwhile (a database that stops
+    /// answering without closing the connection — a partition — is noticed by the database
+    /// thread only after its I/O timeout; a transaction that takes long, such as reading one
+    /// 48 MiB row on a loaded machine, is not a database gone), and not refusing every
+    /// transaction.
     fn usable(&self) -> bool {
         self.db.health() == Health::Ok
-            && self.sent.as_ref().is_none_or(|s| self.now_ms.saturating_sub(s.at_ms) < STALL_MS)
+            && self.sent.as_ref().is_none_or(|s| {
+                self.now_ms.saturating_sub(s.at_ms) < STALL_MS
+                    || self.db.answered_ago_ms().is_some_and(|ago| ago < STALL_MS)
+            })
             && self.refused_in_a_row < REFUSED_UNHEALTHY
     }
 
