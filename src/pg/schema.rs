@@ -635,7 +635,8 @@ END $fn$;
 
 /// Version 14 (measured: 5,000 keys of a kind with `max_running_per_key`, two nodes, before the
 /// first autoanalyze of the tables: a claim of limited kinds took 1.1–1.7 s, 11–13 claims in
-/// 15 s; with this, 100–115 ms on average and at most 220 ms, 24–38 claims): whether a lane has a claimable task is a subquery probed per lane on
+/// 15 s; with this, 96–130 ms on average over four runs, 24–121 claims, one claim of 2.7 s in
+/// the function not explained yet): whether a lane has a claimable task is a subquery probed per lane on
 /// `relay_pending_lane`, not an `EXISTS` the planner may make a semi join. On statistics that
 /// say the lanes are few (the tables not analyzed since they filled) it made that semi join a
 /// nested loop that rescanned the submitter's whole queue for every lane, matching the key by
