@@ -642,12 +642,18 @@ fn listener(cfg: DbConfig, shared: Arc<Shared>) {
         // Anything may have been missed while this thread was not listening.
         shared.notified.fetch_or(all, Ordering::SeqCst);
         (shared.wake)();
+        // When the last probe was sent: at most one each PROBE_MS, however many notifications
+        // wake this thread (every turn of every node sends some).
+        let mut probed: Option<Instant> = None;
         loop {
             if shared.stop.load(Ordering::SeqCst) {
                 conn.close();
                 return;
             }
-            if shared.running.load(Ordering::SeqCst) {
+            if shared.running.load(Ordering::SeqCst)
+                && probed.is_none_or(|at| at.elapsed() >= Duration::from_millis(PROBE_MS))
+            {
+                probed = Some(Instant::now());
                 // (An answer that comes after the request ended is stale: it is dropped.)
                 if conn.simple("SELECT 1").is_err() {
                     break;
