@@ -28,23 +28,29 @@ data=${1:?$usage}
 snap=${2:?$usage}
 [ -d "$data" ] || { echo "$data is not a directory" >&2; exit 2; }
 mkdir -m 700 "$snap"
+snap=$(cd "$snap" && pwd)
 
 # Segment names have a fixed width: name order is number order.
 segments() { ls -1 "$data" | grep -E '^[0-9]{10}\.journal$' | sort || true; }
 
+# Each pass links every segment not linked yet with one `ln` (a process per segment could not
+# keep up with a journal of small segments under load: new ones came faster than a pass).
 passes=0
 while :; do
   passes=$((passes + 1))
-  for name in $(segments); do
-    [ -e "$snap/$name" ] && continue
-    if ! ln "$data/$name" "$snap/$name" 2>/dev/null; then
-      # Gone since the listing: compaction deleted it (the gap check below handles it).
-      if [ -e "$data/$name" ]; then
+  new=$(comm -23 <(segments) <(ls -1 "$snap" | sort))
+  if [ -n "$new" ]; then
+    # (Names are ten digits and `.journal`: no quoting needed.) A segment compaction deleted
+    # since the listing fails to link, and the gap check below handles it.
+    # shellcheck disable=SC2086
+    (cd "$data" && ln -- $new "$snap"/ 2>/dev/null) || true
+    for name in $new; do
+      if [ ! -e "$snap/$name" ] && [ -e "$data/$name" ]; then
         echo "cannot link $data/$name into $snap (is it on the same filesystem?)" >&2
         exit 1
       fi
-    fi
-  done
+    done
+  fi
   newest=$(segments | tail -n 1)
   if [ -z "$newest" ] || [ -e "$snap/$newest" ]; then
     break
