@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use super::schema;
 use super::sql;
 use super::url::DbParams;
-use super::wire::{Conn, Param, PgError, Rows, Stmt, Timeouts};
+use super::wire::{Conn, Param, Patience, PgError, Rows, Stmt, Timeouts};
 use crate::log::Level;
 
 /// Most channels one node listens on (one bit each).
@@ -169,6 +169,14 @@ struct Shared {
     /// When the database last answered such a question, in ms since `epoch` (0: not since the
     /// request began).
     answered_ms: AtomicU64,
+    /// When the request that runs now began, in ms since `epoch`.
+    began_ms: AtomicU64,
+    /// When `relay-db-listen` last saw `relay-db`'s server process at work on that request
+    /// (`active`), in ms since `epoch` (0: not since it began): the request may run past the I/O
+    /// timeout ([`Patience`]).
+    busy_ms: AtomicU64,
+    /// This process's start, wall clock, for its heartbeat.
+    started_ms: i64,
     epoch: Instant,
 }
 
@@ -177,7 +185,22 @@ struct Shared {
 /// is told from a database that stopped answering.
 const PROBE_MS: u64 = 250;
 
+/// How many I/O timeouts one request may run in all while its server process is at work on it
+/// (longer, and it is given up as if the database stopped answering). Meanwhile
+/// `relay-db-listen` sends this node's heartbeats, so a long transaction is not a lost node.
+const PATIENCE_IO_TIMEOUTS: u64 = 6;
+
 impl Shared {
+    fn since_epoch_ms(&self) -> u64 {
+        (self.epoch.elapsed().as_millis() as u64).max(1)
+    }
+
+    /// `relay-db-listen` saw `relay-db`'s server process at work within the last second.
+    fn busy_lately(&self) -> bool {
+        let at = self.busy_ms.load(Ordering::SeqCst);
+        at != 0 && self.since_epoch_ms().saturating_sub(at) < 1_000
+    }
+
     fn set_health(&self, h: Health) -> bool {
         let v = match h {
             Health::Ok => 1,
@@ -223,6 +246,9 @@ impl Db {
             settled: AtomicBool::new(false),
             running: AtomicBool::new(false),
             answered_ms: AtomicU64::new(0),
+            began_ms: AtomicU64::new(0),
+            busy_ms: AtomicU64::new(0),
+            started_ms: crate::timefmt::wall_ms() as i64,
             epoch: Instant::now(),
         });
         let listen = cfg.listen.clone();
@@ -373,8 +399,13 @@ fn wait_down(shared: &Shared, rx: &Receiver<Request>, until: Instant) -> bool {
     }
 }
 
-fn connect(cfg: &DbConfig) -> Result<Conn, PgError> {
+fn connect(cfg: &DbConfig, shared: &Arc<Shared>) -> Result<Conn, PgError> {
     let mut conn = Conn::connect(&cfg.params, Timeouts { io_ms: cfg.io_timeout_ms })?;
+    let s = shared.clone();
+    conn.set_patience(Patience {
+        max_ms: cfg.io_timeout_ms.saturating_mul(PATIENCE_IO_TIMEOUTS),
+        busy: Box::new(move || s.busy_lately()),
+    });
     let m = schema::migrate(&mut conn)?;
     conn.pipeline(&[Stmt::new(sql::SET_NODE, vec![cfg.node_id.clone().into()])])?;
     if m.from != m.to {
@@ -386,7 +417,7 @@ fn connect(cfg: &DbConfig) -> Result<Conn, PgError> {
 /// The `relay-db` thread.
 fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
     let mut backoff = Backoff::new(cfg.backoff_min_ms, cfg.backoff_max_ms);
-    let started_ms = crate::timefmt::wall_ms() as i64;
+    let started_ms = shared.started_ms;
     let mut logged_down = false;
     // The server process of the connection last lost: it may still run (blocked on a lock) the
     // transaction this node gave up on, and commit it later — claims nobody runs, a submit
@@ -396,7 +427,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
         if shared.stop.load(Ordering::SeqCst) {
             return;
         }
-        let mut conn = match connect(&cfg) {
+        let mut conn = match connect(&cfg, &shared) {
             Ok(c) => c,
             Err(e) => {
                 let delay = backoff.next_ms(random_u64());
@@ -460,6 +491,8 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
             let broken = match rx.recv_timeout(wait) {
                 Ok(req) => {
                     shared.answered_ms.store(0, Ordering::SeqCst);
+                    shared.busy_ms.store(0, Ordering::SeqCst);
+                    shared.began_ms.store(shared.since_epoch_ms(), Ordering::SeqCst);
                     shared.running.store(true, Ordering::SeqCst);
                     let broken = run_request(&cfg, &shared, &mut conn, req);
                     shared.running.store(false, Ordering::SeqCst);
@@ -645,6 +678,7 @@ fn listener(cfg: DbConfig, shared: Arc<Shared>) {
         // When the last probe was sent: at most one each PROBE_MS, however many notifications
         // wake this thread (every turn of every node sends some).
         let mut probed: Option<Instant> = None;
+        let mut beat: Option<Instant> = None;
         loop {
             if shared.stop.load(Ordering::SeqCst) {
                 conn.close();
@@ -654,13 +688,36 @@ fn listener(cfg: DbConfig, shared: Arc<Shared>) {
                 && probed.is_none_or(|at| at.elapsed() >= Duration::from_millis(PROBE_MS))
             {
                 probed = Some(Instant::now());
-                // (An answer that comes after the request ended is stale: it is dropped.)
-                if conn.simple("SELECT 1").is_err() {
-                    break;
-                }
+                // A request that has run a second: is its server process at work on it, and
+                // this node's heartbeat (`relay-db` sends none meanwhile) once a heartbeat
+                // interval. (An answer that comes after the request ended is stale: dropped.)
+                let age = shared.since_epoch_ms().saturating_sub(shared.began_ms.load(Ordering::SeqCst));
+                let answer = if age < 1_000 {
+                    conn.simple("SELECT 1").map(|_| false)
+                } else {
+                    let pid = i64::from(shared.own_pid.load(Ordering::SeqCst));
+                    let mut stmts = vec![Stmt::new(sql::BACKEND_BUSY, vec![pid.into()])];
+                    let beat_due =
+                        beat.is_none_or(|at| at.elapsed() >= Duration::from_millis(cfg.heartbeat_interval_ms));
+                    if beat_due {
+                        beat = Some(Instant::now());
+                        stmts.push(heartbeat(&cfg, shared.started_ms));
+                    }
+                    conn.pipeline(&stmts)
+                        .map(|rows| rows.first().and_then(|r| r.rows.first()).and_then(|r| r.bool(0)).unwrap_or(false))
+                };
+                // (A refused statement is an answer too; only a broken connection ends this one.)
+                let busy = match answer {
+                    Ok(busy) => busy,
+                    Err(e) if e.is_fatal() => break,
+                    Err(_) => false,
+                };
                 if shared.running.load(Ordering::SeqCst) {
-                    let now = (shared.epoch.elapsed().as_millis() as u64).max(1);
+                    let now = shared.since_epoch_ms();
                     shared.answered_ms.store(now, Ordering::SeqCst);
+                    if busy {
+                        shared.busy_ms.store(now, Ordering::SeqCst);
+                    }
                 }
             }
             match conn.wait_notification(Duration::from_millis(PROBE_MS)) {

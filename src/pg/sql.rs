@@ -109,6 +109,13 @@ pub const END_LOST_BACKEND: &str = "SELECT count(*) FROM (
        WHERE a.pid = $1::int4 AND me.pid = pg_backend_pid() AND a.backend_start < me.backend_start
      ) t";
 
+/// Whether the server process $1 (this node's `relay-db` session) is at work on a statement
+/// (`active`, and not waiting for a lock), asked on another connection while a request runs
+/// long: a long transaction is given time; a connection gone quiet, or one blocked on a lock that
+/// some other session may hold for ever, is not.
+pub const BACKEND_BUSY: &str = "SELECT coalesce((SELECT state = 'active' AND wait_event_type IS DISTINCT FROM 'Lock'
+       FROM pg_stat_activity WHERE pid = $1::int4), false)";
+
 /// Live nodes: $1 lease_ms.
 pub const LIVE_NODES: &str = "SELECT node_id::text, name, started_ms, heartbeat_ms FROM relay_nodes
      WHERE heartbeat_ms > relay_now_ms() - $1::int8 ORDER BY started_ms";
@@ -1333,6 +1340,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("NOTIFY", NOTIFY),
     ("SET_NODE", SET_NODE),
     ("HEARTBEAT", HEARTBEAT),
+    ("BACKEND_BUSY", BACKEND_BUSY),
     ("LIVE_NODES", LIVE_NODES),
     ("INSERT_LOCK", INSERT_LOCK),
     ("INSERT_TASKS", INSERT_TASKS),

@@ -302,6 +302,17 @@ pub struct Timeouts {
     pub io_ms: u64,
 }
 
+/// Lets one `simple` or `pipeline` call run past `io_ms` while `busy` says the server is still
+/// at work on it (its backend `active`, seen on another connection: a long transaction, not a
+/// connection gone quiet), up to `max_ms` in all.
+pub struct Patience {
+    pub max_ms: u64,
+    pub busy: Box<dyn Fn() -> bool + Send>,
+}
+
+/// How long each look at [`Patience::busy`] extends a call.
+const PATIENCE_STEP_MS: u64 = 500;
+
 impl Default for Timeouts {
     fn default() -> Timeouts {
         Timeouts { io_ms: 30_000 }
@@ -322,6 +333,7 @@ pub struct Conn {
     notifications: VecDeque<Notification>,
     backend_pid: i32,
     pub timeouts: Timeouts,
+    patience: Option<Patience>,
 }
 
 impl fmt::Debug for Conn {
@@ -370,6 +382,7 @@ impl Conn {
             notifications: VecDeque::new(),
             backend_pid: 0,
             timeouts,
+            patience: None,
         };
         let deadline = Instant::now() + limit.max(Duration::from_millis(timeouts.io_ms));
         conn.startup(params, deadline)?;
@@ -435,6 +448,11 @@ impl Conn {
                 _ => return Err(protocol("unexpected message during startup")),
             }
         }
+    }
+
+    /// From now on calls may run past `io_ms` as `patience` allows.
+    pub fn set_patience(&mut self, patience: Patience) {
+        self.patience = Some(patience);
     }
 
     /// The server process serving this session (what `pg_terminate_backend` takes).
@@ -600,9 +618,10 @@ impl Conn {
     /// notices are handled here).
     fn flush_and_read(
         &mut self,
-        deadline: Instant,
+        mut deadline: Instant,
         mut each: impl FnMut(Message) -> Result<(), PgError>,
     ) -> Result<(), PgError> {
+        let began = Instant::now();
         loop {
             while let Some(msg) = self.try_parse()? {
                 match msg {
@@ -618,6 +637,13 @@ impl Conn {
             }
             let want_write = !self.wbuf.is_empty();
             if !self.wait_io(want_write, deadline)? {
+                let patient = self.patience.as_ref().is_some_and(|p| {
+                    began.elapsed() < Duration::from_millis(p.max_ms.saturating_sub(PATIENCE_STEP_MS)) && (p.busy)()
+                });
+                if patient {
+                    deadline = Instant::now() + Duration::from_millis(PATIENCE_STEP_MS);
+                    continue;
+                }
                 return Err(PgError::Io(io::Error::new(io::ErrorKind::TimedOut, "no answer from PostgreSQL in time")));
             }
             if want_write {

@@ -922,6 +922,45 @@ fn cluster_a_long_transaction_while_the_database_answers_is_not_a_database_gone(
     });
 }
 
+/// A transaction that runs longer than the node's 5 s I/O timeout while its server process is
+/// at work on it (here a trigger that sleeps 7 s; in life one 48 MiB row on a loaded machine) is
+/// given time: the submit is answered 202, `/healthz` stays 200, the connection is not dropped,
+/// and the node's heartbeat (sent by its listener meanwhile) stays fresh, so it is not taken for
+/// lost. Before, the submit was answered 503 after 5 s and the connection dropped.
+#[test]
+fn cluster_a_transaction_at_work_past_the_io_timeout_is_given_time() {
+    let name = "cluster_a_transaction_at_work_past_the_io_timeout_is_given_time";
+    let Some(c) = Cluster::start(name, 1, &[]) else {
+        return;
+    };
+    let a = c.node(0);
+    let pg = &c.pg;
+    pg.psql(
+        "CREATE FUNCTION slow_insert() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.payload LIKE '%slow%' THEN PERFORM pg_sleep(7); END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER slow_insert BEFORE INSERT ON relay_tasks FOR EACH ROW EXECUTE FUNCTION slow_insert();",
+    );
+    let since = Instant::now();
+    std::thread::scope(|scope| {
+        let submit = scope.spawn(|| a.api("POST", "/tasks", Some(r#"{"payload":"slow","queue":true}"#)));
+        let mut beat_late_ms = None;
+        while !submit.is_finished() {
+            let (status, body) = health(a);
+            assert_eq!(status, 200, "/healthz {status} {body} after {:?} of a long transaction", since.elapsed());
+            if since.elapsed() > Duration::from_millis(5_500) && beat_late_ms.is_none() {
+                beat_late_ms = Some(pg.psql("SELECT relay_now_ms() - max(heartbeat_ms) FROM relay_nodes"));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let r = submit.join().expect("submit");
+        assert_eq!(r.status, 202, "the submit that took 7 s: {}\n{}", r.text(), a.log_text());
+        assert!(since.elapsed() >= Duration::from_secs(7), "the trigger slept: {:?}", since.elapsed());
+        let late: i64 = beat_late_ms.and_then(|l| l.trim().parse().ok()).expect("heartbeat age read after 5.5 s");
+        assert!(late < 2_500, "the node's heartbeat was {late} ms old 5.5 s into a long transaction");
+    });
+    assert!(!a.log_text().contains("database connection lost"), "{}", a.log_text());
+}
+
 #[test]
 fn cluster_a_token_the_node_has_not_seen_yet_waits_for_one_refresh() {
     let env = [("TOKEN_SECRET", TOKEN_SECRET)];
