@@ -19,9 +19,10 @@ use serde_json::value::RawValue;
 use crate::http::Response;
 use crate::log::Level;
 use crate::metrics::{Gauges, Ignored, Metrics};
+pub use crate::store::NewTask;
 use crate::store::{
-    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, Later, NewTask as StoreTask, Next, ReadHow, Refusal,
-    Store, Takers, WorkerInfo,
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, Insert, InsertTo, Later, Next, ReadHow, Refusal, Store, Takers,
+    WorkerInfo,
 };
 use crate::tasks::{
     ConnRef, IdHasher, Outcome, RetryPolicy, Status, TaskId, accepted_json, push_json_str, push_uuid, uuid_string,
@@ -195,26 +196,6 @@ impl Hint {
         });
         Hint { permanent, after_ms }
     }
-}
-
-/// A new task as the API hands it over (already validated and authorised).
-#[derive(Debug, Clone, Copy)]
-pub struct NewTask<'a> {
-    pub payload: &'a RawValue,
-    pub kind: Option<&'a str>,
-    pub run_at_wall_ms: Option<u64>,
-    pub queue: bool,
-    pub timeout_ms: Option<u64>,
-    pub max_retries: Option<u32>,
-    /// Its own retry policy (SPEC §13).
-    pub retry: RetryPolicy,
-    /// Seconds of head start among due tasks (SPEC §14; 0: none).
-    pub priority: i32,
-    /// Who submits it and its fairness key (SPEC §14: `""` the root token / no key).
-    pub submitter: &'a str,
-    pub key: &'a str,
-    /// (token identity, Idempotency-Key).
-    pub idempotency: Option<(&'a str, &'a str)>,
 }
 
 /// An attempt running on one of this node's workers.
@@ -661,7 +642,7 @@ impl Core {
         self.end(io)
     }
 
-    fn store_task<'a>(&mut self, io: &mut dyn Io, new: &NewTask<'a>) -> StoreTask<'a> {
+    fn store_task<'a>(&mut self, io: &mut dyn Io, new: &NewTask<'a>) -> Insert<'a> {
         let due_now = new.run_at_wall_ms.is_none_or(|at| at <= self.wall_ms);
         let frame_bytes = new.payload.get().len() + TASK_FRAME_OVERHEAD_BYTES;
         let taker = if due_now { self.free_taker(io, new.kind, frame_bytes) } else { None };
@@ -670,21 +651,7 @@ impl Core {
         if taker.is_some() {
             self.next_taker = taker;
         }
-        StoreTask {
-            payload: new.payload,
-            kind: new.kind,
-            run_at_wall_ms: new.run_at_wall_ms,
-            queue: new.queue,
-            timeout_ms: new.timeout_ms,
-            max_retries: new.max_retries,
-            retry: new.retry,
-            priority: new.priority,
-            submitter: new.submitter,
-            key: new.key,
-            idempotency: new.idempotency,
-            runs_now: taker.is_some(),
-            claim_group,
-        }
+        Insert { task: *new, runs_now: taker.is_some(), claim_group }
     }
 
     /// The group of a worker of this node that takes `kind` and has a free slot and room for a

@@ -75,22 +75,7 @@ fn payload(text: &str) -> Box<RawValue> {
 
 fn submit(core: &mut Core, io: &mut FakeIo, body: &str, kind: Option<&str>) -> Result<TaskId, SubmitError> {
     let p = payload(body);
-    core.submit_direct(
-        io,
-        NewTask {
-            payload: &p,
-            kind,
-            run_at_wall_ms: None,
-            queue: false,
-            timeout_ms: None,
-            max_retries: None,
-            retry: Default::default(),
-            priority: 0,
-            submitter: "",
-            key: "",
-            idempotency: None,
-        },
-    )
+    core.submit_direct(io, NewTask { queue: false, ..NewTask::queued(&p, kind) })
 }
 
 fn result(core: &mut Core, io: &mut FakeIo, w: ConnRef, id: TaskId, done: bool) {

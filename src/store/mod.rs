@@ -28,7 +28,7 @@ pub mod mem;
 pub mod pg;
 pub mod recent;
 
-/// A new task as the core hands it to a store (validated and authorised by the API).
+/// A new task as the API hands it to the core (validated and authorised).
 #[derive(Debug, Clone, Copy)]
 pub struct NewTask<'a> {
     pub payload: &'a RawValue,
@@ -48,6 +48,32 @@ pub struct NewTask<'a> {
     pub key: &'a str,
     /// (token identity, `Idempotency-Key`).
     pub idempotency: Option<(&'a str, &'a str)>,
+}
+
+impl<'a> NewTask<'a> {
+    /// A task of `kind` that waits for a worker however long, every other field its default.
+    pub fn queued(payload: &'a RawValue, kind: Option<&'a str>) -> NewTask<'a> {
+        NewTask {
+            payload,
+            kind,
+            run_at_wall_ms: None,
+            queue: true,
+            timeout_ms: None,
+            max_retries: None,
+            retry: RetryPolicy::default(),
+            priority: 0,
+            submitter: "",
+            key: "",
+            idempotency: None,
+        }
+    }
+}
+
+/// A new task as the core hands it to a store: the task, and whether a worker of this node
+/// takes it at once.
+#[derive(Debug, Clone, Copy)]
+pub struct Insert<'a> {
+    pub task: NewTask<'a>,
     /// A worker of this node that can take it has room now: it will not wait, so MAX_PENDING
     /// does not refuse it (SPEC §7 bounds the tasks that *wait*).
     pub runs_now: bool,
@@ -56,6 +82,26 @@ pub struct NewTask<'a> {
     /// ([`Event::ClaimedOne`] right after [`Event::Inserted`]); else it queues it and sends
     /// [`Event::Ready`], so the core claims as usual.
     pub claim_group: Option<u32>,
+}
+
+impl<'a> From<NewTask<'a>> for Insert<'a> {
+    /// An insert no worker of this node takes at once.
+    fn from(task: NewTask<'a>) -> Insert<'a> {
+        Insert { task, runs_now: false, claim_group: None }
+    }
+}
+
+impl<'a> std::ops::Deref for Insert<'a> {
+    type Target = NewTask<'a>;
+    fn deref(&self) -> &NewTask<'a> {
+        &self.task
+    }
+}
+
+impl std::ops::DerefMut for Insert<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.task
+    }
 }
 
 /// Who is answered when an insert completes (carried through the store untouched).
@@ -432,7 +478,7 @@ impl Store {
 
     /// Stores a new task (or finds the task its key names): [`Event::Inserted`],
     /// [`Event::KeyHeld`] or [`Event::NotInserted`].
-    pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
+    pub fn insert(&mut self, new: &Insert<'_>, to: InsertTo) {
         each!(self, s => s.insert(new, to))
     }
 

@@ -17,7 +17,7 @@ use relay::pg::url::parse as parse_url;
 use relay::store::mem::{MemConfig, MemStore};
 use relay::store::pg::{PgConfig, PgStore};
 use relay::store::{
-    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask, Next, ReadHow, Refusal, Store,
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, Insert, InsertTo, NewTask, Next, ReadHow, Refusal, Store,
 };
 use relay::tasks::{ConnRef, Outcome, Status, TaskId, parse_id, uuid_string};
 use relay::tokens::pg::TokenCache;
@@ -131,23 +131,9 @@ impl Harness {
         }
     }
 
-    fn insert_with(&mut self, payload: &str, kind: Option<&str>, tune: impl FnOnce(&mut NewTask<'_>)) -> Event {
+    fn insert_with(&mut self, payload: &str, kind: Option<&str>, tune: impl FnOnce(&mut Insert<'_>)) -> Event {
         let raw = RawValue::from_string(payload.to_string()).expect("JSON");
-        let mut new = NewTask {
-            payload: &raw,
-            kind,
-            run_at_wall_ms: None,
-            queue: true,
-            timeout_ms: None,
-            max_retries: None,
-            retry: Default::default(),
-            priority: 0,
-            submitter: "",
-            key: "",
-            idempotency: None,
-            runs_now: false,
-            claim_group: None,
-        };
+        let mut new = Insert::from(NewTask::queued(&raw, kind));
         tune(&mut new);
         self.store.insert(&new, InsertTo::Submit { conn: CONN, wait: false });
         let mut events = self.settle();
@@ -382,18 +368,8 @@ fn store_an_insert_offered_to_an_idle_group_is_claimed_once_and_never_overtakes(
     both("store_an_insert_offered_to_an_idle_group_is_claimed_once_and_never_overtakes", |h| {
         let offered = |h: &mut Harness, payload: &str| -> (TaskId, Vec<Event>) {
             let raw = RawValue::from_string(payload.to_string()).expect("JSON");
-            let new = NewTask {
-                payload: &raw,
-                kind: Some("a"),
-                run_at_wall_ms: None,
-                queue: false,
-                timeout_ms: None,
-                max_retries: None,
-                retry: Default::default(),
-                priority: 0,
-                submitter: "",
-                key: "",
-                idempotency: None,
+            let new = Insert {
+                task: NewTask { queue: false, ..NewTask::queued(&raw, Some("a")) },
                 runs_now: true,
                 claim_group: Some(5),
             };

@@ -4,23 +4,7 @@ use super::*;
 
 fn submit_queued(core: &mut Core, io: &mut FakeIo, kind: Option<&str>) -> TaskId {
     let p = payload("{}");
-    core.submit_direct(
-        io,
-        NewTask {
-            payload: &p,
-            kind,
-            run_at_wall_ms: None,
-            queue: true,
-            timeout_ms: None,
-            max_retries: None,
-            retry: Default::default(),
-            priority: 0,
-            submitter: "",
-            key: "",
-            idempotency: None,
-        },
-    )
-    .expect("queued")
+    core.submit_direct(io, NewTask::queued(&p, kind)).expect("queued")
 }
 
 /// Advances both clocks to `now_ms` and fires what is due.
@@ -144,24 +128,7 @@ fn max_pending_counts_tasks_whatever_their_payload_size() {
     let mut c = core_with(|m| m.max_pending_bytes = 1_000);
     let mut io = FakeIo::default();
     let big = payload(&format!("\"{}\"", "x".repeat(398))); // 400 bytes of JSON text
-    let queued = |c: &mut Core, io: &mut FakeIo| {
-        c.submit_direct(
-            io,
-            NewTask {
-                payload: &big,
-                kind: None,
-                run_at_wall_ms: None,
-                queue: true,
-                timeout_ms: None,
-                max_retries: None,
-                retry: Default::default(),
-                priority: 0,
-                submitter: "",
-                key: "",
-                idempotency: None,
-            },
-        )
-    };
+    let queued = |c: &mut Core, io: &mut FakeIo| c.submit_direct(io, NewTask::queued(&big, None));
     let first = queued(&mut c, &mut io).expect("400 bytes wait");
     queued(&mut c, &mut io).expect("800 bytes wait");
     assert_eq!(queued(&mut c, &mut io), Err(SubmitError::QueueFull), "1,200 bytes would be over 1,000");

@@ -63,19 +63,7 @@ fn restart(core: Core, dir: &DataDir, downtime_ms: u64) -> Core {
 
 fn queued(core: &mut Core, io: &mut FakeIo, max_retries: Option<u32>) -> TaskId {
     let p = payload("{}");
-    let new = NewTask {
-        payload: &p,
-        kind: None,
-        run_at_wall_ms: None,
-        queue: true,
-        timeout_ms: None,
-        max_retries,
-        retry: Default::default(),
-        priority: 0,
-        submitter: "",
-        key: "",
-        idempotency: None,
-    };
+    let new = NewTask { max_retries, ..NewTask::queued(&p, None) };
     let id = core.submit_direct(io, new).expect("queued");
     core.end_turn(io);
     id

@@ -1104,21 +1104,7 @@ mod tests {
     /// A queued task of `kind` from `submitter` with `key`, its payload `name`.
     fn submit(s: &mut MemStore, kind: &str, submitter: &str, key: &str, name: &str) -> TaskId {
         let payload = RawValue::from_string(format!("{name:?}")).expect("raw");
-        let new = NewTask {
-            payload: &payload,
-            kind: Some(kind),
-            run_at_wall_ms: None,
-            queue: true,
-            timeout_ms: None,
-            max_retries: None,
-            retry: Default::default(),
-            priority: 0,
-            submitter,
-            key,
-            idempotency: None,
-            runs_now: false,
-            claim_group: None,
-        };
+        let new = Insert::from(NewTask { submitter, key, ..NewTask::queued(&payload, Some(kind)) });
         s.insert(&new, InsertTo::Submit { conn: CONN, wait: false });
         events(s)
             .into_iter()

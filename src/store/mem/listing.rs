@@ -129,21 +129,7 @@ mod tests {
     /// A queued task of `kind`.
     fn submit(s: &mut MemStore, kind: Option<&str>) -> TaskId {
         let payload = RawValue::from_string("{}".into()).expect("raw");
-        let new = NewTask {
-            payload: &payload,
-            kind,
-            run_at_wall_ms: None,
-            queue: true,
-            timeout_ms: None,
-            max_retries: None,
-            retry: Default::default(),
-            priority: 0,
-            submitter: "",
-            key: "",
-            idempotency: None,
-            runs_now: false,
-            claim_group: None,
-        };
+        let new = Insert::from(NewTask::queued(&payload, kind));
         s.insert(&new, InsertTo::Submit { conn: CONN, wait: false });
         events(s)
             .into_iter()

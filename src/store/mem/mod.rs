@@ -16,7 +16,7 @@ use std::hash::BuildHasherDefault;
 use serde_json::value::RawValue;
 
 use super::{
-    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask, Next, ReadHow, Refusal, StoreHealth, Takers,
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, Insert, InsertTo, Next, ReadHow, Refusal, StoreHealth, Takers,
     WorkerInfo,
 };
 use crate::http::Response;
@@ -325,7 +325,7 @@ impl MemStore {
         task.payload.as_ref().map_or(0, |p| p.get().len())
     }
 
-    pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
+    pub fn insert(&mut self, new: &Insert<'_>, to: InsertTo) {
         if let Some((owner, key)) = new.idempotency
             && let Some(id) = self.key_holder(owner, key)
         {

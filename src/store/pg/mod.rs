@@ -13,7 +13,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 
 use super::{
-    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, InsertTo, NewTask, Next, ReadHow, Refusal, StoreHealth, Takers,
+    AttemptEnd, AttemptStart, ClaimAsk, Claimed, Event, Insert, InsertTo, Next, ReadHow, Refusal, StoreHealth, Takers,
     WorkerInfo,
 };
 use crate::http::Response;
@@ -391,7 +391,7 @@ impl PgStore {
 
     // ----- operations --------------------------------------------------------------------------
 
-    pub fn insert(&mut self, new: &NewTask<'_>, to: InsertTo) {
+    pub fn insert(&mut self, new: &Insert<'_>, to: InsertTo) {
         if !self.usable() {
             self.events.push(Event::NotInserted { to, why: Refusal::Unavailable });
             return;
