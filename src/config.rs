@@ -1,7 +1,6 @@
 //! Environment → validated `Config`. Every limit and timeout of the server lives here, with its
 //! unit in its name. Nothing else reads the environment; nothing here touches a socket.
 
-use std::fmt;
 use std::net::IpAddr;
 use std::path::PathBuf;
 
@@ -58,23 +57,7 @@ pub struct Config {
     pub failed_ttl_ms: u64,
 }
 
-/// A configuration error: which variable, what value, and why. Shown on stderr, exit code 2.
-#[derive(Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    pub var: &'static str,
-    pub value: String,
-    pub reason: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.value.is_empty() {
-            write!(f, "{}: {}", self.var, self.reason)
-        } else {
-            write!(f, "{}={:?}: {}", self.var, self.value, self.reason)
-        }
-    }
-}
+pub use relay_common::ConfigError;
 
 /// One documented variable: name, default (as text), meaning. `relay --help` prints this table.
 pub const VARS: &[(&str, &str, &str)] = &[
@@ -408,9 +391,7 @@ pub fn help_text() -> String {
          relay token <command>    manage scoped tokens (relay token --help)\n  \
          relay --help | --version\n\nEnvironment:\n",
     );
-    for (name, default, meaning) in VARS {
-        out.push_str(&format!("  {name:<18} {default:<20} {meaning}\n"));
-    }
+    relay_common::push_var_table(&mut out, VARS, 20);
     out.push_str(
         "\n* AUTH_TOKEN fills whichever of WORKER_TOKEN / API_TOKEN is unset.\n\
          Durations use Go syntax (500ms, 2s, 1m30s, 720h). Invalid values stop startup (exit 2).\n",

@@ -2,7 +2,6 @@
 //! here, with its unit in its name. Nothing here touches a socket; `from_lookup` takes any
 //! variable lookup so the rules are unit-tested without touching the process environment.
 
-use std::fmt;
 use std::path::PathBuf;
 
 use reqwest::Url;
@@ -52,25 +51,7 @@ pub struct Config {
     pub kept_results_max_bytes: usize,
 }
 
-/// A configuration error: which variable, what value, and why. Shown on stderr, exit code 2.
-#[derive(Debug, PartialEq, Eq)]
-pub struct ConfigError {
-    pub var: &'static str,
-    pub value: String,
-    pub reason: String,
-}
-
-impl fmt::Display for ConfigError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.value.is_empty() {
-            write!(f, "{}: {}", self.var, self.reason)
-        } else {
-            write!(f, "{}={:?}: {}", self.var, self.value, self.reason)
-        }
-    }
-}
-
-impl std::error::Error for ConfigError {}
+pub use relay_common::ConfigError;
 
 pub const DEFAULT_RELAY_URL: &str = "ws://localhost:8080/ws";
 /// Upper bound of CONCURRENCY: one thread per slot, so this caps the threads too.
@@ -323,9 +304,7 @@ pub fn help_text() -> String {
          Usage:\n  relay-worker               run (configured by the environment)\n  \
          relay-worker --help | --version\n\nEnvironment:\n",
     );
-    for (name, default, meaning) in VARS {
-        out.push_str(&format!("  {name:<18} {default:<24} {meaning}\n"));
-    }
+    relay_common::push_var_table(&mut out, VARS, 24);
     out.push_str(
         "\nDurations use Go syntax (500ms, 2s, 1m30s). Invalid values stop startup (exit 2).\n\
          relay answering 401 (TOKEN is not its WORKER_TOKEN) is final: no retry, exit 2.\n\
