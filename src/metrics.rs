@@ -154,10 +154,13 @@ impl Metrics {
         for (name, v) in ["late", "duplicate", "unknown"].iter().zip(self.ignored) {
             let _ = writeln!(w, "relay_results_ignored_total{{reason=\"{name}\"}} {v}");
         }
-        counter_header(w, "relay_sessions_resumed_total", "Worker sessions resumed on a new connection.");
-        let _ = writeln!(w, "relay_sessions_resumed_total {}", self.sessions_resumed);
-        counter_header(w, "relay_attempts_adopted_total", "Held attempts a resuming worker took back.");
-        let _ = writeln!(w, "relay_attempts_adopted_total {}", self.attempts_adopted);
+        counter(
+            w,
+            "relay_sessions_resumed_total",
+            "Worker sessions resumed on a new connection.",
+            self.sessions_resumed,
+        );
+        counter(w, "relay_attempts_adopted_total", "Held attempts a resuming worker took back.", self.attempts_adopted);
         gauge(
             w,
             "relay_attempts_held",
@@ -169,30 +172,37 @@ impl Metrics {
         gauge(w, "relay_tasks_pending", "Tasks waiting for a worker or their time.", g.tasks_pending);
         gauge(w, "relay_tasks_dispatched", "Tasks running on a worker.", g.tasks_dispatched);
         gauge(w, "relay_connections_open", "Open client and worker connections.", g.connections_open);
-        counter_header(
+        counter(
             w,
             "relay_connections_refused_total",
             "Connections closed at once because MAX_CONNECTIONS was reached.",
+            self.connections_refused,
         );
-        let _ = writeln!(w, "relay_connections_refused_total {}", self.connections_refused);
         gauge(
             w,
             "relay_output_buffered_bytes",
             "Unwritten HTTP answers held for all clients together (bounded by OUTPUT_MEMORY).",
             self.output_buffered_bytes,
         );
-        counter_header(
+        counter(
             w,
             "relay_output_stalled_closed_total",
             "Connections closed because their output made no progress while OUTPUT_MEMORY was used up.",
+            self.output_stalled_closed,
         );
-        let _ = writeln!(w, "relay_output_stalled_closed_total {}", self.output_stalled_closed);
-        counter_header(w, "relay_ws_messages_malformed_total", "Worker messages that were not valid protocol JSON.");
-        let _ = writeln!(w, "relay_ws_messages_malformed_total {}", self.ws_messages_malformed);
-        counter_header(w, "relay_log_lines_dropped_total", "Log lines dropped because stderr could not keep up.");
-        let _ = writeln!(w, "relay_log_lines_dropped_total {}", crate::log::dropped_lines());
-        counter_header(w, "relay_tasks_evicted_total", "Finished tasks that left memory over TASK_MEMORY.");
-        let _ = writeln!(w, "relay_tasks_evicted_total {}", g.tasks_evicted);
+        counter(
+            w,
+            "relay_ws_messages_malformed_total",
+            "Worker messages that were not valid protocol JSON.",
+            self.ws_messages_malformed,
+        );
+        counter(
+            w,
+            "relay_log_lines_dropped_total",
+            "Log lines dropped because stderr could not keep up.",
+            crate::log::dropped_lines(),
+        );
+        counter(w, "relay_tasks_evicted_total", "Finished tasks that left memory over TASK_MEMORY.", g.tasks_evicted);
         gauge(
             w,
             "relay_finished_tasks_memory_bytes",
@@ -223,16 +233,14 @@ impl Metrics {
                 "Journal bytes written but not yet durable.",
                 j.backlog_bytes as usize,
             );
-            counter_header(w, "relay_journal_syncs_total", "fdatasync calls (one per group commit).");
-            let _ = writeln!(w, "relay_journal_syncs_total {}", j.syncs);
-            counter_header(w, "relay_journal_records_total", "Records written to the journal by this process.");
-            let _ = writeln!(w, "relay_journal_records_total {}", j.records);
-            counter_header(
+            counter(w, "relay_journal_syncs_total", "fdatasync calls (one per group commit).", j.syncs);
+            counter(w, "relay_journal_records_total", "Records written to the journal by this process.", j.records);
+            counter(
                 w,
                 "relay_journal_corrupt_records_total",
                 "Damaged journal records or regions skipped at start (a torn tail is not counted).",
+                j.corrupt_records,
             );
-            let _ = writeln!(w, "relay_journal_corrupt_records_total {}", j.corrupt_records);
             gauge(
                 w,
                 "relay_journal_full",
@@ -254,26 +262,22 @@ impl Metrics {
             {
                 let _ = writeln!(w, "relay_db_transactions_total{{result=\"{name}\"}} {v}");
             }
-            counter_header(
+            counter(
                 w,
                 "relay_db_background_transactions_total",
                 "Transactions besides the turns': heartbeats, housekeeping, notifications.",
+                c.background,
             );
-            let _ = writeln!(w, "relay_db_background_transactions_total {}", c.background);
-            counter_header(w, "relay_db_statements_total", "Statements sent in turn transactions.");
-            let _ = writeln!(w, "relay_db_statements_total {}", c.statements);
-            counter_header(w, "relay_db_tasks_inserted_total", "Tasks this node wrote to the database.");
-            let _ = writeln!(w, "relay_db_tasks_inserted_total {}", c.tasks_inserted);
-            counter_header(w, "relay_db_tasks_claimed_total", "Tasks this node claimed for its workers.");
-            let _ = writeln!(w, "relay_db_tasks_claimed_total {}", c.tasks_claimed);
-            counter_header(w, "relay_db_attempts_ended_total", "Attempt ends this node wrote.");
-            let _ = writeln!(w, "relay_db_attempts_ended_total {}", c.attempts_ended);
-            counter_header(
+            counter(w, "relay_db_statements_total", "Statements sent in turn transactions.", c.statements);
+            counter(w, "relay_db_tasks_inserted_total", "Tasks this node wrote to the database.", c.tasks_inserted);
+            counter(w, "relay_db_tasks_claimed_total", "Tasks this node claimed for its workers.", c.tasks_claimed);
+            counter(w, "relay_db_attempts_ended_total", "Attempt ends this node wrote.", c.attempts_ended);
+            counter(
                 w,
                 "relay_db_writes_fenced_total",
                 "Attempt ends the database refused (the task was canceled or moved on).",
+                c.fenced,
             );
-            let _ = writeln!(w, "relay_db_writes_fenced_total {}", c.fenced);
         }
         counter_header(w, "relay_http_requests_total", "HTTP responses by status code.");
         for (i, v) in self.http_requests.iter().enumerate().filter(|(_, v)| **v > 0) {
@@ -293,6 +297,11 @@ impl Metrics {
 
 fn counter_header(w: &mut String, name: &str, help: &str) {
     let _ = writeln!(w, "# HELP {name} {help}\n# TYPE {name} counter");
+}
+
+fn counter(w: &mut String, name: &str, help: &str, value: impl std::fmt::Display) {
+    counter_header(w, name, help);
+    let _ = writeln!(w, "{name} {value}");
 }
 
 fn gauge(w: &mut String, name: &str, help: &str, value: usize) {
