@@ -274,6 +274,24 @@ impl Bucket {
         now_ms + ((1.0 - self.tokens) / self.per_ms - 1e-6).ceil().max(1.0) as u64
     }
 
+    /// What a restart must keep (SPEC §14: a restart is not idle time that refills it): its
+    /// tokens and when they were counted; `None` while it was never taken from (full).
+    pub fn state(&self) -> Option<(f64, u64)> {
+        self.at_ms.map(|at| (self.tokens, at))
+    }
+
+    /// Takes back a [`Bucket::state`] (a value that is not a count of tokens reads as none).
+    pub fn restore(&mut self, tokens: f64, at_ms: u64) {
+        self.tokens = if tokens.is_finite() { tokens.clamp(0.0, self.capacity) } else { 0.0 };
+        self.at_ms = Some(at_ms);
+    }
+
+    /// Is it full now (nothing to keep across a restart)?
+    pub fn is_full(&mut self, now_ms: u64) -> bool {
+        self.refill(now_ms);
+        self.capacity - self.tokens <= 1e-9
+    }
+
     /// The same limits (a policy change that keeps the rate keeps the bucket's state).
     pub fn same_shape(&self, other: &Bucket) -> bool {
         self.per_ms == other.per_ms && self.capacity == other.capacity
@@ -377,6 +395,29 @@ mod tests {
         assert_eq!(slow.next_token_ms(0), 3_600_000);
         let mut burst = Bucket::new(Rate { count: 1, per_ms: 1_000 }, Some(3));
         assert_eq!(burst.available(5), 3);
+    }
+
+    #[test]
+    fn a_bucket_taken_back_from_its_state_goes_on_where_it_was() {
+        let rate = Rate { count: 10, per_ms: 1_000 };
+        let mut b = Bucket::new(rate, Some(4));
+        assert_eq!(b.state(), None, "never taken from: full, nothing to keep");
+        assert!(b.is_full(0));
+        b.take(1_000, 4);
+        let (tokens, at) = b.state().expect("taken from");
+        let mut back = Bucket::new(rate, Some(4));
+        back.restore(tokens, at);
+        assert_eq!(back.available(1_000), 0, "empty, as it was left");
+        assert_eq!(back.available(1_200), 2, "and it refills from then");
+        assert!(!back.is_full(1_200) && back.is_full(1_400));
+        for junk in [f64::NAN, f64::INFINITY, -3.0] {
+            let mut b = Bucket::new(rate, Some(4));
+            b.restore(junk, 0);
+            assert_eq!(b.available(0), 0, "{junk}");
+        }
+        let mut over = Bucket::new(rate, Some(4));
+        over.restore(1e9, 0);
+        assert_eq!(over.available(0), 4, "never more than its burst");
     }
 
     #[test]

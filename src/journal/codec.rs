@@ -49,6 +49,9 @@ pub enum RecordType {
     /// A kind's dispatch policy was set or removed (SPEC §14). Replaces the kind's earlier one.
     /// (A number far from the task records', which other record types may take.)
     KindPolicy = 16,
+    /// A kind's `rate` bucket, or one lane's `rate_per_key` bucket, as a dispatch left it: a
+    /// restart must not refill it (SPEC §14). Belongs to the kind's newest policy record.
+    KindBucket = 17,
 }
 
 impl RecordType {
@@ -59,6 +62,7 @@ impl RecordType {
             3 => Some(RecordType::AttemptEnd),
             4 => Some(RecordType::Forget),
             16 => Some(RecordType::KindPolicy),
+            17 => Some(RecordType::KindBucket),
             _ => None,
         }
     }
@@ -551,6 +555,21 @@ pub fn put_kind_policy(out: &mut Vec<u8>, kind: &str, policy: Option<&str>) {
     }
 }
 
+/// A kind's bucket (`lane`: a lane's, by submitter and key): its tokens when counted at `at_ms`.
+pub fn put_kind_bucket(out: &mut Vec<u8>, kind: &str, lane: Option<(&str, &str)>, tokens: f64, at_ms: u64) {
+    put_str(out, kind);
+    match lane {
+        Some((submitter, key)) => {
+            out.push(1);
+            put_str(out, submitter);
+            put_str(out, key);
+        }
+        None => out.push(0),
+    }
+    put_u64(out, tokens.to_bits());
+    put_u64(out, at_ms);
+}
+
 /// A task as a Task record holds it.
 #[derive(Debug)]
 pub struct TaskImage {
@@ -632,6 +651,13 @@ pub enum Record {
     KindPolicy {
         kind: Box<str>,
         policy: Option<Box<str>>,
+    },
+    /// `lane`: (submitter, key), or `None` for the kind's own bucket.
+    KindBucket {
+        kind: Box<str>,
+        lane: Option<(Box<str>, Box<str>)>,
+        tokens: f64,
+        at_ms: u64,
     },
 }
 
@@ -813,6 +839,16 @@ pub fn decode(kind: u8, payload: &[u8]) -> Option<Record> {
             };
             Record::KindPolicy { kind, policy }
         }
+        RecordType::KindBucket => {
+            let kind = Box::from(d.str()?);
+            let lane = match d.u8()? {
+                0 => None,
+                1 => Some((Box::from(d.str()?), Box::from(d.str()?))),
+                _ => return None,
+            };
+            let tokens = f64::from_bits(d.u64()?);
+            Record::KindBucket { kind, lane, tokens, at_ms: d.u64()? }
+        }
     };
     d.done().then_some(record)
 }
@@ -967,6 +1003,21 @@ mod tests {
             assert_eq!((&*kind, back.as_deref()), ("http", policy));
         }
         assert!(decode(RecordType::KindPolicy as u8, &[1, 0, 0, 0, b'k', 2]).is_none());
+    }
+
+    #[test]
+    fn a_kind_bucket_record_round_trips() {
+        for lane in [None, Some(("jti-1", "customer-7")), Some(("", ""))] {
+            let mut p = Vec::new();
+            put_kind_bucket(&mut p, "http", lane, 2.5, 1_700_000_000_123);
+            let Some(Record::KindBucket { kind, lane: back, tokens, at_ms }) = decode(RecordType::KindBucket as u8, &p)
+            else {
+                panic!("decodes")
+            };
+            let back = back.as_ref().map(|(s, k)| (&**s, &**k));
+            assert_eq!((&*kind, back, tokens, at_ms), ("http", lane, 2.5, 1_700_000_000_123));
+            assert!(decode(RecordType::KindBucket as u8, &p[..p.len() - 1]).is_none(), "cut short");
+        }
     }
 
     #[test]

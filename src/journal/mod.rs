@@ -584,6 +584,25 @@ impl Journal {
         };
     }
 
+    /// A bucket of the kind whose policy `stored` tracks (SPEC §14: a restart must not refill
+    /// it). `false` when it could not be added to what the policy pins: the caller writes the
+    /// policy whole again (its record, then every bucket not full).
+    pub fn bucket(
+        &mut self,
+        kind: &str,
+        lane: Option<(&str, &str)>,
+        tokens: f64,
+        at_ms: u64,
+        stored: &mut Stored,
+    ) -> bool {
+        if !self.has_room(stored) {
+            return false;
+        }
+        let (lsn, loc) =
+            self.append(RecordType::KindBucket, |out| codec::put_kind_bucket(out, kind, lane, tokens, at_ms));
+        self.add_record(stored, lsn, loc)
+    }
+
     /// The task was forgotten (TASK_TTL): it needs nothing any more.
     pub fn forget(&mut self, id: TaskId, stored: &Stored) {
         self.append(RecordType::Forget, |out| codec::put_forget(out, id));

@@ -23,6 +23,17 @@ pub struct Light {
     pub idempotency: Option<Box<(Box<str>, Box<str>)>>,
 }
 
+/// A kind's policy as the journal left it: its JSON, where its records are, and its buckets'
+/// last state (tokens, counted at; the kind's own, and each lane's by submitter and key).
+#[derive(Debug, Default)]
+pub struct PolicyImage {
+    pub kind: Box<str>,
+    pub json: Box<str>,
+    pub stored: Stored,
+    pub bucket: Option<(f64, u64)>,
+    pub lanes: HashMap<(Box<str>, Box<str>), (f64, u64)>,
+}
+
 pub struct Replayed {
     /// Tasks kept in memory (finished ones within the budget), as the journal left them.
     pub tasks: Vec<Box<Task>>,
@@ -30,8 +41,8 @@ pub struct Replayed {
     pub evicted: Vec<(TaskId, Light)>,
     /// Tasks whose records span more segments than a task can pin: write them whole again.
     pub rehome: Vec<TaskId>,
-    /// Kind policies (SPEC §14): kind, the policy's JSON, where its record is.
-    pub policies: Vec<(Box<str>, Box<str>, Stored)>,
+    /// Kind policies (SPEC §14), with the buckets their dispatches left.
+    pub policies: Vec<PolicyImage>,
     /// Segment numbers found, in order, with their size and how many records tasks still need
     /// in each.
     pub segments: Vec<SegmentInfo>,
@@ -105,8 +116,9 @@ struct State {
     finished_bytes: usize,
     budget_bytes: usize,
     max_seq: u64,
-    /// The newest policy record of each kind (`None`: removed).
-    policies: HashMap<Box<str>, (Option<Box<str>>, Stored)>,
+    /// The newest policy record of each kind (`json` empty: removed), with the bucket records
+    /// after it.
+    policies: HashMap<Box<str>, PolicyImage>,
 }
 
 impl State {
@@ -170,8 +182,24 @@ impl State {
             }
             Record::Forget { id } => self.remove(id),
             Record::KindPolicy { kind, policy } => {
+                // (A policy record starts the kind's state afresh: the store writes its buckets
+                // that are not full after each one.)
                 let stored = Stored { lsn: seq, home: loc, segs: [loc.seg, 0, 0] };
-                self.policies.insert(kind, (policy, stored));
+                let image =
+                    PolicyImage { kind: kind.clone(), json: policy.unwrap_or_default(), stored, ..Default::default() };
+                self.policies.insert(kind, image);
+            }
+            Record::KindBucket { kind, lane, tokens, at_ms } => {
+                let Some(image) = self.policies.get_mut(&kind).filter(|i| !i.json.is_empty()) else { return };
+                image.stored.lsn = seq;
+                // (Past three segments the store writes the policy whole again at start.)
+                pin(&mut image.stored, loc.seg);
+                match lane {
+                    Some(lane) => {
+                        image.lanes.insert(lane, (tokens, at_ms));
+                    }
+                    None => image.bucket = Some((tokens, at_ms)),
+                }
             }
         }
     }
@@ -515,10 +543,12 @@ impl Replayer {
             }
         }
         let mut policies = Vec::new();
-        for (kind, (policy, stored)) in state.policies {
-            if let Some(policy) = policy {
-                *pins.entry(stored.home.seg).or_default() += 1;
-                policies.push((kind, policy, stored));
+        for image in state.policies.into_values() {
+            if !image.json.is_empty() {
+                for seg in image.stored.segs.into_iter().filter(|s| *s != 0) {
+                    *pins.entry(seg).or_default() += 1;
+                }
+                policies.push(image);
             }
         }
         for seg in &mut segments {

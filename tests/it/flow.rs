@@ -373,6 +373,64 @@ fn policies_survive_a_restart() {
     });
 }
 
+/// A hostile probe (single node, journal): a task of a kind with `"rate": "1/h"` ran, relay was
+/// killed (kill -9, or SIGTERM) and started again, and the kind's next task ran at once — the
+/// restart had refilled the bucket, and a key's `rate_per_key` bucket too, so a limit of one an
+/// hour ran twice within a second. The buckets a dispatch takes from are journaled (the cluster
+/// keeps them in the database).
+#[test]
+fn a_restart_refills_no_rate_bucket() {
+    for_each_mode(|mode| {
+        for sig in ["KILL", "TERM"] {
+            let dir = TempDir::new("buckets");
+            let mut relay = durable(mode, &dir, &[]);
+            put_policy(&relay, "slow", r#"{"rate":"1/h"}"#);
+            put_policy(&relay, "per-key", r#"{"rate_per_key":"1/h","burst":2}"#);
+            let hello = json!({"type":"hello","kinds":["slow","per-key"],"concurrency":8});
+            let w = FakeWorker::connect(&relay, Some(hello.clone()), Auto::Manual);
+            relay.wait_clients(1, |c| c["concurrency"] == 8);
+            for body in [
+                r#"{"payload":{"kind":"slow"}}"#,
+                r#"{"payload":{"kind":"per-key"},"key":"c1"}"#,
+                r#"{"payload":{"kind":"per-key"},"key":"c1"}"#,
+            ] {
+                let id = id_of(&relay.submit(body));
+                let t = w.expect_task();
+                assert_eq!(t.id, id, "{body}: its bucket's token");
+                w.done(&t.id, json!(null));
+                relay.wait_status(&id, "done", Duration::from_secs(5));
+            }
+            drop(w);
+            let db = relay.db.clone();
+            relay.signal(sig);
+            assert!(relay.wait_exit(Duration::from_secs(10)).is_some(), "relay exits after SIG{sig}");
+            let relay = match db {
+                Some(db) => Mode::start_on(db, &[]),
+                None => Relay::start_with(&[("DATA_DIR", dir.path())]),
+            };
+            let w = FakeWorker::connect(&relay, Some(hello), Auto::Manual);
+            relay.wait_clients(1, |c| c["concurrency"] == 8);
+            let held = [
+                id_of(&relay.submit(r#"{"payload":{"kind":"slow"},"queue":true}"#)),
+                id_of(&relay.submit(r#"{"payload":{"kind":"per-key"},"key":"c1","queue":true}"#)),
+            ];
+            let other_key = id_of(&relay.submit(r#"{"payload":{"kind":"per-key"},"key":"c2","queue":true}"#));
+            let t = w.expect_task();
+            assert_eq!(t.id, other_key, "after SIG{sig}: only the key whose bucket is full runs");
+            w.done(&t.id, json!(null));
+            assert!(w.no_task(Duration::from_millis(800)), "after SIG{sig}: a bucket emptied before it refilled");
+            for id in &held {
+                let task = relay.get_task(id);
+                assert_eq!(
+                    (task["status"].as_str(), task["waiting_on"].as_str()),
+                    (Some("pending"), Some("rate")),
+                    "{task}"
+                );
+            }
+        }
+    });
+}
+
 #[test]
 fn a_policy_set_on_one_node_applies_on_another_within_a_second() {
     let pg = match crate::support::pg::shared() {

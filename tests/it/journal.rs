@@ -631,6 +631,69 @@ fn compaction_deletes_segments_nothing_needs_and_carries_long_waiting_tasks_forw
     assert_eq!(t["status"], "pending", "the long-waiting task was carried forward: {t}");
 }
 
+/// Kind policies, and the rate buckets their dispatches emptied (SPEC §14), are carried forward
+/// by compaction: a policy kept only in a segment compacted away would be gone after a
+/// restart, and a bucket record lost with its segment would come back full.
+#[test]
+fn compaction_carries_policies_and_their_emptied_buckets_forward() {
+    let dir = DataDir::new("compact-policy");
+    let env = [("JOURNAL_SEGMENT_SIZE", "4096"), ("TASK_TTL", "1s"), ("LOG_LEVEL", "info")];
+    let relay = start(&dir, &env);
+    let put = |relay: &Relay, kind: &str, body: &str| {
+        let r = relay.api("PUT", &format!("/kinds/{kind}"), Some(body));
+        assert_eq!(r.status, 200, "{}", r.text());
+    };
+    put(&relay, "slow", r#"{"rate":"1/h"}"#);
+    put(&relay, "per-key", r#"{"rate_per_key":"1/h"}"#);
+    put(&relay, "capped", r#"{"max_running":3,"paused":true}"#);
+    let hello = json!({"type": "hello", "kinds": ["now", "slow", "per-key"]});
+    let worker = FakeWorker::connect(&relay, Some(hello.clone()), Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    for body in [r#"{"payload":{"kind":"slow"}}"#, r#"{"payload":{"kind":"per-key"},"key":"c1"}"#] {
+        assert_eq!(relay.api("POST", "/tasks?wait=true", Some(body)).status, 200, "{body}");
+    }
+    for i in 0..300 {
+        let r = relay.api("POST", "/tasks?wait=true", Some(&json!({"payload": {"kind": "now", "i": i}}).to_string()));
+        assert_eq!(r.status, 200);
+    }
+    let newest = dir.segments().last().and_then(|p| p.file_stem()?.to_str()?.parse::<u32>().ok()).unwrap_or(0);
+    assert!(newest > 10, "the load should span many 4 KiB segments, got {newest}");
+    assert!(poll_until(Duration::from_secs(10), || dir.segments().len() <= 3), "segments left: {:?}", dir.segments());
+    drop(worker);
+    assert!(relay.stop().success());
+    // (A longer TASK_TTL now: the held tasks below must not expire in the queue meanwhile.)
+    let relay = start(&dir, &[("JOURNAL_SEGMENT_SIZE", "4096"), ("TASK_TTL", "60s")]);
+    let kinds = relay.api("GET", "/kinds", None).json();
+    let policies: Vec<(&str, &Value)> = kinds["kinds"]
+        .as_array()
+        .expect("kinds")
+        .iter()
+        .map(|k| (k["kind"].as_str().unwrap_or(""), &k["policy"]))
+        .collect();
+    assert_eq!(
+        policies,
+        [
+            ("capped", &json!({"max_running": 3, "paused": true})),
+            ("per-key", &json!({"rate_per_key": "1/h"})),
+            ("slow", &json!({"rate": "1/h"})),
+        ],
+        "{kinds}"
+    );
+    let _worker = FakeWorker::connect(&relay, Some(hello), Auto::Echo);
+    relay.wait_clients(1, |_| true);
+    let submit = |body: &str| relay.submit(body).json()["task_id"].as_str().expect("id").to_string();
+    let held = [
+        submit(r#"{"payload":{"kind":"slow"},"queue":true}"#),
+        submit(r#"{"payload":{"kind":"per-key"},"key":"c1","queue":true}"#),
+    ];
+    let free = submit(r#"{"payload":{"kind":"per-key"},"key":"c2","queue":true}"#);
+    relay.wait_status(&free, "done", Duration::from_secs(5));
+    for id in &held {
+        let t = relay.get_task(id);
+        assert_eq!((t["status"].as_str(), t["waiting_on"].as_str()), (Some("pending"), Some("rate")), "{t}");
+    }
+}
+
 #[test]
 fn sigterm_makes_every_accepted_task_durable_before_exit() {
     let dir = DataDir::new("term");

@@ -36,6 +36,7 @@ impl MemStore {
     /// Once per loop turn, after its work: finished tasks over the budget leave memory, a
     /// step of compaction, and the turn's records go to the journal's writer.
     pub fn end_turn(&mut self) {
+        self.save_buckets();
         self.evict_over_budget();
         self.compact_step();
         if let Some(j) = &mut self.journal {
@@ -157,13 +158,13 @@ impl MemStore {
         let Replayed { tasks, evicted, rehome, policies, .. } = replayed;
         let policies = policies
             .into_iter()
-            .filter_map(|(kind, json, stored)| match crate::flow::Policy::parse(json.as_bytes()) {
-                Ok(p) => Some((kind, p, stored)),
+            .filter_map(|image| match crate::flow::Policy::parse(image.json.as_bytes()) {
+                Ok(p) => Some((image, p)),
                 Err(e) => {
                     crate::log!(
                         Level::Error,
                         "journal: a kind policy does not parse; it is dropped",
-                        kind = kind,
+                        kind = image.kind,
                         error = e
                     );
                     None

@@ -29,6 +29,8 @@ use std::rc::Rc;
 
 use super::*;
 use crate::flow::{Bucket, KindOp, Policy, WaitingOn, kind_response, unknown_kind};
+use crate::journal::Journal;
+use crate::journal::replay::PolicyImage;
 
 /// Idle lanes kept for a per-key bucket that is not full yet, at most: beyond, the one that
 /// would be full soonest is forgotten early (its key gets a full bucket a little sooner).
@@ -283,6 +285,9 @@ enum Wake {
     Lane(Box<str>, Rc<str>, Rc<str>),
 }
 
+/// A bucket a dispatch took from: (kind, (submitter, key) of a lane's, or `None`: the kind's own).
+type Taken = (Box<str>, Option<(Rc<str>, Rc<str>)>);
+
 /// An idle lane kept for its bucket: (when it is full again, kind, submitter, key).
 type Expiry = (u64, Box<str>, Rc<str>, Rc<str>);
 
@@ -326,9 +331,17 @@ pub(super) struct Flow {
     /// Dispatches a policy held back, by `WaitingOn` (`relay_dispatch_held_total`).
     held_total: [u64; 6],
     claims: u64,
+    /// The store keeps a journal: buckets taken from are noted in `dirty` for it.
+    journaled: bool,
+    /// Buckets taken from since the journal last wrote them: (kind, lane or the kind's own).
+    dirty: Vec<Taken>,
 }
 
 impl Flow {
+    pub fn new(journaled: bool) -> Flow {
+        Flow { journaled, ..Flow::default() }
+    }
+
     fn rot_mut(&mut self, kind: Option<&str>) -> Option<&mut Rotation> {
         match kind {
             None => Some(&mut self.none),
@@ -630,8 +643,16 @@ impl Flow {
         if p.key_limits() {
             let Some(l) = s.rot.lane_or_new(lane.submitter, lane.key, p.key_bucket()) else { return false };
             let free = l.held.is_none() && l.room(Some(&p), wall).is_none();
+            let mut took = None;
             if free && let Some(b) = &mut l.bucket {
                 b.take(wall, 1);
+                took = Some(l.name.clone());
+            }
+            if self.journaled
+                && let Some(key) = took
+                && let Some(sub) = s.rot.subs.get(lane.submitter)
+            {
+                self.dirty.push((Box::from(k), Some((sub.name.clone(), key))));
             }
             self.settle(lane, wall);
             if !free {
@@ -640,6 +661,9 @@ impl Flow {
         }
         if let Some(b) = self.kinds.get_mut(k).and_then(|s| s.bucket.as_mut()) {
             b.take(wall, 1);
+            if self.journaled {
+                self.dirty.push((Box::from(k), None));
+            }
         }
         true
     }
@@ -711,9 +735,15 @@ impl Flow {
                         s.rot.serve(&b.sub, &b.key);
                         if let Some(bk) = &mut s.bucket {
                             bk.take(wall, 1);
+                            if self.journaled {
+                                self.dirty.push((Box::from(k), None));
+                            }
                         }
                         if let Some(bk) = s.rot.lane_mut(&b.sub, &b.key).and_then(|l| l.bucket.as_mut()) {
                             bk.take(wall, 1);
+                            if self.journaled {
+                                self.dirty.push((Box::from(k), Some((b.sub.clone(), b.key.clone()))));
+                            }
                         }
                     }
                 }
@@ -910,6 +940,31 @@ impl Flow {
     }
 }
 
+/// Writes the kind's policy whole: its record, then each of its buckets that is not full — what
+/// replay needs of the kind (a policy record starts it afresh).
+fn write_policy(j: &mut Journal, kind: &str, s: &mut KindState, wall: u64) {
+    let Some(p) = s.policy else { return };
+    j.policy(kind, Some(&p.to_json()), &mut s.stored);
+    if let Some(b) = &mut s.bucket
+        && !b.is_full(wall)
+        && let Some((tokens, at)) = b.state()
+    {
+        j.bucket(kind, None, tokens, at, &mut s.stored);
+    }
+    for sub in s.rot.subs.values_mut() {
+        for l in sub.lanes.values_mut() {
+            if let Some(b) = &mut l.bucket
+                && !b.is_full(wall)
+                && let Some((tokens, at)) = b.state()
+            {
+                // (Past three segments — a kind with very many lanes not full, in small
+                // segments — a record is not pinned: the next compaction writes it again.)
+                j.bucket(kind, Some((&sub.name, &l.name)), tokens, at, &mut s.stored);
+            }
+        }
+    }
+}
+
 impl MemStore {
     /// A task of `kind` went from `from` to `to`, for a task not in the table (yet).
     pub(super) fn count_task(&mut self, task: &Task, from: Option<Status>, to: Option<Status>) {
@@ -1012,37 +1067,91 @@ impl MemStore {
         if let Some(j) = &mut self.journal
             && let Some(s) = self.flow.kinds.get_mut(kind)
         {
-            let json = policy.map(|p| p.to_json());
-            j.policy(kind, json.as_deref(), &mut s.stored);
+            match policy {
+                // (With the buckets a kept rate keeps: a pause or a new cap refills nothing.)
+                Some(_) => write_policy(j, kind, s, self.wall_ms),
+                None => j.policy(kind, None, &mut s.stored),
+            }
             lsn = j.lsn();
         }
         self.flow.policy_applied(kind, self.wall_ms, &mut self.events);
         lsn
     }
 
-    /// Policies restored from the journal at start.
-    pub(super) fn restore_policies(&mut self, policies: Vec<(Box<str>, Policy, Stored)>) {
-        for (kind, policy, stored) in policies {
-            self.flow.set_policy(&kind, Some(policy), self.wall_ms, &mut self.events);
-            if let Some(s) = self.flow.kinds.get_mut(&kind) {
-                s.stored = stored;
+    /// Policies restored from the journal at start, with the buckets their dispatches left (a
+    /// restart is no idle time: it refills no bucket, SPEC §14).
+    pub(super) fn restore_policies(&mut self, policies: Vec<(PolicyImage, Policy)>) {
+        let wall = self.wall_ms;
+        for (image, policy) in policies {
+            let kind = &*image.kind;
+            self.flow.set_policy(kind, Some(policy), wall, &mut self.events);
+            if let Some(s) = self.flow.kinds.get_mut(kind) {
+                s.stored = image.stored;
                 if policy.paused {
                     s.held = Some(WaitingOn::Paused);
                 }
+                if let (Some(b), Some((tokens, at))) = (&mut s.bucket, image.bucket) {
+                    b.restore(tokens, at);
+                }
             }
-            self.flow.refresh(Some(&kind));
+            for ((sub, key), &(tokens, at)) in &image.lanes {
+                if let Some(s) = self.flow.kinds.get_mut(kind)
+                    && let Some(bucket) = policy.key_bucket()
+                    && let Some(b) = s.rot.lane_or_new(sub, key, Some(bucket)).and_then(|l| l.bucket.as_mut())
+                {
+                    b.restore(tokens, at);
+                }
+                // (An idle lane stays while its bucket is not full yet.)
+                self.flow.settle(LaneOf { kind: Some(kind), submitter: sub, key }, wall);
+            }
+            self.flow.refresh(Some(kind));
+            if (image.bucket.is_some() || !image.lanes.is_empty())
+                && let Some(j) = &mut self.journal
+                && let Some(s) = self.flow.kinds.get_mut(kind)
+            {
+                // (Its records may span more segments than a policy pins: one record again.)
+                write_policy(j, kind, s, wall);
+            }
+        }
+    }
+
+    /// The buckets dispatches took from this turn go to the journal (one record each).
+    pub(super) fn save_buckets(&mut self) {
+        if self.flow.dirty.is_empty() {
+            return;
+        }
+        let mut dirty = std::mem::take(&mut self.flow.dirty);
+        let Some(j) = &mut self.journal else { return };
+        dirty.sort_unstable();
+        dirty.dedup();
+        let wall = self.wall_ms;
+        let mut whole: Vec<Box<str>> = Vec::new();
+        for (kind, lane) in dirty {
+            let Some(s) = self.flow.kinds.get_mut(&kind).filter(|s| s.policy.is_some()) else { continue };
+            let bucket = match &lane {
+                None => s.bucket.as_ref(),
+                Some((sub, key)) => s.rot.lane(sub, key).and_then(|l| l.bucket.as_ref()),
+            };
+            let Some((tokens, at)) = bucket.and_then(Bucket::state) else { continue };
+            let lane = lane.as_ref().map(|(sub, key)| (&**sub, &**key));
+            if !j.bucket(&kind, lane, tokens, at, &mut s.stored) && whole.last() != Some(&kind) {
+                whole.push(kind);
+            }
+        }
+        for kind in whole {
+            if let Some(s) = self.flow.kinds.get_mut(&kind) {
+                write_policy(j, &kind, s, wall);
+            }
         }
     }
 
     /// Policies whose record pins segment `seg` or an older one (compaction writes them again).
     pub(super) fn compact_policies(&mut self, seg: u32) {
         let Some(j) = &mut self.journal else { return };
+        let wall = self.wall_ms;
         for (kind, s) in self.flow.kinds.iter_mut() {
-            if let Some(p) = &s.policy
-                && s.stored.segs.iter().any(|&x| x != 0 && x <= seg)
-            {
-                let json = p.to_json();
-                j.policy(kind, Some(&json), &mut s.stored);
+            if s.policy.is_some() && s.stored.segs.iter().any(|&x| x != 0 && x <= seg) {
+                write_policy(j, kind, s, wall);
             }
         }
     }

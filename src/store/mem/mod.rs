@@ -230,7 +230,7 @@ impl MemStore {
             tasks: TaskTable::default(),
             status_counts: [0; Status::COUNT],
             pending_bytes: 0,
-            flow: flow::Flow::default(),
+            flow: flow::Flow::new(journal.is_some()),
             ready_due: BTreeMap::new(),
             fragile: Fragile::default(),
             scheduled: BTreeMap::new(),
