@@ -232,8 +232,11 @@ pub const POLICY_LOCK: &str = "SELECT pg_advisory_xact_lock(8245972963651339266)
 
 /// Sets ($2: the policy's JSON) or removes ($2 NULL) the policy of kind $1; every node reads
 /// the change within a second ([`POLICY_CHANGES`]). A removed policy stays as a row without one,
-/// so the other nodes see it go.
-pub const SET_POLICY: &str = "INSERT INTO relay_kind_policies (kind, policy) VALUES ($1::text, $2::text)
+/// so the other nodes see it go; removing a policy that is not there writes nothing (a `DELETE`
+/// of any name left a row behind, and every node reads every row when it starts).
+pub const SET_POLICY: &str = "INSERT INTO relay_kind_policies (kind, policy) SELECT $1::text, $2::text
+     WHERE $2::text IS NOT NULL
+        OR EXISTS (SELECT 1 FROM relay_kind_policies WHERE kind = $1::text AND policy IS NOT NULL)
      ON CONFLICT (kind) DO UPDATE SET policy = excluded.policy, changed = nextval('relay_kind_policies_changed')
      RETURNING changed";
 

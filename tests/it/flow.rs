@@ -457,6 +457,43 @@ fn a_policy_set_on_one_node_applies_on_another_within_a_second() {
     assert_eq!(w.next_task(Duration::from_secs(3)).map(|t| t.id), Some(id), "resumed on every node");
 }
 
+/// A hostile probe, cluster: every `DELETE /kinds/{name}` left a row in relay_kind_policies,
+/// for any name, with or without a policy (300 deletes of made-up names: 300 rows, kept for
+/// ever, and every node reads them all when it starts). Removing no policy now writes nothing;
+/// removing one still tells the other nodes.
+#[test]
+fn deleting_a_policy_that_is_not_there_stores_nothing() {
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail("deleting_a_policy_that_is_not_there_stores_nothing", &why);
+            return;
+        }
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let one = Mode::start_on(db.clone(), &[]);
+    let two = Mode::start_on(db.clone(), &[]);
+    for i in 0..50 {
+        let r = one.api("DELETE", &format!("/kinds/made-up-{i}"), None);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.json()["policy"], json!({}));
+    }
+    assert_eq!(db.query("SELECT count(*) FROM relay_kind_policies"), ["0"], "no row for a policy never set");
+    // A real removal still reaches the other node.
+    let w = FakeWorker::connect(&two, Some(json!({"type":"hello","kinds":["k"],"concurrency":4})), Auto::Manual);
+    two.wait_clients(1, |c| c["concurrency"] == 4);
+    put_policy(&one, "k", r#"{"paused":true}"#);
+    let set = std::time::Instant::now();
+    poll_until(Duration::from_secs(2), || set.elapsed() >= Duration::from_millis(1_100));
+    let id = id_of(&two.submit(r#"{"payload":{"kind":"k"}}"#));
+    assert_eq!(two.get_task(&id)["waiting_on"], "paused");
+    assert_eq!(one.api("DELETE", "/kinds/k", None).status, 200);
+    assert_eq!(one.api("DELETE", "/kinds/k", None).status, 200, "a second removal is no change");
+    assert_eq!(w.next_task(Duration::from_secs(3)).map(|t| t.id), Some(id), "resumed on the other node");
+    assert_eq!(db.query("SELECT count(*) FROM relay_kind_policies WHERE policy IS NULL"), ["1"]);
+}
+
 /// A node that sets a policy of its own right after another node set one must still learn the
 /// other's: its own change (a higher `changed` number) is no mark that it read the smaller ones.
 #[test]
