@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
@@ -330,45 +330,12 @@ impl Bins {
     /// target directory as this test executable (a no-op when it is up to date).
     fn get() -> Result<Bins, String> {
         static BINS: OnceLock<Result<Bins, String>> = OnceLock::new();
-        BINS.get_or_init(|| Ok(Bins { relay: PathBuf::from(relay_bin()), worker: build_worker()? })).clone()
+        BINS.get_or_init(|| {
+            let worker = crate::support::real_worker::bin()?.to_path_buf();
+            Ok(Bins { relay: PathBuf::from(relay_bin()), worker })
+        })
+        .clone()
     }
-}
-
-fn build_worker() -> Result<PathBuf, String> {
-    let exe = std::env::current_exe().map_err(|e| format!("current_exe: {e}"))?;
-    // <target-dir>[/<triple>]/<profile-dir>/deps/<test-exe>
-    let profile_dir = exe.parent().and_then(Path::parent).ok_or("test executable not in <profile>/deps")?;
-    let bin = profile_dir.join(format!("relay-worker{}", std::env::consts::EXE_SUFFIX));
-    let profile = match profile_dir.file_name().and_then(|n| n.to_str()) {
-        Some("debug") | None => "dev".to_string(),
-        Some(other) => other.to_string(),
-    };
-    let above = profile_dir.parent().ok_or("no target dir")?;
-    // With `--target <triple>` the layout has one more level, and that level has no CACHEDIR.TAG.
-    let (target_dir, triple) = if above.join("CACHEDIR.TAG").exists() || above.parent().is_none() {
-        (above.to_path_buf(), None)
-    } else {
-        let triple = above.file_name().and_then(|n| n.to_str()).map(str::to_string);
-        (above.parent().map_or_else(|| above.to_path_buf(), Path::to_path_buf), triple)
-    };
-    let manifest = Path::new(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml");
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let mut cmd = Command::new(cargo);
-    cmd.arg("build").arg("--manifest-path").arg(&manifest);
-    cmd.args(["-p", "relay-worker", "--bin", "relay-worker", "--profile", &profile])
-        .arg("--target-dir")
-        .arg(&target_dir);
-    if let Some(triple) = &triple {
-        cmd.args(["--target", triple]);
-    }
-    let out = cmd.stdin(Stdio::null()).output().map_err(|e| format!("cannot run cargo: {e}"))?;
-    if !out.status.success() {
-        return Err(format!("cargo build -p relay-worker failed:\n{}", String::from_utf8_lossy(&out.stderr)));
-    }
-    if !bin.exists() {
-        return Err(format!("cargo built relay-worker but {} is missing", bin.display()));
-    }
-    Ok(bin)
 }
 
 /// A process started by a background block, in its own process group.

@@ -841,3 +841,46 @@ fn cluster_a_dead_nodes_held_attempt_is_retried_when_its_timeout_is_over_not_its
     assert_eq!(outcomes(&t), ["disconnect", "done"], "{t}");
     drop((w, other));
 }
+
+/// Issue 20's done-when, cluster half: the real relay-worker runs a slow `http` task through a
+/// loopback proxy on node A; A is killed with `kill -9` mid-task and the proxy sends the
+/// worker's reconnect to node B, where it resumes its session (taken from the database): the
+/// task ends `done` after one attempt and the target saw one request. (The single-node half,
+/// a relay restarted on its journal, is relay-worker's it sessions::a_relay_killed_mid_task...)
+#[test]
+fn cluster_a_real_worker_resumes_on_another_node_after_its_node_was_killed() {
+    use crate::support::real_worker::{self, RealWorker};
+    use crate::support::target::{Reply, Target};
+    let test = "cluster_a_real_worker_resumes_on_another_node_after_its_node_was_killed";
+    if let Err(why) = real_worker::bin() {
+        skip_or_fail(test, &format!("relay-worker could not be built: {why}"));
+        return;
+    }
+    let env = [("RESUME_WINDOW", "10s"), ("TASK_TIMEOUT", "20s")];
+    let Some((mut a, b)) = two_nodes(test, &env) else {
+        return;
+    };
+    let target =
+        Target::start(|_, _| Reply::After(Duration::from_millis(2000), Box::new(Reply::new(200, &[], "once"))));
+    let proxy = Proxy::start(a.addr);
+    let worker = RealWorker::start(&format!("ws://{}/ws", proxy.addr), &[("HTTP_TIMEOUT", "10s")]);
+    a.wait_clients(1, |c| c["active"] == true);
+    b.wait_clients(1, |c| c["active"] == true);
+    let spec = json!({"payload": {"kind": "http", "spec": {"url": target.url("/slow")}}});
+    let id = id_of(&b.submit(&spec.to_string()));
+    assert!(poll_until(Duration::from_secs(5), || target.hit_count() == 1), "the task started");
+    wait_session_row(&a, &id);
+
+    proxy.retarget(b.addr);
+    a.signal("KILL");
+    assert!(a.wait_exit(Duration::from_secs(5)).is_some(), "node A died");
+    let t = b.wait_task(&id, Duration::from_secs(20), |t| matches!(t["status"].as_str(), Some("done" | "failed")));
+    assert_eq!(t["status"], "done", "{t}\nworker:\n{}\nB:\n{}", worker.log_text(), worker_losses(&b.log_text()));
+    assert_eq!(outcomes(&t), ["done"], "one attempt: {t}");
+    assert_eq!(t["attempt_log"][0]["resumes"], 1, "{t}");
+    assert_eq!(t["result"]["body"], "once", "{t}");
+    assert_eq!(target.hit_count(), 1, "the target saw one request");
+    assert_eq!(b.metric("relay_sessions_resumed_total"), 1.0);
+    assert!(proxy.accepted() >= 2, "the worker reconnected through the proxy");
+    drop((worker, proxy));
+}

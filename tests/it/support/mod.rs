@@ -5,7 +5,12 @@ pub mod http;
 pub mod modes;
 pub mod pg;
 pub mod proxy;
+pub mod real_worker;
 pub mod strace;
+/// The worker tests' HTTP target (a slow, counting `http` task target), shared, not copied.
+#[allow(dead_code)]
+#[path = "../../../worker/tests/it/support/target.rs"]
+pub mod target;
 pub mod worker;
 
 use std::io::{BufRead, BufReader};
