@@ -57,6 +57,12 @@ pub trait Io {
     fn close_worker(&mut self, worker: ConnRef) {
         let _ = worker;
     }
+    /// What is queued for `worker` from now on leaves only once the journal is durable up to
+    /// record `lsn` (a session worker's task frame waits for its attempt's start, SPEC §12).
+    /// (An `Io` without a journal sends at once.)
+    fn hold_until_durable(&mut self, worker: ConnRef, lsn: u64) {
+        let _ = (worker, lsn);
+    }
 }
 
 /// Timer wheel payloads, for the core and the reactor alike.
@@ -1402,6 +1408,10 @@ impl Core {
         let id_text = uuid::Uuid::from_u128(c.id).hyphenated().encode_lower(&mut buf);
         let sent = if self.has_session(conn) {
             // A session's task frames carry the attempt, which its result may echo (SPEC §12).
+            // The frame leaves once the attempt's start is durable: a crash before that would
+            // read the task back pending, so the worker's resume could not adopt it and the
+            // task would run again (with the same attempt number).
+            io.hold_until_durable(conn, self.store.lsn(c.id));
             let num = c.attempt.to_string();
             io.send_text(
                 conn,

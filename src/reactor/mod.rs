@@ -209,6 +209,16 @@ impl Io for Wire<'_> {
         false
     }
 
+    fn hold_until_durable(&mut self, worker: ConnRef, lsn: u64) {
+        let Some(conn) = self.conns.get_mut(worker) else { return };
+        if lsn > self.durable_lsn {
+            self.gated.want = self.gated.want.max(lsn);
+        }
+        if conn.gate(lsn, self.durable_lsn) {
+            self.gated.conns.push(worker);
+        }
+    }
+
     fn send_text(&mut self, worker: ConnRef, parts: &[&str]) -> bool {
         let Some(conn) = self.conns.get_mut(worker) else { return false };
         let len: usize = parts.iter().map(|p| p.len()).sum();

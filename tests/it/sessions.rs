@@ -440,6 +440,40 @@ fn after_a_restart_a_worker_not_back_within_the_window_is_retried_without_using_
     drop(c);
 }
 
+/// Found by issue 20's hostile probe: a session worker's task frame left before its attempt's
+/// start was durable (the journal holds such records up to 2 ms, then syncs). relay killed in
+/// that window read the task back `pending`: the resuming worker's attempt was not held, its
+/// welcome said `abandon`, and the task ran again — as attempt 1 a second time (9 of 10 kills
+/// right after the frame, in a probe). Now the frame waits for the start to be on disk.
+#[test]
+fn a_kill_9_right_after_a_task_frame_left_still_lets_the_worker_resume_it() {
+    for round in 0..8 {
+        let dir = DataDir::new("frame");
+        let env = [("DATA_DIR", dir.path()), ("RESUME_WINDOW", "5s")];
+        let mut relay = Relay::start_with(&env);
+        // Queued before the worker is there: its hello starts the attempt, the frame follows.
+        let id = id_of(&relay.submit(&json!({"payload": {"round": round}, "queue": true}).to_string()));
+        let a = FakeWorker::connect(&relay, Some(hello("w-frame")), Auto::Manual);
+        let welcome = a.expect_welcome();
+        let task = a.expect_task();
+        assert_eq!(task.id, id);
+        relay.signal("KILL");
+        assert!(relay.wait_exit(Duration::from_secs(5)).is_some(), "relay died");
+        let relay = Relay::start_with(&env);
+        let b = FakeWorker::connect(
+            &relay,
+            Some(resume("w-frame", &welcome["session"], json!([{"task_id": id, "attempt": task.attempt}]))),
+            Auto::Manual,
+        );
+        let w = b.expect_welcome();
+        assert_eq!((w["adopted"].clone(), w["abandon"].clone()), (json!([id]), json!([])), "round {round}: {w}");
+        b.done_attempt(&id, 1, json!("once"));
+        let t = relay.wait_status(&id, "done", Duration::from_secs(5));
+        assert_eq!(outcomes(&t), ["done"], "round {round}: one attempt: {t}");
+        drop((a, b));
+    }
+}
+
 #[test]
 fn resume_window_0s_restarts_as_before() {
     let dir = DataDir::new("zero");
