@@ -1408,10 +1408,11 @@ impl Core {
         let id_text = uuid::Uuid::from_u128(c.id).hyphenated().encode_lower(&mut buf);
         let sent = if self.has_session(conn) {
             // A session's task frames carry the attempt, which its result may echo (SPEC §12).
-            // The frame leaves once the attempt's start is durable: a crash before that would
-            // read the task back pending, so the worker's resume could not adopt it and the
-            // task would run again (with the same attempt number).
-            io.hold_until_durable(conn, self.store.lsn(c.id));
+            // The frame leaves once the attempt's start is durable (in cluster mode: the row
+            // naming its session): a crash before that would read the task back pending (or
+            // leave the attempt to the lease, as a worker's without a session), so the worker's
+            // resume could not adopt it and the task would run again.
+            io.hold_until_durable(conn, self.store.start_mark(c.id));
             let num = c.attempt.to_string();
             io.send_text(
                 conn,

@@ -735,6 +735,10 @@ impl Server {
                             let (mut wire, core) = self.wire();
                             core.on_wake(&mut wire);
                         }
+                        if matches!(self.core.store, crate::store::Store::Pg(_)) {
+                            // (Cluster mode: session rows committed, their task frames leave.)
+                            self.release_gated(self.core.store.durable_lsn());
+                        }
                         if !self.journal_full() && !self.journal_blocked.is_empty() {
                             // Cluster mode: submits held back for the insert backlog resume.
                             self.again.append(&mut self.journal_blocked);
@@ -798,6 +802,23 @@ impl Server {
 
     // ----- the journal -----------------------------------------------------------------------
 
+    /// What waited for the store to be durable up to `durable` leaves: answers (journal), and
+    /// session workers' task frames (journal, or in cluster mode their session rows' COMMIT).
+    fn release_gated(&mut self, durable: u64) {
+        if durable == self.durable_seen {
+            return;
+        }
+        self.durable_seen = durable;
+        let gated = std::mem::take(&mut self.gated.conns);
+        for r in gated {
+            let Some(conn) = self.conns.get_mut(r) else { continue };
+            if conn.release_gates(durable) {
+                self.gated.conns.push(r);
+            }
+            mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        }
+    }
+
     /// The journal's threads woke the loop: answers it made durable leave, tasks read back are
     /// answered, and submits held back for the backlog resume. A failed write is fatal.
     fn on_journal(&mut self) -> io::Result<()> {
@@ -808,17 +829,7 @@ impl Server {
         let durable = j.durable_lsn();
         let writable = j.writable();
         let backlog_full = self.core.store.backlog_full();
-        if durable != self.durable_seen {
-            self.durable_seen = durable;
-            let gated = std::mem::take(&mut self.gated.conns);
-            for r in gated {
-                let Some(conn) = self.conns.get_mut(r) else { continue };
-                if conn.release_gates(durable) {
-                    self.gated.conns.push(r);
-                }
-                mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
-            }
-        }
+        self.release_gated(durable);
         // (A journal that cannot write refuses submits with 503: those waiting for the disk
         // to catch up go on to get that answer.)
         if (!backlog_full || !writable) && !self.journal_blocked.is_empty() {
@@ -976,6 +987,12 @@ impl Server {
                 Phase::Download(_) => self.close_now(r, "download stalled"),
             },
             State::Ws(ws) => {
+                if !conn.gates.is_empty() {
+                    // Its output (pings too) is held for the store — a session worker's task
+                    // frame waits for its start to be durable, SPEC §12: it cannot answer pings
+                    // it never got. Silence counts from when the output leaves.
+                    ws.last_seen_ms = ws.last_seen_ms.max(now);
+                }
                 if now >= ws.last_seen_ms + self.cfg.pong_wait_ms {
                     crate::log!(Level::Info, "worker silent past PONG_WAIT", client_ip = conn.client_ip);
                     self.close_now(r, "no pong within PONG_WAIT");

@@ -734,11 +734,24 @@ impl Store {
         }
     }
 
-    /// Every journal record up to this sequence number is on disk (`u64::MAX` without one).
+    /// Every journal record up to this sequence number is on disk (`u64::MAX` without one); in
+    /// cluster mode, every session attempt row up to this number is committed (answers there
+    /// carry no number: they leave after their COMMIT).
     pub fn durable_lsn(&self) -> u64 {
         match self {
             Store::Mem(s) => s.durable_lsn(),
-            Store::Pg(_) => u64::MAX,
+            Store::Pg(p) => p.rows_committed(),
+        }
+    }
+
+    /// What must be durable before the task frame of the attempt of `id` that just started
+    /// leaves for a session worker (SPEC §12: a crash right after it must leave the attempt
+    /// resumable): the journal record of its start, or in cluster mode the row naming its
+    /// session (0: nothing to wait for).
+    pub fn start_mark(&self, id: TaskId) -> u64 {
+        match self {
+            Store::Mem(s) => s.task(id).map_or(0, |t| t.stored.lsn),
+            Store::Pg(p) => p.start_mark(),
         }
     }
 

@@ -457,7 +457,7 @@ fn a_kill_9_right_after_a_task_frame_left_still_lets_the_worker_resume_it() {
         let welcome = a.expect_welcome();
         let task = a.expect_task();
         assert_eq!(task.id, id);
-        relay.signal("KILL");
+        relay.kill_now();
         assert!(relay.wait_exit(Duration::from_secs(5)).is_some(), "relay died");
         let relay = Relay::start_with(&env);
         let b = FakeWorker::connect(
@@ -848,6 +848,48 @@ fn a_connection_whose_session_resumed_on_another_is_closed() {
         relay.wait_clients(1, |c| c["active"] == true && c["client_id"] == welcome["client_id"]);
         drop((a, b));
     });
+}
+
+/// Found by issue 20's hostile probe, the cluster half of
+/// `a_kill_9_right_after_a_task_frame_left_still_lets_the_worker_resume_it`: the row naming a
+/// session attempt's session (`SESSION_ATTEMPTS`) was written by the turn's transaction after
+/// the task frame had left. A node killed before that COMMIT left the attempt unnamed: the
+/// worker's resume on another node found nothing (`abandon`), and the lease retried the task —
+/// it ran twice (8 of 16 kills right after the frame, in probes on a PostgreSQL with fsync on).
+/// Here a trigger makes naming the session take 1.5 s, so the kill lands inside that window
+/// every time; now the frame waits for the row's COMMIT.
+#[test]
+fn cluster_a_node_killed_right_after_a_task_frame_left_still_lets_the_worker_resume_on_another() {
+    let test = "cluster_a_node_killed_right_after_a_task_frame_left_still_lets_the_worker_resume_on_another";
+    let env = [("RESUME_WINDOW", "10s")];
+    let Some((mut a, b)) = two_nodes(test, &env) else {
+        return;
+    };
+    let db = a.db.clone().expect("database");
+    db.query(
+        "CREATE FUNCTION slow_session_rows() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+           IF NEW.session IS DISTINCT FROM OLD.session THEN PERFORM pg_sleep(1.5); END IF; RETURN NEW; END $$;
+         CREATE TRIGGER slow_session_rows BEFORE UPDATE ON relay_running
+           FOR EACH ROW EXECUTE FUNCTION slow_session_rows();",
+    );
+    let id = id_of(&a.submit(r#"{"payload":{"n":"frame"},"queue":true}"#));
+    let w = FakeWorker::connect(&a, Some(hello("w-row-frame")), Auto::Manual);
+    let welcome = w.expect_welcome();
+    let task = w.expect_task();
+    assert_eq!(task.id, id);
+    a.kill_now();
+    assert!(a.wait_exit(Duration::from_secs(5)).is_some(), "node A died");
+    let w2 = FakeWorker::connect(
+        &b,
+        Some(resume("w-row-frame", &welcome["session"], json!([{"task_id": id, "attempt": task.attempt}]))),
+        Auto::Manual,
+    );
+    let wb = w2.expect_welcome();
+    assert_eq!((wb["adopted"].clone(), wb["abandon"].clone()), (json!([id]), json!([])), "{wb}");
+    w2.done_attempt(&id, 1, json!("once"));
+    let t = b.wait_status(&id, "done", Duration::from_secs(5));
+    assert_eq!(outcomes(&t), ["done"], "one attempt: {t}");
+    drop((w, w2, db));
 }
 
 #[test]

@@ -139,6 +139,13 @@ pub struct PgStore {
     /// attempts whose `relay_running` rows must name their session.
     takes: Vec<TakeReq>,
     session_rows: Vec<sql::SessionAttempt>,
+    /// Session attempt rows numbered as they are queued (the newest, and of the one
+    /// [`PgStore::attempt_started`] queued last, 0 if none), and the newest whose transaction
+    /// committed: a session worker's task frame waits for its row ([`PgStore::rows_committed`]),
+    /// so that the worker can resume the attempt on any node even if this one dies at once.
+    session_seq: u64,
+    last_start_seq: u64,
+    session_committed: u64,
     /// RESUME_WINDOW: a lost node's session attempts wait this long after its last heartbeat.
     pub resume_window_ms: u64,
     /// Expiry in the queue and retention are due (once a second, on this node's clock).
@@ -252,6 +259,9 @@ impl PgStore {
             want_adopt: false,
             takes: Vec::new(),
             session_rows: Vec::new(),
+            session_seq: 0,
+            last_start_seq: 0,
+            session_committed: 0,
             resume_window_ms: 0,
             want_housekeeping: false,
             want_unplaceable: false,
@@ -529,9 +539,12 @@ impl PgStore {
         };
         self.starts.insert(id, Start { attempt, runner, written: false });
         self.starts_due.push_back((self.now_ms + START_WRITE_DELAY_MS, id, attempt));
+        self.last_start_seq = 0;
         if let Some((worker_id, secret)) = start.session
             && self.session_rows.len() < MAX_SESSION_ROWS
         {
+            self.session_seq += 1;
+            self.last_start_seq = self.session_seq;
             // (A worker id is the worker's text: U+0000, which PostgreSQL's text refuses, is
             // stored replaced, as `take_session` asks for it. Secrets are relay's hex.)
             self.session_rows.push(sql::SessionAttempt {
@@ -543,6 +556,17 @@ impl PgStore {
                 started_ms: start.started_wall_ms,
             });
         }
+    }
+
+    /// The number of the session row the last attempt start queued (0: none), for
+    /// [`PgStore::rows_committed`].
+    pub fn start_mark(&self) -> u64 {
+        self.last_start_seq
+    }
+
+    /// Session rows up to this number are committed.
+    pub fn rows_committed(&self) -> u64 {
+        self.session_committed
     }
 
     /// A worker presents a session this node does not know: the session's attempts held on
@@ -1115,7 +1139,9 @@ impl PgStore {
         if !self.session_rows.is_empty() {
             let rows = std::mem::take(&mut self.session_rows);
             stmts.push(sql::session_attempts(&node_id, &rows));
-            parts.push(Part::SessionAttempts(rows));
+            // (Every row queued so far is in this transaction: one is in flight at a time, and
+            // a failed one's rows come back to the queue for the next.)
+            parts.push(Part::SessionAttempts(rows, self.session_seq));
         }
         for t in std::mem::take(&mut self.takes) {
             stmts.push(Stmt::new(
@@ -1317,7 +1343,7 @@ impl PgStore {
                 Part::Unclaim(back) => self.unclaim.extend(back),
                 Part::Orphans => self.orphans = true,
                 Part::Adopt => {}
-                Part::SessionAttempts(rows) => self.session_rows.extend(rows),
+                Part::SessionAttempts(rows, _) => self.session_rows.extend(rows),
                 Part::TakeSession(t) => {
                     // (Lost: it may have committed; what came here unseen goes back.)
                     if matches!(why, Failure::Lost(_)) {
@@ -1475,7 +1501,7 @@ impl PgStore {
                 Part::Ended(recs) => self.on_ended(recs, here),
                 Part::Claim(c) => self.on_claimed(c, here),
                 Part::Adopt => self.on_adopted(here),
-                Part::SessionAttempts(_) => {}
+                Part::SessionAttempts(_, seq) => self.session_committed = self.session_committed.max(seq),
                 Part::TakeSession(t) => self.on_taken(t, here),
                 Part::Orphans => {
                     if !here.is_empty() {

@@ -152,7 +152,8 @@ pub enum Part {
     /// `TAKE_SESSION` for a worker resuming here (SPEC §12).
     TakeSession(TakeReq),
     /// `SESSION_ATTEMPTS`.
-    SessionAttempts(Vec<crate::pg::sql::SessionAttempt>),
+    /// The rows, and the number of the newest row queued when they were sent.
+    SessionAttempts(Vec<crate::pg::sql::SessionAttempt>, u64),
     /// `CANCEL`; the next statement reads the task back.
     Cancel(CancelReq),
     CancelRead,

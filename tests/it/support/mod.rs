@@ -289,6 +289,14 @@ impl Relay {
         assert!(status.success());
     }
 
+    /// SIGKILL at once, by a system call (not a `kill` process, which takes milliseconds to
+    /// start): for tests of what a crash right after an event leaves.
+    pub fn kill_now(&self) {
+        // SAFETY: kill(2) on this test's own relay process.
+        let rc = unsafe { libc::kill(self.pid() as libc::pid_t, libc::SIGKILL) };
+        assert_eq!(rc, 0, "kill -9 {}", self.pid());
+    }
+
     /// Sends SIGTERM and waits (bounded) for the exit status.
     pub fn stop(mut self) -> ExitStatus {
         self.signal("TERM");
