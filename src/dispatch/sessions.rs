@@ -313,11 +313,14 @@ impl Core {
         self.store.worker_changed(&info);
         self.metrics.sessions_resumed += 1;
         self.metrics.attempts_held = self.metrics.attempts_held.saturating_sub(held.len());
+        // (By task: a session may hold many attempts, and the list has up to
+        // MAX_RUNNING_LISTED entries; a search of the list per held attempt stalled the loop.)
+        let listed: HashMap<TaskId, Option<u32>> = listed.iter().copied().collect();
         let mut adopted = 0;
         for id in held {
             let wanted = self.running.get(&id).and_then(|r| {
-                let entry = listed.iter().find(|(t, _)| *t == id)?;
-                entry.1.is_none_or(|a| a == r.attempt).then_some(())
+                let entry = listed.get(&id)?;
+                entry.is_none_or(|a| a == r.attempt).then_some(())
             });
             match wanted {
                 Some(()) => {
