@@ -237,6 +237,8 @@ impl Core {
         if let Some(w) = self.worker_at_mut(conn) {
             w.session = Some(sid);
         }
+        // (A session worker's cap may be lower: MAX_RUNNING_LISTED.)
+        self.refresh(conn.slot);
         Some(sid)
     }
 

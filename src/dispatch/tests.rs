@@ -278,3 +278,42 @@ fn sessions_that_held_nothing_do_not_use_up_the_room_of_those_that_held_attempts
     assert_eq!(outcomes(&core, id), Vec::<Outcome>::new(), "held, not ended");
     assert_eq!(core.metrics.attempts_held, 1);
 }
+
+#[test]
+fn a_session_worker_runs_no_more_attempts_than_a_resume_can_list() {
+    // Found by issue 20's hostile probe: a resume reads the first MAX_RUNNING_LISTED entries
+    // of `running`; a session worker with a larger concurrency (or none declared) held more, and
+    // the attempts past the list's end were ended at the resume ("worker no longer runs this
+    // task") while the worker still ran them — they ran twice.
+    for hello in [r#"{"concurrency":100000,"#, "{"] {
+        let cap = sessions::MAX_RUNNING_LISTED;
+        let mut core = core_with(|m| m.max_pending = 2 * cap);
+        core.resume_window_ms = 10_000;
+        let mut io = FakeIo::default();
+        let (w, again) = (conn(0), conn(1));
+        core.worker_connected(&mut io, w, "10.0.0.1".parse().expect("ip"));
+        core.worker_message(&mut io, w, &format!(r#"{hello}"type":"hello","worker_id":"many"}}"#));
+        let welcome = io.sent.iter().find(|(_, t)| t.contains("welcome")).expect("welcome");
+        let secret = serde_json::from_str::<serde_json::Value>(&welcome.1).expect("json")["session"].clone();
+        let ids: Vec<TaskId> = (0..cap + 4)
+            .map(|i| {
+                let p = payload(&i.to_string());
+                core.submit_direct(&mut io, NewTask::queued(&p, None)).expect("accepted")
+            })
+            .collect();
+        let sent = io.tasks_to(w);
+        assert_eq!(sent.len(), cap, "{hello}: at most {cap} at once");
+        core.worker_disconnected(&mut io, w, "cut");
+        core.worker_connected(&mut io, again, "10.0.0.1".parse().expect("ip"));
+        let running: Vec<serde_json::Value> =
+            sent.iter().map(|id| serde_json::json!({"task_id": uuid_string(*id), "attempt": 1})).collect();
+        let resume = serde_json::json!({"type": "hello", "worker_id": "many", "session": secret, "running": running});
+        core.worker_message(&mut io, again, &resume.to_string());
+        let ended = ids.iter().filter(|id| !outcomes(&core, **id).is_empty()).count();
+        assert_eq!(ended, 0, "{hello}: every held attempt adopted, none ended");
+        for id in &sent {
+            result(&mut core, &mut io, again, *id, true);
+        }
+        assert_eq!(io.tasks_to(again).len(), 4, "{hello}: the rest follow as room frees");
+    }
+}

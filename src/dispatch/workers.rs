@@ -271,7 +271,19 @@ impl Worker {
     }
 
     pub fn has_capacity(&self) -> bool {
-        self.concurrency.is_none_or(|c| self.in_flight.len() < c as usize)
+        self.cap().is_none_or(|c| self.in_flight.len() < c as usize)
+    }
+
+    /// The most attempts it runs at once: its concurrency; a session worker at most
+    /// MAX_RUNNING_LISTED, as many as a resume's `running` is read for (SPEC §12: a held
+    /// attempt beyond it could not be listed, and would end while the worker still ran it).
+    fn cap(&self) -> Option<u32> {
+        let listed = super::sessions::MAX_RUNNING_LISTED as u32;
+        match self.concurrency {
+            Some(c) if self.session.is_some() => Some(c.min(listed)),
+            None if self.session.is_some() => Some(listed),
+            c => c,
+        }
     }
 
     /// Slots a claim may fill now.
@@ -279,10 +291,12 @@ impl Worker {
         if !self.ready() {
             return 0;
         }
-        match self.concurrency {
-            Some(c) => c.saturating_sub(self.in_flight.len() as u32),
-            None => UNLIMITED_SLOTS.saturating_sub(self.in_flight.len() as u32).max(1),
-        }
+        let in_flight = self.in_flight.len() as u32;
+        let slots = match self.concurrency {
+            Some(c) => c,
+            None => UNLIMITED_SLOTS.saturating_sub(in_flight).max(1).saturating_add(in_flight),
+        };
+        slots.min(self.cap().unwrap_or(u32::MAX)).saturating_sub(in_flight)
     }
 
     pub fn info(&self, node: Option<&str>) -> WorkerInfo {
