@@ -960,3 +960,62 @@ fn cluster_a_real_worker_resumes_on_another_node_after_its_node_was_killed() {
     assert!(proxy.accepted() >= 2, "the worker reconnected through the proxy");
     drop((worker, proxy));
 }
+
+#[test]
+fn a_worker_id_is_1_to_128_bytes_else_there_is_no_session() {
+    // SPEC §12: 1–128 UTF-8 bytes; outside that, no session (the seed protocol: no welcome,
+    // task frames without `attempt`). The task frame is the marker: a welcome comes before it.
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "5s")]);
+        let max = "é".repeat(64); // 128 bytes, 64 characters
+        let over = format!("{max}x");
+        for (id, session) in [("", false), (over.as_str(), false), (max.as_str(), true), ("w", true)] {
+            let w = FakeWorker::connect(&relay, Some(hello(id)), Auto::Manual);
+            relay.wait_clients(1, |c| c["version"] == "it" && c["active"] == true);
+            let task_id = id_of(&relay.submit(r#"{"payload":"len"}"#));
+            let task = w.expect_task();
+            assert_eq!(task.id, task_id);
+            let welcome = w.next_other(Duration::ZERO);
+            assert_eq!(welcome.is_some(), session, "worker_id of {} bytes: {welcome:?}", id.len());
+            assert_eq!(task.attempt.is_some(), session, "worker_id of {} bytes", id.len());
+            w.done_attempt(&task_id, 1, json!(1));
+            relay.wait_status(&task_id, "done", Duration::from_secs(5));
+            w.close();
+            assert!(w.wait_closed(Duration::from_secs(5)).is_some(), "closed");
+            relay.wait_clients(0, |_| true);
+        }
+    });
+}
+
+#[test]
+fn a_held_attempts_timeout_keeps_running_and_a_late_resume_is_told_to_abandon_it() {
+    // SPEC §12: held attempts are "not ended, not retried, their TASK_TIMEOUT still running".
+    // (The cluster half of a dead node: cluster_a_dead_nodes_held_attempt_is_retried_when...)
+    for_each_mode(|mode| {
+        let relay = mode.start_with(&[("RESUME_WINDOW", "30s"), ("MAX_RETRIES", "0")]);
+        let proxy = Proxy::start(relay.addr);
+        let a = FakeWorker::connect_url(&proxy.ws_url(), Some(hello("w-slow")), Auto::Manual).expect("connects");
+        let secret = a.expect_welcome()["session"].clone();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":"slow","timeout":"1s"}"#));
+        assert_eq!(a.expect_task().id, id);
+        proxy.cut();
+        wait_held(&relay);
+        let t = relay.wait_task(&id, Duration::from_secs(5), |t| t["status"] == "failed");
+        assert_eq!(outcomes(&t), ["timeout"], "its timeout ran while it was held: {t}");
+        wait_metric(&relay, "relay_attempts_held", 0.0);
+        let b = FakeWorker::connect_url(
+            &proxy.ws_url(),
+            Some(resume("w-slow", &secret, json!([{"task_id": id, "attempt": 1}]))),
+            Auto::Manual,
+        )
+        .expect("reconnects");
+        let w = b.expect_welcome();
+        assert_eq!((w["adopted"].clone(), w["abandon"].clone()), (json!([]), json!([id])), "{w}");
+        b.done_attempt(&id, 1, json!("too late"));
+        wait_metric(&relay, "relay_results_ignored_total{reason=\"late\"}", 1.0);
+        let t = relay.get_task(&id);
+        assert_eq!((t["status"].as_str(), outcomes(&t)), (Some("failed"), vec!["timeout".to_string()]), "{t}");
+        drop((a, b, proxy));
+    });
+}
