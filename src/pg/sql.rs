@@ -378,15 +378,22 @@ pub const CLAIM_KINDS: &str = concat!(
     claim_tail!()
 );
 
-/// Taken before [`CLAIM_LIMITED`], one lock per limited kind ($1, sorted: every node locks in
-/// the same order): claims of one kind on all nodes take turns, so what they count — the
-/// kind's running attempts, its token bucket — is exact cluster-wide (SPEC §14).
-pub const KIND_LOCKS: &str = "SELECT pg_advisory_xact_lock(hashtextextended('relay kind ' || k, 0))
-     FROM unnest($1::text[]) WITH ORDINALITY AS x(k, i) ORDER BY i";
+/// Tried before [`CLAIM_LIMITED`], one lock per limited kind ($1): claims of one kind on all
+/// nodes take turns, so what they count — the kind's running attempts, its token bucket — is
+/// exact cluster-wide (SPEC §14). Never waited for: a kind whose lock another transaction holds
+/// is left out of this claim (the node looks again shortly, as for a kind out of room), so a
+/// kind another node is claiming delays no other kind, and no node's connection waits on it.
+/// The kinds it got, a JSON array, are the transaction's `relay.kinds_locked` (also its one
+/// row): [`CLAIM_LIMITED`] claims only those, in a statement of its own that starts after the
+/// locks are held (its snapshot sees every claim of those kinds committed before).
+pub const KIND_LOCKS: &str =
+    "SELECT set_config('relay.kinds_locked', coalesce(json_agg(k ORDER BY i)::text, '[]'), true)
+     FROM unnest($1::text[]) WITH ORDINALITY AS x(k, i)
+     WHERE pg_try_advisory_xact_lock(hashtextextended('relay kind ' || k, 0))";
 
 /// [`CLAIM_KINDS`] for the kinds $3 that a `max_running` ($7, NULL: none) or a rate ($8 tokens
 /// per ms, $9 burst; NULL: none) limits, or a per-key limit (`max_running_per_key` $10,
-/// `rate_per_key` $11 tokens per ms and $12 burst), under [`KIND_LOCKS`]: each kind takes at
+/// `rate_per_key` $11 tokens per ms and $12 burst) whose locks [`KIND_LOCKS`] got: each kind takes at
 /// most what it has room for — its cap less its attempts running on every node
 /// (`relay_running`), and the whole tokens of its bucket (`relay_kind_buckets`, refilled on the
 /// database's clock, full when new) — in the order of its rotation over the lanes that have
@@ -398,6 +405,8 @@ pub const CLAIM_LIMITED: &str = "WITH k AS (
        FROM unnest($3::text[], $7::int8[], $8::float8[], $9::float8[], $10::int8[], $11::float8[], $12::float8[])
          AS k(kind, cap, per_ms, burst, key_cap, key_per_ms, key_burst)
        LEFT JOIN relay_kind_buckets b ON b.kind = k.kind
+       WHERE k.kind IN (SELECT jsonb_array_elements_text(
+                          coalesce(nullif(current_setting('relay.kinds_locked', true), ''), '[]')::jsonb))
      ), k2 AS (
        SELECT k.*, CASE WHEN per_ms IS NULL THEN NULL
                         ELSE least(burst, coalesce(b_tokens + greatest(0, now_db - b_at) * per_ms, burst)) END AS tokens

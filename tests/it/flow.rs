@@ -695,3 +695,61 @@ fn max_running_holds_for_the_whole_cluster_with_three_nodes_claiming_at_once() {
     assert_eq!(done, 40, "every task ran");
     assert_eq!(most, 3, "the cap was used");
 }
+
+/// A limited kind whose lock another claim holds (here a session of the test's own holds it)
+/// delays no other kind (SPEC §14: a limit never blocks other kinds): a worker of kinds `a`
+/// and `b` (both limited) and `c` (not) is sent `b`'s and `c`'s tasks at once while `a`'s lock
+/// is held, and `a`'s task once it is free. Before, the claim waited for the lock of every
+/// limited kind of the group: the node's whole transaction — and its one connection — stalled
+/// behind `a`'s lock, and nothing of any kind was dispatched.
+#[test]
+fn a_limited_kind_another_claim_holds_delays_no_other_kind() {
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail("a_limited_kind_another_claim_holds_delays_no_other_kind", &why);
+            return;
+        }
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    let relay = Mode::start_on(db.clone(), &[]);
+    let w =
+        FakeWorker::connect(&relay, Some(json!({"type":"hello","kinds":["a","b","c"],"concurrency":4})), Auto::Manual);
+    relay.wait_clients(1, |c| c["concurrency"] == 4);
+    put_policy(&relay, "a", r#"{"max_running":10}"#);
+    put_policy(&relay, "b", r#"{"rate":"100/s"}"#);
+    let params = relay::pg::url::parse(&db.url()).expect("test database url");
+    let mut other = relay::pg::wire::Conn::connect(&params, relay::pg::wire::Timeouts::default()).expect("connect");
+    other.simple("SELECT pg_advisory_lock(hashtextextended('relay kind a', 0))").expect("lock kind a");
+    let batch = relay.api(
+        "POST",
+        "/tasks/batch",
+        Some(r#"{"tasks":[{"payload":{"kind":"a"}},{"payload":{"kind":"b"}},{"payload":{"kind":"c"}}]}"#),
+    );
+    assert_eq!(batch.status, 202, "{}", batch.text());
+    let ids: Vec<String> = batch.json()["tasks"]
+        .as_array()
+        .expect("tasks")
+        .iter()
+        .map(|t| t["task_id"].as_str().expect("task_id").to_string())
+        .collect();
+    let mut got = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(3);
+    while got.len() < 2 && std::time::Instant::now() < deadline {
+        if let Some(t) = w.next_task(Duration::from_millis(50)) {
+            got.push(t.id.clone());
+            w.done(&t.id, json!(null));
+        }
+    }
+    got.sort();
+    let mut others = vec![ids[1].clone(), ids[2].clone()];
+    others.sort();
+    assert_eq!(got, others, "b's and c's tasks run while another claim holds a's lock");
+    assert_eq!(relay.get_task(&ids[0])["status"], "pending", "a waits for its lock");
+    other.simple("SELECT pg_advisory_unlock(hashtextextended('relay kind a', 0))").expect("unlock kind a");
+    let t = w.next_task(Duration::from_secs(3)).expect("a's task runs once its lock is free");
+    assert_eq!(t.id, ids[0]);
+    w.done(&t.id, json!(null));
+    other.close();
+}

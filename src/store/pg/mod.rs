@@ -1093,7 +1093,9 @@ impl PgStore {
             parts.push(Part::Kinds(conn, op));
         }
         // Kinds a policy holds back: paused ones wait; limited ones are claimed on their own,
-        // under their locks (`CLAIM_LIMITED`).
+        // under their locks (`CLAIM_LIMITED`), each kind only when its lock was free
+        // (`KIND_LOCKS` never waits: a kind another node is claiming is left for the next look,
+        // `KIND_BACKLOG`'s, and delays no other kind).
         let held: Vec<&str> = self.policies.iter().filter(|(_, p)| p.limits()).map(|(k, _)| k.as_str()).collect();
         let mut limited: Vec<sql::Limited<'_>> = self
             .policies

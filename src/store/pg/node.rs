@@ -180,8 +180,8 @@ pub enum Part {
     /// `KINDS`: the answer to a `/kinds` request.
     Kinds(ConnRef, crate::flow::KindOp),
     PolicyChanges,
-    /// `KIND_LOCKS`, then `CLAIM_LIMITED` (its tasks join the group's claim that follows),
-    /// then `KIND_BACKLOG`.
+    /// `KIND_LOCKS` (tried, never waited for), then `CLAIM_LIMITED` of the kinds it got (its
+    /// tasks join the group's claim that follows), then `KIND_BACKLOG`.
     KindLocks,
     ClaimLimited,
     KindBacklog,
