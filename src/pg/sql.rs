@@ -488,20 +488,32 @@ pub const KIND_BACKLOG: &str = "SELECT k.kind,
 
 /// After a claim of kinds with per-key limits $1 (`max_running_per_key` $2, `rate_per_key` $3
 /// tokens per ms and $4 burst): the lanes with due tasks ($5 now) that a per-key limit holds
-/// back, 1000 at most — kind, submitter, key and why (`concurrency`, `rate`), for `waiting_on`.
-pub const LANE_BACKLOG: &str = "SELECT * FROM (
-       SELECT k.kind, l.submitter, l.fair_key,
-              CASE WHEN k.cap IS NOT NULL AND k.cap <= (SELECT count(*) FROM relay_running r
-                     WHERE coalesce('k' || r.kind, 'n') = l.kind AND r.submitter = l.submitter
-                       AND r.fair_key = l.fair_key) THEN 'concurrency'
-                   WHEN k.per_ms IS NOT NULL AND least(k.burst, coalesce(b.tokens + greatest(0, relay_now_ms() - b.at_ms)
-                     * k.per_ms, k.burst)) < 1 - 1e-9 THEN 'rate' END AS why
-       FROM unnest($1::text[], $2::int8[], $3::float8[], $4::float8[]) AS k(kind, cap, per_ms, burst)
-       JOIN relay_fair_lanes l ON l.kind = 'k' || k.kind
-       LEFT JOIN relay_lane_buckets b ON b.kind = l.kind AND b.submitter = l.submitter AND b.fair_key = l.fair_key
-       WHERE EXISTS (SELECT 1 FROM relay_pending p WHERE coalesce('k' || p.kind, 'n') = l.kind
-                       AND p.submitter = l.submitter AND p.fair_key = l.fair_key AND p.due_ms <= $5::int8)
-     ) x WHERE x.why IS NOT NULL LIMIT 1000";
+/// back, 1000 at most — kind, submitter, key and why (`concurrency`, `rate`; both: the first),
+/// for `waiting_on`. Only lanes that can be held are looked at: those with attempts running
+/// (`relay_running` of the kind, grouped by lane: as many as the kind runs at most) and those
+/// with a token bucket (`relay_lane_buckets`: lanes a claim took from, until full again) —
+/// never every lane of the kind (measured: 10,000 fresh keys, every lane probed per claim).
+pub const LANE_BACKLOG: &str =
+    "SELECT DISTINCT ON (x.kind, x.submitter, x.fair_key) x.kind, x.submitter, x.fair_key, x.why
+     FROM (
+       SELECT k.kind, r.submitter, r.fair_key, 'concurrency' AS why, 0 AS o
+       FROM unnest($1::text[], $2::int8[]) AS k(kind, cap)
+       JOIN relay_running r ON r.kind = k.kind
+       WHERE k.cap IS NOT NULL
+       GROUP BY k.kind, k.cap, r.submitter, r.fair_key HAVING count(*) >= k.cap
+       UNION ALL
+       SELECT k.kind, b.submitter, b.fair_key, 'rate', 1
+       FROM unnest($1::text[], $3::float8[], $4::float8[]) AS k(kind, per_ms, burst)
+       JOIN relay_lane_buckets b ON b.kind = 'k' || k.kind
+       WHERE k.per_ms IS NOT NULL
+         AND least(k.burst, b.tokens + greatest(0, relay_now_ms() - b.at_ms) * k.per_ms) < 1 - 1e-9
+     ) x
+     WHERE (SELECT true FROM relay_pending p
+            WHERE coalesce('k' || p.kind, 'n') = 'k' || x.kind AND p.submitter = x.submitter
+              AND p.fair_key = x.fair_key AND p.due_ms <= $5::int8
+            LIMIT 1)
+     ORDER BY x.kind, x.submitter, x.fair_key, x.o
+     LIMIT 1000";
 
 /// `relay_kind_running` / `relay_kind_pending` for the kinds with a policy ($1, at most 1,000):
 /// kind, attempts running, tasks pending (each counted on its kind's index).
