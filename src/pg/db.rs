@@ -423,6 +423,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
     // transaction this node gave up on, and commit it later — claims nobody runs, a submit
     // answered 503 stored after all. It goes before this node works again.
     let mut lost_pid: Option<i32> = None;
+    let mut sweep_timeouts = SweepTimeouts::default();
     'connect: loop {
         if shared.stop.load(Ordering::SeqCst) {
             return;
@@ -518,7 +519,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                 if reap && !shared.settled.swap(true, Ordering::SeqCst) {
                     (shared.wake)();
                 }
-                broken = housekeeping(&cfg, &shared, &mut conn);
+                broken = housekeeping(&cfg, &shared, &mut conn, &mut sweep_timeouts);
             }
             if let Some(e) = broken {
                 lost_pid = Some(conn.backend_pid());
@@ -596,9 +597,38 @@ fn flush_notifies(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<Pg
     conn.pipeline(&stmts).err().filter(PgError::is_fatal)
 }
 
+/// SQLSTATE `query_canceled`: what a statement that ran into its `statement_timeout` fails with.
+const QUERY_CANCELED: &str = "57014";
+
+/// An expected timeout of the lane sweep is logged at most this often (it is tried again every
+/// second; under load it may time out every second, which is no error).
+const SWEEP_TIMEOUT_LOG_MS: u64 = 60_000;
+
+/// The lane sweep's timeouts (`SWEEP_TIMEOUT`, as designed: what it left is swept a second
+/// later) since the last line that told of them.
+#[derive(Debug, Default)]
+struct SweepTimeouts {
+    unlogged: u64,
+    logged_at: Option<Instant>,
+}
+
+impl SweepTimeouts {
+    /// One more timeout at `now`: `Some(n)` when a line is due (the first one, then at most one
+    /// each [`SWEEP_TIMEOUT_LOG_MS`]), `n` the timeouts it tells of.
+    fn note(&mut self, now: Instant) -> Option<u64> {
+        self.unlogged += 1;
+        let quiet = Duration::from_millis(SWEEP_TIMEOUT_LOG_MS);
+        if self.logged_at.is_some_and(|at| now.saturating_duration_since(at) < quiet) {
+            return None;
+        }
+        self.logged_at = Some(now);
+        Some(std::mem::take(&mut self.unlogged))
+    }
+}
+
 /// Nodes silent for an hour and expired files, each its own transaction. Only a broken
 /// connection is returned; a refused statement is logged.
-fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<PgError> {
+fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn, sweep: &mut SweepTimeouts) -> Option<PgError> {
     let now_ms = crate::timefmt::wall_ms() as i64;
     // (job, statement, channels to notify when it changed rows: tasks went back to pending, or
     // became final and may have waiters on any node)
@@ -646,6 +676,17 @@ fn housekeeping(cfg: &DbConfig, shared: &Shared, conn: &mut Conn) -> Option<PgEr
     ]) {
         Ok(_) => None,
         Err(e) if e.is_fatal() => Some(e),
+        Err(e) if e.code() == Some(QUERY_CANCELED) => {
+            if let Some(n) = sweep.note(Instant::now()) {
+                crate::log!(
+                    Level::Warn,
+                    "database lane sweep gave up after its timeout (tried again each second)",
+                    timeouts = n,
+                    logged_every_ms = SWEEP_TIMEOUT_LOG_MS
+                );
+            }
+            None
+        }
         Err(e) => {
             crate::log!(Level::Error, "database housekeeping failed", job = "fair lanes", error = &e);
             None
@@ -756,6 +797,28 @@ fn sleep_unless_stopped(shared: &Shared, ms: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sweep that times out every second is told of once a minute, with how many timeouts
+    /// the line covers (before: an error line every second).
+    #[test]
+    fn sweep_timeouts_are_logged_once_per_interval_with_their_count() {
+        let t0 = Instant::now();
+        let mut s = SweepTimeouts::default();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        // (ms after the first timeout, the line due then)
+        let table: &[(u64, Option<u64>)] = &[
+            (0, Some(1)),
+            (1_000, None),
+            (2_000, None),
+            (59_999, None),
+            (60_000, Some(4)),
+            (61_000, None),
+            (200_000, Some(2)),
+        ];
+        for (ms, expected) in table {
+            assert_eq!(s.note(at(*ms)), *expected, "at {ms} ms");
+        }
+    }
 
     #[test]
     fn backoff_doubles_with_jitter_up_to_the_cap() {
