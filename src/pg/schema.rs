@@ -30,6 +30,7 @@ pub const MIGRATIONS: &[(i32, &str, &str)] = &[
     (12, "per-key limits: running attempts and token buckets per lane", V12),
     (13, "the rotation walks lanes in stamp order and stops early", V13),
     (14, "the rotation probes each lane for a claimable task on its index", V14),
+    (15, "the rotation reads lane buckets and running counts by subquery: lanes stay in stamp order", V15),
 ];
 
 /// The newest version this build knows.
@@ -711,6 +712,93 @@ BEGIN
   SELECT rot.task_id, rot.ord_ms, rot.seq, rot.fk, rot.submitter, rot.fair_key, rot.pos, rot.eff FROM rot;
 END $fn$;
 "#;
+
+/// Version 15 (measured: 20,000 tasks over 10,000 fresh keys of a kind with
+/// `max_running_per_key`, two nodes, before the first autoanalyze: a limited claim took up to
+/// 0.4–1.4 s, every lane of the submitter read and sorted): a lane's per-key bucket and its
+/// running count are subqueries probed per lane (and only when the kind has that limit), not a
+/// join. On statistics from when the tables were empty the planner hashed the buckets' join,
+/// which lost the lanes' stamp order from `relay_fair_lanes_stamp`: all the submitter's lanes
+/// were probed and sorted before the first `lim` were taken. Now the lanes are read in index
+/// order and the walk stops at the first `lim` with room and a claimable task, whatever the
+/// statistics say.
+const V15: &str = r#"
+CREATE OR REPLACE FUNCTION relay_fair_rotation(kinds text[], now_ms int8, takers uuid[], lim int4, caps int8[],
+                                               rates float8[], bursts float8[])
+RETURNS TABLE (task_id uuid, ord_ms int8, seq int8, fk text, submitter text, fair_key text, pos int8, eff int8[])
+LANGUAGE plpgsql STABLE ROWS 8 AS $fn$
+#variable_conflict use_column
+BEGIN
+  RETURN QUERY WITH lanes AS (
+    SELECT w.fk, w.submitter, w.fair_key, w.stamp, w.room, s.stamp AS s_stamp
+    FROM unnest(kinds, caps, rates, bursts) AS k(fk, cap, per_ms, burst)
+    CROSS JOIN LATERAL (
+      SELECT s.* FROM relay_fair_submitters s
+      WHERE s.kind = k.fk AND EXISTS (SELECT 1 FROM (
+          SELECT l.kind AS fk, l.submitter, l.fair_key, l.stamp,
+                 least(CASE WHEN k.cap IS NULL THEN lim
+                            ELSE k.cap - (SELECT count(*) FROM relay_running r
+                                          WHERE coalesce('k' || r.kind, 'n') = l.kind AND r.submitter = l.submitter
+                                            AND r.fair_key = l.fair_key) END,
+                       CASE WHEN k.per_ms IS NULL THEN lim
+                            ELSE floor(least(k.burst, coalesce((SELECT b.tokens + greatest(0, relay_now_ms() - b.at_ms) * k.per_ms
+                                                                FROM relay_lane_buckets b
+                                                                WHERE b.kind = l.kind AND b.submitter = l.submitter
+                                                                  AND b.fair_key = l.fair_key), k.burst)) + 1e-9)::int8 END) AS room
+          FROM relay_fair_lanes l
+          WHERE l.kind = s.kind AND l.submitter = s.submitter
+            AND (SELECT true FROM relay_pending p
+                 WHERE coalesce('k' || p.kind, 'n') = l.kind AND p.submitter = l.submitter
+                   AND p.fair_key = l.fair_key AND p.ord_ms <= now_ms + 86400000 AND p.due_ms <= now_ms AND NOT (p.tried @> takers)
+                 LIMIT 1)
+          ORDER BY l.stamp, l.fair_key) x
+        WHERE x.room > 0 LIMIT 1)
+      ORDER BY s.stamp, s.submitter LIMIT lim) s
+    CROSS JOIN LATERAL (SELECT x.* FROM (
+        SELECT l.kind AS fk, l.submitter, l.fair_key, l.stamp,
+               least(CASE WHEN k.cap IS NULL THEN lim
+                          ELSE k.cap - (SELECT count(*) FROM relay_running r
+                                        WHERE coalesce('k' || r.kind, 'n') = l.kind AND r.submitter = l.submitter
+                                          AND r.fair_key = l.fair_key) END,
+                     CASE WHEN k.per_ms IS NULL THEN lim
+                          ELSE floor(least(k.burst, coalesce((SELECT b.tokens + greatest(0, relay_now_ms() - b.at_ms) * k.per_ms
+                                                              FROM relay_lane_buckets b
+                                                              WHERE b.kind = l.kind AND b.submitter = l.submitter
+                                                                AND b.fair_key = l.fair_key), k.burst)) + 1e-9)::int8 END) AS room
+        FROM relay_fair_lanes l
+        WHERE l.kind = s.kind AND l.submitter = s.submitter
+          AND (SELECT true FROM relay_pending p
+               WHERE coalesce('k' || p.kind, 'n') = l.kind AND p.submitter = l.submitter
+                 AND p.fair_key = l.fair_key AND p.ord_ms <= now_ms + 86400000 AND p.due_ms <= now_ms AND NOT (p.tried @> takers)
+               LIMIT 1)
+        ORDER BY l.stamp, l.fair_key) x
+      WHERE x.room > 0 LIMIT lim) w
+  ), ranked AS (
+    SELECT lanes.*, dense_rank() OVER (PARTITION BY fk ORDER BY s_stamp, submitter) AS q,
+           row_number() OVER (PARTITION BY fk, submitter ORDER BY stamp, fair_key) AS r
+    FROM lanes
+  ), touched AS (
+    SELECT * FROM (SELECT ranked.*, row_number() OVER (PARTITION BY fk ORDER BY r, q) AS nth FROM ranked) x
+    WHERE x.nth <= lim
+  ), cand AS (
+    SELECT f.fk, f.submitter, f.fair_key, f.q, f.r, f.room, x.task_id, x.ord_ms, x.seq,
+           row_number() OVER (PARTITION BY f.fk, f.submitter, f.fair_key ORDER BY x.ord_ms, x.seq) AS i
+    FROM touched f CROSS JOIN LATERAL (
+      SELECT p.task_id, p.ord_ms, p.seq FROM relay_pending p
+      WHERE coalesce('k' || p.kind, 'n') = f.fk AND p.submitter = f.submitter AND p.fair_key = f.fair_key
+        AND p.ord_ms <= now_ms + 86400000 AND p.due_ms <= now_ms AND NOT (p.tried @> takers)
+      ORDER BY p.ord_ms, p.seq LIMIT least(lim, f.room)) x
+  ), turns AS (
+    SELECT cand.*, row_number() OVER (PARTITION BY fk, submitter ORDER BY i, r) AS t FROM cand
+  ), rot AS (
+    SELECT x.*, max(ARRAY[x.ord_ms, x.seq]) OVER (PARTITION BY x.fk ORDER BY x.pos ROWS UNBOUNDED PRECEDING) AS eff
+    FROM (SELECT turns.*, row_number() OVER (PARTITION BY fk ORDER BY t, q) AS pos FROM turns) x
+    WHERE x.pos <= 2 * lim
+  )
+  SELECT rot.task_id, rot.ord_ms, rot.seq, rot.fk, rot.submitter, rot.fair_key, rot.pos, rot.eff FROM rot;
+END $fn$;
+"#;
+
 
 /// What [`migrate`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
