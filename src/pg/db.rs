@@ -6,7 +6,8 @@
 //!
 //! Two helper threads, each with its own connection:
 //! - `relay-db`: requests, the node heartbeat, and the housekeeping that is no node's decision
-//!   (forgetting nodes silent for an hour, deleting expired files); connects with exponential
+//!   (forgetting nodes silent for an hour, deleting expired files, analyzing the queue's
+//!   tables when they grew sharply, the lane sweep); connects with exponential
 //!   backoff and full jitter; runs the schema migrations on every connect (cheap when up to
 //!   date: one lock, one read). Everything about tasks — expiry, retention, tasks nobody can
 //!   take, a dead node's attempts — rides in the nodes' own turn transactions
@@ -481,6 +482,7 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
         }
         let mut next_heartbeat = Instant::now() + Duration::from_millis(cfg.heartbeat_interval_ms);
         let mut next_housekeeping = Instant::now() + Duration::from_millis(cfg.housekeeping_interval_ms);
+        let mut next_stats_check = Instant::now();
         loop {
             if shared.stop.load(Ordering::SeqCst) {
                 conn.close();
@@ -520,6 +522,10 @@ fn worker(cfg: DbConfig, shared: Arc<Shared>, rx: Receiver<Request>) {
                     (shared.wake)();
                 }
                 broken = housekeeping(&cfg, &shared, &mut conn, &mut sweep_timeouts);
+            } else if broken.is_none() && cfg.housekeeping {
+                // (Never in the same pass as the rest of housekeeping: a request waiting
+                // meanwhile goes between the two.)
+                broken = analyze_if_stale(&shared, &mut conn, &mut next_stats_check);
             }
             if let Some(e) = broken {
                 lost_pid = Some(conn.backend_pid());
@@ -623,6 +629,58 @@ impl SweepTimeouts {
         }
         self.logged_at = Some(now);
         Some(std::mem::take(&mut self.unlogged))
+    }
+}
+
+/// How often the database thread asks whether the queue's statistics went stale (`STALE_STATS`).
+const STATS_CHECK_MS: u64 = 5_000;
+/// After an ANALYZE that failed (its timeout: a table too large to sample in time), the next
+/// look waits this long — autovacuum will have analyzed by then — rather than stall the
+/// node's transactions for a second every few seconds.
+const STATS_RETRY_MS: u64 = 60_000;
+
+/// Analyzes the queue and fair-shares tables when they grew sharply since their last analyze
+/// (`STALE_STATS`, at most once each [`STATS_CHECK_MS`]; the ANALYZE bounded by
+/// `ANALYZE_TIMEOUT`): thousands of new keys submitted at once otherwise leave the claims on
+/// plans made for empty tables until autovacuum's next look, up to a minute later. Only a
+/// broken connection is returned.
+fn analyze_if_stale(shared: &Shared, conn: &mut Conn, next_check: &mut Instant) -> Option<PgError> {
+    let now = Instant::now();
+    if now < *next_check {
+        return None;
+    }
+    *next_check = now + Duration::from_millis(STATS_CHECK_MS);
+    shared.background.fetch_add(1, Ordering::Relaxed);
+    let stale = match conn.pipeline(&[Stmt::new(sql::STALE_STATS, vec![])]) {
+        Ok(rows) => rows.first().map_or(0, |r| r.rows.len()),
+        Err(e) if e.is_fatal() => return Some(e),
+        Err(e) => {
+            crate::log!(Level::Error, "database housekeeping failed", job = "stale statistics", error = &e);
+            return None;
+        }
+    };
+    if stale == 0 {
+        return None;
+    }
+    shared.background.fetch_add(1, Ordering::Relaxed);
+    let started = Instant::now();
+    match conn.pipeline(&[Stmt::new(sql::ANALYZE_TIMEOUT, vec![]), Stmt::new(sql::ANALYZE_QUEUE, vec![])]) {
+        Ok(_) => {
+            let ms = started.elapsed().as_millis() as u64;
+            crate::log!(Level::Debug, "database queue tables analyzed", stale_tables = stale, took_ms = ms);
+            None
+        }
+        Err(e) if e.is_fatal() => Some(e),
+        Err(e) => {
+            *next_check = Instant::now() + Duration::from_millis(STATS_RETRY_MS);
+            crate::log!(
+                Level::Warn,
+                "database: analyzing the queue tables failed",
+                error = &e,
+                retry_ms = STATS_RETRY_MS
+            );
+            None
+        }
     }
 }
 

@@ -799,7 +799,6 @@ BEGIN
 END $fn$;
 "#;
 
-
 /// What [`migrate`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Migrated {

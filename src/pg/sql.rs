@@ -1214,6 +1214,27 @@ pub const FAIR_SWEEP: &str = "WITH gone AS (
      )
      SELECT count(*) FROM gone";
 
+/// The queue and fair-shares tables whose statistics a sharp growth made stale: more live rows
+/// than 1,000 plus twice the rows counted at their last analyze (autovacuum analyzes after a
+/// tenth changed, but looks only once a minute, and plans made on statistics from when a table
+/// was nearly empty walk every lane; a steady churn is left to it). The names, for
+/// [`ANALYZE_QUEUE`].
+pub const STALE_STATS: &str = "SELECT s.relname::text FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
+     WHERE s.schemaname = current_schema()
+       AND s.relname IN ('relay_pending', 'relay_running', 'relay_fair_lanes', 'relay_fair_submitters',
+                         'relay_lane_buckets')
+       AND s.n_live_tup > 1000 + 2 * greatest(c.reltuples, 0)::int8";
+
+/// The longest [`ANALYZE_QUEUE`] may take (as [`SWEEP_TIMEOUT`]): it runs on a node's database
+/// thread, between the loop's transactions, which wait for it.
+pub const ANALYZE_TIMEOUT: &str = "SELECT set_config('statement_timeout', '1000', true)";
+
+/// Fresh statistics for the tables [`STALE_STATS`] looks at (all five: they grow together, and
+/// ANALYZE samples at most 30,000 rows of each), skipping a table another ANALYZE or autovacuum
+/// holds rather than waiting.
+pub const ANALYZE_QUEUE: &str =
+    "ANALYZE (SKIP_LOCKED) relay_pending, relay_running, relay_fair_lanes, relay_fair_submitters, relay_lane_buckets";
+
 /// Tasks pending TASK_TTL ($2) past their due time fail `expired in queue`. $1 now_ms. A retry
 /// never expires in the queue (SPEC §5): it fails when no untried worker is left
 /// ([`FAIL_UNPLACEABLE`]) or runs when one frees up.
@@ -1399,6 +1420,9 @@ pub const ALL: &[(&str, &str)] = &[
     ("FORGET_NODES", FORGET_NODES),
     ("SWEEP_TIMEOUT", SWEEP_TIMEOUT),
     ("FAIR_SWEEP", FAIR_SWEEP),
+    ("STALE_STATS", STALE_STATS),
+    ("ANALYZE_TIMEOUT", ANALYZE_TIMEOUT),
+    ("ANALYZE_QUEUE", ANALYZE_QUEUE),
     ("EXPIRE_IN_QUEUE", EXPIRE_IN_QUEUE),
     ("RETENTION", RETENTION),
     ("UPSERT_WORKERS", UPSERT_WORKERS),

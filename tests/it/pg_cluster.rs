@@ -897,7 +897,14 @@ fn pg_sql_every_statement_prepares_against_the_schema() {
     let Some(pg) = Pg::start("pg_sql_every_statement_prepares_against_the_schema") else { return };
     let mut c = migrated(&pg);
     for (i, (name, text)) in sql::ALL.iter().enumerate() {
-        c.simple(&format!("PREPARE s{i} AS {text}")).unwrap_or_else(|e| panic!("{name}: {e}"));
+        // (PREPARE takes no utility statement: ANALYZE is parsed, and run, through the extended
+        // protocol, as relay runs it.)
+        let done = if text.starts_with("ANALYZE") {
+            c.pipeline(&[Stmt::new(text, vec![])]).map(drop)
+        } else {
+            c.simple(&format!("PREPARE s{i} AS {text}")).map(drop)
+        };
+        done.unwrap_or_else(|e| panic!("{name}: {e}"));
     }
 }
 
