@@ -311,8 +311,13 @@ impl Runner<'_> {
 
     /// Keeps a result for the resumed session, within its bounds.
     fn keep(&mut self, task_id: String, attempt: Option<u64>, message: String) {
-        if self.kept.len() >= self.cfg.concurrency || self.kept_bytes + message.len() > self.cfg.kept_results_max_bytes
-        {
+        if !may_keep(
+            self.kept.len(),
+            self.kept_bytes,
+            message.len(),
+            self.cfg.concurrency,
+            self.cfg.kept_results_max_bytes,
+        ) {
             log!(Level::Warn, "result dropped", task_id = task_id, reason = "too many results kept while disconnected");
             return;
         }
@@ -593,6 +598,12 @@ impl Backoff {
     }
 }
 
+/// Whether one more result of `bytes` may be kept beside `count` results of `kept_bytes` (SPEC
+/// §12: at most `concurrency` results and `max_bytes` in all).
+fn may_keep(count: usize, kept_bytes: usize, bytes: usize, concurrency: usize, max_bytes: usize) -> bool {
+    count < concurrency && kept_bytes.saturating_add(bytes) <= max_bytes
+}
+
 fn random() -> u64 {
     uuid::Uuid::new_v4().as_u64_pair().0
 }
@@ -603,6 +614,28 @@ mod tests {
 
     fn check(backoff: &mut Backoff, random: u64, expected: u64) {
         assert_eq!(backoff.next(random), expected, "random={random}");
+    }
+
+    #[test]
+    fn kept_results_are_bounded_by_count_and_bytes() {
+        const MIB: usize = 1 << 20;
+        // (kept so far, their bytes, the new result's bytes, concurrency) → kept?
+        let table: &[(usize, usize, usize, usize, bool)] = &[
+            (0, 0, 10, 16, true),
+            (15, 0, 10, 16, true),
+            (16, 0, 10, 16, false),
+            (0, 64 * MIB - 10, 10, 16, true),
+            (0, 64 * MIB - 9, 10, 16, false),
+            (0, 0, 64 * MIB + 1, 16, false),
+            (0, usize::MAX, 1, 16, false),
+        ];
+        for &(count, kept, bytes, concurrency, want) in table {
+            assert_eq!(
+                may_keep(count, kept, bytes, concurrency, 64 * MIB),
+                want,
+                "{count} {kept} {bytes} {concurrency}"
+            );
+        }
     }
 
     #[test]
