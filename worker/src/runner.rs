@@ -82,6 +82,10 @@ pub fn run(cfg: Config, kinds: BTreeMap<String, Handler>, stop: &AtomicBool) -> 
         secret: None,
         kept: Vec::new(),
         kept_bytes: 0,
+        unconfirmed: Vec::new(),
+        unconfirmed_bytes: 0,
+        confirm: None,
+        confirm_seq: 0,
         reconnect_now: false,
         conn_gen: 0,
         drain_deadline: None,
@@ -148,6 +152,16 @@ struct Runner<'a> {
     /// Results finished while disconnected (or before the welcome adopted their task).
     kept: Vec<Kept>,
     kept_bytes: usize,
+    /// With a session: results written to the live connection that relay has not been seen to
+    /// read yet (bounded as `kept`). A ping follows them; its pong says relay read everything
+    /// before it. A connection lost before that keeps them for the resume: a cut can swallow a
+    /// result already written, and relay, not listed it, would end the attempt and run the
+    /// task again (SPEC §12).
+    unconfirmed: Vec<Kept>,
+    unconfirmed_bytes: usize,
+    /// The ping in flight for `unconfirmed`: its number, and how many of them it covers.
+    confirm: Option<(u64, usize)>,
+    confirm_seq: u64,
     /// relay sent `reconnect`: the next connect comes at once (jitter ≤ 1 s).
     reconnect_now: bool,
     conn_gen: u64,
@@ -186,6 +200,7 @@ impl Runner<'_> {
                     match end {
                         End::Done => return,
                         End::Lost(reason) => {
+                            self.keep_unconfirmed();
                             let delay = if self.drain_deadline.is_some() && !self.resumable() {
                                 0
                             } else if std::mem::take(&mut self.reconnect_now) {
@@ -295,7 +310,23 @@ impl Runner<'_> {
             let (conn_gen, task_id) = key;
             let Some(message) = message else { continue };
             match ws.as_deref_mut() {
-                Some(ws) if conn_gen == self.conn_gen => send(ws, message)?,
+                Some(ws) if conn_gen == self.conn_gen => {
+                    let tracked = self.secret.is_some()
+                        && may_keep(
+                            self.unconfirmed.len(),
+                            self.unconfirmed_bytes,
+                            message.len(),
+                            self.cfg.concurrency,
+                            self.cfg.kept_results_max_bytes,
+                        );
+                    let copy = tracked.then(|| message.clone());
+                    let sent = send(ws, message);
+                    if let Some(message) = copy {
+                        self.unconfirmed_bytes += message.len();
+                        self.unconfirmed.push(Kept { task_id, attempt, message });
+                    }
+                    sent?;
+                }
                 _ if self.secret.is_some() => self.keep(task_id, attempt, message),
                 _ => log!(
                     Level::Warn,
@@ -324,6 +355,28 @@ impl Runner<'_> {
         log!(Level::Info, "result kept for the session resume", task_id = task_id);
         self.kept_bytes += message.len();
         self.kept.push(Kept { task_id, attempt, message });
+    }
+
+    /// relay answered the ping that followed results: it read them.
+    fn confirmed(&mut self, payload: &[u8]) {
+        let Some((seq, n)) = self.confirm else { return };
+        if payload != seq.to_be_bytes() {
+            return;
+        }
+        self.confirm = None;
+        for k in self.unconfirmed.drain(..n.min(self.unconfirmed.len())) {
+            self.unconfirmed_bytes = self.unconfirmed_bytes.saturating_sub(k.message.len());
+        }
+    }
+
+    /// The connection was lost: results relay was not seen to read are kept for the resume
+    /// (listed in its `running`, sent again if the welcome adopts them).
+    fn keep_unconfirmed(&mut self) {
+        self.confirm = None;
+        self.unconfirmed_bytes = 0;
+        for k in std::mem::take(&mut self.unconfirmed) {
+            self.keep(k.task_id, k.attempt, k.message);
+        }
     }
 
     /// The session part of this connection's first hello: every task still running or kept.
@@ -393,6 +446,7 @@ impl Runner<'_> {
         }
         let mut last_rx = Instant::now();
         let mut pinged = false;
+        self.confirm = None;
         let mut close_reason: Option<String> = None;
         loop {
             if self.check_stop() && !announced_drain {
@@ -403,6 +457,16 @@ impl Runner<'_> {
             }
             if let Err(e) = self.collect(Some(ws)) {
                 return End::Lost(e);
+            }
+            if self.confirm.is_none() && !self.unconfirmed.is_empty() {
+                self.confirm_seq += 1;
+                let payload = self.confirm_seq.to_be_bytes().to_vec();
+                match ws.write(Message::Ping(payload.into())) {
+                    Err(tungstenite::Error::Io(e)) if is_timeout(&e) || e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => return End::Lost(format!("ping: {e}")),
+                    Ok(()) => {}
+                }
+                self.confirm = Some((self.confirm_seq, self.unconfirmed.len()));
             }
             if self.drained_or_expired() {
                 close(ws);
@@ -438,7 +502,8 @@ impl Runner<'_> {
                             });
                         }
                         Message::Binary(_) => log!(Level::Warn, "binary frame from relay ignored"),
-                        Message::Ping(_) | Message::Pong(_) | Message::Frame(_) => {}
+                        Message::Pong(payload) => self.confirmed(&payload),
+                        Message::Ping(_) | Message::Frame(_) => {}
                     }
                 }
                 Err(tungstenite::Error::Io(e)) if is_timeout(&e) => {

@@ -164,3 +164,46 @@ fn a_draining_worker_whose_link_is_cut_resumes_and_delivers_before_it_exits() {
     assert!(status.success(), "{status:?}\n{}", worker.proc.log_text());
     assert_eq!(target.hit_count(), 1, "run once");
 }
+
+/// Found by issue 20's audit: a result written just before a cut can be lost with the
+/// connection. The worker then listed only what still ran, so relay ended the held attempt
+/// ("worker no longer runs this task") and ran the task again. A result relay was not seen to read (no pong yet for the ping that
+/// follows it) is now kept: listed in `running`, sent again once adopted.
+#[test]
+fn a_result_written_just_before_a_cut_is_listed_and_sent_again_after_the_resume() {
+    let fake = FakeRelay::start();
+    let _worker = Worker::start(&fake.ws_url(), &[("WORKER_ID", "w-unread")]);
+    let mut conn = fake.accept(Duration::from_secs(10)).expect("worker connects");
+    conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    conn.send(&welcome("secret-u", json!([]), json!([])));
+    conn.send(&json!({"type": "task", "task_id": "unread-1", "attempt": 2, "payload": {"kind": "echo", "spec": 7}}));
+    let first = conn.recv_type("result", Duration::from_secs(5)).expect("the result");
+    assert_eq!((first["task_id"].clone(), first["attempt"].clone()), (json!("unread-1"), json!(2)), "{first}");
+    // (Not read further: the ping after the result is never answered.)
+    conn.cut();
+    let mut again = fake.accept(Duration::from_secs(10)).expect("worker reconnects");
+    let hello = again.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    assert_eq!(hello["running"], json!([{"task_id": "unread-1", "attempt": 2}]), "{hello}");
+    again.send(&welcome("secret-u", json!(["unread-1"]), json!([])));
+    let resent = again.recv_type("result", Duration::from_secs(5)).expect("sent again");
+    assert_eq!(resent, first, "the same result, once adopted");
+}
+
+#[test]
+fn a_result_relay_answered_the_ping_after_is_not_listed_again() {
+    let fake = FakeRelay::start();
+    let _worker = Worker::start(&fake.ws_url(), &[("WORKER_ID", "w-read")]);
+    let mut conn = fake.accept(Duration::from_secs(10)).expect("worker connects");
+    conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    conn.send(&welcome("secret-r", json!([]), json!([])));
+    conn.send(&json!({"type": "task", "task_id": "read-1", "attempt": 1, "payload": {"kind": "echo", "spec": 1}}));
+    conn.recv_type("result", Duration::from_secs(5)).expect("the result");
+    conn.pump(Duration::from_millis(200)); // (the ping after it is read and answered)
+    // A marker: its frame comes after the pong, so the first result is confirmed by then.
+    conn.send(&json!({"type": "task", "task_id": "read-2", "attempt": 1, "payload": {"kind": "echo", "spec": 2}}));
+    conn.recv_type("result", Duration::from_secs(5)).expect("the marker's result");
+    conn.cut();
+    let mut again = fake.accept(Duration::from_secs(10)).expect("worker reconnects");
+    let hello = again.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    assert_eq!(hello["running"], json!([{"task_id": "read-2", "attempt": 1}]), "only the unanswered one: {hello}");
+}

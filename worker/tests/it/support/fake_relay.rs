@@ -123,6 +123,12 @@ impl FakeConn {
         None
     }
 
+    /// Reads (answering pings) and flushes for `within`, ignoring what comes.
+    pub fn pump(&mut self, within: Duration) {
+        let _ = self.recv(within);
+        let _ = self.ws.flush();
+    }
+
     /// Drops the TCP connection without a close frame.
     pub fn cut(self) {
         let _ = self.ws.get_ref().shutdown(std::net::Shutdown::Both);
