@@ -80,6 +80,7 @@ pub fn run(cfg: Config, kinds: BTreeMap<String, Handler>, stop: &AtomicBool) -> 
         jobs: HashMap::new(),
         next_job: 0,
         secret: None,
+        window_ms: 0,
         kept: Vec::new(),
         kept_bytes: 0,
         unconfirmed: Vec::new(),
@@ -149,6 +150,8 @@ struct Runner<'a> {
     /// The secret of the last `welcome` (relay has sessions): results are kept while
     /// disconnected, for the resumed session.
     secret: Option<String>,
+    /// The last welcome's `resume_window_ms`: how long relay holds what a lost connection ran.
+    window_ms: u64,
     /// Results finished while disconnected (or before the welcome adopted their task).
     kept: Vec<Kept>,
     kept_bytes: usize,
@@ -208,7 +211,8 @@ impl Runner<'_> {
                                 self.backoff.reset();
                                 random() % 1001
                             } else {
-                                self.backoff.next(random())
+                                let delay = self.backoff.next(random());
+                                self.resume_delay(delay)
                             };
                             log!(
                                 Level::Warn,
@@ -233,6 +237,7 @@ impl Runner<'_> {
                 }
                 Err(ConnectError::Failed(error)) => {
                     let delay = self.backoff.next(random());
+                    let delay = self.resume_delay(delay);
                     log!(Level::Warn, "connect failed", url = url, error = error, retry_in_ms = delay);
                     self.wait(Duration::from_millis(delay));
                 }
@@ -261,6 +266,15 @@ impl Runner<'_> {
             in_flight = self.in_flight.len(),
             grace_ms = self.cfg.shutdown_timeout_ms
         );
+    }
+
+    /// The backoff's `delay`, at most a quarter of relay's resume window while the session
+    /// holds something (tasks running, results kept): a backoff grown by repeated cuts (it
+    /// resets only after a stable connection) would otherwise come back after relay let go of
+    /// them, and they would run again elsewhere (SPEC §12).
+    fn resume_delay(&self, delay: u64) -> u64 {
+        let held = !self.in_flight.is_empty() || !self.kept.is_empty() || !self.unconfirmed.is_empty();
+        if self.resumable() && held && self.window_ms > 0 { delay.min(self.window_ms / 4) } else { delay }
     }
 
     /// A lost connection's tasks and results can still reach relay: it has a session (SPEC §12).
@@ -398,6 +412,7 @@ impl Runner<'_> {
     fn on_welcome(&mut self, ws: &mut Ws, w: protocol::Welcome) -> Result<(), String> {
         let resumed = self.secret.as_deref() == Some(w.session.as_str());
         self.secret = Some(w.session);
+        self.window_ms = w.resume_window_ms;
         let conn_gen = self.conn_gen;
         let old: Vec<(u64, String)> = self.in_flight.keys().filter(|(g, _)| *g != conn_gen).cloned().collect();
         for key in old {

@@ -207,3 +207,32 @@ fn a_result_relay_answered_the_ping_after_is_not_listed_again() {
     let hello = again.recv_type("hello", Duration::from_secs(5)).expect("hello");
     assert_eq!(hello["running"], json!([{"task_id": "read-2", "attempt": 1}]), "only the unanswered one: {hello}");
 }
+
+/// Found by issue 20's flaky-link benchmark (one task of 1,919 ran twice, RESUME_WINDOW 10s):
+/// the reconnect backoff resets only after a connection stayed up STABLE_AFTER (10 s), so under
+/// cuts every few seconds it grew to 5 s, 10 s, ... and the worker came back after relay's
+/// window had let its task go (relay ran it elsewhere). While its session holds something, a
+/// reconnect now waits at most a quarter of the window the welcome gave.
+#[test]
+fn a_worker_with_held_work_reconnects_within_the_resume_window_however_often_it_was_cut() {
+    let target = slow_target();
+    let fake = FakeRelay::start();
+    let _worker = Worker::start(&fake.ws_url(), &[("WORKER_ID", "w-often")]);
+    let mut conn = fake.accept(Duration::from_secs(10)).expect("worker connects");
+    conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    let mut w = welcome("secret-o", json!([]), json!([]));
+    w["resume_window_ms"] = json!(2000);
+    conn.send(&w);
+    conn.send(&json!({"type": "task", "task_id": "often-1", "attempt": 1,
+                      "payload": {"kind": "http", "spec": {"url": target.url("/")}}}));
+    assert!(poll_until(Duration::from_secs(5), || target.hit_count() == 1), "task started");
+    // Cut it again and again before any welcome: without a cap its backoff passes 2 s.
+    for round in 0..6 {
+        conn.cut();
+        let cut = Instant::now();
+        conn = fake.accept(Duration::from_secs(20)).expect("worker reconnects");
+        let took = cut.elapsed();
+        assert!(took < Duration::from_millis(1000), "round {round}: back in {took:?}, the window is 2 s");
+        conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    }
+}
