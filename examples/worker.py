@@ -28,7 +28,9 @@ Sessions (docs/protocol.md, "Sessions"): every hello says WORKER_ID; relay's wel
 secret. After a lost connection the next hello presents it and lists the tasks still running
 or finished meanwhile; results finished while disconnected are kept (at most CONCURRENCY) and
 sent once the welcome adopts their tasks, abandoned ones are dropped. {"type":"reconnect"}
-brings it back at once (jitter up to 1 s).
+brings it back at once (jitter up to 1 s); while tasks run or results are kept, it is back
+within a quarter of the welcome's resume_window_ms, however far the backoff grew. (Unlike
+relay-worker it does not keep a result it wrote just before a cut: see docs/protocol.md.)
 """
 
 import json
@@ -100,6 +102,7 @@ class State:
         self.tasks = {}  # task_id -> (connection number, attempt)
         self.kept = {}  # task_id -> (attempt, result message)
         self.reconnect_now = False
+        self.window_ms = 0  # the last welcome's resume_window_ms
 
 
 def hello(state, concurrency, running=None):
@@ -170,6 +173,7 @@ class Session:
         with state.lock:
             resumed = state.secret == msg.get("session")
             state.secret = msg.get("session")
+            state.window_ms = msg.get("resume_window_ms") or 0
             for task_id, (gen, attempt) in list(state.tasks.items()):
                 if task_id in adopted:
                     state.tasks[task_id] = (state.gen, attempt)
@@ -294,6 +298,11 @@ def main():
         if state.reconnect_now:
             # relay is restarting: back at once, spread over a second.
             state.reconnect_now, delay, wait = False, 0.25, random.random()
+        with state.lock:
+            held = state.secret is not None and (state.tasks or state.kept)
+        if held and state.window_ms > 0:
+            # Back before relay lets go of what it holds for us, however far the backoff grew.
+            wait = min(wait, state.window_ms / 4000)
         log("disconnected", reason=reason, retry_in_ms=int(wait * 1000))
         stop.wait(wait)
         delay = min(delay * 2, 30)

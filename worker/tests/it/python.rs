@@ -115,3 +115,33 @@ fn python_example_worker_resumes_its_session() {
         "{r}"
     );
 }
+
+/// As relay-worker (worker it sessions::a_worker_with_held_work_reconnects_within...): while
+/// its session holds a task, worker.py reconnects within a quarter of the resume window, however
+/// often it was cut (its backoff alone doubled past a 2 s window by the fourth cut).
+#[test]
+fn python_example_worker_reconnects_within_the_resume_window_while_it_holds_a_task() {
+    if let Some(why) = python_missing() {
+        skip_or_fail(&why);
+        return;
+    }
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/worker.py");
+    let fake = crate::support::fake_relay::FakeRelay::start();
+    let url = fake.ws_url();
+    let _worker = spawn_python(&script, &[("RELAY_URL", &url), ("TOKEN", WRK), ("WORKER_ID", "py-often")]);
+    let mut conn = fake.accept(Duration::from_secs(15)).expect("worker.py connects");
+    conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    conn.send(
+        &json!({"type":"welcome","client_id":"c","session":"s-o","resume_window_ms":2000,"adopted":[],"abandon":[]}),
+    );
+    conn.send(&json!({"type":"task","task_id":"t-o","attempt":1,"payload":{"kind":"sleep","spec":{"ms":20000}}}));
+    conn.recv(Duration::from_millis(300)); // (the task has started)
+    for round in 0..6 {
+        conn.cut();
+        let cut = std::time::Instant::now();
+        conn = fake.accept(Duration::from_secs(20)).expect("worker.py reconnects");
+        let took = cut.elapsed();
+        assert!(took < Duration::from_millis(1000), "round {round}: back in {took:?}, the window is 2 s");
+        conn.recv_type("hello", Duration::from_secs(5)).expect("hello");
+    }
+}
