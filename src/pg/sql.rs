@@ -378,7 +378,9 @@ pub const CLAIM_KINDS: &str = concat!(
     claim_tail!()
 );
 
-/// Tried before [`CLAIM_LIMITED`], one lock per limited kind ($1): claims of one kind on all
+/// Tried before [`CLAIM_LIMITED`], one lock per limited kind ($1) that has a task due ($2 now;
+/// a kind with none has nothing to claim, and is neither locked nor counted — a node with
+/// thousands of idle limited kinds pays an index probe for each, not a claim): claims of one kind on all
 /// nodes take turns, so what they count — the kind's running attempts, its token bucket — is
 /// exact cluster-wide (SPEC §14). Never waited for: a kind whose lock another transaction holds
 /// is left out of this claim (the node looks again shortly, as for a kind out of room), so a
@@ -389,7 +391,8 @@ pub const CLAIM_KINDS: &str = concat!(
 pub const KIND_LOCKS: &str =
     "SELECT set_config('relay.kinds_locked', coalesce(json_agg(k ORDER BY i)::text, '[]'), true)
      FROM unnest($1::text[]) WITH ORDINALITY AS x(k, i)
-     WHERE pg_try_advisory_xact_lock(hashtextextended('relay kind ' || k, 0))";
+     WHERE CASE WHEN EXISTS (SELECT 1 FROM relay_pending p WHERE p.kind = x.k AND p.due_ms <= $2::int8)
+                THEN pg_try_advisory_xact_lock(hashtextextended('relay kind ' || k, 0)) ELSE false END";
 
 /// [`CLAIM_KINDS`] for the kinds $3 that a `max_running` ($7, NULL: none) or a rate ($8 tokens
 /// per ms, $9 burst; NULL: none) limits, or a per-key limit (`max_running_per_key` $10,

@@ -1251,3 +1251,30 @@ fn a_slow_lane_sweep_never_holds_submits_for_long() {
     assert_eq!(r.status, 202, "{}", r.text());
     assert!(took < Duration::from_secs(3), "a submit waited {took:?} behind the sweep");
 }
+
+/// `KIND_LOCKS` locks only the limited kinds with a task due: a node with thousands of idle
+/// limited kinds took one advisory lock for each in every claim (10,000 policies: every request
+/// 503, the lock table full; 1,000: a sync task of another kind 65 ms instead of 5), and claimed
+/// each. A kind with only a task not due yet, or none, is neither locked nor claimed.
+#[test]
+fn pg_sql_only_limited_kinds_with_a_task_due_are_locked() {
+    let Some(pg) = Pg::start("pg_sql_only_limited_kinds_with_a_task_due_are_locked") else { return };
+    let mut c = migrated(&pg);
+    let later = sql::NewTask { run_at_ms: 100_000, ..new_task(&uuid_n(2), Some("later"), None) };
+    c.pipeline(&[insert(&[new_task(&uuid_n(1), Some("busy"), None), later])]).expect("submit");
+    c.simple("BEGIN").expect("begin");
+    let kinds = Param::Text(r#"{"busy","later","idle"}"#.into());
+    let out = c
+        .pipeline(&[
+            Stmt::new(sql::KIND_LOCKS, vec![kinds, 5_000i64.into()]),
+            Stmt::new(
+                "SELECT current_setting('relay.kinds_locked'), (SELECT count(*) FROM pg_locks
+                   WHERE locktype = 'advisory' AND pid = pg_backend_pid())",
+                vec![],
+            ),
+        ])
+        .expect("lock");
+    c.simple("COMMIT").expect("commit");
+    assert_eq!(out[1].rows[0].text(0), Some(r#"["busy"]"#), "the kinds locked");
+    assert_eq!(out[1].rows[0].i64(1), Some(1), "one advisory lock: the due kind's");
+}

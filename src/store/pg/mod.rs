@@ -1120,7 +1120,7 @@ impl PgStore {
                 .collect();
             if !mine.is_empty() {
                 let names: Vec<&str> = mine.iter().map(|l| l.kind).collect();
-                stmts.push(Stmt::new(sql::KIND_LOCKS, vec![text_array_of(&names)]));
+                stmts.push(Stmt::new(sql::KIND_LOCKS, vec![text_array_of(&names), (wall as i64).into()]));
                 parts.push(Part::KindLocks);
                 stmts
                     .push(sql::claim_limited(&node_id, c.group, &mine, wall, c.limit, &c.takers).with_json(ccol::JSON));
