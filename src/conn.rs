@@ -205,6 +205,24 @@ impl Conn {
         first
     }
 
+    /// Holds the bytes appended from `start` on (an earlier length of `out`, this turn) until
+    /// the journal is durable up to `lsn`: gates already set from `start` on wait for it too.
+    /// `true` if this is a new wait.
+    pub fn gate_from(&mut self, start: usize, lsn: u64, durable_lsn: u64) -> bool {
+        if lsn <= durable_lsn {
+            return false;
+        }
+        let start = start.clamp(self.out_pos, self.out.len());
+        let first = self.gates.is_empty();
+        let at = self.gates.iter().position(|g| g.start >= start).unwrap_or(self.gates.len());
+        for g in self.gates.iter_mut().skip(at) {
+            g.lsn = g.lsn.max(lsn);
+        }
+        let lsn = if at > 0 { self.gates[at - 1].lsn.max(lsn) } else { lsn };
+        self.gates.insert(at, Gate { lsn, start });
+        first
+    }
+
     /// Releases what the journal made durable; `true` while something still waits.
     pub fn release_gates(&mut self, durable_lsn: u64) -> bool {
         while self.gates.front().is_some_and(|g| g.lsn <= durable_lsn) {

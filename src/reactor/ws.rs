@@ -44,10 +44,12 @@ impl Server {
         let mut close: Option<(CloseCode, &'static str)> = None;
         let mut gone = false;
         let peer_closed: bool;
+        let mark: usize;
         let mut more = false;
         let mut blocked = false;
         {
             let Some(conn) = self.conns.get_mut(r) else { return };
+            mark = conn.out.len();
             let State::Ws(ws) = &mut conn.state else { return };
             // First what tungstenite already holds (frames that came with the upgrade), then
             // the socket.
@@ -121,9 +123,25 @@ impl Server {
                 mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
             }
         }
+        let before = self.journal_lsn();
         for text in texts {
             let (mut wire, core) = self.wire();
             core.worker_message(&mut wire, r, text.as_str());
+        }
+        // What a session worker's messages had written (a result's end) is durable before relay
+        // says anything more to it — the pongs of this read included: a worker forgets a result
+        // once a pong says relay read it, so a crash must not lose it after that (SPEC §12).
+        let after = self.journal_lsn();
+        if after > before && self.core.is_session_worker(r) {
+            let durable = self.core.store.durable_lsn();
+            if let Some(conn) = self.conns.get_mut(r)
+                && conn.gate_from(mark, after, durable)
+            {
+                self.gated.conns.push(r);
+            }
+            if after > durable {
+                self.gated.want = self.gated.want.max(after);
+            }
         }
         if let Some((code, reason)) = close {
             self.close_ws(r, code, reason);
@@ -139,6 +157,11 @@ impl Server {
         } else if more {
             self.again.push(r);
         }
+    }
+
+    /// The journal's newest record (0 without one).
+    fn journal_lsn(&self) -> u64 {
+        self.core.store.mem().and_then(|m| m.journal()).map_or(0, |j| j.lsn())
     }
 
     pub(super) fn worker_gone(&mut self, r: ConnRef, why: &str) {

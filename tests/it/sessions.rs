@@ -474,6 +474,42 @@ fn a_kill_9_right_after_a_task_frame_left_still_lets_the_worker_resume_it() {
     }
 }
 
+/// Found by issue 20's audit: relay-worker forgets a result once the pong to the ping it sent
+/// after it comes back (it kept it for a resume until then). relay answered that ping as soon as
+/// it had read it, before the result's record was durable: killed then, relay read the attempt
+/// back as running, held it for a worker that no longer listed it, and ran the task again. Now
+/// what relay says to a session worker after its messages had something written waits for the
+/// journal, pongs included.
+#[test]
+fn a_pong_after_a_result_means_the_result_survives_a_kill_9() {
+    for round in 0..8 {
+        let dir = DataDir::new("pong");
+        let env = [("DATA_DIR", dir.path()), ("RESUME_WINDOW", "5s")];
+        let relay = Relay::start_with(&env);
+        let a = FakeWorker::connect(&relay, Some(hello("w-pong")), Auto::Manual);
+        a.expect_welcome();
+        relay.wait_clients(1, |c| c["version"] == "it");
+        let id = id_of(&relay.submit(r#"{"payload":"pong"}"#));
+        assert_eq!(a.expect_task().id, id);
+        relay.wait_status(&id, "dispatched", Duration::from_secs(5));
+        a.done_attempt(&id, 1, json!("kept"));
+        a.ping();
+        let pong = a.next_other(Duration::from_secs(5)).expect("a pong");
+        assert_eq!(pong["type"], "pong", "{pong}");
+        relay.kill_now();
+        let mut relay = relay;
+        assert!(relay.wait_exit(Duration::from_secs(5)).is_some(), "relay died");
+        let relay = Relay::start_with(&env);
+        let t = relay.get_task(&id);
+        assert_eq!(
+            (t["status"].as_str(), outcomes(&t)),
+            (Some("done"), vec!["done".to_string()]),
+            "round {round}: {t}"
+        );
+        drop(a);
+    }
+}
+
 #[test]
 fn resume_window_0s_restarts_as_before() {
     let dir = DataDir::new("zero");

@@ -46,6 +46,8 @@ enum Cmd {
     /// Drop the TCP connection without a close frame.
     Drop,
     Binary,
+    /// A WebSocket ping (relay's pong arrives in `others` as `{"type":"pong"}`).
+    Ping,
 }
 
 pub struct FakeWorker {
@@ -165,6 +167,11 @@ impl FakeWorker {
         let _ = self.cmd.send(Cmd::Close(1000));
     }
 
+    /// Sends a WebSocket ping after what was sent before; relay's pong comes to `next_other`.
+    pub fn ping(&self) {
+        let _ = self.cmd.send(Cmd::Ping);
+    }
+
     pub fn freeze(&self) {
         let _ = self.cmd.send(Cmd::Freeze);
     }
@@ -229,6 +236,8 @@ fn run(
                 Cmd::Text(t) if !frozen => ws.send(Message::text(t)),
                 Cmd::Text(_) => Ok(()),
                 Cmd::Binary => ws.send(Message::binary(vec![1u8, 2, 3])),
+                Cmd::Ping if !frozen => ws.send(Message::Ping(vec![7u8].into())),
+                Cmd::Ping => Ok(()),
                 Cmd::Close(code) => ws.close(Some(CloseFrame { code: CloseCode::from(code), reason: "bye".into() })),
                 Cmd::Freeze => {
                     frozen = true;
@@ -272,6 +281,9 @@ fn run(
             }
             Ok(Message::Ping(_)) => {
                 pings.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(Message::Pong(_)) => {
+                let _ = others.send(json!({"type": "pong"}));
             }
             Ok(Message::Close(frame)) => {
                 *close_code.lock().expect("code") = frame.map(|f| u16::from(f.code));
