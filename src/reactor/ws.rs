@@ -128,9 +128,10 @@ impl Server {
             let (mut wire, core) = self.wire();
             core.worker_message(&mut wire, r, text.as_str());
         }
-        // What a session worker's messages had written (a result's end) is durable before relay
-        // says anything more to it — the pongs of this read included: a worker forgets a result
-        // once a pong says relay read it, so a crash must not lose it after that (SPEC §12).
+        // What a session worker's messages had written (a result's end) is durable (on disk,
+        // or committed) before relay says anything more to it — the pongs of this read
+        // included: a worker forgets a result once a pong says relay read it, so a crash must
+        // not lose it after that (SPEC §12).
         let after = self.journal_lsn();
         if after > before && self.core.is_session_worker(r) {
             let durable = self.core.store.durable_lsn();
@@ -159,9 +160,13 @@ impl Server {
         }
     }
 
-    /// The journal's newest record (0 without one).
+    /// The store's newest record that [`crate::store::Store::durable_lsn`] counts: the
+    /// journal's (0 without one), or in cluster mode the newest session row or attempt end.
     fn journal_lsn(&self) -> u64 {
-        self.core.store.mem().and_then(|m| m.journal()).map_or(0, |j| j.lsn())
+        match &self.core.store {
+            crate::store::Store::Pg(p) => p.newest_record(),
+            store => store.mem().and_then(|m| m.journal()).map_or(0, |j| j.lsn()),
+        }
     }
 
     pub(super) fn worker_gone(&mut self, r: ConnRef, why: &str) {

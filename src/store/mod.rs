@@ -735,8 +735,8 @@ impl Store {
     }
 
     /// Every journal record up to this sequence number is on disk (`u64::MAX` without one); in
-    /// cluster mode, every session attempt row up to this number is committed (answers there
-    /// carry no number: they leave after their COMMIT).
+    /// cluster mode, every session attempt row and attempt end up to this number is committed
+    /// (answers there carry no number: they leave after their COMMIT).
     pub fn durable_lsn(&self) -> u64 {
         match self {
             Store::Mem(s) => s.durable_lsn(),

@@ -1055,3 +1055,43 @@ fn a_held_attempts_timeout_keeps_running_and_a_late_resume_is_told_to_abandon_it
         drop((a, b, proxy));
     });
 }
+
+/// Cluster: what a node says to a session worker after a result — its pong included — waits
+/// until the result's end is committed, as on one node it waits for the journal: a worker
+/// forgets a result once a pong says relay read it, so a node dying then must not lose it.
+/// Here the database refuses the end until the test lets it: no pong meanwhile; once the end
+/// commits, the pong comes and the task is done. Before, the pong left at once, before the end
+/// was written (a node killed then read the attempt back as running, for a worker that no
+/// longer listed it, and the task ran again).
+#[test]
+fn cluster_a_pong_after_a_result_waits_until_the_result_is_committed() {
+    let test = "cluster_a_pong_after_a_result_waits_until_the_result_is_committed";
+    let env = [("RESUME_WINDOW", "10s")];
+    let Some((a, _b)) = two_nodes(test, &env) else {
+        return;
+    };
+    let db = a.db.clone().expect("database");
+    db.query(
+        "CREATE TABLE refuse_ends (x int);
+         CREATE FUNCTION refuse_ends() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN
+           IF NEW.status = 'done' AND EXISTS (SELECT 1 FROM refuse_ends) THEN
+             RAISE EXCEPTION 'refused by the test'; END IF; RETURN NEW; END $$;
+         CREATE TRIGGER refuse_ends BEFORE UPDATE ON relay_tasks FOR EACH ROW EXECUTE FUNCTION refuse_ends();
+         INSERT INTO refuse_ends VALUES (1);",
+    );
+    let w = FakeWorker::connect(&a, Some(hello("w-pong-c")), Auto::Manual);
+    w.expect_welcome();
+    let id = id_of(&a.submit(r#"{"payload":{"n":"pong"},"queue":true}"#));
+    let task = w.expect_task();
+    assert_eq!(task.id, id);
+    a.wait_status(&id, "dispatched", Duration::from_secs(5));
+    w.done_attempt(&id, 1, json!("kept"));
+    w.ping();
+    assert!(w.next_other(Duration::from_millis(1_500)).is_none(), "a pong before the result was committed");
+    db.query("DELETE FROM refuse_ends");
+    let pong = w.next_other(Duration::from_secs(5)).expect("a pong once the end committed");
+    assert_eq!(pong["type"], "pong", "{pong}");
+    let t = a.get_task(&id);
+    assert_eq!((t["status"].as_str(), outcomes(&t)), (Some("done"), vec!["done".to_string()]), "{t}");
+    drop((w, db));
+}

@@ -138,14 +138,17 @@ pub struct PgStore {
     /// Workers resuming a session this node does not know (SPEC §12), and the session
     /// attempts whose `relay_running` rows must name their session.
     takes: Vec<TakeReq>,
-    session_rows: Vec<sql::SessionAttempt>,
-    /// Session attempt rows numbered as they are queued (the newest, and of the one
-    /// [`PgStore::attempt_started`] queued last, 0 if none), and the newest whose transaction
-    /// committed: a session worker's task frame waits for its row ([`PgStore::rows_committed`]),
-    /// so that the worker can resume the attempt on any node even if this one dies at once.
-    session_seq: u64,
+    /// Session attempt rows to write, each with its record number.
+    session_rows: Vec<(sql::SessionAttempt, u64)>,
+    /// Session attempt rows and attempt ends are numbered as they are queued (`record_seq`:
+    /// the newest; `last_start_seq`: the row [`PgStore::attempt_started`] queued last, 0 if
+    /// none), and the numbers not committed yet are `uncommitted`: a session worker's task frame
+    /// waits for its row, so that the worker can resume the attempt on any node even if this one
+    /// dies at once, and what relay says to it after a result waits for that result's end, so
+    /// that a worker told its result was read never loses it ([`PgStore::rows_committed`]).
+    record_seq: u64,
     last_start_seq: u64,
-    session_committed: u64,
+    uncommitted: std::collections::BTreeSet<u64>,
     /// RESUME_WINDOW: a lost node's session attempts wait this long after its last heartbeat.
     pub resume_window_ms: u64,
     /// Expiry in the queue and retention are due (once a second, on this node's clock).
@@ -259,9 +262,9 @@ impl PgStore {
             want_adopt: false,
             takes: Vec::new(),
             session_rows: Vec::new(),
-            session_seq: 0,
+            record_seq: 0,
             last_start_seq: 0,
-            session_committed: 0,
+            uncommitted: std::collections::BTreeSet::new(),
             resume_window_ms: 0,
             want_housekeeping: false,
             want_unplaceable: false,
@@ -543,19 +546,34 @@ impl PgStore {
         if let Some((worker_id, secret)) = start.session
             && self.session_rows.len() < MAX_SESSION_ROWS
         {
-            self.session_seq += 1;
-            self.last_start_seq = self.session_seq;
+            let seq = self.next_record();
+            self.last_start_seq = seq;
             // (A worker id is the worker's text: U+0000, which PostgreSQL's text refuses, is
             // stored replaced, as `take_session` asks for it. Secrets are relay's hex.)
-            self.session_rows.push(sql::SessionAttempt {
-                id: uuid_string(id),
-                attempt,
-                secret: storable_lossy(secret),
-                worker_id: storable_lossy(worker_id),
-                client_id: uuid_string(start.client_id),
-                started_ms: start.started_wall_ms,
-            });
+            self.session_rows.push((
+                sql::SessionAttempt {
+                    id: uuid_string(id),
+                    attempt,
+                    secret: storable_lossy(secret),
+                    worker_id: storable_lossy(worker_id),
+                    client_id: uuid_string(start.client_id),
+                    started_ms: start.started_wall_ms,
+                },
+                seq,
+            ));
         }
+    }
+
+    /// The number of a record (a session attempt row, an attempt end) queued now, uncommitted.
+    fn next_record(&mut self) -> u64 {
+        self.record_seq += 1;
+        self.uncommitted.insert(self.record_seq);
+        self.record_seq
+    }
+
+    /// The newest record queued (0: none yet).
+    pub fn newest_record(&self) -> u64 {
+        self.record_seq
     }
 
     /// The number of the session row the last attempt start queued (0: none), for
@@ -564,9 +582,10 @@ impl PgStore {
         self.last_start_seq
     }
 
-    /// Session rows up to this number are committed.
+    /// Records up to this number are committed (each one that is not is written again, never
+    /// dropped).
     pub fn rows_committed(&self) -> u64 {
-        self.session_committed
+        self.uncommitted.first().map_or(self.record_seq, |&n| n - 1)
     }
 
     /// A worker presents a session this node does not know: the session's attempts held on
@@ -630,7 +649,8 @@ impl PgStore {
         if !final_status {
             self.starved.clear();
         }
-        self.ended.push(EndRec { ended, refusals: 0, final_status });
+        let seq = self.next_record();
+        self.ended.push(EndRec { ended, refusals: 0, final_status, seq });
     }
 
     pub fn cancel(&mut self, id: TaskId, scope: Option<&[String]>, conn: ConnRef) {
@@ -1139,11 +1159,11 @@ impl PgStore {
             parts.push(Part::Claim(c));
         }
         if !self.session_rows.is_empty() {
-            let rows = std::mem::take(&mut self.session_rows);
+            let (rows, seqs): (Vec<sql::SessionAttempt>, Vec<u64>) =
+                std::mem::take(&mut self.session_rows).into_iter().unzip();
             stmts.push(sql::session_attempts(&node_id, &rows));
-            // (Every row queued so far is in this transaction: one is in flight at a time, and
-            // a failed one's rows come back to the queue for the next.)
-            parts.push(Part::SessionAttempts(rows, self.session_seq));
+            // (A failed transaction's rows come back to the queue for the next.)
+            parts.push(Part::SessionAttempts(rows, seqs));
         }
         for t in std::mem::take(&mut self.takes) {
             stmts.push(Stmt::new(
@@ -1345,7 +1365,7 @@ impl PgStore {
                 Part::Unclaim(back) => self.unclaim.extend(back),
                 Part::Orphans => self.orphans = true,
                 Part::Adopt => {}
-                Part::SessionAttempts(rows, _) => self.session_rows.extend(rows),
+                Part::SessionAttempts(rows, seqs) => self.session_rows.extend(rows.into_iter().zip(seqs)),
                 Part::TakeSession(t) => {
                     // (Lost: it may have committed; what came here unseen goes back.)
                     if matches!(why, Failure::Lost(_)) {
@@ -1503,7 +1523,11 @@ impl PgStore {
                 Part::Ended(recs) => self.on_ended(recs, here),
                 Part::Claim(c) => self.on_claimed(c, here),
                 Part::Adopt => self.on_adopted(here),
-                Part::SessionAttempts(_, seq) => self.session_committed = self.session_committed.max(seq),
+                Part::SessionAttempts(_, seqs) => {
+                    for seq in seqs {
+                        self.uncommitted.remove(&seq);
+                    }
+                }
                 Part::TakeSession(t) => self.on_taken(t, here),
                 Part::Orphans => {
                     if !here.is_empty() {
@@ -1736,6 +1760,9 @@ impl PgStore {
     }
 
     fn on_ended(&mut self, recs: Vec<EndRec>, here: &[Row]) {
+        for r in &recs {
+            self.uncommitted.remove(&r.seq);
+        }
         // Rows: the tasks whose attempt the database took, as `GET_TASKS` has them.
         let applied: HashMap<&str, u64> = here
             .iter()

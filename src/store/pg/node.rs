@@ -117,6 +117,8 @@ pub struct EndRec {
     pub refusals: u8,
     /// The task is final: this node counts it and waiters may be answered once it is written.
     pub final_status: bool,
+    /// Its record number ([`super::PgStore::rows_committed`]).
+    pub seq: u64,
 }
 
 /// A task to insert, and whom its insert answers.
@@ -152,8 +154,8 @@ pub enum Part {
     /// `TAKE_SESSION` for a worker resuming here (SPEC §12).
     TakeSession(TakeReq),
     /// `SESSION_ATTEMPTS`.
-    /// The rows, and the number of the newest row queued when they were sent.
-    SessionAttempts(Vec<crate::pg::sql::SessionAttempt>, u64),
+    /// The rows, and their record numbers.
+    SessionAttempts(Vec<crate::pg::sql::SessionAttempt>, Vec<u64>),
     /// `CANCEL`; the next statement reads the task back.
     Cancel(CancelReq),
     CancelRead,
