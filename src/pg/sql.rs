@@ -110,10 +110,12 @@ pub const END_LOST_BACKEND: &str = "SELECT count(*) FROM (
      ) t";
 
 /// Whether the server process $1 (this node's `relay-db` session) is at work on a statement
-/// (`active`, and not waiting for a lock), asked on another connection while a request runs
-/// long: a long transaction is given time; a connection gone quiet, or one blocked on a lock that
-/// some other session may hold for ever, is not.
+/// (`active`, and waiting neither for a lock nor for this client), asked on another connection
+/// while a request runs long: a long transaction is given time; a connection gone quiet (its
+/// server process waiting to read the rest of a pipeline or to write its answer: `Client`), or
+/// one blocked on a lock that some other session may hold for ever, is not.
 pub const BACKEND_BUSY: &str = "SELECT coalesce((SELECT state = 'active' AND wait_event_type IS DISTINCT FROM 'Lock'
+         AND wait_event_type IS DISTINCT FROM 'Client'
        FROM pg_stat_activity WHERE pid = $1::int4), false)";
 
 /// Live nodes: $1 lease_ms.

@@ -302,9 +302,9 @@ pub struct Timeouts {
     pub io_ms: u64,
 }
 
-/// Lets one `simple` or `pipeline` call run past `io_ms` while `busy` says the server is still
-/// at work on it (its backend `active`, seen on another connection: a long transaction, not a
-/// connection gone quiet), up to `max_ms` in all.
+/// Lets one `simple` or `pipeline` call run past `io_ms` while its bytes still move or `busy`
+/// says the server is still at work on it (its backend `active` on the query, seen on another
+/// connection: a long transaction, not a connection gone quiet), up to `max_ms` in all.
 pub struct Patience {
     pub max_ms: u64,
     pub busy: Box<dyn Fn() -> bool + Send>,
@@ -334,6 +334,8 @@ pub struct Conn {
     backend_pid: i32,
     pub timeouts: Timeouts,
     patience: Option<Patience>,
+    /// Bytes written and read so far: a call whose bytes still move is not one gone quiet.
+    moved: u64,
 }
 
 impl fmt::Debug for Conn {
@@ -383,6 +385,7 @@ impl Conn {
             backend_pid: 0,
             timeouts,
             patience: None,
+            moved: 0,
         };
         let deadline = Instant::now() + limit.max(Duration::from_millis(timeouts.io_ms));
         conn.startup(params, deadline)?;
@@ -622,6 +625,7 @@ impl Conn {
         mut each: impl FnMut(Message) -> Result<(), PgError>,
     ) -> Result<(), PgError> {
         let began = Instant::now();
+        let mut moved = self.moved;
         loop {
             while let Some(msg) = self.try_parse()? {
                 match msg {
@@ -637,8 +641,12 @@ impl Conn {
             }
             let want_write = !self.wbuf.is_empty();
             if !self.wait_io(want_write, deadline)? {
+                // (Bytes that moved since the last look — a 48 MiB row on its way — count as
+                // work too: the server process then waits on this client, not on its query.)
+                let progressed = std::mem::replace(&mut moved, self.moved) != self.moved;
                 let patient = self.patience.as_ref().is_some_and(|p| {
-                    began.elapsed() < Duration::from_millis(p.max_ms.saturating_sub(PATIENCE_STEP_MS)) && (p.busy)()
+                    began.elapsed() < Duration::from_millis(p.max_ms.saturating_sub(PATIENCE_STEP_MS))
+                        && (progressed || (p.busy)())
                 });
                 if patient {
                     deadline = Instant::now() + Duration::from_millis(PATIENCE_STEP_MS);
@@ -726,6 +734,7 @@ impl Conn {
             match self.stream.write(&self.wbuf) {
                 Ok(0) => return Err(PgError::Io(io::ErrorKind::WriteZero.into())),
                 Ok(n) => {
+                    self.moved = self.moved.wrapping_add(n as u64);
                     let _ = self.wbuf.split_to(n);
                     if self.wbuf.is_empty() {
                         return Ok(());
@@ -751,6 +760,7 @@ impl Conn {
                     )));
                 }
                 Ok(n) => {
+                    self.moved = self.moved.wrapping_add(n as u64);
                     self.rbuf.put_slice(&chunk[..n]);
                     if n < chunk.len() {
                         return Ok(());
