@@ -42,6 +42,9 @@ pub struct Conn {
     /// Answers that may not leave before the journal is durable up to `lsn`: bytes from
     /// `start` in `out` on wait (in order; the sequence numbers never decrease).
     pub gates: std::collections::VecDeque<Gate>,
+    /// While a session worker's messages are handled: nothing from here on is written yet (what
+    /// they cause — a pong, a freed slot's next task — may have to wait for what they journal).
+    pub hold_from: Option<usize>,
     /// Large bodies kept as they are rather than copied into `out`, each written where it
     /// belongs (`Spill::at`), a slice at a time.
     pub spill: std::collections::VecDeque<Spill>,
@@ -175,6 +178,7 @@ impl Conn {
             close_after_flush: false,
             write_shut: false,
             gates: std::collections::VecDeque::new(),
+            hold_from: None,
             out_progress_ms: 0,
             spill: std::collections::VecDeque::new(),
             spill_bytes: 0,
@@ -233,7 +237,8 @@ impl Conn {
 
     /// How far `out` may be written now.
     pub fn writable_end(&self) -> usize {
-        self.gates.front().map_or(self.out.len(), |g| g.start)
+        let gated = self.gates.front().map_or(self.out.len(), |g| g.start);
+        self.hold_from.map_or(gated, |h| gated.min(h))
     }
 }
 

@@ -347,6 +347,9 @@ fn drop_written(conn: &mut Conn) {
     for gate in &mut conn.gates {
         gate.start = gate.start.saturating_sub(n);
     }
+    if let Some(h) = &mut conn.hold_from {
+        *h = h.saturating_sub(n);
+    }
     for spill in &mut conn.spill {
         spill.at = spill.at.saturating_sub(n);
     }

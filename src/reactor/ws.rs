@@ -44,13 +44,19 @@ impl Server {
         let mut close: Option<(CloseCode, &'static str)> = None;
         let mut gone = false;
         let peer_closed: bool;
-        let mark: usize;
+        let mut mark: usize;
         let mut more = false;
         let mut blocked = false;
+        let session = self.core.is_session_worker(r);
         {
             let Some(conn) = self.conns.get_mut(r) else { return };
             mark = conn.out.len();
             let State::Ws(ws) = &mut conn.state else { return };
+            // (A session worker's output from here on waits until its messages are handled and
+            // gated below: nothing they cause may leave before what they journal is durable.)
+            if session {
+                conn.hold_from = Some(mark);
+            }
             // First what tungstenite already holds (frames that came with the upgrade), then
             // the socket.
             let mut n = 0;
@@ -133,6 +139,9 @@ impl Server {
         // included: a worker forgets a result once a pong says relay read it, so a crash must
         // not lose it after that (SPEC §12).
         let after = self.journal_lsn();
+        if let Some(held) = self.conns.get_mut(r).and_then(|c| c.hold_from.take()) {
+            mark = held; // (where `mark` is now, if written bytes were dropped meanwhile)
+        }
         if after > before && self.core.is_session_worker(r) {
             let durable = self.core.store.durable_lsn();
             if let Some(conn) = self.conns.get_mut(r)
