@@ -247,10 +247,12 @@ pub const POLICY_CHANGES: &str = "SELECT kind, policy, changed FROM relay_kind_p
      WHERE changed > $1::int8 ORDER BY changed";
 
 /// The kinds `GET /kinds` shows ($1 NULL), or kind $1 alone: those with a policy or with pending
-/// or running tasks — kind, policy JSON (NULL: none), running attempts, pending tasks.
+/// or running tasks — kind, policy JSON (NULL: none), running attempts, pending tasks (the sum of
+/// the kind's per-node counts in `relay_kind_pending`, kept by triggers: kinds × nodes rows, not
+/// the kind's pending rows).
 pub const KINDS: &str = "WITH p AS (
-       SELECT kind, count(*) AS n FROM relay_pending
-       WHERE kind IS NOT NULL AND ($1::text IS NULL OR kind = $1::text) GROUP BY kind
+       SELECT kind, sum(n)::int8 AS n FROM relay_kind_pending
+       WHERE $1::text IS NULL OR kind = $1::text GROUP BY kind HAVING sum(n) <> 0
      ), r AS (
        SELECT kind, count(*) AS n FROM relay_running
        WHERE kind IS NOT NULL AND ($1::text IS NULL OR kind = $1::text) GROUP BY kind
@@ -521,9 +523,10 @@ pub const LANE_BACKLOG: &str =
      LIMIT 1000";
 
 /// `relay_kind_running` / `relay_kind_pending` for the kinds with a policy ($1, at most 1,000):
-/// kind, attempts running, tasks pending (each counted on its kind's index).
+/// kind, attempts running (counted on the running rows' kind index), tasks pending (the sum of
+/// the kind's per-node counts: as many rows as nodes, however long the queue).
 pub const KIND_GAUGES: &str = "SELECT k.kind, (SELECT count(*) FROM relay_running r WHERE r.kind = k.kind),
-            (SELECT count(*) FROM relay_pending p WHERE p.kind = k.kind)
+            (SELECT coalesce(sum(p.n), 0)::int8 FROM relay_kind_pending p WHERE p.kind = k.kind)
      FROM unnest($1::text[]) AS k(kind) ORDER BY k.kind";
 
 /// A limited kind in a claim: the kind, its own running cap and bucket (tokens per ms, burst),
@@ -1156,6 +1159,23 @@ pub fn fail_unplaceable(lease_ms: u64, now_ms: i64) -> Stmt {
 /// Nodes silent for an hour are forgotten (a restarted relay is a new node: without this their
 /// rows would pile up), and the counter rows of every node not heard from for an hour are
 /// folded into the zero node's (sums unchanged; a live node's next change writes a fresh row).
+///
+/// The pending counts per kind (`relay_kind_pending`) are folded the same way, and a kind whose
+/// rows add up to 0 (no task of it pending: a made-up name, a kind drained) loses them, so the
+/// table holds kinds × nodes rows of kinds with work, not every name ever submitted (the rows of
+/// a kind can each be nonzero and add up to 0: a task submitted on one node and claimed on
+/// another is +1 on the first and −1 on the second). The kinds that add up to 0 as this
+/// statement's snapshot sees them (1000 a run) are the candidates; of their rows, those it can
+/// lock (`FOR UPDATE SKIP LOCKED`: the sweep never waits for a node's turn transaction, nor
+/// deadlocks with one) go if the locked versions still add up to 0. Under READ COMMITTED the
+/// locked versions are the latest committed ones and none can change before this commits, and
+/// removing rows that add up to 0 leaves their kind's sum as it is — whatever runs meanwhile: a
+/// trigger's upsert of a row being removed waits for this statement, then finds no row and
+/// inserts its change as a new one (`ON CONFLICT` either inserts or updates, retrying until one
+/// succeeds); a row a trigger has changed and not committed yet is skipped (the rest may still
+/// add up to 0: they go, and the skipped row keeps its kind's whole sum); a row inserted after
+/// the snapshot is not seen. A kind with a row of a node being folded is left alone until the
+/// next run (one statement touches a row once).
 pub const FORGET_NODES: &str = "WITH gone AS (
        DELETE FROM relay_nodes WHERE heartbeat_ms < relay_now_ms() - 3600000
      ), workers_gone AS (
@@ -1180,6 +1200,30 @@ pub const FORGET_NODES: &str = "WITH gone AS (
        FROM pending_folded HAVING count(*) > 0
        ON CONFLICT (node_id) DO UPDATE SET n = relay_pending_counts.n + excluded.n,
          bytes = relay_pending_counts.bytes + excluded.bytes
+     ), kind_folded AS (
+       DELETE FROM relay_kind_pending c WHERE (c.kind, c.node_id) IN (
+         SELECT x.kind, x.node_id FROM relay_kind_pending x
+         WHERE x.node_id <> '00000000-0000-0000-0000-000000000000'::uuid
+           AND NOT EXISTS (SELECT 1 FROM relay_nodes n
+                           WHERE n.node_id = x.node_id AND n.heartbeat_ms > relay_now_ms() - 3600000)
+         FOR UPDATE SKIP LOCKED)
+       RETURNING c.kind, c.n
+     ), kind_zero AS (
+       INSERT INTO relay_kind_pending (kind, node_id, n)
+       SELECT kind, '00000000-0000-0000-0000-000000000000'::uuid, sum(n) FROM kind_folded GROUP BY kind ORDER BY kind
+       ON CONFLICT (kind, node_id) DO UPDATE SET n = relay_kind_pending.n + excluded.n
+     ), kind_idle AS MATERIALIZED (
+       SELECT l.kind, array_agg(l.node_id) AS nodes FROM (
+         SELECT x.kind, x.node_id, x.n FROM relay_kind_pending x
+         WHERE x.kind IN (SELECT y.kind FROM relay_kind_pending y GROUP BY y.kind HAVING sum(y.n) = 0 LIMIT 1000)
+           AND NOT EXISTS (SELECT 1 FROM relay_kind_pending d
+                           WHERE d.kind = x.kind AND d.node_id <> '00000000-0000-0000-0000-000000000000'::uuid
+                             AND NOT EXISTS (SELECT 1 FROM relay_nodes n
+                                             WHERE n.node_id = d.node_id AND n.heartbeat_ms > relay_now_ms() - 3600000))
+         FOR UPDATE OF x SKIP LOCKED) l
+       GROUP BY l.kind HAVING sum(l.n) = 0
+     ), kind_swept AS (
+       DELETE FROM relay_kind_pending c USING kind_idle z WHERE c.kind = z.kind AND c.node_id = ANY(z.nodes)
      )
      INSERT INTO relay_counters (node_id, status, n)
      SELECT '00000000-0000-0000-0000-000000000000'::uuid, status, sum(n) FROM folded GROUP BY status

@@ -50,7 +50,7 @@ impl model::PgBackend for Backend {
         // A clean database: every sequence starts from nothing.
         self.reader
             .simple(
-                "TRUNCATE relay_tasks, relay_pending, relay_running, relay_counters, relay_pending_counts,
+                "TRUNCATE relay_tasks, relay_pending, relay_running, relay_counters, relay_pending_counts, relay_kind_pending,
                  relay_workers, relay_nodes",
             )
             .expect("truncate");

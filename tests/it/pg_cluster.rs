@@ -454,6 +454,39 @@ fn assert_counts_match(pg: &Pg) {
     );
     assert_eq!(counted, actual, "relay_counters vs the rows");
     assert!(!actual.is_empty(), "there is something to count");
+    assert_kind_counts_match(pg);
+}
+
+/// The pending counts per kind the triggers keep (`relay_kind_pending`, summed over nodes) must
+/// equal a count of the pending rows, and so must what `KINDS` and `KIND_GAUGES` answer.
+fn assert_kind_counts_match(pg: &Pg) {
+    let counted = pg.psql(
+        "select coalesce(string_agg(kind || '=' || n, ',' order by kind), '') from
+           (select kind, sum(n) as n from relay_kind_pending group by kind having sum(n) <> 0) x",
+    );
+    let actual = pg.psql(
+        "select coalesce(string_agg(kind || '=' || c, ',' order by kind), '') from
+           (select kind, count(*) as c from relay_pending where kind is not null group by kind) y",
+    );
+    assert_eq!(counted, actual, "relay_kind_pending vs the pending rows");
+    let mut c = connect(&pg.url());
+    let out = c.pipeline(&[Stmt::new(sql::KINDS, vec![Param::Null])]).expect("kinds");
+    let listed: Vec<String> = out[0]
+        .rows
+        .iter()
+        .filter(|r| r.i64(3).is_some_and(|n| n != 0))
+        .map(|r| format!("{}={}", r.text(0).unwrap_or_default(), r.i64(3).unwrap_or_default()))
+        .collect();
+    assert_eq!(listed.join(","), actual, "KINDS' pending column");
+    let kinds: Vec<&str> = actual.split(',').filter_map(|kn| kn.split('=').next()).filter(|k| !k.is_empty()).collect();
+    let out = c.pipeline(&[Stmt::new(sql::KIND_GAUGES, vec![sql::array(kinds.iter().map(|k| Some(*k))).into()])]);
+    let gauges: Vec<String> = out.expect("gauges")[0]
+        .rows
+        .iter()
+        .map(|r| format!("{}={}", r.text(0).unwrap_or_default(), r.i64(2).unwrap_or_default()))
+        .collect();
+    assert_eq!(gauges.join(","), actual, "KIND_GAUGES' pending column");
+    c.close();
 }
 
 fn heartbeat(c: &mut Conn, node: &str, name: &str) {
@@ -1106,6 +1139,135 @@ fn pg_sql_nodes_silent_for_an_hour_are_forgotten_and_their_counts_folded() {
     // Nothing to fold: the sums stay.
     c.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("again");
     assert_counts_match(&pg);
+}
+
+/// `relay_kind_pending` (schema version 16): each node's statements count its own rows, a dead
+/// node's rows fold into the zero node's, and a kind whose rows add up to 0 loses them (made-up
+/// kinds do not pile up) — the sums always those of the pending rows. A sweep racing a trigger
+/// neither waits for it nor loses its change, whichever comes first.
+#[test]
+fn pg_sql_pending_counts_per_kind_fold_sweep_and_race_triggers() {
+    let Some(pg) = Pg::start("pg_sql_pending_counts_per_kind_fold_sweep_and_race_triggers") else { return };
+    let mut a = migrated(&pg);
+    let mut b = connect(&pg.url());
+    a.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_A.into()])]).expect("tag a");
+    b.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_B.into()])]).expect("tag b");
+    heartbeat(&mut a, NODE_A, "node-a");
+    heartbeat(&mut b, NODE_B, "node-b");
+    let rows = |kind: &str| {
+        pg.psql(&format!(
+            "select coalesce(string_agg(node_id::text || '=' || n, ',' order by node_id), '') from relay_kind_pending where kind = '{kind}'"
+        ))
+    };
+    // A submits 3 of `x` and 2 of `y` (and one without kind: not counted here); B claims 2 of `x`.
+    let mut tasks: Vec<sql::NewTask> = (1..=3).map(|n| new_task(&uuid_n(n), Some("x"), None)).collect();
+    tasks.extend((4..=5).map(|n| new_task(&uuid_n(n), Some("y"), None)));
+    tasks.push(new_task(&uuid_n(6), None, None));
+    a.pipeline(&[insert(&tasks)]).expect("insert");
+    let claimed = b.pipeline(&[claim(NODE_B, &uuid_n(0xb1), Some(&["x"]), 2, 10_000)]).expect("claim");
+    assert_eq!(claimed[0].rows.len(), 2);
+    assert_eq!(rows("x"), format!("{NODE_A}=3,{NODE_B}=-2"), "each node's net change");
+    assert_kind_counts_match(&pg);
+    // B drains `y`: its rows add up to 0, and the next sweep removes them; `x` keeps its own.
+    let claimed = b.pipeline(&[claim(NODE_B, &uuid_n(0xb1), Some(&["y"]), 5, 10_000)]).expect("claim");
+    assert_eq!(claimed[0].rows.len(), 2);
+    b.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("sweep");
+    assert_eq!(rows("y"), "", "a kind with nothing pending has no rows");
+    assert_eq!(rows("x"), format!("{NODE_A}=3,{NODE_B}=-2"));
+    assert_kind_counts_match(&pg);
+    // A dies: its rows fold into the zero node's; the sums stay.
+    a.simple(&format!("update relay_nodes set heartbeat_ms = heartbeat_ms - 7200000 where node_id = '{NODE_A}'"))
+        .expect("age");
+    b.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("fold");
+    let zero = "00000000-0000-0000-0000-000000000000";
+    assert_eq!(rows("x"), format!("{zero}=3,{NODE_B}=-2"), "A's rows folded into the zero node's");
+    assert_kind_counts_match(&pg);
+    b.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("again");
+    assert_eq!(rows("x"), format!("{zero}=3,{NODE_B}=-2"), "nothing more to fold or sweep");
+    // An update of other columns counts nothing; a hand edit of a pending row's kind moves it.
+    b.simple("update relay_pending set ord_ms = ord_ms + 1").expect("update");
+    assert_eq!(rows("x"), format!("{zero}=3,{NODE_B}=-2"));
+    b.simple("update relay_pending set kind = 'w' where task_id = (select task_id from relay_pending where kind = 'x' limit 1)")
+        .expect("rekind");
+    assert_eq!(rows("w"), format!("{NODE_B}=1"));
+    assert_kind_counts_match(&pg);
+    b.simple("update relay_pending set kind = NULL where kind = 'w'").expect("no kind");
+    assert_kind_counts_match(&pg);
+
+    // A trigger's upsert in flight (B inserts `z` in a transaction not committed yet, its row of
+    // `z` at 0 before): the sweep skips the row — without waiting — and the change is kept.
+    b.pipeline(&[insert(&[new_task(&uuid_n(7), Some("z"), None)])]).expect("z");
+    b.pipeline(&[claim(NODE_B, &uuid_n(0xb1), Some(&["z"]), 1, 10_000)]).expect("claim z");
+    assert_eq!(rows("z"), format!("{NODE_B}=0"));
+    b.simple("BEGIN").expect("begin");
+    b.pipeline(&[insert(&[new_task(&uuid_n(8), Some("z"), None)])]).expect("z again");
+    let mut h = connect(&pg.url());
+    h.simple("SET statement_timeout = 5000").expect("timeout");
+    let started = Instant::now();
+    h.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("the sweep never waits for a trigger's row");
+    assert!(started.elapsed() < Duration::from_secs(2), "the sweep waited {:?}", started.elapsed());
+    b.simple("COMMIT").expect("commit");
+    assert_eq!(rows("z"), format!("{NODE_B}=1"));
+    assert_kind_counts_match(&pg);
+
+    // The other way round: the sweep removes `z`'s rows (at 0 again) in a transaction not
+    // committed yet while B inserts `z`: B's upsert waits for it, then inserts a new row.
+    b.pipeline(&[claim(NODE_B, &uuid_n(0xb1), Some(&["z"]), 1, 10_000)]).expect("claim z");
+    h.simple("BEGIN").expect("begin");
+    h.pipeline(&[Stmt::new(sql::FORGET_NODES, vec![])]).expect("sweep");
+    assert_eq!(
+        h.simple("select count(*) from relay_kind_pending where kind = 'z'").expect("seen")[0].rows[0].i64(0),
+        Some(0),
+        "removed, not committed"
+    );
+    let url = pg.url();
+    let inserter = std::thread::spawn(move || {
+        let mut c = connect(&url);
+        c.pipeline(&[Stmt::new(sql::SET_NODE, vec![NODE_B.into()])]).expect("tag");
+        c.pipeline(&[insert(&[new_task(&uuid_n(9), Some("z"), None)])]).expect("insert z");
+    });
+    // (The insert is waiting for the sweep's row lock.)
+    let waiting = crate::support::poll_until(Duration::from_secs(5), || {
+        pg.psql("select count(*) from pg_stat_activity where wait_event_type = 'Lock' and query like '%relay_pending%'")
+            != "0"
+    });
+    assert!(waiting, "the insert waits for the sweep");
+    h.simple("COMMIT").expect("commit");
+    inserter.join().expect("inserter");
+    assert_eq!(rows("z"), format!("{NODE_B}=1"));
+    assert_kind_counts_match(&pg);
+}
+
+/// Schema version 16 fills `relay_kind_pending` from the pending rows a database of the version
+/// before already holds.
+#[test]
+fn pg_schema_pending_counts_per_kind_are_filled_from_an_older_schema() {
+    let Some(pg) = Pg::start("pg_schema_pending_counts_per_kind_are_filled_from_an_older_schema") else { return };
+    let at = schema::MIGRATIONS
+        .iter()
+        .position(|m| m.1 == "pending tasks counted per kind by triggers")
+        .expect("the migration");
+    let mut c = connect(&pg.url());
+    schema::migrate_to(&mut c, &schema::MIGRATIONS[..at]).expect("older schema");
+    let mut tasks: Vec<sql::NewTask> = (1..=4).map(|n| new_task(&uuid_n(n), Some("a"), None)).collect();
+    tasks.extend((5..=6).map(|n| new_task(&uuid_n(n), Some("b"), None)));
+    tasks.push(new_task(&uuid_n(7), None, None));
+    c.pipeline(&[insert(&tasks)]).expect("insert");
+    let claimed = c.pipeline(&[claim(NODE_A, &uuid_n(0xa1), Some(&["a"]), 1, 10_000)]).expect("claim");
+    assert_eq!(claimed[0].rows.len(), 1);
+    assert_eq!(pg.psql("select to_regclass('relay_kind_pending') is null"), "t", "not there before");
+    let done = schema::migrate(&mut c).expect("migrate");
+    assert_eq!(done.from, schema::MIGRATIONS[at - 1].0);
+    assert_eq!(pg.psql("select string_agg(kind || '=' || n, ',' order by kind) from relay_kind_pending"), "a=3,b=2");
+    assert_kind_counts_match(&pg);
+    // And the triggers count from there.
+    c.pipeline(&[claim(NODE_A, &uuid_n(0xa1), Some(&["b"]), 1, 10_000)]).expect("claim");
+    c.pipeline(&[insert(&[new_task(&uuid_n(8), Some("c"), None)])]).expect("insert");
+    assert_kind_counts_match(&pg);
+    assert_eq!(
+        pg.psql("select string_agg(kind || '=' || n, ',' order by kind) from relay_kind_pending"),
+        "a=3,b=1,c=1"
+    );
 }
 
 /// SPEC §12 in SQL: a lost node's attempt of a session worker is not adopted while the worker
