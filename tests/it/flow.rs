@@ -753,3 +753,161 @@ fn a_limited_kind_another_claim_holds_delays_no_other_kind() {
     w.done(&t.id, json!(null));
     other.close();
 }
+
+// ----- counts --------------------------------------------------------------------------------
+
+/// What `GET /kinds/{kind}` and `GET /kinds` say of `kind` (pending, running; (0, 0) when the
+/// kind is not listed), and what `/metrics` says (the kind has a policy).
+fn kind_counts(relay: &Relay, kind: &str) -> ((u64, u64), (u64, u64), (u64, u64)) {
+    let of = |v: &Value| (v["pending"].as_u64().unwrap_or(0), v["running"].as_u64().unwrap_or(0));
+    let one = relay.api("GET", &format!("/kinds/{kind}"), None);
+    let one = if one.status == 200 { of(&one.json()) } else { (0, 0) };
+    let list = relay.api("GET", "/kinds", None).json();
+    let listed = list["kinds"].as_array().and_then(|ks| ks.iter().find(|k| k["kind"] == kind)).map_or((0, 0), of);
+    let text = relay.metrics();
+    let gauge = |name: &str| metric_value(&text, &format!("{name}{{kind=\"{kind}\"}}")).map_or(u64::MAX, |v| v as u64);
+    (one, listed, (gauge("relay_kind_pending"), gauge("relay_kind_running")))
+}
+
+/// The kind's pending and running tasks as the database holds them.
+fn kind_rows(db: &crate::support::pg::TestDb, kind: &str) -> (u64, u64) {
+    let n = |sql: String| db.query(&sql).first().and_then(|v| v.parse().ok()).unwrap_or(u64::MAX);
+    (
+        n(format!("SELECT count(*) FROM relay_pending WHERE kind = '{kind}'")),
+        n(format!("SELECT count(*) FROM relay_running WHERE kind = '{kind}'")),
+    )
+}
+
+/// Waits until `relay`'s answers for `kind` (its `/kinds/{kind}`, its entry in `/kinds`, its
+/// gauges, at most a second old) all equal `want` (pending, running), and checks the database
+/// holds as many rows.
+fn assert_kind_counts(relay: &Relay, db: &crate::support::pg::TestDb, kind: &str, want: (u64, u64)) {
+    let mut last = kind_counts(relay, kind);
+    let ok = poll_until(Duration::from_secs(5), || {
+        last = kind_counts(relay, kind);
+        last == (want, want, want)
+    });
+    assert!(ok, "kind {kind}: (/kinds/{kind}, /kinds, gauges) {last:?}, want {want:?}");
+    assert_eq!(kind_rows(db, kind), want, "kind {kind}: the rows in the database");
+}
+
+/// Waits until `relay`'s answers for `kind` equal the rows the database holds, whatever they are.
+fn assert_kind_counts_are_the_rows(relay: &Relay, db: &crate::support::pg::TestDb, kind: &str) {
+    let (mut got, mut rows) = (kind_counts(relay, kind), kind_rows(db, kind));
+    let ok = poll_until(Duration::from_secs(5), || {
+        rows = kind_rows(db, kind);
+        got = kind_counts(relay, kind);
+        got == (rows, rows, rows) && kind_rows(db, kind) == rows
+    });
+    assert!(ok, "kind {kind}: (/kinds/{kind}, /kinds, gauges) {got:?}, the rows {rows:?}");
+}
+
+/// Cluster (schema version 16): `/kinds` and the kind gauges read pending counts the triggers
+/// on `relay_pending` keep per node and kind, not a count of the queue; they stay exact through
+/// every way a task enters or leaves the queue — submits on two nodes, claims, a failed attempt's
+/// retry, a worker's loss (its attempts back to pending), a cancel and a re-run, a node's death
+/// (its attempts adopted, its count rows folded into the zero node's an hour later), expiry in
+/// the queue — and kinds whose tasks are all gone lose their count rows.
+#[test]
+fn kind_counts_stay_exact_through_every_path_of_the_queue_and_a_nodes_death() {
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail(
+                "kind_counts_stay_exact_through_every_path_of_the_queue_and_a_nodes_death",
+                &why,
+            );
+            return;
+        }
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    // (Attempts run for as long as the test needs them to.)
+    let env = [("TASK_TIMEOUT", "120s")];
+    let mut one = Mode::start_on(db.clone(), &env);
+    let two = Mode::start_on(db.clone(), &env);
+    put_policy(&one, "k", r#"{"max_running":100}"#);
+    let task = r#"{"payload":{"kind":"k"},"queue":true,"max_retries":5,"retry":{"any_worker":true}}"#;
+    let ids: Vec<String> =
+        (0..5).map(|_| id_of(&one.submit(task))).chain((0..3).map(|_| id_of(&two.submit(task)))).collect();
+    assert_kind_counts(&one, &db, "k", (8, 0));
+    assert_kind_counts(&two, &db, "k", (8, 0));
+
+    // Claims by node two's workers: `spare` (1 slot, so that a retry always has an untried
+    // worker) and `w` (3 slots).
+    let spare = FakeWorker::connect(&two, Some(json!({"type":"hello","kinds":["k"],"concurrency":1})), Auto::Manual);
+    spare.expect_task();
+    let w = FakeWorker::connect(&two, Some(json!({"type":"hello","kinds":["k"],"concurrency":3})), Auto::Manual);
+    let mut running: Vec<String> = (0..3).map(|_| w.expect_task().id).collect();
+    assert_kind_counts(&one, &db, "k", (4, 4));
+    // A failed attempt goes back to pending for its retry; its slot takes the next task.
+    let failed = running.remove(0);
+    w.fail(&failed, "boom");
+    running.push(w.expect_task().id);
+    assert_eq!(two.get_task(&failed)["attempt_log"][0]["outcome"], "failed");
+    assert_kind_counts(&two, &db, "k", (4, 4));
+    // Done: one leaves for good.
+    w.done(&running.remove(0), json!(null));
+    running.push(w.expect_task().id);
+    assert_kind_counts(&one, &db, "k", (3, 4));
+    // A cancel of a waiting task, then its re-run.
+    let waiting = ids.iter().find(|id| one.get_task(id)["status"] == "pending").expect("a waiting task").clone();
+    assert_eq!(one.api("DELETE", &format!("/tasks/{waiting}"), None).status, 200);
+    assert_kind_counts(&one, &db, "k", (2, 4));
+    assert_eq!(two.api("POST", &format!("/tasks/{waiting}/retry"), None).status, 202);
+    assert_kind_counts(&one, &db, "k", (3, 4));
+    // `w` is lost: its attempts go back to pending.
+    w.drop_connection();
+    assert_kind_counts(&one, &db, "k", (6, 1));
+
+    // Node one's worker takes 2, then node one dies: node two adopts them (back to pending),
+    // and an hour later (node one's heartbeat is aged here) folds node one's count rows into
+    // the zero node's.
+    let w1 = FakeWorker::connect(&one, Some(json!({"type":"hello","kinds":["k"],"concurrency":2})), Auto::Manual);
+    w1.expect_task();
+    w1.expect_task();
+    assert_kind_counts(&two, &db, "k", (4, 3));
+    one.kill_now();
+    assert!(one.wait_exit(Duration::from_secs(5)).is_some(), "node one died");
+    let adopted = poll_until(Duration::from_secs(20), || kind_rows(&db, "k") == (6, 1));
+    assert!(adopted, "node one's attempts were never adopted: {:?}", kind_rows(&db, "k"));
+    assert_kind_counts(&two, &db, "k", (6, 1));
+    let zero = "00000000-0000-0000-0000-000000000000";
+    let dead_rows = format!(
+        "SELECT count(*) FROM relay_kind_pending c WHERE c.node_id <> '{zero}'
+           AND NOT EXISTS (SELECT 1 FROM relay_nodes n
+                           WHERE n.node_id = c.node_id AND n.heartbeat_ms > relay_now_ms() - 3000)"
+    );
+    assert_ne!(db.query(&dead_rows), ["0"], "node one's rows are there before the fold");
+    db.query("UPDATE relay_nodes SET heartbeat_ms = heartbeat_ms - 7200000 WHERE heartbeat_ms < relay_now_ms() - 3000");
+    let folded = poll_until(Duration::from_secs(5), || db.query(&dead_rows) == ["0"]);
+    assert!(folded, "node one's count rows were never folded");
+    assert_kind_counts(&two, &db, "k", (6, 1));
+
+    // Kinds made up for one task each: once those are gone (canceled), so are their rows.
+    let made_up: Vec<String> = (0..5)
+        .map(|i| id_of(&two.submit(&format!(r#"{{"payload":{{"kind":"made-up-{i}"}},"queue":true}}"#))))
+        .collect();
+    assert_eq!(db.query("SELECT count(*) FROM relay_kind_pending WHERE kind LIKE 'made-up-%'"), ["5"]);
+    for id in &made_up {
+        assert_eq!(two.api("DELETE", &format!("/tasks/{id}"), None).status, 200);
+    }
+    let swept = poll_until(Duration::from_secs(5), || {
+        db.query("SELECT count(*) FROM relay_kind_pending WHERE kind LIKE 'made-up-%'") == ["0"]
+    });
+    assert!(swept, "the made-up kinds' rows stay");
+    assert_eq!(two.api("GET", "/kinds/made-up-0", None).status, 404);
+
+    // Expiry in the queue: a node with a short TASK_TTL (no worker takes kind `e`; the tasks of
+    // `k` never sent to a worker expire too).
+    let three = Mode::start_on(db.clone(), &[("TASK_TTL", "3s"), ("TASK_TIMEOUT", "120s")]);
+    put_policy(&three, "e", r#"{"max_running":1}"#);
+    let e: Vec<String> = (0..3).map(|_| id_of(&three.submit(r#"{"payload":{"kind":"e"},"queue":true}"#))).collect();
+    assert_eq!(three.api("GET", "/kinds/e", None).json()["pending"], 3);
+    for id in &e {
+        assert_eq!(three.wait_status(id, "failed", Duration::from_secs(10))["error"], "expired in queue");
+    }
+    assert_kind_counts(&three, &db, "e", (0, 0));
+    assert_kind_counts_are_the_rows(&two, &db, "k");
+    assert_kind_counts_are_the_rows(&three, &db, "k");
+}
