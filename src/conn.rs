@@ -103,13 +103,21 @@ pub enum Phase {
     Body { head: Box<Head>, identity: Option<Identity>, chunked: Option<Box<(ChunkedDecoder, Vec<u8>)>> },
     /// The core holds the response (`wait=true`, or any answer a database transaction gives
     /// in cluster mode); `keep_alive` is the request's, `method` and `path` are for its log line.
-    Held { keep_alive: bool, head_only: bool, method: Method, path: Box<str> },
+    /// `http11`: the answer may be chunked (a streamed one, `crate::stream`).
+    Held { keep_alive: bool, head_only: bool, http11: bool, method: Method, path: Box<str> },
     /// `POST /tasks/batch`: items are submitted a slice per loop turn.
     Batch { batch: Box<crate::api::Batch>, keep_alive: bool },
     /// `POST /files`: the body streams through the multipart parser to the disk thread.
     Upload(Box<Upload>),
     /// `GET /files/{id}`: the file streams from the disk thread to the socket.
     Download(Box<Download>),
+    /// An answer written a piece at a time as its output drains (`GET /kinds`, `crate::stream`).
+    Stream(Box<Streaming>),
+}
+
+pub struct Streaming {
+    pub body: crate::stream::BodyStream,
+    pub keep_alive: bool,
 }
 
 pub struct Upload {

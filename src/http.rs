@@ -567,13 +567,22 @@ pub struct Response {
     pub close: bool,
     /// The journal record this answer shows must be durable before it leaves (0: nothing).
     pub lsn: u64,
+    /// `body` is the first piece of a body that goes on (`crate::stream`): the rest is written
+    /// a piece at a time as the connection's output drains.
+    pub stream: Option<Box<crate::stream::BodyStream>>,
 }
 
 pub const JSON: &str = "application/json";
 
 impl Response {
     pub fn json(status: u16, body: Vec<u8>) -> Response {
-        Response { status, content_type: JSON, headers: Vec::new(), body, close: false, lsn: 0 }
+        Response { status, content_type: JSON, headers: Vec::new(), body, close: false, lsn: 0, stream: None }
+    }
+
+    /// `body` is the first piece; `stream` writes the rest (`crate::stream`).
+    pub fn streamed(mut self, stream: crate::stream::BodyStream) -> Response {
+        self.stream = Some(Box::new(stream));
+        self
     }
 
     /// `{"error": code, "message": message}`.
@@ -622,8 +631,15 @@ impl Response {
         if !not_modified {
             out.extend_from_slice(b"\r\nContent-Type: ");
             out.extend_from_slice(self.content_type.as_bytes());
-            out.extend_from_slice(b"\r\nContent-Length: ");
-            push_decimal(out, self.body.len() as u64);
+            match &self.stream {
+                None => {
+                    out.extend_from_slice(b"\r\nContent-Length: ");
+                    push_decimal(out, self.body.len() as u64);
+                }
+                Some(s) if s.chunked => out.extend_from_slice(b"\r\nTransfer-Encoding: chunked"),
+                // (HTTP/1.0: the body ends when the connection closes.)
+                Some(_) => {}
+            }
         }
         out.extend_from_slice(b"\r\n");
         if self.content_type == JSON && !self.headers.iter().any(|(n, _)| n.eq_ignore_ascii_case("cache-control")) {

@@ -29,6 +29,7 @@ pub mod proxy;
 pub mod reactor;
 pub mod signals;
 pub mod store;
+pub mod stream;
 pub mod tasks;
 pub use relay_common::timefmt;
 pub mod timer;

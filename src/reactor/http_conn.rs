@@ -10,9 +10,11 @@ impl Server {
             let State::Http(http) = &mut conn.state else { return };
             // The most input the connection may buffer in its phase.
             let cap = match &http.phase {
-                Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } | Phase::AuthWait(_) => {
-                    MAX_HELD_INPUT_BYTES
-                }
+                Phase::Held { .. }
+                | Phase::Download(_)
+                | Phase::Stream(_)
+                | Phase::Batch { .. }
+                | Phase::AuthWait(_) => MAX_HELD_INPUT_BYTES,
                 Phase::Body { head, .. } if Route::of(&head.path) == Route::TasksBatch => {
                     // A batch body may be MAX_BATCH_BYTES, but the bodies buffered at once share
                     // a budget: each holds what has arrived and one read more, never what its
@@ -113,7 +115,7 @@ impl Server {
         }
         match &http.phase {
             // The answer is under way; when it is done the buffer is looked at again.
-            Phase::Held { .. } | Phase::Download(_) | Phase::Batch { .. } | Phase::AuthWait(_) => {}
+            Phase::Held { .. } | Phase::Download(_) | Phase::Stream(_) | Phase::Batch { .. } | Phase::AuthWait(_) => {}
             // A whole submit held back until the journal catches up (`journal_blocked`).
             Phase::Body { head, .. }
                 if journal_full && matches!(Route::of(&head.path), Route::Tasks | Route::TasksBatch) => {}
@@ -148,7 +150,7 @@ impl Server {
         }
         let State::Http(http) = &mut conn.state else { return false };
         match &mut http.phase {
-            Phase::Held { .. } | Phase::Download(_) => false,
+            Phase::Held { .. } | Phase::Download(_) | Phase::Stream(_) => false,
             Phase::Upload(_) => self.step_upload(r),
             Phase::Batch { .. } => self.step_batch(r),
             Phase::Idle | Phase::Head => {
@@ -322,14 +324,19 @@ impl Server {
             Some(Handled::Respond(response)) => response,
             Some(_) => {
                 // Cluster mode: answered when the database has every item.
-                http.phase =
-                    Phase::Held { keep_alive, head_only: false, method: Method::Post, path: "/tasks/batch".into() };
+                http.phase = Phase::Held {
+                    keep_alive,
+                    head_only: false,
+                    http11: true,
+                    method: Method::Post,
+                    path: "/tasks/batch".into(),
+                };
                 return false;
             }
         };
         self.core.metrics.http_request(response.status);
         let close = !keep_alive || self.shutdown_started;
-        put_response(conn, r, response, close, false, durable, &mut self.gated, &self.date.1);
+        put_response(conn, r, response, close, false, false, durable, &mut self.gated, &self.date.1);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
         let at = self.now_ms + self.cfg.idle_timeout_ms;
@@ -461,6 +468,7 @@ impl Server {
                     response,
                     close,
                     head.method == Method::Head,
+                    head.minor_version >= 1,
                     durable,
                     &mut self.gated,
                     &self.date.1,
@@ -474,12 +482,47 @@ impl Server {
                 http.phase = Phase::Held {
                     keep_alive: head.keep_alive,
                     head_only: head.method == Method::Head,
+                    http11: head.minor_version >= 1,
                     method: head.method,
                     path: head.path.as_str().into(),
                 };
                 self.set_deadline(r, u64::MAX);
             }
             Handled::Upgrade { accept_key } => self.upgrade(r, &accept_key, client_ip),
+        }
+    }
+
+    /// Writes the next piece of a streamed answer (`crate::stream`) once its output has
+    /// drained to LOW_WATER_BYTES (under OUTPUT_MEMORY pressure: all of it), and ends the answer
+    /// after the last. One piece a call: the next waits for a flush (the next turn at the
+    /// earliest), so a long answer shares the loop with everyone else.
+    pub(super) fn pump_stream(&mut self, r: ConnRef) {
+        let low_water = if self.output_pressure() { 0 } else { crate::stream::LOW_WATER_BYTES };
+        let Some(conn) = self.conns.get_mut(r) else { return };
+        let pending = conn.pending_out();
+        let State::Http(http) = &mut conn.state else { return };
+        let Phase::Stream(st) = &mut http.phase else { return };
+        if pending > low_water {
+            return;
+        }
+        let mut piece = String::with_capacity(crate::stream::PIECE_BYTES + 1024);
+        self.core.store.stream_piece(&mut st.body, &mut piece);
+        let (done, keep_alive) = (st.body.done, st.keep_alive);
+        if st.body.chunked {
+            crate::stream::push_chunk(&mut conn.out, piece.as_bytes());
+            if done {
+                conn.out.extend_from_slice(crate::stream::LAST_CHUNK);
+            }
+        } else {
+            conn.out.extend_from_slice(piece.as_bytes());
+        }
+        mark_dirty(&mut conn.in_dirty, r, &mut self.dirty);
+        self.count_out(r);
+        if done {
+            self.finish_transfer(r, keep_alive);
+        } else {
+            let at = self.now_ms + self.cfg.idle_timeout_ms;
+            self.set_deadline(r, at);
         }
     }
 

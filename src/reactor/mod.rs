@@ -33,7 +33,7 @@ mod ws;
 use crate::api::{Api, Handled, Refused, Route};
 use crate::auth::Identity;
 use crate::config::Config;
-use crate::conn::{Conn, Download, Phase, State, Upload, Ws, WsIo, ws_context};
+use crate::conn::{Conn, Download, Phase, State, Streaming, Upload, Ws, WsIo, ws_context};
 use crate::dispatch::{Core, CoreConfig, Io, Timer};
 use crate::files::{self, Done, FileMeta, Job, OpenError, RangeAnswer, Store, TransferId, UploadError, UploadParse};
 use crate::http::{self, ChunkedDecoder, Framing, Head, MAX_HEAD_BYTES, Method, Response};
@@ -243,7 +243,7 @@ impl Io for Wire<'_> {
     fn reply(&mut self, r: ConnRef, response: Response) {
         let Some(conn) = self.conns.get_mut(r) else { return };
         let State::Http(http) = &mut conn.state else { return };
-        let Phase::Held { keep_alive, head_only, .. } = http.phase else { return };
+        let Phase::Held { keep_alive, head_only, http11, .. } = http.phase else { return };
         let Phase::Held { method, path, .. } = std::mem::replace(&mut http.phase, Phase::Idle) else { return };
         // The line an answer given at once gets (`complete_request`): a held answer — a
         // `wait=true`, and in cluster mode every answer a transaction gives — is logged too.
@@ -256,7 +256,7 @@ impl Io for Wire<'_> {
             client_ip = conn.client_ip
         );
         let close = !keep_alive || response.close || self.shutting_down;
-        put_response(conn, r, response, close, head_only, self.durable_lsn, self.gated, &self.date);
+        put_response(conn, r, response, close, head_only, http11, self.durable_lsn, self.gated, &self.date);
         conn.close_after_flush |= close;
         mark_dirty(&mut conn.in_dirty, r, self.dirty);
         // Pipelined requests may be waiting behind the held one.
@@ -370,9 +370,10 @@ struct Gated {
 fn put_response(
     conn: &mut Conn,
     r: ConnRef,
-    response: Response,
+    mut response: Response,
     close: bool,
     head_only: bool,
+    http11: bool,
     durable_lsn: u64,
     gated: &mut Gated,
     date: &[u8],
@@ -383,12 +384,38 @@ fn put_response(
     if conn.gate(response.lsn, durable_lsn) {
         gated.conns.push(r);
     }
-    write_response(conn, response, close, head_only, date);
+    if let Some(s) = &mut response.stream {
+        s.chunked = http11;
+    }
+    if head_only || response.stream.is_none() {
+        write_response(conn, response, close, head_only, date);
+        return;
+    }
+    // A streamed answer (`crate::stream`): its head and first piece now, the rest as the
+    // output drains (`pump_stream`). Without chunks (HTTP/1.0) its end is the connection's.
+    let close = close || !http11;
+    response.close = close;
+    response.write_head(&mut conn.out, date);
+    let Some(body) = response.stream.take() else { return };
+    if body.chunked {
+        crate::stream::push_chunk(&mut conn.out, &response.body);
+    } else {
+        conn.out.extend_from_slice(&response.body);
+    }
+    if body.done {
+        if body.chunked {
+            conn.out.extend_from_slice(crate::stream::LAST_CHUNK);
+        }
+        return;
+    }
+    if let State::Http(http) = &mut conn.state {
+        http.phase = Phase::Stream(Box::new(Streaming { body: *body, keep_alive: !close }));
+    }
 }
 
-/// A held reply or a download that has not been written completely yet.
+/// A held reply, a download or a streamed answer that has not been written completely yet.
 fn answer_under_way(conn: &Conn) -> bool {
-    matches!(&conn.state, State::Http(http) if matches!(http.phase, Phase::Held { .. } | Phase::Batch { .. } | Phase::Download(_) | Phase::Upload(_)))
+    matches!(&conn.state, State::Http(http) if matches!(http.phase, Phase::Held { .. } | Phase::Batch { .. } | Phase::Download(_) | Phase::Stream(_) | Phase::Upload(_)))
 }
 
 /// Tells the disk thread a connection's transfer is over (an upload not finished is removed).
@@ -412,6 +439,8 @@ fn end_transfer(store: &Store, transfers: &mut HashMap<TransferId, ConnRef>, pha
 /// is and written a slice at a time (`Conn::spill`), so one large result costs the loop no
 /// copy of its size and other connections are served between its slices.
 fn write_response(conn: &mut Conn, mut response: Response, close: bool, head_only: bool, date: &[u8]) {
+    // (A streamed answer goes through `put_response`; a head alone may announce one.)
+    debug_assert!(head_only || response.stream.is_none(), "a streamed answer's first piece alone");
     response.close = close;
     if head_only || response.status == 304 || response.body.len() < SPILL_MIN_BYTES {
         response.write_to(&mut conn.out, head_only, date);
@@ -988,6 +1017,7 @@ impl Server {
                     self.respond_and_close(r, crate::http::error(408, "upload made no progress within HEADER_TIMEOUT"));
                 }
                 Phase::Download(_) => self.close_now(r, "download stalled"),
+                Phase::Stream(_) => self.close_now(r, "streamed answer stalled"),
             },
             State::Ws(ws) => {
                 if !conn.gates.is_empty() {
@@ -1106,8 +1136,10 @@ impl Server {
         }
         let Some(conn) = self.conns.get_mut(r) else { return };
         if conn.pending_out() > 0 {
-            // A writable event follows; a download may still want its next chunk.
+            // A writable event follows; a download or a streamed answer may still want its
+            // next piece.
             self.pump_download(r);
+            self.pump_stream(r);
             return;
         }
         // Requests may wait behind the output just written (more than MAX_HTTP_BACKLOG_BYTES
@@ -1142,6 +1174,7 @@ impl Server {
             self.again.push(r);
         }
         self.pump_download(r);
+        self.pump_stream(r);
     }
 
     /// The core held tasks back for this worker (its output was full) and it has room again:

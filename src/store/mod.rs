@@ -555,6 +555,16 @@ impl Store {
         each!(self, s => s.kind_op(op, conn))
     }
 
+    /// The next piece of an answer a store began as [`crate::stream::BodyStream`] (the memory
+    /// store's `GET /kinds`). The database store answers whole and begins none: asked anyway,
+    /// it ends the body as an empty list would.
+    pub fn stream_piece(&self, stream: &mut crate::stream::BodyStream, out: &mut String) {
+        match self {
+            Store::Mem(m) => m.stream_piece(stream, out),
+            Store::Pg(_) => stream.write_piece(std::iter::empty::<(&str, ())>(), |_, (), _| {}, out),
+        }
+    }
+
     /// Is the kind paused (as this node knows its policy)? Its submits wait (SPEC §14).
     pub fn kind_paused(&self, kind: Option<&str>) -> bool {
         each!(self, s => s.kind_paused(kind))

@@ -1,5 +1,7 @@
 //! Flow control (SPEC §14): priorities (a head start in seconds over due order), in both modes.
 
+use std::io::{Read, Write};
+use std::net::TcpStream;
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -910,4 +912,109 @@ fn kind_counts_stay_exact_through_every_path_of_the_queue_and_a_nodes_death() {
     assert_kind_counts(&three, &db, "e", (0, 0));
     assert_kind_counts_are_the_rows(&two, &db, "k");
     assert_kind_counts_are_the_rows(&three, &db, "k");
+}
+
+// ----- GET /kinds with many kinds (single node) -----------------------------------------------
+
+/// `n` kind names in no order: `k-<pseudo-random hex>-<i>-<padding to 120 bytes>` (long, so
+/// the answer is more than the kernel's socket buffers take: 40,000 make 6.7 MB).
+fn many_kind_names(n: usize) -> Vec<String> {
+    let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+    (0..n)
+        .map(|i| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            format!("k-{:010x}-{i:<106}", x & 0xff_ffff_ffff).replace(' ', ".")
+        })
+        .collect()
+}
+
+/// Queues one task of each kind by `/tasks/batch` (no worker: they wait).
+fn queue_one_of_each(relay: &Relay, kinds: &[String]) {
+    for part in kinds.chunks(10_000) {
+        let tasks: Vec<Value> = part.iter().map(|k| json!({"payload": {"kind": k}})).collect();
+        let r = relay.api("POST", "/tasks/batch", Some(&json!({ "tasks": tasks }).to_string()));
+        assert_eq!(r.status, 202, "{}", r.text());
+        let items = r.json()["tasks"].as_array().expect("tasks").clone();
+        assert!(items.iter().all(|t| t["task_id"].is_string()), "{:?}", &items[..3]);
+    }
+}
+
+fn listed_kinds(body: &[u8]) -> Vec<String> {
+    let v: Value =
+        serde_json::from_slice(body).unwrap_or_else(|e| panic!("GET /kinds is not JSON ({e}), {} bytes", body.len()));
+    v["kinds"].as_array().expect("kinds").iter().map(|k| k["kind"].as_str().expect("kind").to_string()).collect()
+}
+
+/// Issue 22: `GET /kinds` built and sorted its whole answer on the loop — 340-450 ms with
+/// 200,000 kinds, nobody else served meanwhile (bench/README.md, flow control). It is written a
+/// piece at a time now, in kind order, each piece as the client reads: several chunks of one
+/// whole JSON answer, and the keep-alive connection goes on after it. A client that stops
+/// reading holds no more than one piece beyond the low-water mark (not the whole answer), and
+/// nothing is held for it once it goes away mid-answer. An HTTP/1.0 client gets the same body,
+/// ended by the connection's close. (What an answer under way shows of kinds that come and go
+/// meanwhile: `store::mem::flow`'s and `stream`'s unit tests.)
+#[test]
+fn get_kinds_with_40000_kinds_is_streamed_in_order_in_bounded_pieces() {
+    let relay = Relay::start();
+    let kinds = many_kind_names(40_000);
+    queue_one_of_each(&relay, &kinds);
+    let mut sorted = kinds.clone();
+    sorted.sort();
+    let auth = format!("Bearer {API}");
+
+    let mut c = Client::connect(relay.addr);
+    let r = c.call("GET", "/kinds", &[("Authorization", &auth)], None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("Transfer-Encoding"), Some("chunked"));
+    assert!(r.chunks >= 10, "{} bytes in {} chunks", r.body.len(), r.chunks);
+    assert!(r.body.len() / r.chunks <= 70 * 1024, "{} bytes in {} chunks", r.body.len(), r.chunks);
+    assert_eq!(listed_kinds(&r.body), sorted, "every kind, in order");
+    let first: Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(first["kinds"][0], json!({"kind": sorted[0], "policy": {}, "running": 0, "pending": 1}));
+    let next = c.call("GET", "/healthz", &[], None);
+    assert_eq!(next.status, 200, "the connection goes on after a streamed answer");
+
+    // A client that asks and does not read, with a small receive buffer (the kernel takes
+    // little of the answer): relay holds a piece or two for it, not the rest of the answer.
+    let deaf = TcpStream::connect(relay.addr).expect("connect");
+    crate::hostile::small_receive_buffer(&deaf);
+    let mut deaf = deaf;
+    deaf.write_all(format!("GET /kinds HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n\r\n").as_bytes())
+        .expect("write");
+    deaf.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    assert!(deaf.peek(&mut [0u8; 1]).expect("the answer begins") > 0);
+    // (Meanwhile a kind is added, before the answer's position: later answers list it.)
+    let early = id_of(&relay.submit(r#"{"payload":{"kind":"0-early"},"queue":true}"#));
+    let mut peak = 0f64;
+    let started = std::time::Instant::now();
+    while started.elapsed() < Duration::from_millis(1_500) {
+        peak = peak.max(relay.metric("relay_output_buffered_bytes"));
+    }
+    assert!(
+        peak <= (256 * 1024) as f64,
+        "{peak} bytes held for a client that does not read its GET /kinds (the answer is {} bytes)",
+        r.body.len()
+    );
+    assert!(relay.api("GET", "/healthz", None).status == 200);
+    // It goes away mid-answer: nothing is left held for it.
+    drop(deaf);
+    let freed = poll_until(Duration::from_secs(5), || relay.metric("relay_output_buffered_bytes") == 0.0);
+    assert!(freed, "{} bytes still held", relay.metric("relay_output_buffered_bytes"));
+    assert_eq!(relay.get_task(&early)["status"], "pending");
+
+    // HTTP/1.0: no chunks; the body ends with the connection.
+    let mut old = TcpStream::connect(relay.addr).expect("connect");
+    old.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    old.write_all(format!("GET /kinds HTTP/1.0\r\nAuthorization: {auth}\r\n\r\n").as_bytes()).expect("write");
+    let mut raw = Vec::new();
+    old.read_to_end(&mut raw).expect("read to the close");
+    let head_end = raw.windows(4).position(|w| w == b"\r\n\r\n").expect("a head") + 4;
+    let head = String::from_utf8_lossy(&raw[..head_end]).to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(!head.contains("content-length") && !head.contains("transfer-encoding"), "{head}");
+    assert!(head.contains("connection: close"), "{head}");
+    sorted.insert(0, "0-early".to_string());
+    assert_eq!(listed_kinds(&raw[head_end..]), sorted);
 }

@@ -517,7 +517,7 @@ fn stalled_batch_bodies_do_not_keep_an_honest_batch_waiting() {
 }
 
 /// Sets SO_RCVBUF on a client socket, so the kernel absorbs little of what relay sends it.
-fn small_receive_buffer(s: &TcpStream) {
+pub(crate) fn small_receive_buffer(s: &TcpStream) {
     use std::os::fd::AsRawFd;
     let bytes: libc::c_int = 4096;
     // SAFETY: setsockopt on a socket we own, with a pointer to a live c_int of the size given.

@@ -10,6 +10,8 @@ pub struct Resp {
     pub status: u16,
     pub headers: Vec<(String, String)>,
     pub body: Vec<u8>,
+    /// The chunks the body came in (`Transfer-Encoding: chunked`; 0: it came whole).
+    pub chunks: usize,
 }
 
 impl Resp {
@@ -78,6 +80,13 @@ impl Client {
                     .map(|(_, v)| v.parse().expect("content-length"))
                     .unwrap_or(0);
                 let len = if head_only || status == 100 || status == 101 { 0 } else { len };
+                let chunked = hs.iter().any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v == "chunked");
+                if chunked && !head_only {
+                    assert!(!hs.iter().any(|(k, _)| k.eq_ignore_ascii_case("content-length")), "both framings");
+                    self.buf.drain(..n);
+                    let (body, chunks) = self.read_chunks()?;
+                    return Some(Resp { status, headers: hs, body, chunks });
+                }
                 while self.buf.len() < n + len {
                     if !self.fill() {
                         return None;
@@ -85,11 +94,44 @@ impl Client {
                 }
                 let body = self.buf[n..n + len].to_vec();
                 self.buf.drain(..n + len);
-                return Some(Resp { status, headers: hs, body });
+                return Some(Resp { status, headers: hs, body, chunks: 0 });
             }
             if !self.fill() {
                 return None;
             }
+        }
+    }
+
+    /// A chunked body (strictly: hex sizes, CRLFs, no extensions or trailers, which relay
+    /// never writes): (the data, how many chunks).
+    fn read_chunks(&mut self) -> Option<(Vec<u8>, usize)> {
+        let mut body = Vec::new();
+        let mut chunks = 0;
+        loop {
+            let line_end = loop {
+                if let Some(i) = self.buf.windows(2).position(|w| w == b"\r\n") {
+                    break i;
+                }
+                assert!(self.buf.len() < 64, "a chunk size line of {:?}", String::from_utf8_lossy(&self.buf));
+                if !self.fill() {
+                    return None;
+                }
+            };
+            let line = std::str::from_utf8(&self.buf[..line_end]).expect("a chunk size in ASCII");
+            let size = usize::from_str_radix(line, 16).unwrap_or_else(|_| panic!("chunk size {line:?}"));
+            while self.buf.len() < line_end + 2 + size + 2 {
+                if !self.fill() {
+                    return None;
+                }
+            }
+            let data = line_end + 2..line_end + 2 + size;
+            assert_eq!(&self.buf[data.end..data.end + 2], b"\r\n", "CRLF after a chunk");
+            body.extend_from_slice(&self.buf[data.clone()]);
+            self.buf.drain(..data.end + 2);
+            if size == 0 {
+                return Some((body, chunks));
+            }
+            chunks += 1;
         }
     }
 
