@@ -182,7 +182,9 @@ macro_rules! fair_lanes {
     };
 }
 
-/// Inserts the tasks and their pending rows in one statement, in order, as long as room is
+/// Inserts the tasks and their pending rows in one statement, in order (each `held` as its kind's
+/// policy `holds`, read under a share lock of the policy row — once a statement, not by the
+/// trigger once a row), as long as room is
 /// left under $12 tasks and $13 payload bytes waiting (the retry policy: $15–$17) (counted by `relay_pending_counts`, read
 /// under [`INSERT_LOCK`]; a task marked `runs_now` needs no room). A task whose (owner, key) is
 /// already taken is not inserted. Returns one row per task given: id, seq (NULL: not inserted),
@@ -215,9 +217,12 @@ pub const INSERT_TASKS: &str = concat!(
        RETURNING id, seq, kind, queue, greatest(run_at_ms, created_ms) AS due_ms,
                  greatest(run_at_ms, created_ms) - priority::int8 * 1000 AS ord_ms, octet_length(payload) AS bytes,
                  submitter, fair_key
+     ), pol AS (
+       SELECT k.kind, k.holds FROM relay_kind_policies k WHERE k.kind IN (SELECT kind FROM entered) FOR SHARE
      ), pend AS (
-       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key)
-       SELECT id, due_ms, ord_ms, seq, kind, queue, bytes, submitter, fair_key FROM entered
+       INSERT INTO relay_pending (task_id, due_ms, ord_ms, seq, kind, queue, payload_bytes, submitter, fair_key, held)
+       SELECT e.id, e.due_ms, e.ord_ms, e.seq, e.kind, e.queue, e.bytes, e.submitter, e.fair_key, coalesce(pol.holds, false)
+       FROM entered e LEFT JOIN pol ON pol.kind = e.kind
      ",
     fair_lanes!(),
     "
@@ -232,15 +237,55 @@ pub const INSERT_TASKS: &str = concat!(
 /// so a node that read up to one number never misses a smaller one committed later.
 pub const POLICY_LOCK: &str = "SELECT pg_advisory_xact_lock(8245972963651339266)";
 
-/// Sets ($2: the policy's JSON) or removes ($2 NULL) the policy of kind $1; every node reads
-/// the change within a second ([`POLICY_CHANGES`]). A removed policy stays as a row without one,
-/// so the other nodes see it go; removing a policy that is not there writes nothing (a `DELETE`
-/// of any name left a row behind, and every node reads every row when it starts).
-pub const SET_POLICY: &str = "INSERT INTO relay_kind_policies (kind, policy) SELECT $1::text, $2::text
+/// Sets ($2: the policy's JSON; $3: whether it holds the kind back — paused or limited) or
+/// removes ($2 NULL, $3 false) the policy of kind $1; every node reads the change within a
+/// second ([`POLICY_CHANGES`]) and brings the kind's pending rows in line ([`REHOLD`]). A
+/// removed policy stays as a row without one, so the other nodes see it go (and an insert of
+/// the kind has a row to wait on); removing a policy that is not there writes nothing (a
+/// `DELETE` of any name left a row behind, and every node reads every row when it starts).
+pub const SET_POLICY: &str = "INSERT INTO relay_kind_policies (kind, policy, holds) SELECT $1::text, $2::text, $3::bool
      WHERE $2::text IS NOT NULL
         OR EXISTS (SELECT 1 FROM relay_kind_policies WHERE kind = $1::text AND policy IS NOT NULL)
-     ON CONFLICT (kind) DO UPDATE SET policy = excluded.policy, changed = nextval('relay_kind_policies_changed')
+     ON CONFLICT (kind) DO UPDATE
+       SET policy = excluded.policy, holds = excluded.holds, changed = nextval('relay_kind_policies_changed')
      RETURNING changed";
+
+/// The most pending rows one [`REHOLD`] looks at.
+pub const REHOLD_ROWS: i64 = 1000;
+
+/// Brings up to [`REHOLD_ROWS`] pending rows of kind $1 in line with its policy's `holds`, under
+/// a share lock of the policy row (a change waits for it): a kind held no more has its `held`
+/// rows freed in queue order (`relay_pending_held`; waiting for rows a claim holds, so none is
+/// left held by a claim that rolls back); a kind held now has the next rows after ($2, $3) in
+/// queue order walked and those not held yet marked (skipping rows a claim holds: claims
+/// still leave the kind out by the node's view of the policies). Returns the kind's `holds`
+/// (NULL: no policy row — nothing to do), how many rows it found, and the last row walked.
+/// A node repeats it for a kind whose policy changed until it finds fewer than it may look at:
+/// a claim of every kind then walks none of a held kind's backlog (`relay_pending_open`), and
+/// a resumed kind's tasks come back in order, a bounded step each turn.
+pub const REHOLD: &str = "WITH k AS MATERIALIZED (
+       SELECT holds FROM relay_kind_policies WHERE kind = $1::text FOR SHARE
+     ), freed AS MATERIALIZED (
+       SELECT p.task_id FROM relay_pending p
+       WHERE p.kind = $1::text AND p.held AND (SELECT NOT holds FROM k)
+       ORDER BY p.ord_ms, p.seq LIMIT $4::int8
+       FOR UPDATE
+     ), walked AS MATERIALIZED (
+       SELECT p.task_id, p.held, p.ord_ms, p.seq FROM relay_pending p
+       WHERE p.kind = $1::text AND (p.ord_ms, p.seq) > ($2::int8, $3::int8) AND (SELECT holds FROM k)
+       ORDER BY p.ord_ms, p.seq LIMIT $4::int8
+     ), caught AS MATERIALIZED (
+       SELECT p.task_id FROM relay_pending p
+       WHERE p.task_id = ANY(ARRAY(SELECT task_id FROM walked WHERE NOT held)) AND NOT p.held
+       FOR UPDATE SKIP LOCKED
+     ), u AS (
+       UPDATE relay_pending p SET held = (SELECT holds FROM k)
+       WHERE p.task_id IN (SELECT task_id FROM freed UNION ALL SELECT task_id FROM caught)
+     ), last AS (
+       SELECT ord_ms, seq FROM walked ORDER BY ord_ms DESC, seq DESC LIMIT 1
+     )
+     SELECT (SELECT holds FROM k), (SELECT count(*) FROM freed) + (SELECT count(*) FROM walked),
+            (SELECT ord_ms FROM last), (SELECT seq FROM last)";
 
 /// Policies changed since $1 (a `changed` number): kind, policy JSON (NULL: removed), changed.
 pub const POLICY_CHANGES: &str = "SELECT kind, policy, changed FROM relay_kind_policies
@@ -359,7 +404,7 @@ macro_rules! claim_tail {
 pub const CLAIM: &str = concat!(
     "WITH plain AS (
        SELECT task_id, kind, ord_ms, seq FROM relay_pending
-       WHERE $3::text[] IS NULL AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
+       WHERE $3::text[] IS NULL AND NOT held AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[]) AND (kind IS NULL OR NOT (kind = ANY($7::text[])))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
@@ -1443,6 +1488,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("CLAIM_KINDS", CLAIM_KINDS),
     ("POLICY_LOCK", POLICY_LOCK),
     ("SET_POLICY", SET_POLICY),
+    ("REHOLD", REHOLD),
     ("KIND_LOCKS", KIND_LOCKS),
     ("CLAIM_LIMITED", CLAIM_LIMITED),
     ("KIND_BACKLOG", KIND_BACKLOG),

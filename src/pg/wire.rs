@@ -124,6 +124,12 @@ impl From<i64> for Param {
     }
 }
 
+impl From<bool> for Param {
+    fn from(b: bool) -> Param {
+        Param::Text(if b { "t" } else { "f" }.to_string())
+    }
+}
+
 impl<T: Into<Param>> From<Option<T>> for Param {
     fn from(v: Option<T>) -> Param {
         v.map_or(Param::Null, Into::into)

@@ -9,7 +9,7 @@
 //! Still no I/O on the loop: `pg::db` runs the transactions on its thread and wakes the loop.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::rc::Rc;
 
 use super::{
@@ -76,6 +76,9 @@ const START_WRITE_DELAY_MS: u64 = 200;
 /// How soon a node with idle workers looks again for tasks of a limited kind that still has
 /// some waiting (a slot or a token may free on another node, which does not tell).
 const LIMITED_POLL_MS: u64 = 100;
+
+/// The most kinds one transaction brings in line with their policies ([`sql::REHOLD`]).
+const REHOLD_KINDS: usize = 8;
 
 pub struct PgStore {
     /// Attempts that ended on this node, for [`PgStore::stray`].
@@ -161,6 +164,10 @@ pub struct PgStore {
     /// once), and the newest change read.
     policies: HashMap<String, crate::flow::Policy>,
     policies_high: i64,
+    /// Kinds whose policy changed (read by this node, its own changes included) and whose
+    /// pending rows may not say `held` as the policy does yet: [`sql::REHOLD`] each turn, from
+    /// the last row it walked, until it finds fewer rows than it may look at.
+    rehold: BTreeMap<String, (i64, i64)>,
     want_policies: bool,
     /// Tasks the `CLAIM_LIMITED` of the claim being read took (they join its `Claimed`).
     limited_claimed: Vec<Claimed>,
@@ -271,6 +278,7 @@ impl PgStore {
             kind_reqs: Vec::new(),
             policies: HashMap::new(),
             policies_high: 0,
+            rehold: BTreeMap::new(),
             want_policies: true,
             limited_claimed: Vec::new(),
             held_kinds: HashMap::new(),
@@ -494,6 +502,9 @@ impl PgStore {
     /// A policy as this node now knows it: claims follow it from the next one on.
     fn apply_policy(&mut self, kind: String, policy: Option<crate::flow::Policy>) {
         let before = self.policies.get(&kind).copied();
+        // (Every change read, also one that keeps `holds`: a node that set it may have died
+        // before its rows were in line, and a first read after a start brings every kind.)
+        self.rehold.insert(kind.clone(), (i64::MIN, i64::MIN));
         match policy {
             Some(p) => {
                 self.policies.insert(kind, p);
@@ -905,6 +916,7 @@ impl PgStore {
             || self.want_housekeeping
             || (self.want_unplaceable && self.db.settled())
             || !self.kind_reqs.is_empty()
+            || !self.rehold.is_empty()
             || self.want_policies
     }
 
@@ -968,6 +980,33 @@ impl PgStore {
             stmts.push(sql::attempt_ended(&node_id, std::slice::from_ref(&rec.ended)).with_json(rows::col::JSON));
             parts.push(Part::Ended(vec![rec]));
             return (stmts, parts);
+        }
+        // Policies set by this node take effect before its claims do. First in the transaction:
+        // `POLICY_LOCK` and the policy row's lock are taken before anything its inserts lock
+        // (an insert of a kind waits for a change of its policy row), so two nodes setting
+        // policies never wait on each other in a circle.
+        for (conn, op) in std::mem::take(&mut self.kind_reqs) {
+            let kind = match &op {
+                crate::flow::KindOp::Set(kind, policy) => {
+                    stmts.push(Stmt::new(sql::POLICY_LOCK, vec![]));
+                    parts.push(Part::PolicyLock);
+                    let json = policy.map(|p| p.to_json());
+                    stmts.push(Stmt::new(
+                        sql::SET_POLICY,
+                        vec![
+                            kind.as_str().into(),
+                            json.map_or(Param::Null, Param::Text),
+                            policy.is_some_and(|p| p.limits()).into(),
+                        ],
+                    ));
+                    parts.push(Part::PolicySet(kind.clone(), *policy));
+                    Some(kind.clone())
+                }
+                crate::flow::KindOp::Get(kind) => Some(kind.clone()),
+                crate::flow::KindOp::List => None,
+            };
+            stmts.push(Stmt::new(sql::KINDS, vec![kind.map_or(Param::Null, Param::Text)]));
+            parts.push(Part::Kinds(conn, op));
         }
         if !self.inserts.is_empty() {
             let batch = node::take_inserts(&mut self.inserts, &mut self.insert_bytes);
@@ -1092,25 +1131,14 @@ impl PgStore {
             stmts.push(upsert_workers(&node_id, &dirty));
             parts.push(Part::UpsertWorkers(dirty.iter().map(|w| w.client_id).collect()));
         }
-        // Policies set by this node take effect before its claims do.
-        for (conn, op) in std::mem::take(&mut self.kind_reqs) {
-            let kind = match &op {
-                crate::flow::KindOp::Set(kind, policy) => {
-                    stmts.push(Stmt::new(sql::POLICY_LOCK, vec![]));
-                    parts.push(Part::PolicyLock);
-                    let json = policy.map(|p| p.to_json());
-                    stmts.push(Stmt::new(
-                        sql::SET_POLICY,
-                        vec![kind.as_str().into(), json.map_or(Param::Null, Param::Text)],
-                    ));
-                    parts.push(Part::PolicySet(kind.clone(), *policy));
-                    Some(kind.clone())
-                }
-                crate::flow::KindOp::Get(kind) => Some(kind.clone()),
-                crate::flow::KindOp::List => None,
-            };
-            stmts.push(Stmt::new(sql::KINDS, vec![kind.map_or(Param::Null, Param::Text)]));
-            parts.push(Part::Kinds(conn, op));
+        // Pending rows brought in line with a changed policy, a bounded step per kind (after this
+        // transaction's own policy changes: their locks are taken first).
+        for (kind, &(ord, seq)) in self.rehold.iter().take(REHOLD_KINDS) {
+            stmts.push(Stmt::new(
+                sql::REHOLD,
+                vec![kind.as_str().into(), ord.into(), seq.into(), sql::REHOLD_ROWS.into()],
+            ));
+            parts.push(Part::Rehold(kind.clone()));
         }
         // Kinds a policy holds back: paused ones wait; limited ones are claimed on their own,
         // under their locks (`CLAIM_LIMITED`), each kind only when its lock was free
@@ -1410,6 +1438,7 @@ impl PgStore {
                 | Part::KindLocks
                 | Part::KindBacklog
                 | Part::LaneBacklog(_)
+                | Part::Rehold(_)
                 | Part::KindGauges => {}
                 Part::ClaimLimited => {
                     if matches!(why, Failure::Lost(_)) {
@@ -1595,6 +1624,22 @@ impl PgStore {
                     }
                 }
                 Part::PolicyLock | Part::KindLocks => {}
+                Part::Rehold(kind) => {
+                    let row = here.first();
+                    let found = row.and_then(|r| r.i64(1)).unwrap_or(0);
+                    let last = row.and_then(|r| Some((r.i64(2)?, r.i64(3)?)));
+                    match (row.and_then(|r| r.bool(0)), last) {
+                        // A held kind: walked on from the last row.
+                        (Some(true), Some(last)) if found >= sql::REHOLD_ROWS => {
+                            self.rehold.insert(kind, last);
+                        }
+                        // A kind held no more: its held rows, from the first again.
+                        (Some(false), _) if found >= sql::REHOLD_ROWS => {}
+                        _ => {
+                            self.rehold.remove(&kind);
+                        }
+                    }
+                }
                 Part::KindGauges => {
                     self.kind_gauges = here
                         .iter()

@@ -182,6 +182,8 @@ pub enum Part {
     /// `KINDS`: the answer to a `/kinds` request.
     Kinds(ConnRef, crate::flow::KindOp),
     PolicyChanges,
+    /// `REHOLD` of a kind whose policy changed: whether its rows are all in line yet.
+    Rehold(String),
     /// `KIND_LOCKS` (tried, never waited for), then `CLAIM_LIMITED` of the kinds it got (its
     /// tasks join the group's claim that follows), then `KIND_BACKLOG`.
     KindLocks,
