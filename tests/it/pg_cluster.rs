@@ -1477,3 +1477,63 @@ fn pg_sql_only_limited_kinds_with_a_task_due_are_locked() {
     assert_eq!(out[1].rows[0].text(0), Some(r#"["busy"]"#), "the kinds locked");
     assert_eq!(out[1].rows[0].i64(1), Some(1), "one advisory lock: the due kind's");
 }
+
+/// Rows of `relay_pending` the scans of a statement's plan read (`EXPLAIN (ANALYZE, FORMAT
+/// JSON)`: each scan node's actual rows times its loops, and the rows its filter removed).
+fn pending_rows_read(c: &mut Conn, stmt: Stmt) -> u64 {
+    fn walk(plan: &serde_json::Value) -> u64 {
+        let own = if plan["Relation Name"] == "relay_pending" {
+            let n = |k: &str| plan[k].as_f64().unwrap_or(0.0);
+            ((n("Actual Rows") + n("Rows Removed by Filter")) * n("Actual Loops").max(1.0)) as u64
+        } else {
+            0
+        };
+        own + plan["Plans"].as_array().map_or(0, |ps| ps.iter().map(walk).sum())
+    }
+    let sql: &'static str = Box::leak(format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", stmt.sql).into_boxed_str());
+    let out = c.pipeline(&[Stmt::new(sql, stmt.params)]).expect("explain");
+    let text = out[0].rows.first().and_then(|r| r.text(0)).expect("a plan").to_string();
+    let plan: serde_json::Value = serde_json::from_str(&text).expect("plan JSON");
+    if std::env::var_os("SHOW_PLAN").is_some() {
+        eprintln!("{text}");
+    }
+    walk(&plan[0]["Plan"])
+}
+
+/// Dispatch never scans the queue (issue 22): a claim reads about a claim's worth of pending
+/// rows, whatever waits behind them — a worker's declared kinds each read in order on their
+/// index (`kind = ANY(...)` read every due row of them and sorted them), and a claim of every
+/// kind walks none of a paused kind's backlog (it stepped over all of it).
+#[test]
+fn pg_sql_a_claim_reads_a_claims_worth_of_the_queue() {
+    let Some(pg) = Pg::start("pg_sql_a_claim_reads_a_claims_worth_of_the_queue") else { return };
+    let mut c = migrated(&pg);
+    c.simple(r#"INSERT INTO relay_kind_policies (kind, policy, holds) VALUES ('p', '{"paused":true}', true)"#)
+        .expect("a paused kind");
+    // The paused kind's backlog first in the queue, then two kinds, then a few without a kind.
+    let mut n = 0;
+    for (kind, count) in [(Some("p"), 3000), (Some("a"), 2000), (Some("b"), 2000), (None, 20)] {
+        for chunk in (0..count).collect::<Vec<_>>().chunks(500) {
+            let tasks: Vec<sql::NewTask> = chunk
+                .iter()
+                .map(|_| {
+                    n += 1;
+                    new_task(&uuid_n(n), kind, None)
+                })
+                .collect();
+            c.pipeline(&[insert(&tasks)]).expect("insert");
+        }
+    }
+    c.simple("ANALYZE relay_pending").expect("analyze");
+    let held = |c: &mut Conn| c.simple("SELECT count(*) FROM relay_pending WHERE held").expect("count");
+    assert_eq!(held(&mut c)[0].rows[0].i64(0), Some(3000), "the paused kind's rows are held as they come");
+    c.simple("BEGIN").expect("begin");
+    let takers = format!("{{{}}}", uuid_n(0xa1));
+    let kinds = pending_rows_read(&mut c, sql::claim(NODE_A, 1, Some(&["a", "b"]), 10_000, 16, &takers, &[]));
+    let every = pending_rows_read(&mut c, sql::claim(NODE_A, 1, None, 10_000, 16, &takers, &["p"]));
+    c.simple("ROLLBACK").expect("rollback");
+    // (A few times the claim's 16 — each kind's first 16, then the rows taken looked up by key
+    // to delete — against the thousands behind them.)
+    assert!(kinds <= 6 * 16, "a claim of two declared kinds read {kinds} pending rows");
+    assert!(every <= 6 * 16, "a claim of every kind read {every} pending rows");
+}
