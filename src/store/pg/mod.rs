@@ -204,6 +204,9 @@ pub struct PgStore {
     /// for them (for the same takers) until tasks are queued somewhere (a notification, this
     /// node's own inserts) or the slow poll.
     starved: HashMap<u32, String>,
+    /// How often the queue may have gained a task for idle groups (an insert, a give-back, a
+    /// retry, a wake): a claim that was built before the last one starves no group.
+    queue_changes: u64,
     /// Tasks the last commit made final, as it returned them: a waiter's read of one is
     /// answered from here (one read fewer per `wait=true` task).
     fresh_final: HashMap<TaskId, crate::tasks::Task>,
@@ -296,6 +299,7 @@ impl PgStore {
             remote: Vec::new(),
             running: HashMap::new(),
             starved: HashMap::new(),
+            queue_changes: 0,
             fresh_final: HashMap::new(),
             fresh_inserted: HashMap::new(),
             finished_noted_ms: 0,
@@ -456,7 +460,7 @@ impl PgStore {
         self.inserts.push_back(InsertRec { row, id, to });
         // The task joins the queue with this turn's transaction: every idle group may find it
         // (its own notification does not come back to this node).
-        self.starved.clear();
+        self.queue_changed();
     }
 
     pub fn lookup_key(&mut self, owner: &str, key: &str, conn: ConnRef, wait: bool, missing: Response) {
@@ -475,7 +479,7 @@ impl PgStore {
             return;
         }
         let kinds = ask.kinds.map(|k| k.iter().filter(|k| storable(k)).map(|k| k.to_string()).collect());
-        self.claims.push(ClaimReq { group: ask.group, kinds, limit: ask.limit, takers });
+        self.claims.push(ClaimReq { group: ask.group, kinds, limit: ask.limit, takers, seen: 0 });
     }
 
     /// `/kinds` requests: answered after the next transaction (a change once committed).
@@ -541,7 +545,7 @@ impl PgStore {
 
     pub fn give_back(&mut self, id: TaskId, attempt: u32) {
         self.running.remove(&id);
-        self.starved.clear();
+        self.queue_changed();
         self.unclaim.push((uuid_string(id), attempt));
     }
 
@@ -658,7 +662,7 @@ impl PgStore {
         };
         let final_status = status != "pending";
         if !final_status {
-            self.starved.clear();
+            self.queue_changed();
         }
         let seq = self.next_record();
         self.ended.push(EndRec { ended, refusals: 0, final_status, seq });
@@ -884,10 +888,16 @@ impl PgStore {
 
     /// Tasks may wait for this node's idle workers: every group may claim again.
     fn unstarve(&mut self) {
-        if !self.starved.is_empty() {
-            self.starved.clear();
-        }
+        self.queue_changed();
         self.events.push(Event::Ready);
+    }
+
+    /// The queue may hold something new for idle groups: none is starved any more, and a
+    /// claim already on its way, whose snapshot may not see it, starves no group either
+    /// ([`Self::on_claimed`]).
+    fn queue_changed(&mut self) {
+        self.starved.clear();
+        self.queue_changes += 1;
     }
 
     fn has_work(&self) -> bool {
@@ -1158,7 +1168,8 @@ impl PgStore {
             })
             .collect();
         limited.sort_unstable_by(|a, b| a.kind.cmp(b.kind));
-        for c in std::mem::take(&mut self.claims) {
+        for mut c in std::mem::take(&mut self.claims) {
+            c.seen = self.queue_changes;
             let kinds: Option<Vec<&str>> =
                 c.kinds.as_ref().map(|k| k.iter().map(String::as_str).filter(|k| !held.contains(k)).collect());
             let mine: Vec<sql::Limited<'_>> = limited
@@ -1853,8 +1864,16 @@ impl PgStore {
         }
         self.stats.tasks_claimed += tasks.len() as u64;
         if (tasks.len() as u32) < c.limit {
-            // The queue has nothing more for them; a notification or the slow poll says when.
-            self.starved.insert(c.group, c.takers.clone());
+            if c.seen == self.queue_changes {
+                // The queue has nothing more for them; a notification or the slow poll says when.
+                self.starved.insert(c.group, c.takers.clone());
+            } else {
+                // Something joined the queue after this claim's statements were built (a
+                // submit, a retry falling due): its snapshot may not have seen it, and no
+                // claim of the group may be waiting to: ask again (measured: a sync task, or
+                // a retry's backoff, waited for the slow poll, 1 s, now and then).
+                self.events.push(Event::Ready);
+            }
         }
         self.events.push(Event::Claimed { group: c.group, tasks });
     }

@@ -108,6 +108,8 @@ pub struct ClaimReq {
     pub limit: u32,
     /// A PostgreSQL `uuid[]` literal of the group's takers.
     pub takers: String,
+    /// The store's `queue_changes` when the claim's statements were built.
+    pub seen: u64,
 }
 
 /// An attempt's end waiting to be written (with how often the database refused it).
