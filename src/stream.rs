@@ -15,6 +15,12 @@
 //! increasing key order. An item there for the whole answer is in it exactly once; one added
 //! or removed meanwhile is in it at most once (in if it was there when the answer passed its
 //! place). The JSON is always whole: the pieces are cut between items.
+//!
+//! A source may instead be a snapshot the stream holds (cluster mode's `GET /kinds`: the rows
+//! of the database's read, [`Source::KindRows`]): each item is turned into its JSON as its
+//! piece is written and let go after, so the loop's work per piece stays bounded; what the
+//! snapshot still holds counts against OUTPUT_MEMORY as the connection's output
+//! ([`BodyStream::held_bytes`]). Such an answer shows the read's moment, whole.
 
 /// A piece holds at least one item, and no more once it holds this many bytes.
 pub const PIECE_BYTES: usize = 64 << 10;
@@ -24,10 +30,14 @@ pub const LOW_WATER_BYTES: usize = 128 << 10;
 pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
 /// What a streamed answer lists.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Source {
-    /// `GET /kinds` (SPEC §14): `{"kinds":[...]}` in kind order.
+    /// `GET /kinds` (SPEC §14): `{"kinds":[...]}` in kind order, from the memory store's kinds
+    /// as they are when each piece is written.
     Kinds,
+    /// `GET /kinds` in cluster mode: the same answer, from the rows of its `KINDS` read that
+    /// are not written yet (`store::pg::kinds`).
+    KindRows(crate::store::pg::kinds::KindRows),
 }
 
 /// Where a streamed answer is.
@@ -51,21 +61,31 @@ impl BodyStream {
 
     fn open_close(&self) -> (&'static str, &'static str) {
         match self.source {
-            Source::Kinds => ("{\"kinds\":[", "]}"),
+            Source::Kinds | Source::KindRows(_) => ("{\"kinds\":[", "]}"),
+        }
+    }
+
+    /// The memory a snapshot source still holds (0 for a live one): it is the rest of the
+    /// answer, so it counts as the connection's unwritten output.
+    pub fn held_bytes(&self) -> usize {
+        match &self.source {
+            Source::Kinds => 0,
+            Source::KindRows(rows) => rows.held_bytes(),
         }
     }
 
     /// Appends the next piece to `out`: the opening bytes first, then the `items` (those
     /// after [`BodyStream::after`], in key order), each written by `write`, until the piece
-    /// holds [`PIECE_BYTES`]; the closing bytes once `items` has no more.
+    /// holds [`PIECE_BYTES`]; the closing bytes once `items` has no more. Returns how many
+    /// items it wrote.
     pub fn write_piece<'a, T>(
         &mut self,
         items: impl Iterator<Item = (&'a str, T)>,
         mut write: impl FnMut(&str, T, &mut String),
         out: &mut String,
-    ) {
+    ) -> usize {
         if self.done {
-            return;
+            return 0;
         }
         let (open, close) = self.open_close();
         let start = out.len();
@@ -75,6 +95,7 @@ impl BodyStream {
         }
         let mut last: Option<&str> = None;
         let mut more = false;
+        let mut written = 0;
         for (key, item) in items {
             if last.is_some() && out.len() - start >= PIECE_BYTES {
                 more = true;
@@ -85,6 +106,7 @@ impl BodyStream {
             }
             write(key, item, out);
             last = Some(key);
+            written += 1;
         }
         if let Some(k) = last {
             self.after = Some(k.into());
@@ -93,6 +115,7 @@ impl BodyStream {
             out.push_str(close);
             self.done = true;
         }
+        written
     }
 }
 

@@ -147,11 +147,21 @@ pub struct Stmt {
     /// Columns whose text is JSON: checked, and made [`RawValue`]s, on the connection's thread
     /// (a large result is checked there, not on the loop that reads the row: [`Row::json`]).
     pub json_columns: &'static [usize],
+    /// What the connection's thread makes of the statement's rows once they are read (a large
+    /// result shaped there, not on the loop: cluster mode's `GET /kinds`).
+    pub rows_made: Option<fn(&mut Rows)>,
 }
 
 impl Stmt {
     pub fn new(sql: &'static str, params: Vec<Param>) -> Stmt {
-        Stmt { sql, params, binary_results: false, json_columns: &[] }
+        Stmt { sql, params, binary_results: false, json_columns: &[], rows_made: None }
+    }
+
+    /// The same statement, its rows given to `f` on the connection's thread once read
+    /// ([`Stmt::rows_made`]).
+    pub fn with_rows_made(mut self, f: fn(&mut Rows)) -> Stmt {
+        self.rows_made = Some(f);
+        self
     }
 
     /// The same statement, with `columns` checked as JSON where its rows are read
@@ -179,7 +189,24 @@ impl Clone for Row {
     }
 }
 
+/// The same columns (what the JSON cache holds follows from them).
+impl PartialEq for Row {
+    fn eq(&self, other: &Row) -> bool {
+        self.len() == other.len() && (0..self.len()).all(|i| self.bytes(i) == other.bytes(i))
+    }
+}
+
+impl Eq for Row {}
+
 impl Row {
+    /// About the memory the row holds: itself, its column ranges and its message's bytes.
+    pub fn held_bytes(&self) -> usize {
+        std::mem::size_of::<Row>()
+            + self.ranges.capacity() * std::mem::size_of::<Option<Range<usize>>>()
+            + self.data.len()
+            + self.json.capacity() * std::mem::size_of::<(usize, RefCell<Option<Box<RawValue>>>)>()
+    }
+
     /// A row of text columns (`None`: NULL), as the server would send it (for tests of what is
     /// made from rows).
     pub fn from_texts(columns: &[Option<&str>]) -> Row {
@@ -569,6 +596,9 @@ impl Conn {
                 for (stmt, rows) in stmts.iter().zip(out.iter_mut()) {
                     if !stmt.json_columns.is_empty() {
                         rows.rows.iter_mut().for_each(|row| row.check_json(stmt.json_columns));
+                    }
+                    if let Some(f) = stmt.rows_made {
+                        f(rows);
                     }
                 }
                 Ok(out)

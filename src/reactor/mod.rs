@@ -1227,10 +1227,18 @@ impl Server {
     // ----- output memory ---------------------------------------------------------------------
 
     /// Brings the sum of unwritten HTTP output up to date with `r`'s (a worker's frames are
-    /// bounded per worker instead, and do not count).
+    /// bounded per worker instead, and do not count). A streamed answer's snapshot (cluster
+    /// mode's `GET /kinds` rows, `crate::stream`) is output not written yet, and counts too.
     pub(super) fn count_out(&mut self, r: ConnRef) {
         let Some(conn) = self.conns.get_mut(r) else { return };
-        let now = if matches!(conn.state, State::Ws(_)) { 0 } else { conn.pending_out() };
+        let now = match &conn.state {
+            State::Ws(_) => 0,
+            State::Http(http) => match &http.phase {
+                Phase::Stream(st) => conn.pending_out() + st.body.held_bytes(),
+                _ => conn.pending_out(),
+            },
+            _ => conn.pending_out(),
+        };
         self.out_total = self.out_total.saturating_sub(conn.out_counted) + now;
         conn.out_counted = now;
         self.core.metrics.output_buffered_bytes = self.out_total;

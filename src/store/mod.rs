@@ -555,13 +555,13 @@ impl Store {
         each!(self, s => s.kind_op(op, conn))
     }
 
-    /// The next piece of an answer a store began as [`crate::stream::BodyStream`] (the memory
-    /// store's `GET /kinds`). The database store answers whole and begins none: asked anyway,
-    /// it ends the body as an empty list would.
+    /// The next piece of an answer a store began as [`crate::stream::BodyStream`] (`GET
+    /// /kinds`: the memory store's from its kinds as they are, the database store's from the
+    /// rows of its read, which the stream holds).
     pub fn stream_piece(&self, stream: &mut crate::stream::BodyStream, out: &mut String) {
         match self {
             Store::Mem(m) => m.stream_piece(stream, out),
-            Store::Pg(_) => stream.write_piece(std::iter::empty::<(&str, ())>(), |_, (), _| {}, out),
+            Store::Pg(_) => pg::kinds::write_piece(stream, out),
         }
     }
 

@@ -1018,3 +1018,72 @@ fn get_kinds_with_40000_kinds_is_streamed_in_order_in_bounded_pieces() {
     sorted.insert(0, "0-early".to_string());
     assert_eq!(listed_kinds(&raw[head_end..]), sorted);
 }
+
+/// Issue 22, cluster mode: the node turned all of `KINDS`' rows into one answer on the loop when
+/// they arrived (`kinds_answer`). Now the rows are made into pieces of JSON where they are read
+/// (the database connection's thread) and written a piece at a time as the client reads, as on
+/// one node: several chunks of one whole answer in kind order, and the connection goes on.
+/// What a client that stops reading holds is the rest of the answer (those pieces), never more,
+/// and it counts against OUTPUT_MEMORY as unwritten output: over it, such a client is closed
+/// after OUTPUT_STALL like any other, and nothing is left held.
+#[test]
+fn cluster_get_kinds_with_40000_kinds_is_streamed_in_order_in_bounded_pieces() {
+    let pg = match crate::support::pg::shared() {
+        Ok(pg) => pg,
+        Err(why) => {
+            assert!(!crate::support::pg::required(), "PostgreSQL is required: {why}");
+            crate::support::skip_or_fail(
+                "cluster_get_kinds_with_40000_kinds_is_streamed_in_order_in_bounded_pieces",
+                &why,
+            );
+            return;
+        }
+    };
+    let db = std::sync::Arc::new(crate::support::pg::TestDb::create(pg));
+    // (Less than the kernel's socket buffers take of an answer: what relay holds is over it.)
+    let budget = 1024 * 1024;
+    let relay = Mode::start_on(db, &[("OUTPUT_MEMORY", &budget.to_string()), ("IDLE_TIMEOUT", "60s")]);
+    let kinds = many_kind_names(40_000);
+    queue_one_of_each(&relay, &kinds);
+    let mut sorted = kinds.clone();
+    sorted.sort();
+    let auth = format!("Bearer {API}");
+
+    let mut c = Client::connect(relay.addr);
+    let r = c.call("GET", "/kinds", &[("Authorization", &auth)], None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("Transfer-Encoding"), Some("chunked"));
+    assert!(r.chunks >= 10, "{} bytes in {} chunks", r.body.len(), r.chunks);
+    assert!(r.body.len() / r.chunks <= 70 * 1024, "{} bytes in {} chunks", r.body.len(), r.chunks);
+    assert_eq!(listed_kinds(&r.body), sorted, "every kind, in order");
+    let first: Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(first["kinds"][0], json!({"kind": sorted[0], "policy": {}, "running": 0, "pending": 1}));
+    let next = c.call("GET", "/healthz", &[], None);
+    assert_eq!(next.status, 200, "the connection goes on after a streamed answer");
+    assert!(r.body.len() > budget, "the answer ({} bytes) is more than OUTPUT_MEMORY", r.body.len());
+
+    // A client that asks and does not read, with a small receive buffer: relay holds the rest of
+    // its answer, no more, counted as its unwritten output; over OUTPUT_MEMORY it is closed.
+    let deaf = TcpStream::connect(relay.addr).expect("connect");
+    crate::hostile::small_receive_buffer(&deaf);
+    let mut deaf = deaf;
+    deaf.write_all(format!("GET /kinds HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n\r\n").as_bytes())
+        .expect("write");
+    deaf.set_read_timeout(Some(Duration::from_secs(15))).expect("timeout");
+    assert!(deaf.peek(&mut [0u8; 1]).expect("the answer begins") > 0);
+    let mut peak = 0f64;
+    let closed = poll_until(Duration::from_secs(10), || {
+        peak = peak.max(relay.metric("relay_output_buffered_bytes"));
+        relay.metric("relay_output_stalled_closed_total") >= 1.0
+    });
+    assert!(
+        peak > budget as f64 && peak <= (r.body.len() + 256 * 1024) as f64,
+        "{peak} bytes held for a client that does not read its GET /kinds (the answer is {} bytes)",
+        r.body.len()
+    );
+    assert!(closed, "a client that never read was not closed over OUTPUT_MEMORY (peak {peak} bytes)");
+    let freed = poll_until(Duration::from_secs(5), || relay.metric("relay_output_buffered_bytes") == 0.0);
+    assert!(freed, "{} bytes still held", relay.metric("relay_output_buffered_bytes"));
+    let again = c.call("GET", "/kinds", &[("Authorization", &auth)], None);
+    assert_eq!(listed_kinds(&again.body), sorted, "the next answer is whole");
+}

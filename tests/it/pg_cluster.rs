@@ -76,6 +76,7 @@ fn pg_wire_simple_and_pipelined_statements_over_socket_and_tcp() {
                 params: vec![Param::from(1i64)],
                 binary_results: true,
                 json_columns: &[],
+                rows_made: None,
             },
         ];
         let out = c.pipeline(&stmts).expect("pipeline");
@@ -987,6 +988,7 @@ fn pg_sql_files_workers_and_token_changes() {
             params: vec![file.as_str().into(), n.into()],
             binary_results: true,
             json_columns: &[],
+            rows_made: None,
         };
         back.extend_from_slice(c.pipeline(&[stmt]).expect("read")[0].rows[0].bytes(0).expect("chunk"));
     }

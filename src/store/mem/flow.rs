@@ -1153,6 +1153,8 @@ impl MemStore {
                     out,
                 );
             }
+            // (The database store's; none begins here.)
+            Source::KindRows(_) => crate::store::pg::kinds::write_piece(stream, out),
         }
     }
 

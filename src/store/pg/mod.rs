@@ -31,6 +31,7 @@ use node::{
 };
 use rows::{ccol, storable, storable_lossy, uuid_array};
 
+pub mod kinds;
 pub mod node;
 pub mod rows;
 
@@ -1023,7 +1024,10 @@ impl PgStore {
                 crate::flow::KindOp::Get(kind) => Some(kind.clone()),
                 crate::flow::KindOp::List => None,
             };
-            stmts.push(Stmt::new(sql::KINDS, vec![kind.map_or(Param::Null, Param::Text)]));
+            let list = kind.is_none();
+            let stmt = Stmt::new(sql::KINDS, vec![kind.map_or(Param::Null, Param::Text)]);
+            // (A list's JSON is made where its rows are read, a piece a row: `kinds::pack`.)
+            stmts.push(if list { stmt.with_rows_made(kinds::pack) } else { stmt });
             parts.push(Part::Kinds(conn, op));
         }
         if !self.inserts.is_empty() {
@@ -1507,10 +1511,10 @@ impl PgStore {
         for reply in replies {
             let Some(sent) = self.sent.take_if(|s| s.tag == reply.tag) else { continue };
             match reply.result {
-                Ok(rows) => {
+                Ok(mut rows) => {
                     self.stats.committed += 1;
                     self.refused_in_a_row = 0;
-                    self.on_committed(sent.parts, &rows, sent.at_ms);
+                    self.on_committed(sent.parts, &mut rows, sent.at_ms);
                 }
                 Err(failure) => {
                     match &failure {
@@ -1548,7 +1552,7 @@ impl PgStore {
     }
 
     /// The transaction committed: each part gets its rows.
-    fn on_committed(&mut self, parts: Vec<Part>, rows: &[Rows], sent_ms: u64) {
+    fn on_committed(&mut self, parts: Vec<Part>, rows: &mut [Rows], sent_ms: u64) {
         let mut parts = parts.into_iter().enumerate().peekable();
         while let Some((i, part)) = parts.next() {
             let here = rows_of(rows, i);
@@ -1742,7 +1746,10 @@ impl PgStore {
                     self.apply_policy(kind, policy);
                 }
                 Part::Kinds(conn, op) => {
-                    let response = kinds_answer(here, &op);
+                    // (The rows are the answer's: a long list is written from them a piece at
+                    // a time, `kinds`.)
+                    let rows = rows.get_mut(i).map(|r| std::mem::take(&mut r.rows)).unwrap_or_default();
+                    let response = kinds::answer(rows, &op);
                     self.events.push(Event::Answer { conn, response });
                 }
                 Part::PolicyChanges => {
@@ -1997,35 +2004,6 @@ impl PgStore {
 }
 
 /// A claimed task from a `CLAIM`/`ADOPT_ORPHANS` row.
-/// The answer to a `/kinds` request from its `KINDS` rows.
-fn kinds_answer(rows: &[Row], op: &crate::flow::KindOp) -> Response {
-    use crate::flow::{KindOp, Policy, kind_response, write_kind_json};
-    let of = |row: &Row| {
-        let policy = row.text(1).and_then(|p| Policy::parse(p.as_bytes()).ok());
-        let n = |i: usize| row.i64(i).map_or(0, |n| n.max(0) as u64);
-        (row.text(0).unwrap_or_default().to_string(), policy, n(2), n(3))
-    };
-    match op {
-        KindOp::List => {
-            let mut s = String::from("{\"kinds\":[");
-            for (i, row) in rows.iter().enumerate() {
-                if i > 0 {
-                    s.push(',');
-                }
-                let (kind, policy, running, pending) = of(row);
-                write_kind_json(&mut s, &kind, policy.as_ref(), running, pending);
-            }
-            s.push_str("]}");
-            Response::json(200, s.into_bytes())
-        }
-        KindOp::Get(kind) | KindOp::Set(kind, _) => match rows.first().map(of) {
-            Some((_, policy, running, pending)) => kind_response(kind, policy.as_ref(), running, pending),
-            None if matches!(op, KindOp::Set(..)) => kind_response(kind, None, 0, 0),
-            None => crate::flow::unknown_kind(),
-        },
-    }
-}
-
 fn claimed_of(row: &Row, cfg: &PgConfig) -> Option<Claimed> {
     let id = row.text(ccol::ID).and_then(parse_id)?;
     let attempt = u32::try_from(row.i64(ccol::ATTEMPT)?).ok()?;
