@@ -396,7 +396,10 @@ macro_rules! claim_tail {
 /// the walk over tasks not due yet): those that
 /// declared no kinds ($3 NULL: [`CLAIM`] takes every task, those without a kind included) or the
 /// kinds $3 ([`CLAIM_KINDS`], a statement of its own so its plan walks `relay_pending_kind_ord`),
-/// and not tried by every one of the group's workers $6 (client ids). The pending row goes, the
+/// and not tried by every one of the group's workers $6 (client ids), of no kind a policy holds
+/// back (its rows `held`, and — for rows not in line yet, [`REHOLD`] — its policy row's `holds`,
+/// probed per row walked: what the node knows of the policies is not sent, a list of up to
+/// 10,000 kinds compared with every row). The pending row goes, the
 /// task becomes dispatched to this node ($1), its attempt number (the fencing number) grows by
 /// one, and the node's running row is written. Which worker runs it is the node's choice: the
 /// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
@@ -405,7 +408,8 @@ pub const CLAIM: &str = concat!(
     "WITH plain AS (
        SELECT task_id, kind, ord_ms, seq FROM relay_pending
        WHERE $3::text[] IS NULL AND NOT held AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
-         AND NOT (tried @> $6::uuid[]) AND (kind IS NULL OR NOT (kind = ANY($7::text[])))
+         AND NOT (tried @> $6::uuid[])
+         AND (kind IS NULL OR NOT EXISTS (SELECT 1 FROM relay_kind_policies k WHERE k.kind = relay_pending.kind AND k.holds))
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED
@@ -414,7 +418,7 @@ pub const CLAIM: &str = concat!(
 );
 
 /// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
-/// hold back, $7, from it too): each kind's first tasks on `relay_pending_kind_ord` — an index
+/// hold back; so does the statement, by the kinds' `holds`): each kind's first tasks on `relay_pending_kind_ord` — an index
 /// range per kind, `kind = k`, since `kind = ANY($3)` cannot be read in order (measured: two
 /// kinds of 100,000 due tasks each, every one read and sorted, 80–165 ms a claim) — and the
 /// first $5 of them all. (A kind's rows beyond those the claim takes stay locked until it
@@ -422,7 +426,8 @@ pub const CLAIM: &str = concat!(
 pub const CLAIM_KINDS: &str = concat!(
     "WITH plain AS (
        SELECT x.task_id, x.kind, x.ord_ms, x.seq
-       FROM (SELECT DISTINCT k FROM unnest($3::text[]) AS u(k) WHERE NOT (k = ANY($7::text[]))) AS ks(kind)
+       FROM (SELECT DISTINCT k FROM unnest($3::text[]) AS u(k)
+             WHERE NOT EXISTS (SELECT 1 FROM relay_kind_policies kp WHERE kp.kind = u.k AND kp.holds)) AS ks(kind)
        CROSS JOIN LATERAL (
          SELECT p.task_id, p.kind, p.ord_ms, p.seq FROM relay_pending p
          WHERE p.kind = ks.kind AND p.ord_ms <= $4::int8 + 86400000 AND p.due_ms <= $4::int8
@@ -577,6 +582,13 @@ pub const LANE_BACKLOG: &str =
      ORDER BY x.kind, x.submitter, x.fair_key, x.o
      LIMIT 1000";
 
+/// Of the limited kinds $1, those with tasks pending (due or not: summed from
+/// `relay_kind_pending`), read every second: a node's claims lock and probe only these
+/// ([`KIND_LOCKS`], [`KIND_BACKLOG`]), so a claim costs nothing for a limited kind with nothing
+/// queued (measured: 10,000 idle limited kinds, probed by every claim).
+pub const LIMITED_PENDING: &str = "SELECT kind FROM relay_kind_pending WHERE kind = ANY($1::text[])
+     GROUP BY kind HAVING sum(n) > 0";
+
 /// `relay_kind_running` / `relay_kind_pending` for the kinds with a policy ($1, at most 1,000):
 /// kind, attempts running (counted on the running rows' kind index), tasks pending (the sum of
 /// the kind's per-node counts: as many rows as nodes, however long the queue).
@@ -650,17 +662,8 @@ pub fn claim_limited(node: &str, group: u32, kinds: &[Limited<'_>], now_ms: u64,
     )
 }
 
-/// One claim: $2 echoes the group (so one statement's rows say whose they are); `held`: kinds
-/// a policy holds back (a claim of every kind leaves them out: $7).
-pub fn claim(
-    node: &str,
-    group: u32,
-    kinds: Option<&[&str]>,
-    now_ms: u64,
-    limit: u32,
-    takers: &str,
-    held: &[&str],
-) -> Stmt {
+/// One claim: $2 echoes the group (so one statement's rows say whose they are).
+pub fn claim(node: &str, group: u32, kinds: Option<&[&str]>, now_ms: u64, limit: u32, takers: &str) -> Stmt {
     Stmt::new(
         if kinds.is_some() { CLAIM_KINDS } else { CLAIM },
         vec![
@@ -670,7 +673,6 @@ pub fn claim(
             (now_ms.min(i64::MAX as u64) as i64).into(),
             i64::from(limit).into(),
             Param::Text(takers.to_string()),
-            arr(held.iter().copied()),
         ],
     )
 }
@@ -1504,6 +1506,7 @@ pub const ALL: &[(&str, &str)] = &[
     ("KIND_BACKLOG", KIND_BACKLOG),
     ("LANE_BACKLOG", LANE_BACKLOG),
     ("KIND_GAUGES", KIND_GAUGES),
+    ("LIMITED_PENDING", LIMITED_PENDING),
     ("POLICY_CHANGES", POLICY_CHANGES),
     ("KINDS", KINDS),
     ("UNCLAIM", UNCLAIM),

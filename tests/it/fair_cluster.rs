@@ -469,3 +469,33 @@ fn policy_changes_on_a_node_that_submits_never_deadlock_with_another_nodes_submi
     let deadlocks = "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()";
     assert_eq!(db.query(deadlocks), ["0"], "deadlocks");
 }
+
+/// A node locks and probes, in its claims, only the limited kinds that may have tasks queued
+/// (queued by it, read so every second, or newly limited: measured in bench/README, 10,000 idle
+/// limited kinds made each claim lock and probe every one). What that must not cost: a limited
+/// kind's task queued on a node without workers runs on another node's worker, also when that
+/// node had found the kind idle before; and one queued where the worker is runs at once.
+#[test]
+fn a_claim_probes_only_the_limited_kinds_with_tasks_queued() {
+    let Some(db) = database("a_claim_probes_only_the_limited_kinds_with_tasks_queued") else { return };
+    let a = Mode::start_on(db.clone(), &[]);
+    let b = Mode::start_on(db.clone(), &[]);
+    for i in 0..300 {
+        let r = a.api("PUT", &format!("/kinds/idle{i}"), Some(r#"{"max_running":5}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let w = FakeWorker::connect(&a, Some(json!({"type":"hello","concurrency":4})), Auto::Echo);
+    a.wait_clients(1, |c| c["concurrency"] == 4);
+    // Node a's claims find the limited kinds idle and leave them out.
+    for _ in 0..5 {
+        let r = a.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"o"}}"#));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let r = b.submit(r#"{"payload":{"kind":"idle7"},"queue":true}"#);
+    assert_eq!(r.status, 202, "{}", r.text());
+    let id = r.json()["task_id"].as_str().expect("task_id").to_string();
+    b.wait_status(&id, "done", Duration::from_secs(5));
+    let r = a.api("POST", "/tasks?wait=true", Some(r#"{"payload":{"kind":"idle8"}}"#));
+    assert_eq!(r.status, 200, "a limited kind's sync task where the worker is: {}", r.text());
+    drop(w);
+}

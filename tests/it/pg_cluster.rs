@@ -559,7 +559,7 @@ fn pg_sql_claim_with_skip_locked_hands_each_task_to_one_node() {
 
 /// A claim of up to `slots` tasks for one idle worker `client` of `node` (kinds `kinds`).
 fn claim(node: &str, client: &str, kinds: Option<&[&str]>, slots: u32, now_ms: u64) -> Stmt {
-    sql::claim(node, 1, kinds, now_ms, slots, &format!("{{{client}}}"), &[])
+    sql::claim(node, 1, kinds, now_ms, slots, &format!("{{{client}}}"))
 }
 
 fn runner(client: &str) -> sql::Runner {
@@ -1531,8 +1531,8 @@ fn pg_sql_a_claim_reads_a_claims_worth_of_the_queue() {
     assert_eq!(held(&mut c)[0].rows[0].i64(0), Some(3000), "the paused kind's rows are held as they come");
     c.simple("BEGIN").expect("begin");
     let takers = format!("{{{}}}", uuid_n(0xa1));
-    let kinds = pending_rows_read(&mut c, sql::claim(NODE_A, 1, Some(&["a", "b"]), 10_000, 16, &takers, &[]));
-    let every = pending_rows_read(&mut c, sql::claim(NODE_A, 1, None, 10_000, 16, &takers, &["p"]));
+    let kinds = pending_rows_read(&mut c, sql::claim(NODE_A, 1, Some(&["a", "b"]), 10_000, 16, &takers));
+    let every = pending_rows_read(&mut c, sql::claim(NODE_A, 1, None, 10_000, 16, &takers));
     c.simple("ROLLBACK").expect("rollback");
     // (A few times the claim's 16 — each kind's first 16, then the rows taken looked up by key
     // to delete — against the thousands behind them.)

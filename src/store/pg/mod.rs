@@ -169,6 +169,10 @@ pub struct PgStore {
     /// pending rows may not say `held` as the policy does yet: [`sql::REHOLD`] each turn, from
     /// the last row it walked, until it finds fewer rows than it may look at.
     rehold: BTreeMap<String, (i64, i64)>,
+    /// The limited kinds that may have tasks pending: queued here, read so every second
+    /// ([`sql::LIMITED_PENDING`]), or newly limited; a claim that finds none due leaves a kind
+    /// out until then. Only these are locked and probed by claims.
+    limited_pending: HashSet<String>,
     want_policies: bool,
     /// Tasks the `CLAIM_LIMITED` of the claim being read took (they join its `Claimed`).
     limited_claimed: Vec<Claimed>,
@@ -283,6 +287,7 @@ impl PgStore {
             policies: HashMap::new(),
             policies_high: 0,
             rehold: BTreeMap::new(),
+            limited_pending: HashSet::new(),
             want_policies: true,
             limited_claimed: Vec::new(),
             held_kinds: HashMap::new(),
@@ -424,6 +429,9 @@ impl PgStore {
         }
         let id = self.rng.uuid();
         let run_at = new.run_at_wall_ms.unwrap_or(self.wall_ms);
+        if let Some(kind) = new.kind.filter(|k| self.policies.get(*k).is_some_and(|p| !p.paused && p.limits())) {
+            self.limited_pending.insert(kind.to_string());
+        }
         let row = sql::NewTask {
             id: uuid_string(id),
             kind: new.kind.map(str::to_string),
@@ -510,6 +518,11 @@ impl PgStore {
         // (Every change read, also one that keeps `holds`: a node that set it may have died
         // before its rows were in line, and a first read after a start brings every kind.)
         self.rehold.insert(kind.clone(), (i64::MIN, i64::MIN));
+        if policy.is_some_and(|p| !p.paused && p.limits()) {
+            self.limited_pending.insert(kind.clone());
+        } else {
+            self.limited_pending.remove(&kind);
+        }
         match policy {
             Some(p) => {
                 self.policies.insert(kind, p);
@@ -524,6 +537,11 @@ impl PgStore {
             // A kind held no more (or less) may have tasks for idle workers.
             self.unstarve();
         }
+    }
+
+    /// Does a policy hold kind `kind` back (paused or limited), as this node knows it?
+    fn holds(&self, kind: &str) -> bool {
+        self.policies.get(kind).is_some_and(|p| p.limits())
     }
 
     /// The kind policy that holds a pending task back, as this node knows it (SPEC §14).
@@ -1168,11 +1186,10 @@ impl PgStore {
         // under their locks (`CLAIM_LIMITED`), each kind only when its lock was free
         // (`KIND_LOCKS` never waits: a kind another node is claiming is left for the next look,
         // `KIND_BACKLOG`'s, and delays no other kind).
-        let held: Vec<&str> = self.policies.iter().filter(|(_, p)| p.limits()).map(|(k, _)| k.as_str()).collect();
         let mut limited: Vec<sql::Limited<'_>> = self
             .policies
             .iter()
-            .filter(|(_, p)| !p.paused && p.limits())
+            .filter(|(k, p)| !p.paused && p.limits() && self.limited_pending.contains(k.as_str()))
             .map(|(k, p)| sql::Limited {
                 kind: k.as_str(),
                 cap: p.kind_cap(),
@@ -1185,7 +1202,7 @@ impl PgStore {
         for mut c in std::mem::take(&mut self.claims) {
             c.seen = self.queue_changes;
             let kinds: Option<Vec<&str>> =
-                c.kinds.as_ref().map(|k| k.iter().map(String::as_str).filter(|k| !held.contains(k)).collect());
+                c.kinds.as_ref().map(|k| k.iter().map(String::as_str).filter(|k| !self.holds(k)).collect());
             let mine: Vec<sql::Limited<'_>> = limited
                 .iter()
                 .filter(|l| c.kinds.as_ref().is_none_or(|ks| ks.iter().any(|k| k == l.kind)))
@@ -1206,9 +1223,7 @@ impl PgStore {
                     parts.push(Part::LaneBacklog(keyed.map(|l| l.kind.to_string()).collect()));
                 }
             }
-            stmts.push(
-                sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers, &held).with_json(ccol::JSON),
-            );
+            stmts.push(sql::claim(&node_id, c.group, kinds.as_deref(), wall, c.limit, &c.takers).with_json(ccol::JSON));
             parts.push(Part::Claim(c));
         }
         if !self.session_rows.is_empty() {
@@ -1315,6 +1330,12 @@ impl PgStore {
                 kinds.truncate(crate::flow::MAX_LABELLED_KINDS);
                 stmts.push(Stmt::new(sql::KIND_GAUGES, vec![text_array_of(&kinds)]));
                 parts.push(Part::KindGauges);
+                let limited: Vec<&str> =
+                    (self.policies.iter()).filter(|(_, p)| !p.paused && p.limits()).map(|(k, _)| k.as_str()).collect();
+                if !limited.is_empty() {
+                    stmts.push(Stmt::new(sql::LIMITED_PENDING, vec![text_array_of(&limited)]));
+                    parts.push(Part::LimitedPending);
+                }
             } else {
                 self.kind_gauges.clear();
             }
@@ -1464,6 +1485,7 @@ impl PgStore {
                 | Part::KindBacklog
                 | Part::LaneBacklog(_)
                 | Part::Rehold(_)
+                | Part::LimitedPending
                 | Part::KindGauges => {}
                 Part::ClaimLimited => {
                     if matches!(why, Failure::Lost(_)) {
@@ -1681,11 +1703,20 @@ impl PgStore {
                         }
                     }
                 }
+                Part::LimitedPending => {
+                    let found = here.iter().filter_map(|r| r.text(0)).filter(|k| self.policies.contains_key(*k));
+                    let found: Vec<String> = found.map(str::to_string).collect();
+                    self.limited_pending.extend(found);
+                }
                 Part::KindBacklog => {
                     let mut waiting = false;
                     for row in here {
                         let Some(kind) = row.text(0) else { continue };
                         waiting |= row.bool(1) == Some(true);
+                        if row.bool(1) != Some(true) {
+                            // Nothing due: left out of claims until it has tasks again.
+                            self.limited_pending.remove(kind);
+                        }
                         let why = self.policies.get(kind).and_then(|p| {
                             let running = row.i64(2).unwrap_or(0).max(0) as u64;
                             if p.kind_cap().is_some_and(|cap| running >= u64::from(cap)) {

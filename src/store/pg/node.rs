@@ -184,6 +184,8 @@ pub enum Part {
     /// `KINDS`: the answer to a `/kinds` request.
     Kinds(ConnRef, crate::flow::KindOp),
     PolicyChanges,
+    /// `LIMITED_PENDING`: the limited kinds with tasks pending.
+    LimitedPending,
     /// `REHOLD` of a kind whose policy changed: whether its rows are all in line yet.
     Rehold(String),
     /// `KIND_LOCKS` (tried, never waited for), then `CLAIM_LIMITED` of the kinds it got (its
