@@ -418,25 +418,40 @@ pub const CLAIM: &str = concat!(
 );
 
 /// [`CLAIM`] for a group that declared kinds ($3: the node leaves out the kinds its policies
-/// hold back; so does the statement, by the kinds' `holds`): each kind's first tasks on `relay_pending_kind_ord` — an index
-/// range per kind, `kind = k`, since `kind = ANY($3)` cannot be read in order (measured: two
-/// kinds of 100,000 due tasks each, every one read and sorted, 80–165 ms a claim) — and the
-/// first $5 of them all. (A kind's rows beyond those the claim takes stay locked until it
-/// commits: other claims skip them for that long.)
+/// hold back; so does the statement, by the kinds' `holds`), read per kind on
+/// `relay_pending_kind_ord` — an index range per kind, `kind = k`, since `kind = ANY($3)` cannot
+/// be read in order (measured: two kinds of 100,000 due tasks each, every one read and sorted,
+/// 80–165 ms a claim). First, without locks, each kind's first $5 merged in queue order say how
+/// many of the first $5 each kind has; then each kind's first that many are locked (skipping
+/// rows another claim holds, and taking the next of the kind instead). Locking each kind's
+/// first $5 locked up to kinds × $5 rows a claim (measured: 200 declared kinds, a claim of 64:
+/// 12,800 rows locked, 25 ms and 780 KB of WAL).
 pub const CLAIM_KINDS: &str = concat!(
-    "WITH plain AS (
-       SELECT x.task_id, x.kind, x.ord_ms, x.seq
-       FROM (SELECT DISTINCT k FROM unnest($3::text[]) AS u(k)
-             WHERE NOT EXISTS (SELECT 1 FROM relay_kind_policies kp WHERE kp.kind = u.k AND kp.holds)) AS ks(kind)
-       CROSS JOIN LATERAL (
+    "WITH ks AS MATERIALIZED (
+       SELECT DISTINCT k AS kind FROM unnest($3::text[]) AS u(k)
+       WHERE NOT EXISTS (SELECT 1 FROM relay_kind_policies kp WHERE kp.kind = u.k AND kp.holds)
+     ), share AS MATERIALIZED (
+       SELECT x.kind, count(*) AS n FROM (
+         SELECT c.kind FROM ks CROSS JOIN LATERAL (
+           SELECT p.kind, p.ord_ms, p.seq FROM relay_pending p
+           WHERE p.kind = ks.kind AND p.ord_ms <= $4::int8 + 86400000 AND p.due_ms <= $4::int8
+             AND NOT (p.tried @> $6::uuid[])
+           ORDER BY p.ord_ms, p.seq
+           LIMIT $5::int4
+         ) c
+         ORDER BY c.ord_ms, c.seq
+         LIMIT $5::int4
+       ) x GROUP BY x.kind
+     ), plain AS (
+       SELECT y.task_id, y.kind, y.ord_ms, y.seq
+       FROM share CROSS JOIN LATERAL (
          SELECT p.task_id, p.kind, p.ord_ms, p.seq FROM relay_pending p
-         WHERE p.kind = ks.kind AND p.ord_ms <= $4::int8 + 86400000 AND p.due_ms <= $4::int8
+         WHERE p.kind = share.kind AND p.ord_ms <= $4::int8 + 86400000 AND p.due_ms <= $4::int8
            AND NOT (p.tried @> $6::uuid[])
          ORDER BY p.ord_ms, p.seq
-         LIMIT $5::int4
+         LIMIT share.n
          FOR UPDATE SKIP LOCKED
-       ) x
-       ORDER BY x.ord_ms, x.seq
+       ) y
        LIMIT $5::int4
      ),",
     claim_tail!()

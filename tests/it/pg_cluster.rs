@@ -1480,17 +1480,23 @@ fn pg_sql_only_limited_kinds_with_a_task_due_are_locked() {
     assert_eq!(out[1].rows[0].i64(1), Some(1), "one advisory lock: the due kind's");
 }
 
-/// Rows of `relay_pending` the scans of a statement's plan read (`EXPLAIN (ANALYZE, FORMAT
-/// JSON)`: each scan node's actual rows times its loops, and the rows its filter removed).
-fn pending_rows_read(c: &mut Conn, stmt: Stmt) -> u64 {
-    fn walk(plan: &serde_json::Value) -> u64 {
-        let own = if plan["Relation Name"] == "relay_pending" {
-            let n = |k: &str| plan[k].as_f64().unwrap_or(0.0);
-            ((n("Actual Rows") + n("Rows Removed by Filter")) * n("Actual Loops").max(1.0)) as u64
+/// Rows of `relay_pending` the scans of a statement's plan read, and the rows it locked
+/// (`EXPLAIN (ANALYZE, FORMAT JSON)`: each scan node's actual rows times its loops, and the rows
+/// its filter removed; each `LockRows` node's rows times its loops).
+fn pending_rows_read(c: &mut Conn, stmt: Stmt) -> (u64, u64) {
+    fn walk(plan: &serde_json::Value) -> (u64, u64) {
+        let n = |k: &str| plan[k].as_f64().unwrap_or(0.0);
+        let loops = n("Actual Loops").max(1.0);
+        let read = if plan["Relation Name"] == "relay_pending" {
+            ((n("Actual Rows") + n("Rows Removed by Filter")) * loops) as u64
         } else {
             0
         };
-        own + plan["Plans"].as_array().map_or(0, |ps| ps.iter().map(walk).sum())
+        let locked = if plan["Node Type"] == "LockRows" { (n("Actual Rows") * loops) as u64 } else { 0 };
+        let below = plan["Plans"]
+            .as_array()
+            .map_or((0, 0), |ps| ps.iter().map(walk).fold((0, 0), |(r, l), (r2, l2)| (r + r2, l + l2)));
+        (read + below.0, locked + below.1)
     }
     let sql: &'static str = Box::leak(format!("EXPLAIN (ANALYZE, FORMAT JSON) {}", stmt.sql).into_boxed_str());
     let out = c.pipeline(&[Stmt::new(sql, stmt.params)]).expect("explain");
@@ -1505,16 +1511,22 @@ fn pending_rows_read(c: &mut Conn, stmt: Stmt) -> u64 {
 /// Dispatch never scans the queue (issue 22): a claim reads about a claim's worth of pending
 /// rows, whatever waits behind them — a worker's declared kinds each read in order on their
 /// index (`kind = ANY(...)` read every due row of them and sorted them), and a claim of every
-/// kind walks none of a paused kind's backlog (it stepped over all of it).
+/// kind walks none of a paused kind's backlog (it stepped over all of it) — and locks only what
+/// it takes (locking each declared kind's first rows locked kinds × the claim).
 #[test]
 fn pg_sql_a_claim_reads_a_claims_worth_of_the_queue() {
     let Some(pg) = Pg::start("pg_sql_a_claim_reads_a_claims_worth_of_the_queue") else { return };
     let mut c = migrated(&pg);
     c.simple(r#"INSERT INTO relay_kind_policies (kind, policy, holds) VALUES ('p', '{"paused":true}', true)"#)
         .expect("a paused kind");
-    // The paused kind's backlog first in the queue, then two kinds, then a few without a kind.
+    // The paused kind's backlog first in the queue, then two kinds, then eight small ones, then a
+    // few without a kind.
     let mut n = 0;
-    for (kind, count) in [(Some("p"), 3000), (Some("a"), 2000), (Some("b"), 2000), (None, 20)] {
+    let mut queue = vec![(Some("p"), 3000), (Some("a"), 2000), (Some("b"), 2000)];
+    let small = ["c", "d", "e", "f", "g", "h", "i", "j"];
+    queue.extend(small.iter().map(|k| (Some(*k), 100)));
+    queue.push((None, 20));
+    for (kind, count) in queue {
         for chunk in (0..count).collect::<Vec<_>>().chunks(500) {
             let tasks: Vec<sql::NewTask> = chunk
                 .iter()
@@ -1529,13 +1541,17 @@ fn pg_sql_a_claim_reads_a_claims_worth_of_the_queue() {
     c.simple("ANALYZE relay_pending").expect("analyze");
     let held = |c: &mut Conn| c.simple("SELECT count(*) FROM relay_pending WHERE held").expect("count");
     assert_eq!(held(&mut c)[0].rows[0].i64(0), Some(3000), "the paused kind's rows are held as they come");
-    c.simple("BEGIN").expect("begin");
     let takers = format!("{{{}}}", uuid_n(0xa1));
-    let kinds = pending_rows_read(&mut c, sql::claim(NODE_A, 1, Some(&["a", "b"]), 10_000, 16, &takers));
-    let every = pending_rows_read(&mut c, sql::claim(NODE_A, 1, None, 10_000, 16, &takers));
+    let mut ten = vec!["a", "b"];
+    ten.extend(small);
+    c.simple("BEGIN").expect("begin");
+    let (kinds, _) = pending_rows_read(&mut c, sql::claim(NODE_A, 1, Some(&["a", "b"]), 10_000, 16, &takers));
+    let (every, _) = pending_rows_read(&mut c, sql::claim(NODE_A, 1, None, 10_000, 16, &takers));
+    let (_, locked) = pending_rows_read(&mut c, sql::claim(NODE_A, 1, Some(&ten), 10_000, 16, &takers));
     c.simple("ROLLBACK").expect("rollback");
-    // (A few times the claim's 16 — each kind's first 16, then the rows taken looked up by key
-    // to delete — against the thousands behind them.)
+    // (A few times the claim's 16 — each kind's first 16 read, the ones taken locked, then
+    // looked up by key to delete — against the thousands behind them.)
     assert!(kinds <= 6 * 16, "a claim of two declared kinds read {kinds} pending rows");
     assert!(every <= 6 * 16, "a claim of every kind read {every} pending rows");
+    assert!(locked <= 16, "a claim of 16 over ten declared kinds locked {locked} rows");
 }
