@@ -399,7 +399,10 @@ macro_rules! claim_tail {
 /// and not tried by every one of the group's workers $6 (client ids), of no kind a policy holds
 /// back (its rows `held`, and — for rows not in line yet, [`REHOLD`] — its policy row's `holds`,
 /// probed per row walked: what the node knows of the policies is not sent, a list of up to
-/// 10,000 kinds compared with every row). The pending row goes, the
+/// 10,000 kinds compared with every row), and not behind a row of its kind still held (a
+/// resumed kind's rows are freed in queue order, a step at a time: a task queued after the
+/// resume waits for those before it; a probe of `relay_pending_held` per row walked, a subquery
+/// rather than an `EXISTS` the planner may make an anti join over the queue). The pending row goes, the
 /// task becomes dispatched to this node ($1), its attempt number (the fencing number) grows by
 /// one, and the node's running row is written. Which worker runs it is the node's choice: the
 /// attempt_log entry is written by [`ATTEMPT_STARTED`] or [`ATTEMPT_ENDED`] afterwards. Rows
@@ -410,6 +413,10 @@ pub const CLAIM: &str = concat!(
        WHERE $3::text[] IS NULL AND NOT held AND ord_ms <= $4::int8 + 86400000 AND due_ms <= $4::int8
          AND NOT (tried @> $6::uuid[])
          AND (kind IS NULL OR NOT EXISTS (SELECT 1 FROM relay_kind_policies k WHERE k.kind = relay_pending.kind AND k.holds))
+         AND (kind IS NULL OR (SELECT true FROM relay_pending h
+                               WHERE h.held AND h.kind = relay_pending.kind
+                                 AND (h.ord_ms, h.seq) < (relay_pending.ord_ms, relay_pending.seq)
+                               ORDER BY h.kind, h.ord_ms, h.seq LIMIT 1) IS NULL)
        ORDER BY ord_ms, seq
        LIMIT $5::int4
        FOR UPDATE SKIP LOCKED

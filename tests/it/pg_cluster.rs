@@ -1555,3 +1555,30 @@ fn pg_sql_a_claim_reads_a_claims_worth_of_the_queue() {
     assert!(every <= 6 * 16, "a claim of every kind read {every} pending rows");
     assert!(locked <= 16, "a claim of 16 over ten declared kinds locked {locked} rows");
 }
+
+/// A resumed kind's rows are freed in queue order, a step at a time (`REHOLD`): until its
+/// older rows are free, a claim of every kind does not take a task of the kind queued after
+/// them — the kind resumes in order (SPEC §14) however many tasks its claims take at once.
+#[test]
+fn pg_sql_a_claim_takes_no_task_of_a_kind_from_behind_its_rows_still_held() {
+    let Some(pg) = Pg::start("pg_sql_a_claim_takes_no_task_of_a_kind_from_behind_its_rows_still_held") else { return };
+    let mut c = migrated(&pg);
+    c.simple(r#"INSERT INTO relay_kind_policies (kind, policy, holds) VALUES ('r', '{"paused":true}', true)"#)
+        .expect("a paused kind");
+    let old: Vec<sql::NewTask> = (1..=5).map(|n| new_task(&uuid_n(n), Some("r"), None)).collect();
+    c.pipeline(&[insert(&old)]).expect("insert");
+    // Resumed: the policy row says so, the rows are not in line yet; a task comes after it.
+    c.simple(r#"UPDATE relay_kind_policies SET policy = '{}', holds = false WHERE kind = 'r'"#).expect("resume");
+    c.pipeline(&[insert(&[new_task(&uuid_n(6), Some("r"), None), new_task(&uuid_n(7), Some("o"), None)])])
+        .expect("insert");
+    let takers = format!("{{{}}}", uuid_n(0xa1));
+    let out = c.pipeline(&[sql::claim(NODE_A, 1, None, 10_000, 16, &takers)]).expect("claim");
+    let ids: Vec<&str> = out[0].rows.iter().filter_map(|r| r.text(0)).collect();
+    assert_eq!(ids, [uuid_n(7)], "only the other kind's task: the resumed kind's older rows are still held");
+    // Freed, they come first, in order.
+    c.pipeline(&[Stmt::new(sql::REHOLD, vec!["r".into(), i64::MIN.into(), i64::MIN.into(), sql::REHOLD_ROWS.into()])])
+        .expect("rehold");
+    let out = c.pipeline(&[sql::claim(NODE_A, 1, None, 10_000, 16, &takers)]).expect("claim");
+    let ids: Vec<String> = out[0].rows.iter().filter_map(|r| r.text(0)).map(str::to_string).collect();
+    assert_eq!(ids, (1..=6).map(uuid_n).collect::<Vec<_>>(), "in queue order once freed");
+}

@@ -169,6 +169,8 @@ pub struct PgStore {
     /// pending rows may not say `held` as the policy does yet: [`sql::REHOLD`] each turn, from
     /// the last row it walked, until it finds fewer rows than it may look at.
     rehold: BTreeMap<String, (i64, i64)>,
+    /// The last kind a transaction stepped (the next takes the kinds after it first).
+    rehold_last: String,
     /// The limited kinds that may have tasks pending: queued here, read so every second
     /// ([`sql::LIMITED_PENDING`]), or newly limited; a claim that finds none due leaves a kind
     /// out until then. Only these are locked and probed by claims.
@@ -287,6 +289,7 @@ impl PgStore {
             policies: HashMap::new(),
             policies_high: 0,
             rehold: BTreeMap::new(),
+            rehold_last: String::new(),
             limited_pending: HashSet::new(),
             want_policies: true,
             limited_claimed: Vec::new(),
@@ -513,11 +516,17 @@ impl PgStore {
     }
 
     /// A policy as this node now knows it: claims follow it from the next one on.
-    fn apply_policy(&mut self, kind: String, policy: Option<crate::flow::Policy>) {
+    fn apply_policy(&mut self, kind: String, policy: Option<crate::flow::Policy>, first_read: bool) {
         let before = self.policies.get(&kind).copied();
-        // (Every change read, also one that keeps `holds`: a node that set it may have died
-        // before its rows were in line, and a first read after a start brings every kind.)
-        self.rehold.insert(kind.clone(), (i64::MIN, i64::MIN));
+        // The kind's rows are brought in line when `holds` turns over — on every node that
+        // reads the change, so one that dies meanwhile leaves it to the others — and, for the
+        // kinds held no more, on the first read after a start (all nodes may have died before
+        // their rows were freed; rows of a held kind not marked yet only cost the walk a step,
+        // claims leave them out by the policy row).
+        let holds = |p: Option<crate::flow::Policy>| p.is_some_and(|p| p.limits());
+        if holds(before) != holds(policy) || (first_read && !holds(policy)) {
+            self.rehold.insert(kind.clone(), (i64::MIN, i64::MIN));
+        }
         if policy.is_some_and(|p| !p.paused && p.limits()) {
             self.limited_pending.insert(kind.clone());
         } else {
@@ -1175,12 +1184,20 @@ impl PgStore {
         }
         // Pending rows brought in line with a changed policy, a bounded step per kind (after this
         // transaction's own policy changes: their locks are taken first).
-        for (kind, &(ord, seq)) in self.rehold.iter().take(REHOLD_KINDS) {
+        // (In turns: the kinds after the last one stepped come first, then from the start.)
+        let after = (std::ops::Bound::Excluded(self.rehold_last.as_str()), std::ops::Bound::Unbounded);
+        let turn: Vec<(String, (i64, i64))> = (self.rehold.range::<str, _>(after))
+            .chain(self.rehold.iter())
+            .take(REHOLD_KINDS.min(self.rehold.len()))
+            .map(|(k, &at)| (k.clone(), at))
+            .collect();
+        for (kind, (ord, seq)) in turn {
             stmts.push(Stmt::new(
                 sql::REHOLD,
                 vec![kind.as_str().into(), ord.into(), seq.into(), sql::REHOLD_ROWS.into()],
             ));
-            parts.push(Part::Rehold(kind.clone()));
+            self.rehold_last.clone_from(&kind);
+            parts.push(Part::Rehold(kind));
         }
         // Kinds a policy holds back: paused ones wait; limited ones are claimed on their own,
         // under their locks (`CLAIM_LIMITED`), each kind only when its lock was free
@@ -1774,7 +1791,7 @@ impl PgStore {
                 Part::PolicySet(kind, policy) => {
                     // (`policies_high` stays: changes of other nodes with smaller numbers may
                     // not have been read yet, and the next read brings this one back, the same.)
-                    self.apply_policy(kind, policy);
+                    self.apply_policy(kind, policy, false);
                 }
                 Part::Kinds(conn, op) => {
                     // (The rows are the answer's: a long list is written from them a piece at
@@ -1784,11 +1801,12 @@ impl PgStore {
                     self.events.push(Event::Answer { conn, response });
                 }
                 Part::PolicyChanges => {
+                    let first_read = self.policies_high == 0;
                     for row in here {
                         let (Some(kind), Some(changed)) = (row.text(0), row.i64(2)) else { continue };
                         self.policies_high = self.policies_high.max(changed);
                         let policy = row.text(1).and_then(|p| crate::flow::Policy::parse(p.as_bytes()).ok());
-                        self.apply_policy(kind.to_string(), policy);
+                        self.apply_policy(kind.to_string(), policy, first_read);
                     }
                 }
                 Part::List(l) => {
