@@ -294,7 +294,8 @@ pub const POLICY_CHANGES: &str = "SELECT kind, policy, changed FROM relay_kind_p
 /// The kinds `GET /kinds` shows ($1 NULL), or kind $1 alone: those with a policy or with pending
 /// or running tasks — kind, policy JSON (NULL: none), running attempts, pending tasks (the sum of
 /// the kind's per-node counts in `relay_kind_pending`, kept by triggers: kinds × nodes rows, not
-/// the kind's pending rows).
+/// the kind's pending rows); in byte order (`COLLATE "C"`, as one node orders them, whatever
+/// the database's collation).
 pub const KINDS: &str = "WITH p AS (
        SELECT kind, sum(n)::int8 AS n FROM relay_kind_pending
        WHERE $1::text IS NULL OR kind = $1::text GROUP BY kind HAVING sum(n) <> 0
@@ -309,7 +310,7 @@ pub const KINDS: &str = "WITH p AS (
      )
      SELECT k.kind, pol.policy, coalesce(r.n, 0), coalesce(p.n, 0)
      FROM k LEFT JOIN pol ON pol.kind = k.kind LEFT JOIN p ON p.kind = k.kind LEFT JOIN r ON r.kind = k.kind
-     ORDER BY k.kind";
+     ORDER BY k.kind COLLATE \"C\"";
 
 pub fn insert_tasks(tasks: &[NewTask], max_pending: u64, max_pending_bytes: u64) -> Stmt {
     let num = |v: Option<u64>| v.map(|n| n.to_string());

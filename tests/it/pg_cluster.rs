@@ -1582,3 +1582,27 @@ fn pg_sql_a_claim_takes_no_task_of_a_kind_from_behind_its_rows_still_held() {
     let ids: Vec<String> = out[0].rows.iter().filter_map(|r| r.text(0)).map(str::to_string).collect();
     assert_eq!(ids, (1..=6).map(uuid_n).collect::<Vec<_>>(), "in queue order once freed");
 }
+
+/// `GET /kinds` lists the kinds in byte order in cluster mode too, as one node does, whatever
+/// the database's collation (here ICU's English one, which sorts "a", "ab", "B", "é", "Zeta").
+#[test]
+fn pg_sql_kinds_are_listed_in_byte_order_whatever_the_collation() {
+    let Some(pg) = Pg::start("pg_sql_kinds_are_listed_in_byte_order_whatever_the_collation") else { return };
+    let mut admin = connect(&pg.url());
+    admin
+        .simple("CREATE DATABASE icu_kinds LOCALE_PROVIDER icu ICU_LOCALE 'en-US' TEMPLATE template0")
+        .expect("a database with ICU's English collation");
+    admin.close();
+    let url = pg.url().replace("/postgres?", "/icu_kinds?");
+    let mut c = connect(&url);
+    schema::migrate(&mut c).expect("migrate");
+    c.simple(
+        r#"INSERT INTO relay_kind_policies (kind, policy, holds) VALUES
+           ('Zeta', '{}', false), ('é', '{}', false), ('ab', '{}', false), ('B', '{}', false), ('a', '{}', false)"#,
+    )
+    .expect("policies");
+    let out = c.pipeline(&[Stmt::new(sql::KINDS, vec![Param::Null])]).expect("kinds");
+    let kinds: Vec<&str> = out[0].rows.iter().filter_map(|r| r.text(0)).collect();
+    assert_eq!(kinds, ["B", "Zeta", "a", "ab", "é"]);
+    c.close();
+}
