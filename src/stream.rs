@@ -36,8 +36,35 @@ pub enum Source {
     /// as they are when each piece is written.
     Kinds,
     /// `GET /kinds` in cluster mode: the same answer, from the rows of its `KINDS` read that
-    /// are not written yet (`store::pg::kinds`).
-    KindRows(crate::store::pg::kinds::KindRows),
+    /// are not written yet, made into pieces by `store::pg::kinds`.
+    KindRows(Made),
+}
+
+/// Pieces of an answer made ahead, off the loop (cluster mode's `GET /kinds`: one text column
+/// a row, a run of items' JSON, comma-separated, each at most about [`PIECE_BYTES`]), in
+/// order, and about the memory they hold; each is let go once written.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Made {
+    pieces: std::collections::VecDeque<crate::pg::wire::Row>,
+    bytes: usize,
+}
+
+impl Made {
+    pub fn new(pieces: Vec<crate::pg::wire::Row>) -> Made {
+        let bytes = pieces.iter().map(crate::pg::wire::Row::held_bytes).sum();
+        Made { pieces: std::collections::VecDeque::from(pieces), bytes }
+    }
+
+    pub fn held_bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The first `n` pieces are written: let go.
+    fn written(&mut self, n: usize) {
+        for row in self.pieces.drain(..n.min(self.pieces.len())) {
+            self.bytes = self.bytes.saturating_sub(row.held_bytes());
+        }
+    }
 }
 
 /// Where a streamed answer is.
@@ -63,6 +90,20 @@ impl BodyStream {
         match self.source {
             Source::Kinds | Source::KindRows(_) => ("{\"kinds\":[", "]}"),
         }
+    }
+
+    /// The next piece of an answer made ahead ([`Source::KindRows`]); a stream of another
+    /// source gets none (its end, as an empty list's).
+    pub fn write_made_piece(&mut self, out: &mut String) {
+        let Source::KindRows(mut made) = std::mem::replace(&mut self.source, Source::Kinds) else {
+            self.write_piece(std::iter::empty::<(&str, ())>(), |_, (), _| {}, out);
+            return;
+        };
+        // (A piece's key is its place: pieces are written in order, each once.)
+        let items = made.pieces.iter().map(|row| ("", row));
+        let n = self.write_piece(items, |_, row, out| out.push_str(row.text(0).unwrap_or_default()), out);
+        made.written(n);
+        self.source = Source::KindRows(made);
     }
 
     /// The memory a snapshot source still holds (0 for a live one): it is the rest of the

@@ -561,7 +561,7 @@ impl Store {
     pub fn stream_piece(&self, stream: &mut crate::stream::BodyStream, out: &mut String) {
         match self {
             Store::Mem(m) => m.stream_piece(stream, out),
-            Store::Pg(_) => pg::kinds::write_piece(stream, out),
+            Store::Pg(_) => stream.write_made_piece(out),
         }
     }
 

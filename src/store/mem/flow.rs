@@ -1154,7 +1154,7 @@ impl MemStore {
                 );
             }
             // (The database store's; none begins here.)
-            Source::KindRows(_) => crate::store::pg::kinds::write_piece(stream, out),
+            Source::KindRows(_) => stream.write_made_piece(out),
         }
     }
 

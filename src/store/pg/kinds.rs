@@ -3,43 +3,15 @@
 //! A list's rows are made into its JSON where they are read, on the database connection's
 //! thread ([`pack`]): the loop gets a row per piece of about `crate::stream::PIECE_BYTES` (a
 //! run of kinds' objects), not a row per kind, and writes them a piece at a time as the client
-//! reads (`crate::stream`, [`write_piece`]), letting each go once written. So no loop turn
+//! reads (`crate::stream::BodyStream::write_made_piece`), letting each go once written. So no loop turn
 //! builds the whole answer, or walks or frees every kind's row: 200,000 kinds are ~210 pieces.
 //! The pieces not written yet are the rest of the answer and count against OUTPUT_MEMORY as the
-//! connection's output ([`KindRows::held_bytes`]). No I/O.
-
-use std::collections::VecDeque;
+//! connection's output (`crate::stream::Made::held_bytes`). No I/O.
 
 use crate::flow::{KindOp, Policy, kind_response, unknown_kind, write_kind_json};
 use crate::http::Response;
 use crate::pg::wire::{Row, Rows};
-use crate::stream::{BodyStream, PIECE_BYTES, Source};
-
-/// The pieces of a list not written yet ([`pack`]'s rows, in kind order), and about the memory
-/// they hold.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct KindRows {
-    pieces: VecDeque<Row>,
-    bytes: usize,
-}
-
-impl KindRows {
-    fn new(pieces: Vec<Row>) -> KindRows {
-        let bytes = pieces.iter().map(Row::held_bytes).sum();
-        KindRows { pieces: VecDeque::from(pieces), bytes }
-    }
-
-    pub fn held_bytes(&self) -> usize {
-        self.bytes
-    }
-
-    /// The first `n` pieces are written: let go.
-    fn written(&mut self, n: usize) {
-        for row in self.pieces.drain(..n.min(self.pieces.len())) {
-            self.bytes = self.bytes.saturating_sub(row.held_bytes());
-        }
-    }
-}
+use crate::stream::{BodyStream, Made, PIECE_BYTES, Source};
 
 /// A `KINDS` row as the kind's JSON object: (kind, policy, running, pending).
 fn write_row(row: &Row, out: &mut String) {
@@ -75,28 +47,14 @@ pub fn pack(rows: &mut Rows) {
     rows.rows = pieces;
 }
 
-/// The next piece of a list answered from `KINDS` rows ([`Source::KindRows`]); a stream of
-/// another source gets none (its end, as an empty list's).
-pub fn write_piece(stream: &mut BodyStream, out: &mut String) {
-    let Source::KindRows(mut rows) = std::mem::replace(&mut stream.source, Source::Kinds) else {
-        stream.write_piece(std::iter::empty::<(&str, ())>(), |_, (), _| {}, out);
-        return;
-    };
-    // (A piece's key is its place: pieces are written in order, each once.)
-    let items = rows.pieces.iter().map(|row| ("", row));
-    let n = stream.write_piece(items, |_, row, out| out.push_str(row.text(0).unwrap_or_default()), out);
-    rows.written(n);
-    stream.source = Source::KindRows(rows);
-}
-
 /// The answer to a `/kinds` request from its `KINDS` rows (a list's made by [`pack`]): a list
 /// longer than a piece is its first piece, streamed (the rest as the client reads).
 pub fn answer(rows: Vec<Row>, op: &KindOp) -> Response {
     match op {
         KindOp::List => {
-            let mut stream = BodyStream::new(Source::KindRows(KindRows::new(rows)));
+            let mut stream = BodyStream::new(Source::KindRows(Made::new(rows)));
             let mut body = String::new();
-            write_piece(&mut stream, &mut body);
+            stream.write_made_piece(&mut body);
             let r = Response::json(200, body.into_bytes());
             if stream.done { r } else { r.streamed(stream) }
         }
@@ -165,7 +123,7 @@ mod tests {
             assert!(held > 0 && held <= want.len() + 100 * 1024, "{n} rows: the rest held is {held} bytes");
             while !stream.done {
                 let mut piece = String::new();
-                write_piece(&mut stream, &mut piece);
+                stream.write_made_piece(&mut piece);
                 assert!(piece.len() <= crate::stream::PIECE_BYTES + 1024, "{n} rows: a piece of {} bytes", piece.len());
                 assert!(stream.held_bytes() < held || stream.done, "{n} rows: a piece lets its rows go");
                 held = stream.held_bytes();
