@@ -43,6 +43,7 @@ pub struct Metrics {
 }
 
 /// Point-in-time values the core knows and the metrics do not keep.
+#[derive(Default)]
 pub struct Gauges {
     pub workers_connected: usize,
     pub workers_active: usize,

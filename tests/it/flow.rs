@@ -941,6 +941,29 @@ fn queue_one_of_each(relay: &Relay, kinds: &[String]) {
     }
 }
 
+/// 40,000 kinds, each with a task queued, then `GET /kinds` on a keep-alive connection: the
+/// answer comes chunked in bounded pieces, every kind once and in order, and the connection goes
+/// on after it. Returns the connection, the answer and the kinds in order.
+fn a_long_kinds_list_is_streamed(relay: &Relay) -> (Client, Resp, Vec<String>) {
+    let kinds = many_kind_names(40_000);
+    queue_one_of_each(relay, &kinds);
+    let mut sorted = kinds.clone();
+    sorted.sort();
+    let auth = format!("Bearer {API}");
+    let mut c = Client::connect(relay.addr);
+    let r = c.call("GET", "/kinds", &[("Authorization", &auth)], None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("Transfer-Encoding"), Some("chunked"));
+    assert!(r.chunks >= 10, "{} bytes in {} chunks", r.body.len(), r.chunks);
+    assert!(r.body.len() / r.chunks <= 70 * 1024, "{} bytes in {} chunks", r.body.len(), r.chunks);
+    assert_eq!(listed_kinds(&r.body), sorted, "every kind, in order");
+    let first: Value = serde_json::from_slice(&r.body).expect("json");
+    assert_eq!(first["kinds"][0], json!({"kind": sorted[0], "policy": {}, "running": 0, "pending": 1}));
+    let next = c.call("GET", "/healthz", &[], None);
+    assert_eq!(next.status, 200, "the connection goes on after a streamed answer");
+    (c, r, sorted)
+}
+
 fn listed_kinds(body: &[u8]) -> Vec<String> {
     let v: Value =
         serde_json::from_slice(body).unwrap_or_else(|e| panic!("GET /kinds is not JSON ({e}), {} bytes", body.len()));
@@ -958,23 +981,8 @@ fn listed_kinds(body: &[u8]) -> Vec<String> {
 #[test]
 fn get_kinds_with_40000_kinds_is_streamed_in_order_in_bounded_pieces() {
     let relay = Relay::start();
-    let kinds = many_kind_names(40_000);
-    queue_one_of_each(&relay, &kinds);
-    let mut sorted = kinds.clone();
-    sorted.sort();
+    let (_, r, mut sorted) = a_long_kinds_list_is_streamed(&relay);
     let auth = format!("Bearer {API}");
-
-    let mut c = Client::connect(relay.addr);
-    let r = c.call("GET", "/kinds", &[("Authorization", &auth)], None);
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.header("Transfer-Encoding"), Some("chunked"));
-    assert!(r.chunks >= 10, "{} bytes in {} chunks", r.body.len(), r.chunks);
-    assert!(r.body.len() / r.chunks <= 70 * 1024, "{} bytes in {} chunks", r.body.len(), r.chunks);
-    assert_eq!(listed_kinds(&r.body), sorted, "every kind, in order");
-    let first: Value = serde_json::from_slice(&r.body).expect("json");
-    assert_eq!(first["kinds"][0], json!({"kind": sorted[0], "policy": {}, "running": 0, "pending": 1}));
-    let next = c.call("GET", "/healthz", &[], None);
-    assert_eq!(next.status, 200, "the connection goes on after a streamed answer");
 
     // A client that asks and does not read, with a small receive buffer (the kernel takes
     // little of the answer): relay holds a piece or two for it, not the rest of the answer.
@@ -1043,23 +1051,8 @@ fn cluster_get_kinds_with_40000_kinds_is_streamed_in_order_in_bounded_pieces() {
     // (Less than the kernel's socket buffers take of an answer: what relay holds is over it.)
     let budget = 1024 * 1024;
     let relay = Mode::start_on(db, &[("OUTPUT_MEMORY", &budget.to_string()), ("IDLE_TIMEOUT", "60s")]);
-    let kinds = many_kind_names(40_000);
-    queue_one_of_each(&relay, &kinds);
-    let mut sorted = kinds.clone();
-    sorted.sort();
+    let (mut c, r, sorted) = a_long_kinds_list_is_streamed(&relay);
     let auth = format!("Bearer {API}");
-
-    let mut c = Client::connect(relay.addr);
-    let r = c.call("GET", "/kinds", &[("Authorization", &auth)], None);
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.header("Transfer-Encoding"), Some("chunked"));
-    assert!(r.chunks >= 10, "{} bytes in {} chunks", r.body.len(), r.chunks);
-    assert!(r.body.len() / r.chunks <= 70 * 1024, "{} bytes in {} chunks", r.body.len(), r.chunks);
-    assert_eq!(listed_kinds(&r.body), sorted, "every kind, in order");
-    let first: Value = serde_json::from_slice(&r.body).expect("json");
-    assert_eq!(first["kinds"][0], json!({"kind": sorted[0], "policy": {}, "running": 0, "pending": 1}));
-    let next = c.call("GET", "/healthz", &[], None);
-    assert_eq!(next.status, 200, "the connection goes on after a streamed answer");
     assert!(r.body.len() > budget, "the answer ({} bytes) is more than OUTPUT_MEMORY", r.body.len());
 
     // A client that asks and does not read, with a small receive buffer: relay holds the rest of

@@ -1439,20 +1439,7 @@ mod tests {
     }
 
     fn kind_gauges(s: &MemStore) -> Vec<(String, u64, u64)> {
-        let mut g = crate::metrics::Gauges {
-            workers_connected: 0,
-            workers_active: 0,
-            tasks_pending: 0,
-            tasks_dispatched: 0,
-            connections_open: 0,
-            finished_memory_bytes: 0,
-            tasks_on_disk: 0,
-            tasks_evicted: 0,
-            journal: None,
-            cluster: None,
-            kinds: Vec::new(),
-            held: [0; 6],
-        };
+        let mut g = crate::metrics::Gauges::default();
         s.kind_gauges(&mut g);
         g.kinds
     }
