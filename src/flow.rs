@@ -205,6 +205,12 @@ impl Policy {
         }
     }
 
+    /// Is the kind claimed apart, under its lock (limited, not paused: a paused kind is not
+    /// claimed at all)?
+    pub fn claimed_apart(&self) -> bool {
+        !self.paused && self.limits()
+    }
+
     /// Does it hold anything back?
     pub fn limits(&self) -> bool {
         self.paused || self.running_cap().is_some() || self.rate.is_some() || self.rate_per_key.is_some()

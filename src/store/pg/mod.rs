@@ -432,7 +432,7 @@ impl PgStore {
         }
         let id = self.rng.uuid();
         let run_at = new.run_at_wall_ms.unwrap_or(self.wall_ms);
-        if let Some(kind) = new.kind.filter(|k| self.policies.get(*k).is_some_and(|p| !p.paused && p.limits())) {
+        if let Some(kind) = new.kind.filter(|k| self.policies.get(*k).is_some_and(|p| p.claimed_apart())) {
             self.limited_pending.insert(kind.to_string());
         }
         let row = sql::NewTask {
@@ -527,7 +527,7 @@ impl PgStore {
         if holds(before) != holds(policy) || (first_read && !holds(policy)) {
             self.rehold.insert(kind.clone(), (i64::MIN, i64::MIN));
         }
-        if policy.is_some_and(|p| !p.paused && p.limits()) {
+        if policy.is_some_and(|p| p.claimed_apart()) {
             self.limited_pending.insert(kind.clone());
         } else {
             self.limited_pending.remove(&kind);
@@ -1206,7 +1206,7 @@ impl PgStore {
         let mut limited: Vec<sql::Limited<'_>> = self
             .policies
             .iter()
-            .filter(|(k, p)| !p.paused && p.limits() && self.limited_pending.contains(k.as_str()))
+            .filter(|(k, p)| p.claimed_apart() && self.limited_pending.contains(k.as_str()))
             .map(|(k, p)| sql::Limited {
                 kind: k.as_str(),
                 cap: p.kind_cap(),
@@ -1348,7 +1348,7 @@ impl PgStore {
                 stmts.push(Stmt::new(sql::KIND_GAUGES, vec![text_array_of(&kinds)]));
                 parts.push(Part::KindGauges);
                 let limited: Vec<&str> =
-                    (self.policies.iter()).filter(|(_, p)| !p.paused && p.limits()).map(|(k, _)| k.as_str()).collect();
+                    (self.policies.iter()).filter(|(_, p)| p.claimed_apart()).map(|(k, _)| k.as_str()).collect();
                 if !limited.is_empty() {
                     stmts.push(Stmt::new(sql::LIMITED_PENDING, vec![text_array_of(&limited)]));
                     parts.push(Part::LimitedPending);
@@ -1721,7 +1721,8 @@ impl PgStore {
                     }
                 }
                 Part::LimitedPending => {
-                    let found = here.iter().filter_map(|r| r.text(0)).filter(|k| self.policies.contains_key(*k));
+                    let found = (here.iter().filter_map(|r| r.text(0)))
+                        .filter(|k| self.policies.get(*k).is_some_and(|p| p.claimed_apart()));
                     let found: Vec<String> = found.map(str::to_string).collect();
                     self.limited_pending.extend(found);
                 }
